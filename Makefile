@@ -1,0 +1,31 @@
+# Every README command is a target here; each body is the plain command.
+PYTHON ?= python3
+
+.PHONY: deps collectives dp tp pp 3d test bench
+
+# Install torch and pytest only if they are missing; a torch already installed is
+# reused (pip would replace it if asked for torch==2.13.0 over another version).
+deps:
+	@$(PYTHON) -c "import importlib.util as u; exit(u.find_spec('torch') is None)" || $(PYTHON) -m pip install -q "$$(grep '^torch' requirements.txt)"
+	@$(PYTHON) -c "import importlib.util as u; exit(u.find_spec('pytest') is None)" || $(PYTHON) -m pip install -q "$$(grep '^pytest' requirements.txt)"
+
+collectives: deps
+	$(PYTHON) collectives.py
+
+dp: deps
+	$(PYTHON) data_parallel.py
+
+tp: deps
+	$(PYTHON) tensor_parallel.py
+
+pp: deps
+	$(PYTHON) pipeline_parallel.py --world-size 4 --schedule 1f1b --timeline
+
+3d: deps
+	$(PYTHON) three_d.py --dp 2 --pp 2 --tp 2 --check
+
+test: deps
+	$(PYTHON) -m pytest -q tests
+
+bench: deps
+	$(PYTHON) collectives.py --bench

@@ -1,0 +1,35 @@
+"""Every test gets a deadline, so a deadlock fails in seconds instead of hanging CI.
+
+SIGALRM raises in the test's main thread; spawn() then ends every rank it started.
+"""
+import os
+import signal
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+DEADLINE_S = 60
+
+
+class Deadline(Exception):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def deadline(request):
+    seconds = getattr(request.node.get_closest_marker("deadline"), "args", [DEADLINE_S])[0]
+
+    def expire(signum, frame):
+        raise Deadline(f"test ran past its {seconds} s deadline (a deadlock?)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "deadline(seconds): fail the test after this many seconds")
