@@ -1,0 +1,319 @@
+"""Step 2: data parallelism, and the model every step of the collection trains.
+
+    python data_parallel.py                                  # 4 replicas on the CPU
+    python data_parallel.py --world-size 2 --micro-batches 4 --overlap --check
+    torchrun --nproc-per-node 4 data_parallel.py
+
+The model is an MLP of L layers, a = gelu(x @ W_l), trained with mean squared error
+to imitate a teacher of the same shape. Its backward is derived by hand here, once,
+and checked against autograd in the tests; every later step imports these blocks.
+
+Data parallelism: each replica holds every weight, trains on its own slice of the
+global batch, and averages its gradients with the others before the optimizer step,
+so all replicas take the same step. The lecture all-reduces after the whole
+backward; `--overlap` starts each layer's all-reduce as soon as that gradient is
+final, as DistributedDataParallel does, so communication hides behind the backward
+of the layers below.
+"""
+import math
+import os
+
+import torch
+import torch._dynamo  # noqa: F401  building any torch.optim optimizer imports it (~1 s): pay once, before forking
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from collectives import (Parser, add_launch_args, check_launch_args, cleanup, log, positive_float,
+                         positive_int, run_main, setup, spawn)
+
+
+# ----------------------------------------------------------------------------------
+# The model and its hand-derived backward
+# ----------------------------------------------------------------------------------
+
+def init_weights(num_layers, dim, seed):
+    """L full D x D matrices, drawn in layer order from one generator.
+
+    Every rank draws all of them identically and then keeps its own slice, so the
+    shards of a tensor-parallel layer are pieces of one matrix. The sqrt(2/D) scale
+    keeps the signal alive through many GELU layers (1/sqrt(D) nearly silences it).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(dim, dim, generator=gen) * math.sqrt(2.0 / dim) for _ in range(num_layers)]
+
+
+def make_batch(args):
+    """Inputs X [B, D] and targets Y = teacher(X): a teacher of the same shape drawn
+    from its own seed, so the loss can reach zero and a falling loss means learning."""
+    teacher = init_weights(args.num_layers, args.dim, args.seed + 1)
+    inputs = torch.randn(args.batch_size, args.dim, generator=torch.Generator().manual_seed(args.seed + 2))
+    targets = inputs
+    for w in teacher:
+        targets = F.gelu(targets @ w)
+    return inputs, targets
+
+
+def gelu_grad(z):
+    """d/dz gelu(z) for the exact (erf) GELU, gelu(z) = z Phi(z):  Phi(z) + z phi(z)."""
+    cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))   # Phi(z)
+    pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))  # phi(z)
+    return cdf + z * pdf
+
+
+def layer_forward(x, w):
+    """a = gelu(x @ W). Returns a and the stash its backward needs: (x, z)."""
+    z = x @ w                                # [b, D] @ [D, n] -> [b, n]
+    return F.gelu(z), (x, z)
+
+
+def layer_backward(g, stash, w):
+    """Given g = dL/da, return (dx, dW) for a = gelu(x @ W)."""
+    x, z = stash
+    dz = g * gelu_grad(z)                    # dz = g * gelu'(z)   [b, n]
+    dw = x.T @ dz                            # dW = x^T dz         [D, n]
+    dx = dz @ w.T                            # dx = dz W^T         [b, D]
+    return dx, dw
+
+
+def mse_loss(a, y, n):
+    """Squared error of this piece of the batch, divided by n, and its gradient.
+
+    n is the element count of the whole batch whose mean we want (for a replica:
+    its own slice), so summing the pieces' losses and gradients gives the mean.
+    This is the one place where the loss is scaled.
+    """
+    diff = a - y
+    return diff.square().sum() / n, diff * (2.0 / n)   # dL/da = 2 (a - y) / n
+
+
+def model_forward(weights, x):
+    """All layers; returns the output and one stash per layer."""
+    stashes = []
+    for w in weights:
+        x, stash = layer_forward(x, w)
+        stashes.append(stash)
+    return x, stashes
+
+
+def make_optimizer(params, args):
+    """Plain SGD, or AdamW with PyTorch's defaults; each rank steps its own tensors."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=args.lr)
+    return torch.optim.AdamW(params, lr=args.lr)
+
+
+# ----------------------------------------------------------------------------------
+# Data parallelism
+# ----------------------------------------------------------------------------------
+
+def replica_rows(batch_size, dp_rank, dp_size, step=None, seed=0):
+    """Indices of the global batch that replica dp_rank trains on.
+
+    Sliced by the data-parallel rank, never the global rank (in 3D they differ).
+    With a step given, the batch is first shuffled by a permutation that every rank
+    draws from the same seed, so the replicas' slices still partition the batch.
+    """
+    rows = torch.arange(batch_size)
+    if step is not None:
+        rows = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed * 100003 + step))
+    per_replica = batch_size // dp_size
+    return rows[dp_rank * per_replica:(dp_rank + 1) * per_replica]
+
+
+class GradientAverager:
+    """Averages gradients over the data-parallel group, once per step.
+
+    ready(grad) is called when a gradient is final. With overlap, its all-reduce
+    starts right then and runs while the backward goes on (what DDP does); finish()
+    only waits. Without overlap, finish() sends every gradient at once, flattened
+    into one buffer: one collective pays the fixed latency once instead of L times.
+    Either way finish() divides by the group size: the sum over replicas of their
+    mean-loss gradients, / dp, is the gradient of the global mean loss.
+    """
+
+    def __init__(self, group, overlap=False):
+        self.group, self.overlap = group, overlap
+        self.size = dist.get_world_size(group)
+        self.pending = []
+
+    def ready(self, grad):
+        if self.overlap and self.size > 1:
+            self.pending.append(dist.all_reduce(grad, group=self.group, async_op=True))
+
+    def finish(self, grads):
+        if self.size == 1:
+            return
+        if self.overlap:
+            for work in self.pending:
+                work.wait()
+            self.pending = []
+            for grad in grads:
+                grad.div_(self.size)
+        else:
+            flat = torch.cat([g.reshape(-1) for g in grads])   # [sum of numel]
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.size)
+            for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
+                grad.copy_(piece.view_as(grad))
+
+
+def dp_worker(rank, world_size, args):
+    device = setup(rank, world_size)
+    tag = f"[rank {rank}]"
+    weights = [w.to(device) for w in init_weights(args.num_layers, args.dim, args.seed)]
+    init = [w.clone() for w in weights]
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    optimizer = make_optimizer(weights, args)
+    averager = GradientAverager(group=None, overlap=args.overlap)
+    local_batch = args.batch_size // world_size
+    n = local_batch * args.dim  # elements in this replica's slice: its mean loss divides by n
+    losses = []
+    for step in range(args.steps):
+        rows = replica_rows(args.batch_size, rank, world_size, step if args.shuffle else None, args.seed)
+        xs = inputs[rows].chunk(args.micro_batches)   # m micro-batches of [B/(dp m), D]
+        ys = targets[rows].chunk(args.micro_batches)
+        grads = [torch.zeros_like(w) for w in weights]
+        loss = torch.zeros((), device=device)
+        for mb, (x, y) in enumerate(zip(xs, ys)):
+            out, stashes = model_forward(weights, x)
+            mb_loss, g = mse_loss(out, y, n)
+            loss += mb_loss
+            last = mb == len(xs) - 1
+            for i in reversed(range(len(weights))):
+                g, dw = layer_backward(g, stashes[i], weights[i])
+                grads[i] += dw                          # accumulate over micro-batches
+                if last:
+                    averager.ready(grads[i])           # layer i's gradient is final now
+        averager.finish(grads)
+        for w, grad in zip(weights, grads):
+            w.grad = grad
+        optimizer.step()
+        losses.append(global_loss(loss, None))
+        if rank == 0:
+            log(tag, f"step {step:3d}  loss {losses[-1]:.6f}")
+    drift = replica_drift(weights)
+    if rank == 0:
+        log(tag, f"replicas identical after training: {drift == 0.0} (largest difference {drift:g})")
+        finish_run(args, init, weights, losses, inputs, targets, extra={"replica_max_diff": drift})
+    cleanup()
+
+
+def global_loss(loss, group):
+    """The mean loss over the global batch: the replicas' mean losses, averaged."""
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=group)
+    return loss.item() / dist.get_world_size(group)
+
+
+def replica_drift(weights, group=None):
+    """Largest |W - W on the group's first rank|: zero when the replicas agree bitwise."""
+    drift = torch.zeros(())
+    for w in weights:
+        first = w.clone()
+        dist.broadcast(first, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        drift = torch.maximum(drift, (w - first).abs().max().cpu())
+    dist.all_reduce(drift, op=dist.ReduceOp.MAX, group=group)
+    return drift.item()
+
+
+# ----------------------------------------------------------------------------------
+# The serial reference: --save writes the run, --check compares it with autograd
+# ----------------------------------------------------------------------------------
+
+CHECK_TOLERANCE = 1e-4  # float32 summation order moves results by ~1e-7; a bug moves them by far more
+
+
+def serial_train(args):
+    """The same training on one process with autograd: the ground truth."""
+    weights = [w.requires_grad_() for w in init_weights(args.num_layers, args.dim, args.seed)]
+    inputs, targets = make_batch(args)
+    optimizer = make_optimizer(weights, args)
+    losses = []
+    for _ in range(args.steps):
+        out = inputs
+        for w in weights:
+            out = F.gelu(out @ w)
+        loss = F.mse_loss(out, targets)
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {"final_weights": [w.detach() for w in weights], "losses": losses}
+
+
+def finish_run(args, init_weights_, final_weights, losses, inputs, targets, extra=None):
+    """On one rank, with the full weights: write --save, run --check (exit 1 past tolerance)."""
+    if args.save:
+        torch.save({"config": vars(args),
+                    "init_weights": [w.detach().float().cpu() for w in init_weights_],
+                    "final_weights": [w.detach().float().cpu() for w in final_weights],
+                    "inputs": inputs.cpu(), "targets": targets.cpu(),
+                    "losses": list(losses), **(extra or {})}, args.save)
+        print(f"saved {args.save}", flush=True)
+    print(f"loss {losses[0]:.6f} -> {losses[-1]:.6f} over {len(losses)} steps", flush=True)
+    if args.check:
+        ref = serial_train(args)
+        loss_diff = max(abs(a - b) for a, b in zip(losses, ref["losses"]))
+        weight_diff = max((w.cpu() - r).abs().max().item() for w, r in zip(final_weights, ref["final_weights"]))
+        worst = max(loss_diff, weight_diff)
+        verdict = "OK" if worst <= CHECK_TOLERANCE else "FAILED"
+        print(f"check against serial autograd training: largest difference {worst:.2e} "
+              f"(losses {loss_diff:.2e}, final weights {weight_diff:.2e}; tolerance {CHECK_TOLERANCE:g}) {verdict}",
+              flush=True)
+        if verdict != "OK":
+            raise SystemExit(1)
+
+
+# ----------------------------------------------------------------------------------
+# Command line: the flags every training script shares (the contract in --help)
+# ----------------------------------------------------------------------------------
+
+def training_parser(description):
+    p = Parser(description=description)
+    p.add_argument("--num-layers", type=positive_int, default=8, help="layers L of the MLP")
+    p.add_argument("--dim", type=positive_int, default=64, help="width D: every W is D x D")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="global batch B, over all replicas")
+    p.add_argument("--micro-batches", type=positive_int, default=2, help="micro-batches m per replica and step")
+    p.add_argument("--steps", type=positive_int, default=30, help="optimizer steps")
+    p.add_argument("--lr", type=positive_float, default=1e-2, help="learning rate")
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw",
+                   help="sgd (plain) or adamw (PyTorch defaults); use sgd to check scale errors")
+    p.add_argument("--seed", type=int, default=0, help="weights from seed, teacher from seed+1, inputs from seed+2")
+    p.add_argument("--save", metavar="PATH", help="torch.save config, init/final weights (full, layer order), "
+                                                  "inputs, targets and per-step losses")
+    p.add_argument("--check", action="store_true", help="also train serially with autograd and compare; "
+                                                        "exit 1 past the tolerance")
+    add_launch_args(p)
+    return p
+
+
+def check_divides(parser, value, flag, divisor, divisor_flag):
+    if value % divisor:
+        parser.error(f"{flag} {value} is not divisible by {divisor_flag} ({divisor})")
+
+
+def check_training_args(parser, args):
+    """Checks every script shares: a --save path we can write."""
+    if args.save:
+        folder = os.path.dirname(os.path.abspath(args.save))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.save):
+            parser.error(f"--save {args.save}: cannot write there")
+
+
+def main(argv=None):
+    parser = training_parser("Data parallelism: replicas on slices of the batch, gradients averaged.")
+    parser.add_argument("--world-size", type=positive_int, default=4, help="number of replicas")
+    parser.add_argument("--overlap", action="store_true",
+                        help="start each layer's gradient all-reduce as soon as it is final")
+    parser.add_argument("--shuffle", action="store_true",
+                        help="reshuffle which rows each replica gets, every step, from a shared seed")
+    args = parser.parse_args(argv)
+    check_divides(parser, args.batch_size, "--batch-size", args.world_size * args.micro_batches,
+                  "--world-size x --micro-batches")
+    check_training_args(parser, args)
+    check_launch_args(parser, args, args.world_size)
+    spawn(dp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+
+
+if __name__ == "__main__":
+    run_main(main)
