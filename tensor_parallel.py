@@ -1,0 +1,191 @@
+"""Step 3: tensor parallelism. Every layer is split across the ranks by columns.
+
+    python tensor_parallel.py                               # 4 ranks share each layer
+    python tensor_parallel.py --world-size 2 --check
+    python tensor_parallel.py --embedding                   # the vocab-parallel embedding
+    torchrun --nproc-per-node 4 tensor_parallel.py
+
+The lecture's column-parallel layer: rank t of T holds the columns W_t of every
+W (D x D/T), computes its slice of the activations, and an all-gather rebuilds the
+full activation for the next layer. The lecture stops at the forward pass
+("Backward pass: homework exercise"). Here is the backward, derived by hand:
+
+    forward:   z_t = x W_t          a_t = gelu(z_t)        a = [a_0 | a_1 | ... ]  (all-gather)
+    backward:  g_t = g[:, cols_t]   (the all-gather's backward is a slice: g is the same on every rank)
+               dz_t = g_t * gelu'(z_t)
+               dW_t = x^T dz_t      (this rank's columns of dW; no communication)
+               dx   = sum_t dz_t W_t^T  (each rank holds one term: all-reduce)
+
+The same file shows Megatron's vocabulary-parallel embedding, which splits a table
+by rows instead: a masked lookup, then an all-reduce.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
+from data_parallel import (check_divides, check_training_args, finish_run, init_weights, layer_backward,
+                           layer_forward, make_batch, make_optimizer, mse_loss, training_parser)
+
+
+# ----------------------------------------------------------------------------------
+# The column-parallel layer with an all-gather, forward and backward
+# ----------------------------------------------------------------------------------
+
+def shard_columns(w, tp_rank, tp_size):
+    """Rank t's columns of a full matrix: W[:, t D/T : (t+1) D/T]."""
+    cols = w.shape[1] // tp_size
+    return w[:, tp_rank * cols:(tp_rank + 1) * cols].contiguous()
+
+
+def all_gather_columns(a_t, group=None):
+    """[b, n] on each of T ranks -> [b, T n] on all: the shards side by side, in rank order.
+
+    All-gather in forward, slice in backward."""
+    tp_size = dist.get_world_size(group)
+    if tp_size == 1:
+        return a_t
+    b, n = a_t.shape
+    stacked = torch.empty(tp_size * b, n, dtype=a_t.dtype, device=a_t.device)  # [T b, n]: rank t's rows t b .. (t+1) b
+    dist.all_gather_single(stacked, a_t.contiguous(), group=group)
+    return stacked.view(tp_size, b, n).permute(1, 0, 2).reshape(b, tp_size * n)  # [b, T n]
+
+
+def column_forward(x, w_t, group=None):
+    """x [b, D] (the same on every rank) -> a [b, D] (the same on every rank)."""
+    a_t, stash = layer_forward(x, w_t)   # z_t = x W_t, a_t = gelu(z_t)   [b, D/T]
+    return all_gather_columns(a_t, group), stash
+
+
+def column_backward(g, stash, w_t, group=None, need_dx=True):
+    """g = dL/da [b, D], the same on every rank -> (dx [b, D], dW_t [D, D/T]).
+
+    need_dx=False skips the all-reduce where nobody uses dx (the model's first layer)."""
+    tp_rank, cols = dist.get_rank(group), w_t.shape[1]
+    g_t = g[:, tp_rank * cols:(tp_rank + 1) * cols]    # backward of all-gather: slice   [b, D/T]
+    dx, dw_t = layer_backward(g_t, stash, w_t)         # dW_t = x^T dz_t [D, D/T];  dz_t W_t^T [b, D]
+    if need_dx and dist.get_world_size(group) > 1:
+        dist.all_reduce(dx, group=group)               # dx = sum_t dz_t W_t^T
+    return dx, dw_t
+
+
+# ----------------------------------------------------------------------------------
+# Training with it
+# ----------------------------------------------------------------------------------
+
+def tp_worker(rank, world_size, args):
+    device = setup(rank, world_size)
+    tag = f"[rank {rank}]"
+    full = init_weights(args.num_layers, args.dim, args.seed)      # drawn whole, then sliced
+    shards = [shard_columns(w, rank, world_size).to(device) for w in full]   # L x [D, D/T]
+    inputs, targets = (t.to(device) for t in make_batch(args))     # every rank sees the whole batch
+    optimizer = make_optimizer(shards, args)
+    n = args.batch_size * args.dim
+    losses = []
+    for step in range(args.steps):
+        grads = [torch.zeros_like(w) for w in shards]
+        loss = 0.0
+        for x, y in zip(inputs.chunk(args.micro_batches), targets.chunk(args.micro_batches)):
+            stashes = []
+            for w_t in shards:
+                x, stash = column_forward(x, w_t)
+                stashes.append(stash)
+            mb_loss, g = mse_loss(x, y, n)        # identical on every rank: the output is replicated
+            loss += mb_loss.item()
+            for i in reversed(range(len(shards))):
+                g, dw_t = column_backward(g, stashes[i], shards[i], need_dx=i > 0)
+                grads[i] += dw_t
+        for w_t, grad in zip(shards, grads):
+            w_t.grad = grad
+        optimizer.step()
+        losses.append(loss)
+        if rank == 0:
+            log(tag, f"step {step:3d}  loss {loss:.6f}")
+    final = [all_gather_columns(w_t) for w_t in shards]   # gather the shards back into full matrices
+    if rank == 0:
+        finish_run(args, full, final, losses, inputs, targets)
+    cleanup()
+
+
+# ----------------------------------------------------------------------------------
+# The vocabulary-parallel embedding (Megatron's VocabParallelEmbedding)
+# ----------------------------------------------------------------------------------
+
+def vocab_range(vocab_size, tp_rank, tp_size):
+    """Rows [start, end) of the table that rank t holds; the last ranks get one fewer
+    when T does not divide the vocabulary."""
+    sizes = [len(part) for part in torch.arange(vocab_size).tensor_split(tp_size)]
+    start = sum(sizes[:tp_rank])
+    return start, start + sizes[tp_rank]
+
+
+def embedding_forward(tokens, table_t, start, group=None):
+    """tokens [b, s] -> vectors [b, s, E]. Each rank looks up the tokens it owns, writes
+    zeros for the rest, and an all-reduce adds the pieces: every token has one owner."""
+    outside = (tokens < start) | (tokens >= start + table_t.shape[0])
+    local = (tokens - start).masked_fill(outside, 0)            # any valid row; masked below
+    out = table_t[local].masked_fill(outside.unsqueeze(-1), 0.0)   # [b, s, E]
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(out, group=group)
+    return out, (local, outside)
+
+
+def embedding_backward(g, stash, rows):
+    """g = dL/dout [b, s, E], the same on every rank (the all-reduce's backward is the
+    identity for a replicated upstream gradient) -> d table_t [rows, E]. Only this
+    rank's tokens contribute; a repeated token adds up its gradients."""
+    local, outside = stash
+    g = g.masked_fill(outside.unsqueeze(-1), 0.0)
+    d_table = torch.zeros(rows, g.shape[-1], dtype=g.dtype, device=g.device)
+    return d_table.index_add_(0, local.reshape(-1), g.reshape(-1, g.shape[-1]))
+
+
+def embedding_worker(rank, world_size, vocab_size, dim):
+    """Show the split table on every rank and compare with nn.Embedding."""
+    device = setup(rank, world_size)
+    tag = f"[rank {rank}]"
+    table = torch.randn(vocab_size, dim, generator=torch.Generator().manual_seed(0))
+    start, end = vocab_range(vocab_size, rank, world_size)
+    table_t = table[start:end].to(device)
+    # Every rank looks up the same tokens: the first and last row of every shard, and
+    # one token three times over.
+    edges = [row for r in range(world_size) for row in (vocab_range(vocab_size, r, world_size)[0],
+                                                          vocab_range(vocab_size, r, world_size)[1] - 1)]
+    tokens = torch.tensor([edges, [1] * 3 + edges[3:]], device=device)   # [2, 2T]
+    out, stash = embedding_forward(tokens, table_t, start)
+    g = torch.arange(out.numel(), dtype=out.dtype, device=device).view_as(out) / out.numel()
+    d_table_t = embedding_backward(g, stash, end - start)
+
+    reference = torch.nn.Embedding.from_pretrained(table.clone(), freeze=False)
+    ref_out = reference(tokens.cpu())
+    ref_out.backward(g.cpu())
+    log(tag, f"owns rows [{start}, {end}) of {vocab_size}; tokens {tokens.tolist()}")
+    log(tag, f"rows with a gradient here: {(d_table_t.abs().sum(1) > 0).nonzero().flatten().add(start).tolist()}")
+    log(tag, f"forward matches nn.Embedding: {torch.allclose(out.cpu(), ref_out)}, "
+             f"gradient of my rows matches: {torch.allclose(d_table_t.cpu(), reference.weight.grad[start:end])}")
+    cleanup()
+
+
+# ----------------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = training_parser("Tensor parallelism: column-parallel layers with an all-gather.")
+    parser.add_argument("--world-size", type=positive_int, default=4, help="ranks sharing each layer; divides --dim")
+    parser.add_argument("--embedding", action="store_true", help="show the vocab-parallel embedding instead")
+    parser.add_argument("--vocab-size", type=positive_int, default=10, help="rows of the embedding table")
+    args = parser.parse_args(argv)
+    check_launch_args(parser, args, args.world_size)
+    if args.embedding:
+        if args.vocab_size < args.world_size:
+            parser.error(f"--vocab-size {args.vocab_size} is smaller than --world-size {args.world_size}")
+        spawn(embedding_worker, args.world_size, args.vocab_size, args.dim,
+              backend=args.backend, timeout_s=args.timeout_s)
+        return
+    check_divides(parser, args.dim, "--dim", args.world_size, "--world-size")
+    check_divides(parser, args.batch_size, "--batch-size", args.micro_batches, "--micro-batches")
+    check_training_args(parser, args)
+    spawn(tp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+
+
+if __name__ == "__main__":
+    run_main(main)
