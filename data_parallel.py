@@ -241,6 +241,14 @@ def serial_train(args):
     return {"final_weights": [w.detach() for w in weights], "losses": losses}
 
 
+def collect_on_rank0(obj):
+    """Every rank's obj, in rank order, on rank 0 (None elsewhere): for --save and the
+    timeline, not for training, so pickling small objects is fine."""
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
 def finish_run(args, init_weights_, final_weights, losses, inputs, targets, extra=None):
     """On one rank, with the full weights: write --save, run --check (exit 1 past tolerance)."""
     if args.save:
