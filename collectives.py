@@ -76,7 +76,16 @@ def spawn(fn, world_size, *args, backend="auto", timeout_s=DEFAULT_TIMEOUT_S):
         if int(os.environ["WORLD_SIZE"]) != world_size:
             raise SystemExit(f"error: torchrun started {os.environ['WORLD_SIZE']} ranks "
                              f"but this run needs {world_size}")
-        fn(int(os.environ["RANK"]), world_size, *args)
+        # setup() reads the backend and timeout from the environment, as under spawn below
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        saved = dict(os.environ)
+        os.environ.update(PARALLEL_BACKEND=pick_backend(local_world_size, backend),
+                          PARALLEL_TIMEOUT_S=str(timeout_s))
+        try:
+            fn(int(os.environ["RANK"]), world_size, *args)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
         return
 
     backend = pick_backend(world_size, backend)
@@ -147,8 +156,13 @@ def cleanup():
 
 
 def log(tag, *values):
-    """Print one line with a rank tag in front, e.g. '[rank 2]' or '[dp0 pp1 tp0]'."""
-    print(tag, *values, flush=True)
+    """Print one line with a rank tag in front, e.g. '[rank 2]' or '[dp0 pp1 tp0]'.
+
+    One write per line: print() writes each piece on its own when Python runs
+    unbuffered (PYTHONUNBUFFERED), and other ranks' pieces then land in between.
+    """
+    sys.stdout.write(" ".join(str(v) for v in (tag, *values)) + "\n")
+    sys.stdout.flush()
 
 
 # ---- the plumbing behind spawn --------------------------------------------------
@@ -164,10 +178,11 @@ def _child(fn, rank, world_size, args, env, pipe):
     code = 0
     try:
         _run_rank(fn, rank, world_size, args, env)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+    except SystemExit as e:  # sys.exit() and sys.exit(0) are success, sys.exit("why") is not
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
         if code:
-            pipe.send((time.time(), False, f"exited with code {code}\n"))
+            why = f"exited with code {code}" if isinstance(e.code, int) else str(e.code)
+            pipe.send((time.time(), False, why + "\n"))
     except BaseException as e:  # noqa: BLE001
         pipe.send((time.time(), _is_victim(e), traceback.format_exc()))
         code = 1
