@@ -1,9 +1,24 @@
-"""Step 1: the collective operations, and the launcher every later step imports.
+"""Step 1: the collective operations, a ring all-reduce built from send/recv alone, and
+the launcher every later step imports.
 
     python collectives.py                      # every collective, on 4 ranks
     python collectives.py --world-size 8
-    python collectives.py --bench              # bandwidth table
+    python collectives.py --bench              # time and bandwidth of each collective
     torchrun --nproc-per-node 4 collectives.py # the same script under torchrun
+
+Every rank prints its tensors before and after each collective, so the definitions
+can be checked by eye: all-reduce, reduce-scatter, all-gather, broadcast, scatter,
+gather, reduce, then send/recv between neighbours.
+
+The gaps in the lecture that this step fills:
+- The lecture says NCCL runs all-reduce as a ring, but never shows one.
+  ring_all_reduce() builds it from point-to-point sends: a reduce-scatter around the
+  ring, then an all-gather. It is checked against dist.all_reduce.
+- Under a debugger, the lecture's debug mode swaps the collectives for no-ops, so a
+  breakpoint sees values that no real run produces. Here rank 0 runs inside the
+  debugged process and the other ranks run beside it, so every sum is real.
+- --bench reports bus bandwidth as nccl-tests defines it, so numbers compare across
+  collectives and world sizes.
 
 The launcher at the bottom of this file (spawn / setup / cleanup) is the only
 plumbing in the collection. It starts one process per rank on this machine, or,
@@ -15,6 +30,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -25,6 +41,347 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.optim  # noqa: F401  imported once here, before forking, not once per rank
+
+SUM = dist.ReduceOp.SUM
+
+
+# The values below are chosen so that the tens digit names the rank a number came from:
+# rank 2 starts with [20, 21, ...]. A collective's result can then be read off by eye.
+
+def all_reduce_is_reduce_scatter_then_all_gather(rank, world_size, device):
+    """The three collectives that data, tensor and fully sharded parallelism are made of."""
+    n = world_size
+    x = torch.arange(n, dtype=torch.float32, device=device) + 10 * rank  # x_r[i] = 10r + i  (n,)
+
+    heading(rank, "all-reduce: every rank ends with the sum over ranks")
+    summed = x.clone()
+    show(rank, "before", tensor=summed)
+    dist.all_reduce(summed, op=SUM)  # in place: sum_r x_r[i] = 10 n(n-1)/2 + n i
+    show(rank, "after", tensor=summed)
+
+    heading(rank, "reduce-scatter: rank r ends with element r of the sum")
+    piece = torch.zeros(1, device=device)  # (n,) in, (1,) out: each rank keeps 1/n
+    show(rank, "before", input=x, output=piece)
+    # torch 2.13's name for the lecture's reduce_scatter_tensor (the old name warns)
+    dist.reduce_scatter_single(piece, x, op=SUM)
+    show(rank, "after", input=x, output=piece)
+
+    heading(rank, "all-gather: every rank ends with every rank's piece")
+    gathered = torch.zeros(n, device=device)  # (1,) in, (n,) out
+    show(rank, "before", input=piece, output=gathered)
+    dist.all_gather_single(gathered, piece)  # the lecture's all_gather_into_tensor
+    show(rank, "after", input=piece, output=gathered)
+
+    # Same bytes on the wire either way: this is how NCCL runs a large all-reduce, and
+    # how ZeRO and FSDP split one into two halves with work in between.
+    assert torch.equal(gathered, summed), "all-reduce != reduce-scatter + all-gather"
+    if rank == 0:
+        log(f"[rank {rank}]", "all-reduce == reduce-scatter then all-gather: yes")
+
+
+def one_root_and_every_rank(rank, world_size, device, root=0):
+    """Broadcast and scatter go from one root to every rank; gather and reduce come back."""
+    n = world_size
+    heading(rank, f"broadcast: every rank ends with rank {root}'s tensor")
+    x = torch.arange(2, dtype=torch.float32, device=device) + 10 * rank  # (2,)
+    show(rank, "before", tensor=x)
+    dist.broadcast(x, src=root)
+    show(rank, "after", tensor=x)
+
+    heading(rank, f"scatter: rank {root} hands row r of its table to rank r")
+    table = torch.arange(2 * n, dtype=torch.float32, device=device).view(n, 2)  # (n, 2)
+    row = torch.zeros(2, device=device)
+    show(rank, "before", table=table if rank == root else "-", row=row)
+    dist.scatter(row, scatter_list=list(table) if rank == root else None, src=root)
+    show(rank, "after", row=row)
+
+    heading(rank, f"gather: rank {root} ends with every rank's tensor, in rank order")
+    x = torch.arange(2, dtype=torch.float32, device=device) + 10 * rank  # (2,)
+    rows = [torch.zeros(2, device=device) for _ in range(n)] if rank == root else None
+    show(rank, "before", tensor=x)
+    dist.gather(x, gather_list=rows, dst=root)
+    show(rank, "after", table=torch.stack(rows) if rank == root else "-")
+
+    heading(rank, f"reduce: rank {root} ends with the sum over ranks")
+    show(rank, "before", tensor=x)
+    dist.reduce(x, dst=root, op=SUM)
+    # Only the root's result is defined: gloo uses the other ranks' tensors as scratch.
+    show(rank, "after", tensor=x if rank == root else "(scratch)")
+
+
+def point_to_point(rank, world_size, device):
+    """send/recv name one peer; every collective above can be built from them."""
+    if world_size == 1:
+        heading(rank, "send/recv: needs two ranks, skipped")
+        return
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    x = torch.arange(2, dtype=torch.float32, device=device) + 10 * rank  # (2,)
+
+    heading(rank, "send/recv (blocking): every rank passes its tensor to the right")
+    received = torch.zeros(2, device=device)
+    show(rank, "before", sending=x, received=received)
+    # A blocking send() returns only once the peer has received (gloo does this even
+    # for one float; NCCL always does). If every rank sent first, every rank would wait
+    # on a receive that nobody posts. So even ranks send first, odd ranks receive first.
+    # With an odd world size ranks n-1 and 0 are both even: rank n-1 then waits until
+    # rank 0 has sent to rank 1, and no more.
+    if rank % 2 == 0:
+        dist.send(x, dst=right)
+        dist.recv(received, src=left)
+    else:
+        dist.recv(received, src=left)
+        dist.send(x, dst=right)
+    show(rank, "after", sending=x, received=received)
+
+    heading(rank, "isend/irecv (non-blocking): every rank passes its tensor to the left")
+    received = torch.zeros(2, device=device)
+    show(rank, "before", sending=x, received=received)
+    # Both are posted before we wait on either, so the order no longer matters. The
+    # tensors must not be touched until wait() returns.
+    works = [dist.isend(x, dst=left), dist.irecv(received, src=right)]
+    for work in works:
+        work.wait()
+    show(rank, "after", sending=x, received=received)
+
+
+# ----------------------------------------------------------------------------------
+# The ring all-reduce: the lecture's "NCCL uses a ring", from send/recv alone
+# ----------------------------------------------------------------------------------
+
+def ring_all_reduce(tensor, group=None):
+    """Sum `tensor` over the ranks of `group`, in place, like dist.all_reduce: built from
+    point-to-point sends alone, as a reduce-scatter around a ring, then an all-gather.
+
+    Rank r of the n ranks only ever sends to r+1 and receives from r-1. It sends n-1
+    chunks of 1/n of the tensor in each phase: 2(n-1)/n of the tensor in all, which is
+    the least any all-reduce can send per rank, whatever n is.
+    """
+    group = dist.group.WORLD if group is None else group
+    r = dist.get_rank(group)  # rank within the group
+    if r < 0:  # this rank is not in the group: like dist.all_reduce, do nothing
+        return tensor
+    if not tensor.is_contiguous():
+        raise ValueError("ring_all_reduce needs a contiguous tensor, as dist.all_reduce does")
+    n = dist.get_world_size(group)
+    # send/recv name their peer by global rank, which differs from r on a sub-group
+    right = dist.get_global_rank(group, (r + 1) % n)
+    left = dist.get_global_rank(group, (r - 1) % n)
+
+    # n chunks of the flattened tensor, views into it. A length that n does not divide
+    # gives chunks that differ by one element, longest first (some are empty when the
+    # tensor has fewer than n elements). Every rank cuts the same way.
+    chunks = tensor.view(-1).tensor_split(n)
+    incoming = torch.empty_like(chunks[0])  # room for the longest chunk
+
+    # Reduce-scatter, n-1 steps. At step s rank r sends chunk (r-s) and receives the left
+    # neighbour's partial sum of chunk (r-s-1), which it adds into its own. A chunk gains
+    # one rank's part per hop, so after step s chunk (r-s-1) on rank r holds the sum
+    # over ranks r-s-1 .. r, and the chunk sent at step s+1 is the one just completed
+    # that far. After n-1 steps, chunk (r+1) mod n on rank r is the sum over all n ranks.
+    for s in range(n - 1):
+        to_send, to_add = chunks[(r - s) % n], chunks[(r - s - 1) % n]
+        buf = incoming[:to_add.numel()]
+        exchange(to_send, buf, right, left, group)
+        to_add += buf
+
+    # All-gather, n-1 steps. Each rank owns one finished chunk, (r+1) mod n, and sends
+    # it first; after that it forwards the finished chunk it received the step before.
+    # At step s rank r sends chunk (r+1-s) and receives chunk (r-s), straight into place.
+    for s in range(n - 1):
+        exchange(chunks[(r + 1 - s) % n], chunks[(r - s) % n], right, left, group)
+    return tensor
+
+
+def exchange(to_send, to_recv, right, left, group):
+    """One ring step: send to the right and receive from the left, posted together.
+
+    With NCCL (and gloo, see point_to_point) a send waits for its receive. If every
+    rank sent first, all of them would wait forever. batch_isend_irecv posts both
+    halves at once (one NCCL group call), so each send meets its receive.
+    """
+    ops = [dist.P2POp(dist.isend, to_send, right, group),
+           dist.P2POp(dist.irecv, to_recv, left, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def ring_demo(rank, world_size, device):
+    """The ring gives the same sums as dist.all_reduce, on a length n does not divide."""
+    heading(rank, "ring all-reduce from send/recv: the same sums as dist.all_reduce")
+    x = torch.arange(2 * world_size + 1, dtype=torch.float32, device=device) + 10 * rank
+    expected = x.clone()
+    dist.all_reduce(expected, op=SUM)
+    show(rank, "before", tensor=x)
+    ring_all_reduce(x)
+    show(rank, "after", tensor=x)
+    assert torch.equal(x, expected), "ring_all_reduce != dist.all_reduce"
+    if rank == 0:
+        log(f"[rank {rank}]", "ring_all_reduce == dist.all_reduce: yes")
+
+
+# ----------------------------------------------------------------------------------
+# --bench: time each collective, and report bandwidth the way nccl-tests does
+# ----------------------------------------------------------------------------------
+#
+# For a tensor of S bytes that took t seconds, the algorithm bandwidth is algbw = S / t.
+# It depends on n: an all-reduce over more ranks has more to move. The bus bandwidth
+# busbw multiplies algbw by the fraction of S that each rank must send or receive at
+# the least, so it can be compared with the link's speed, and across collectives and
+# world sizes:
+#   reduce-scatter: rank r's part of each of the n-1 other ranks' slices has to leave
+#                   rank r, (n-1)/n * S bytes.            busbw = algbw * (n-1)/n
+#   all-gather:     rank r has to receive the n-1 slices it lacks, (n-1)/n * S bytes.
+#                                                          busbw = algbw * (n-1)/n
+#   all-reduce:     a reduce-scatter, then an all-gather.  busbw = algbw * 2(n-1)/n
+# S is the full tensor: the input of reduce-scatter and the output of all-gather.
+# The lecture takes S for reduce-scatter to be the per-rank output, S/n, so its
+# reduce-scatter figure is busbw / n, n times below its own all-reduce figure for the
+# same link.
+
+BENCH_SIZES = [4 * 1024 * 4**i for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
+WARMUP, REPEATS = 2, 5
+
+
+def bench(rank, world_size):
+    device = setup(rank, world_size)
+    n = world_size
+    results = []  # (collective, bytes, seconds, algbw, busbw)
+    for size in BENCH_SIZES:
+        numel = max(n, size // 4 // n * n)  # float32 elements; n divides it, for the slices
+        # Zeros: the values do not change the time, and zeros never overflow however often
+        # they are summed.
+        full = torch.zeros(numel, device=device)        # (S,)
+        piece = torch.zeros(numel // n, device=device)  # (S/n,)
+        one_pass, two_passes = (n - 1) / n, 2 * (n - 1) / n  # busbw / algbw, derived above
+        collectives = {
+            "all-reduce": (lambda: dist.all_reduce(full, op=SUM), two_passes),
+            "reduce-scatter": (lambda: dist.reduce_scatter_single(piece, full, op=SUM), one_pass),
+            "all-gather": (lambda: dist.all_gather_single(full, piece), one_pass),
+            "ring all-reduce": (lambda: ring_all_reduce(full), two_passes),
+        }
+        for name, (run, bus_factor) in collectives.items():
+            seconds = time_collective(run, device)
+            algbw = full.numel() * full.element_size() / seconds
+            results.append((name, full.numel() * full.element_size(), seconds, algbw,
+                            algbw * bus_factor))
+    if rank == 0:
+        print_bench(results, world_size, dist.get_backend())
+    cleanup()
+
+
+def time_collective(run, device):
+    """Median over REPEATS runs of the slowest rank's time for one call, after WARMUP."""
+    for _ in range(WARMUP):  # the first calls open connections and allocate buffers
+        run()
+    times = torch.zeros(REPEATS, dtype=torch.float64)
+    for i in range(REPEATS):
+        dist.barrier()  # start together, so no rank's time includes waiting for another
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # NCCL calls return before the GPU is done
+        times[i] = time.perf_counter() - start
+    # A collective is only done when the slowest rank is done
+    times = times.to(device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return statistics.median(times.tolist())
+
+
+def print_bench(results, world_size, backend):
+    print(f"{world_size} ranks, {backend}, float32; time is the median of {REPEATS} runs "
+          f"after {WARMUP} warm-up; GB/s = 1e9 bytes/s")
+    print(f"{'collective':<16}{'size':>10}{'time (us)':>12}"
+          f"{'algbw (GB/s)':>14}{'busbw (GB/s)':>14}")
+    for name in dict.fromkeys(row[0] for row in results):  # one block per collective
+        for collective, size, seconds, algbw, busbw in results:
+            if collective == name:
+                print(f"{collective:<16}{human_bytes(size):>10}{seconds * 1e6:>12.1f}"
+                      f"{algbw / 1e9:>14.3f}{busbw / 1e9:>14.3f}")
+        print()
+    if backend == "gloo" and world_size > (os.cpu_count() or 1):
+        # More ranks than cores: ranks take turns on the cores, and every hop of a
+        # collective can wait a scheduler tick. Small sizes then time the scheduler.
+        print(f"note: {world_size} ranks share {os.cpu_count()} CPU cores; the small sizes "
+              f"time the scheduler more than the collective")
+
+
+def main():
+    args = parse_args()
+    launch = dict(backend=args.backend, timeout_s=args.timeout_s)
+    if args.bench:
+        # Time all-reduce, reduce-scatter, all-gather and the ring from 4 KiB to 64 MiB
+        spawn(bench, args.world_size, **launch)
+        return
+    spawn(tour, args.world_size, [
+        # All-reduce, reduce-scatter, all-gather, and all-reduce = RS + AG
+        all_reduce_is_reduce_scatter_then_all_gather,
+        # From one root to every rank and back: broadcast, scatter, gather, reduce
+        one_root_and_every_rank,
+        # Between two ranks: blocking send/recv, non-blocking isend/irecv
+        point_to_point,
+        # All-reduce from send/recv alone, around a ring, as NCCL does it
+        ring_demo,
+    ], **launch)
+
+
+# ----------------------------------------------------------------------------------
+# Plumbing for this step: the command line, and printing before/after on every rank
+# ----------------------------------------------------------------------------------
+
+def parse_args():
+    parser = Parser(description="Step 1: every collective on every rank, or --bench.")
+    parser.add_argument("--world-size", type=positive_int, default=None,
+                        help="number of ranks (default: 4, or WORLD_SIZE under torchrun)")
+    parser.add_argument("--bench", action="store_true",
+                        help="time all-reduce, reduce-scatter, all-gather and the ring "
+                             "all-reduce from 4 KiB to 64 MiB; print a bandwidth table")
+    add_launch_args(parser)
+    args = parser.parse_args()
+    if args.world_size is None:
+        args.world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 4
+    check_launch_args(parser, args, args.world_size)
+    return args
+
+
+def tour(rank, world_size, sections):
+    """The demo's worker: join the group, run each section, leave."""
+    device = setup(rank, world_size)
+    for section in sections:
+        section(rank, world_size, device)
+    cleanup()
+
+
+def heading(rank, title):
+    """Start a section: every rank has finished the previous one before the title prints."""
+    dist.barrier()
+    if rank == 0:
+        print(f"\n== {title}", flush=True)
+    dist.barrier()
+
+
+def show(rank, when, **tensors):
+    """Print this rank's tensors on one line. The ranks take turns, so lines come in
+    rank order, and all have printed before anyone goes on."""
+    for turn in range(dist.get_world_size()):
+        if turn == rank:
+            values = "  ".join(f"{name} = {fmt(value)}" for name, value in tensors.items())
+            log(f"[rank {rank}]", f"{when:<6}", values)
+        dist.barrier()
+
+
+def fmt(value):
+    if not isinstance(value, torch.Tensor):
+        return str(value)
+    if value.dim() > 1:  # a table: one bracket per row, on one line
+        return "[" + " ".join(fmt(row) for row in value) + "]"
+    return "[" + " ".join(f"{v:g}" for v in value.tolist()) + "]"
+
+
+def human_bytes(size):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}"
+        size /= 1024
 
 
 # ----------------------------------------------------------------------------------
@@ -313,3 +670,7 @@ def run_main(main):
     except RankFailed as e:
         sys.stderr.write(f"{e.text.rstrip()}\nerror: {e}\n")
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    run_main(main)
