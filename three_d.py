@@ -1,0 +1,212 @@
+"""Step 5: 3D parallelism. Data, tensor and pipeline parallel at once, on process groups.
+
+    python three_d.py                                   # dp=2 pp=2 tp=2: 8 ranks (make 3d)
+    python three_d.py --dp 2 --pp 2 --tp 2 --check      # ...and compare with serial training
+    python three_d.py --dp 1 --pp 4 --tp 2 --schedule gpipe --order tp-dp-pp
+    python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
+    torchrun --nproc-per-node 8 three_d.py              # one node; the README has two nodes
+
+Nothing new is computed here: this file composes the blocks of steps 2-4.
+- Every layer is the column-parallel layer of step 3, over the stage's TP group.
+- The stages run the schedules and the runner of step 4; the rank with TP
+  coordinate t sends to the next stage's rank with the same t.
+- After all micro-batches, each shard's gradient is averaged over its DP group with
+  the averager of step 2, once, and the optimizer steps.
+What is new is the rank map: which ranks form each group. The seed hard-codes it
+for 8 ranks (and the rank-group utility it came with picks the wrong groups for 6 of
+8 ranks); rank_groups() derives it for any sizes and any nesting order.
+"""
+import torch
+import torch.distributed as dist
+
+from collectives import Parser, add_launch_args, check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
+from data_parallel import (GradientAverager, check_divides, check_training_args, collect_on_rank0, finish_run,
+                           global_loss, init_weights, make_batch, make_optimizer, replica_rows, training_parser)
+from pipeline_parallel import Stage, build_schedule, run_schedule, stage_layers
+from tensor_parallel import all_gather_columns, column_backward, column_forward, shard_columns
+
+
+# ----------------------------------------------------------------------------------
+# The rank map
+# ----------------------------------------------------------------------------------
+
+# The seed's map for dp = pp = tp = 2, written out by hand:
+SEED_MAP_2x2x2 = {
+    "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],   # neighbours share every layer
+    "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],   # 0 -> 2, 1 -> 3, 4 -> 6, 5 -> 7
+    "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],   # replicas
+}
+# ...which is the formula rank = (d * PP + p) * TP + t, i.e. arange(8).view(dp, pp, tp)
+# read along each axis. rank_groups() computes it for any sizes.
+#
+# Which axis varies fastest is a choice (--order, named fastest first, as Megatron's
+# order string). TP goes innermost in both orders we offer: it talks at every layer,
+# so its ranks should share the fastest links, inside one node.
+#   tp-pp-dp (default, as the seeds): replicas outermost. DP's all-reduce, once per
+#     step but as big as the model, crosses nodes.
+#   tp-dp-pp (Megatron, torchtitan): stages outermost. Only the pipeline's
+#     point-to-point activations cross nodes: the lightest traffic of the three.
+
+AXES = ("dp", "pp", "tp")
+
+
+def rank_grid(dp, pp, tp, order="tp-pp-dp"):
+    """The world as a tensor indexed [d, p, t] holding each coordinate's rank."""
+    fastest_first = order.split("-")
+    sizes = {"dp": dp, "pp": pp, "tp": tp}
+    slowest_first = fastest_first[::-1]
+    grid = torch.arange(dp * pp * tp).view(*(sizes[a] for a in slowest_first))   # ranks laid out in order
+    return grid.permute(*(slowest_first.index(a) for a in AXES))                  # [dp, pp, tp]
+
+
+def rank_groups(dp, pp, tp, order="tp-pp-dp"):
+    """{"dp": [...], "pp": [...], "tp": [...]}: for each kind, a partition of all ranks
+    into groups, each group in ascending rank order. A group varies one coordinate and
+    fixes the other two."""
+    grid = rank_grid(dp, pp, tp, order)
+    groups = {}
+    for axis, name in enumerate(AXES):
+        lines = grid.movedim(axis, -1).reshape(-1, grid.shape[axis])   # one row per group
+        groups[name] = sorted(sorted(row) for row in lines.tolist())
+    return groups
+
+
+def coordinates(rank, groups):
+    """(d, p, t) of a rank: its position in its own dp, pp and tp group."""
+    return tuple(next(g.index(rank) for g in groups[name] if rank in g) for name in AXES)
+
+
+def show_rank_map(dp, pp, tp, order):
+    groups = rank_groups(dp, pp, tp, order)
+    print(f"rank map: dp={dp} pp={pp} tp={tp}, order {order} (fastest first)")
+    print(f"{'rank':>5} {'dp':>3} {'pp':>3} {'tp':>3}   {'tp group':<16}{'pp group':<16}{'dp group':<16}")
+    for rank in range(dp * pp * tp):
+        d, p, t = coordinates(rank, groups)
+        mine = {name: next(g for g in groups[name] if rank in g) for name in AXES}
+        print(f"{rank:>5} {d:>3} {p:>3} {t:>3}   {str(mine['tp']):<16}{str(mine['pp']):<16}{str(mine['dp']):<16}")
+
+
+# ----------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------
+
+class ShardedP2PStage(Stage):
+    """--p2p-shard (Megatron's scatter-gather): what crosses a stage boundary is the
+    same on every TP rank, so each rank sends only its 1/tp slice and the receiving
+    stage all-gathers it. 1/tp of the point-to-point bytes, one all-gather more."""
+
+    def __init__(self, *args, tp_group, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tp_group = tp_group
+
+    def outgoing(self, tensor):
+        tp_rank, tp_size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
+        cols = tensor.shape[1] // tp_size
+        return tensor[:, tp_rank * cols:(tp_rank + 1) * cols].contiguous()   # [b, D/T]
+
+    def incoming(self, buffer):
+        return all_gather_columns(buffer, self.tp_group)                      # [b, D]
+
+
+def three_d_worker(rank, world_size, args):
+    device = setup(rank, world_size)
+    groups = rank_groups(args.dp, args.pp, args.tp, args.order)
+    mine = {}
+    for name in ("tp", "pp", "dp"):            # every rank creates every group, in the same order
+        for ranks in groups[name]:
+            handle = dist.new_group(ranks)
+            if rank in ranks:
+                mine[name] = (handle, ranks)
+    d, p, t = coordinates(rank, groups)
+    tag = f"[dp{d} pp{p} tp{t}]"
+    tp_group, dp_group = mine["tp"][0], mine["dp"][0]
+    pp_ranks = mine["pp"][1]
+    dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
+    first, last = p == 0, p == args.pp - 1
+    if rank == 0:
+        show_rank_map(args.dp, args.pp, args.tp, args.order)
+
+    # This rank's weights: the layers of stage p, each sliced to TP rank t's columns.
+    full = init_weights(args.num_layers, args.dim, args.seed)
+    layers = stage_layers(args.num_layers, args.pp, p)
+    shards = [shard_columns(full[i], t, args.tp).to(device) for i in layers]    # [D, D/T] each
+
+    # This replica's slice of the batch, by its DP coordinate; the same on every TP rank.
+    inputs, targets = make_batch(args)
+    rows = replica_rows(args.batch_size, d, args.dp)
+    m = args.micro_batches
+    micro_inputs = inputs[rows].to(device).chunk(m)          # [B/(dp m), D] each
+    micro_targets = targets[rows].to(device).chunk(m)
+    n = len(rows) * args.dim                                  # the replica's mean loss divides by n
+
+    def tp_forward(x, w):
+        return column_forward(x, w, tp_group)
+
+    def tp_backward(g, stash, w, need_dx):
+        return column_backward(g, stash, w, tp_group, need_dx)
+
+    kind = dict(cls=ShardedP2PStage, tp_group=tp_group) if args.p2p_shard else dict(cls=Stage)
+    stage = kind.pop("cls")(shards, first, last, micro_targets, n, forward_fn=tp_forward, backward_fn=tp_backward,
+                            **kind)
+    buffer_shape = (len(rows) // m, args.dim // args.tp if args.p2p_shard else args.dim)
+    actions = build_schedule(args.schedule, args.pp, p, m)
+    prev_rank = pp_ranks[p - 1] if not first else None
+    next_rank = pp_ranks[p + 1] if not last else None
+    optimizer = make_optimizer(shards, args)
+    averager = GradientAverager(dp_group)
+    losses = []
+    for step in range(args.steps):
+        stage.grads = [torch.zeros_like(w) for w in shards]
+        stage.loss = 0.0
+        run_schedule(actions, stage, micro_inputs, prev_rank, next_rank, buffer_shape)
+        averager.finish(stage.grads)          # average over the replicas, once per step
+        for w, grad in zip(shards, stage.grads):
+            w.grad = grad
+        optimizer.step()
+        if last:                              # the last stage knows the loss; average it over replicas
+            losses.append(global_loss(torch.tensor(stage.loss, device=device), dp_group))
+            if d == 0 and t == 0:
+                log(tag, f"step {step:3d}  loss {losses[-1]:.6f}")
+
+    # Gather replica 0's shards into full matrices on rank 0, for --save and --check.
+    pieces = collect_on_rank0((d, t, {i: w.cpu() for i, w in zip(layers, shards)}, losses))
+    if rank == 0:
+        final = [None] * args.num_layers
+        for i in range(args.num_layers):
+            columns = [(pt, sh[i]) for pd, pt, sh, _ in pieces if pd == 0 and i in sh]
+            final[i] = torch.cat([c for _, c in sorted(columns, key=lambda tc: tc[0])], dim=1)
+        reported = next(ls for _, _, _, ls in pieces if ls)
+        finish_run(args, full, final, reported, inputs, targets)
+    cleanup()
+
+
+# ----------------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = training_parser("3D parallelism: data x pipeline x tensor parallel on process groups.")
+    parser.add_argument("--dp", type=positive_int, default=2, help="data-parallel replicas")
+    parser.add_argument("--pp", type=positive_int, default=2, help="pipeline stages; divides --num-layers")
+    parser.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel ranks per layer; divides --dim")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b", help="pipeline schedule")
+    parser.add_argument("--order", choices=["tp-pp-dp", "tp-dp-pp"], default="tp-pp-dp",
+                        help="nesting of the rank map, fastest-varying axis first (see rank_groups)")
+    parser.add_argument("--p2p-shard", action="store_true",
+                        help="send 1/tp of each activation between stages and all-gather it there")
+    parser.add_argument("--show-rank-map", action="store_true", help="print the rank map and exit")
+    args = parser.parse_args(argv)
+    if args.show_rank_map:
+        show_rank_map(args.dp, args.pp, args.tp, args.order)
+        return
+    world_size = args.dp * args.pp * args.tp
+    check_divides(parser, args.dim, "--dim", args.tp, "--tp")
+    if args.pp > args.num_layers:
+        parser.error(f"--pp {args.pp}: more stages than --num-layers ({args.num_layers})")
+    check_divides(parser, args.num_layers, "--num-layers", args.pp, "--pp")
+    check_divides(parser, args.batch_size, "--batch-size", args.dp * args.micro_batches, "--dp x --micro-batches")
+    check_training_args(parser, args)
+    check_launch_args(parser, args, world_size, flag="--dp x --pp x --tp")
+    spawn(three_d_worker, world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+
+
+if __name__ == "__main__":
+    run_main(main)
