@@ -574,8 +574,10 @@ def _watch(procs, pipes, failures):
                     failures[rank] = ready.recv()
                 except EOFError:
                     pass  # it finished without reporting anything
-            elif procs[rank].join() or procs[rank].exitcode != 0 and rank not in failures:
-                failures[rank] = (time.time(), False, _death_message(procs[rank].exitcode))
+            else:   # the process ended; a report from its pipe, if any, wins over this
+                procs[rank].join()
+                if procs[rank].exitcode != 0 and rank not in failures:
+                    failures[rank] = (time.time(), False, _death_message(procs[rank].exitcode))
             if failures and first_failure is None:
                 first_failure = time.time()
 
