@@ -1,0 +1,373 @@
+"""Tests for three_d.py: the rank map, and 3D training against serial training.
+
+- rank_groups() for every factorization dp x pp x tp of world sizes 1..12, in both
+  orders, against the layout computed here with plain loops; membership (every rank
+  in each of its own groups, at the position of its coordinate: the seed's utility
+  got 6 of 8 ranks wrong); the seed's 2x2x2 map and DESIGN.md's tp-dp-pp groups.
+- --show-rank-map prints that table and starts no rank.
+- Training (three_d.main in-process, ranks forked from here) against
+  data_parallel.serial_train over nine layouts, both schedules, both orders,
+  --p2p-shard, SGD and AdamW, micro-batches 1 to 4; dp=2 against dp=1.
+- Bad flags: one line on stderr naming the flag, exit 2, no rank started.
+- `make 3d` (the defaults with --check) as a subprocess, once.
+"""
+import argparse
+import json
+import itertools
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import data_parallel as dp
+import three_d
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Float32, differences only from summation order (all-reduce, all-gather, micro-batches).
+ATOL = 1e-5
+RTOL = 1e-5
+
+TIMEOUT = ["--timeout-s", "15"]   # a deadlock fails the run in 15 s, not the default 60
+KINDS = ("dp", "pp", "tp")
+ORDERS = ("tp-pp-dp", "tp-dp-pp")
+
+
+# ----------------------------------------------------------------------------------
+# 1. The rank map, computed independently here
+# ----------------------------------------------------------------------------------
+
+def factorizations(world_size):
+    return [(d, p, world_size // (d * p)) for d in range(1, world_size + 1) for p in range(1, world_size + 1)
+            if world_size % (d * p) == 0]
+
+
+ALL_LAYOUTS = [layout for w in range(1, 13) for layout in factorizations(w)]
+
+
+def expected_rank(d, p, t, sizes, order):
+    """The rank at coordinates (d, p, t), from the formulas in DESIGN.md, no tensors:
+    tp-pp-dp is arange(W).view(dp, pp, tp): rank = (d PP + p) TP + t;
+    tp-dp-pp is arange(W).view(pp, dp, tp): rank = (p DP + d) TP + t."""
+    dp_size, pp_size, tp_size = sizes
+    if order == "tp-pp-dp":
+        return (d * pp_size + p) * tp_size + t
+    assert order == "tp-dp-pp"
+    return (p * dp_size + d) * tp_size + t
+
+
+def expected_groups(sizes, order):
+    """{kind: {coordinates of the other two axes: ranks along the kind's axis}}, by loops."""
+    dp_size, pp_size, tp_size = sizes
+    r = lambda d, p, t: expected_rank(d, p, t, sizes, order)  # noqa: E731
+    return {
+        "tp": [[r(d, p, t) for t in range(tp_size)] for d in range(dp_size) for p in range(pp_size)],
+        "pp": [[r(d, p, t) for p in range(pp_size)] for d in range(dp_size) for t in range(tp_size)],
+        "dp": [[r(d, p, t) for d in range(dp_size)] for p in range(pp_size) for t in range(tp_size)],
+    }
+
+
+def test_layouts_cover_every_factorization():
+    """The list the next tests run over really is every (dp, pp, tp) of 1..12."""
+    assert len(ALL_LAYOUTS) == sum(len(list(f)) for f in map(factorizations, range(1, 13)))
+    for w in range(1, 13):
+        brute = {(a, b, c) for a, b, c in itertools.product(range(1, w + 1), repeat=3) if a * b * c == w}
+        assert set(factorizations(w)) == brute
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_rank_groups_for_every_factorization(order):
+    for sizes in ALL_LAYOUTS:
+        world_size = sizes[0] * sizes[1] * sizes[2]
+        groups = three_d.rank_groups(*sizes, order=order)
+        want = expected_groups(sizes, order)
+        assert set(groups) == set(KINDS), sizes
+        for kind, size in zip(KINDS, sizes):
+            where = f"{kind} groups at dp={sizes[0]} pp={sizes[1]} tp={sizes[2]} {order}"
+            # a partition of range(W): every rank exactly once, groups of the axis' size
+            flat = [rank for group in groups[kind] for rank in group]
+            assert sorted(flat) == list(range(world_size)), where
+            assert len(groups[kind]) == world_size // size, where
+            assert all(len(group) == size for group in groups[kind]), where
+            # each group in ascending rank order
+            assert all(group == sorted(group) for group in groups[kind]), where
+            # the same groups as arange(W).view(...) read along that axis
+            assert sorted(groups[kind]) == sorted(want[kind]), where
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_every_rank_is_in_each_of_its_own_groups(order):
+    """Membership, the test the seed utility fails: the rank at (d, p, t) is in the group
+    that varies one coordinate and fixes the other two, at the position of its own
+    coordinate, and coordinates() returns (d, p, t)."""
+    for sizes in ALL_LAYOUTS:
+        dp_size, pp_size, tp_size = sizes
+        groups = three_d.rank_groups(*sizes, order=order)
+        for d, p, t in itertools.product(range(dp_size), range(pp_size), range(tp_size)):
+            rank = expected_rank(d, p, t, sizes, order)
+            where = f"rank {rank} at dp={dp_size} pp={pp_size} tp={tp_size} {order}"
+            mine = {}
+            for kind in KINDS:
+                holding = [g for g in groups[kind] if rank in g]
+                assert len(holding) == 1, where
+                mine[kind] = holding[0]
+            assert mine["tp"] == [expected_rank(d, p, x, sizes, order) for x in range(tp_size)], where
+            assert mine["pp"] == [expected_rank(d, x, t, sizes, order) for x in range(pp_size)], where
+            assert mine["dp"] == [expected_rank(x, p, t, sizes, order) for x in range(dp_size)], where
+            assert (mine["dp"].index(rank), mine["pp"].index(rank), mine["tp"].index(rank)) == (d, p, t), where
+            # the three groups of a rank meet in that rank alone
+            assert set(mine["dp"]) & set(mine["pp"]) & set(mine["tp"]) == {rank}, where
+            assert set(mine["dp"]) & set(mine["tp"]) == {rank} and set(mine["pp"]) & set(mine["tp"]) == {rank}
+            assert three_d.coordinates(rank, groups) == (d, p, t), where
+
+
+def test_default_order_coordinates_follow_the_formula():
+    """coordinates(rank) with the default order: rank = (d PP + p) TP + t."""
+    for dp_size, pp_size, tp_size in ALL_LAYOUTS:
+        groups = three_d.rank_groups(dp_size, pp_size, tp_size)   # the default order
+        for rank in range(dp_size * pp_size * tp_size):
+            d, p, t = three_d.coordinates(rank, groups)
+            assert 0 <= d < dp_size and 0 <= p < pp_size and 0 <= t < tp_size
+            assert (d * pp_size + p) * tp_size + t == rank, (dp_size, pp_size, tp_size, rank)
+
+
+def test_2x2x2_default_is_the_seed_map():
+    assert three_d.rank_groups(2, 2, 2) == three_d.SEED_MAP_2x2x2
+    assert three_d.rank_groups(2, 2, 2, order="tp-pp-dp") == three_d.SEED_MAP_2x2x2
+    # ...and the seed map itself is what DESIGN.md lists
+    assert three_d.SEED_MAP_2x2x2 == {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                                      "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                                      "dp": [[0, 4], [1, 5], [2, 6], [3, 7]]}
+
+
+def test_2x2x2_tp_dp_pp_puts_the_pipeline_outermost():
+    groups = three_d.rank_groups(2, 2, 2, order="tp-dp-pp")
+    assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]   # DESIGN.md
+    assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]   # DESIGN.md
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]   # TP innermost in both orders
+
+
+# ----------------------------------------------------------------------------------
+# 2. --show-rank-map
+# ----------------------------------------------------------------------------------
+
+def no_ranks(monkeypatch):
+    """Record any start of a rank or a process group (the tests assert there is none)."""
+    started = []
+    monkeypatch.setattr(three_d, "spawn", lambda *a, **k: started.append(("spawn", a)))
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: started.append(("init_process_group", a)))
+    return started
+
+
+ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\[[\d, ]*\])\s*(\[[\d, ]*\])\s*(\[[\d, ]*\])\s*$")
+
+
+@pytest.mark.parametrize("sizes,order", [((2, 2, 2), "tp-pp-dp"), ((3, 2, 2), "tp-dp-pp"),
+                                         ((1, 1, 1), "tp-pp-dp"), ((2, 3, 1), "tp-pp-dp")])
+def test_show_rank_map_prints_the_table_and_starts_no_rank(sizes, order, monkeypatch, capsys):
+    started = no_ranks(monkeypatch)
+    dp_size, pp_size, tp_size = sizes
+    three_d.main(["--show-rank-map", "--dp", str(dp_size), "--pp", str(pp_size), "--tp", str(tp_size),
+                  "--order", order, *TIMEOUT])
+    assert started == []
+    out = capsys.readouterr().out.splitlines()
+    assert f"dp={dp_size} pp={pp_size} tp={tp_size}" in out[0] and order in out[0]
+    header = out[1].split()
+    assert header[:4] == ["rank", "dp", "pp", "tp"]
+    columns = [word for word in header[4:] if word != "group"]   # the order of the group columns
+    assert sorted(columns) == sorted(KINDS)
+    rows = [ROW.match(line) for line in out[2:]]
+    assert all(rows) and len(rows) == dp_size * pp_size * tp_size
+    want = expected_groups(sizes, order)
+    for rank, row in enumerate(rows):
+        assert int(row[1]) == rank
+        d, p, t = int(row[2]), int(row[3]), int(row[4])
+        assert expected_rank(d, p, t, sizes, order) == rank
+        for kind, text in zip(columns, row.groups()[4:]):
+            group = json.loads(text)   # "[0, 4]": the rank's own group of that kind
+            assert rank in group and group in want[kind], (rank, kind, text)
+
+
+# ----------------------------------------------------------------------------------
+# 3, 4. 3D training against serial autograd training
+# ----------------------------------------------------------------------------------
+
+def run_3d(tmp_path, dp_size, pp_size, tp_size, schedule="1f1b", order="tp-pp-dp", p2p_shard=False,
+           micro_batches=2, dim=16, num_layers=8, batch_size=16, steps=2, optimizer="sgd", lr=0.1, seed=3):
+    """three_d.main in-process (ranks forked from here); return the --save dict."""
+    save = tmp_path / "run.pt"
+    three_d.main(["--dp", str(dp_size), "--pp", str(pp_size), "--tp", str(tp_size),
+                  "--schedule", schedule, "--order", order, *(["--p2p-shard"] if p2p_shard else []),
+                  "--micro-batches", str(micro_batches), "--dim", str(dim), "--num-layers", str(num_layers),
+                  "--batch-size", str(batch_size), "--steps", str(steps), "--optimizer", optimizer,
+                  "--lr", str(lr), "--seed", str(seed), "--save", str(save), *TIMEOUT])
+    return torch.load(save)
+
+
+def serial_reference(result):
+    return dp.serial_train(argparse.Namespace(**result["config"]))
+
+
+def assert_same_training(got, want):
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), atol=ATOL, rtol=RTOL)
+    assert len(got["final_weights"]) == len(want["final_weights"])
+    for layer, (a, b) in enumerate(zip(got["final_weights"], want["final_weights"])):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda msg: f"layer {layer}: {msg}")
+
+
+def assert_follows_the_contract(result):
+    """--save: every flag, L full D x D float32 weights in layer order, the global batch,
+    one loss per step; the initial weights are init_weights' own."""
+    config = result["config"]
+    for flag in ("dp", "pp", "tp", "schedule", "order", "p2p_shard", "num_layers", "dim", "batch_size",
+                 "micro_batches", "steps", "lr", "optimizer", "seed", "save", "check"):
+        assert flag in config, flag
+    L, D, B = config["num_layers"], config["dim"], config["batch_size"]
+    for key in ("init_weights", "final_weights"):
+        assert len(result[key]) == L
+        assert all(w.shape == (D, D) and w.dtype == torch.float32 for w in result[key]), key
+    init = dp.init_weights(L, D, config["seed"])
+    assert all(torch.equal(a, b) for a, b in zip(result["init_weights"], init))
+    inputs, targets = dp.make_batch(argparse.Namespace(**config))
+    assert result["inputs"].shape == (B, D) and torch.equal(result["inputs"], inputs)
+    assert result["targets"].shape == (B, D) and torch.equal(result["targets"], targets)
+    assert len(result["losses"]) == config["steps"]
+
+
+def assert_trained(result):
+    """The weights moved far past the tolerance, so a wrong gradient scale would show."""
+    moved = max((f - i).abs().max().item() for f, i in zip(result["final_weights"], result["init_weights"]))
+    assert moved > 100 * ATOL
+
+
+# (dp, pp, tp), then the options. Not the full cross product: (2,2,2) runs every
+# schedule x order; the rest spread the schedules, orders, --p2p-shard (tp > 1 and
+# tp = 1), micro-batches 1 and 4 (> pp at (1,2,4), < pp under 1F1B at (1,8,1)) and AdamW.
+CASES = [
+    ((1, 1, 1), dict(schedule="gpipe", micro_batches=1)),
+    ((2, 2, 2), dict(schedule="gpipe", order="tp-pp-dp")),
+    ((2, 2, 2), dict(schedule="1f1b", order="tp-pp-dp", p2p_shard=True)),
+    ((2, 2, 2), dict(schedule="gpipe", order="tp-dp-pp", p2p_shard=True)),
+    ((2, 2, 2), dict(schedule="1f1b", order="tp-dp-pp")),
+    ((2, 1, 4), dict(schedule="1f1b", order="tp-dp-pp")),
+    ((1, 2, 4), dict(schedule="gpipe", p2p_shard=True, micro_batches=4)),
+    ((4, 2, 1), dict(schedule="1f1b", order="tp-dp-pp", p2p_shard=True)),
+    ((1, 4, 2), dict(schedule="gpipe", micro_batches=4, p2p_shard=True, dim=32)),
+    ((8, 1, 1), dict(schedule="gpipe", order="tp-dp-pp", micro_batches=1)),
+    ((1, 1, 8), dict(schedule="1f1b", order="tp-dp-pp", dim=32, optimizer="adamw", lr=0.01)),
+    ((1, 8, 1), dict(schedule="1f1b", micro_batches=4, steps=3)),   # m < pp: 1F1B's warm-up cut to m
+]
+
+
+@pytest.mark.parametrize("sizes,options", CASES, ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple)
+                         else "-".join(f"{v}" if k != "p2p_shard" else "shard" for k, v in c.items() if v))
+def test_3d_matches_serial(tmp_path, sizes, options):
+    result = run_3d(tmp_path, *sizes, **options)
+    config = result["config"]
+    assert (config["dp"], config["pp"], config["tp"]) == sizes
+    assert all(config[k] == v for k, v in options.items())
+    assert_follows_the_contract(result)
+    assert_same_training(result, serial_reference(result))
+    assert_trained(result)
+
+
+def test_dp2_equals_dp1_so_the_gradient_is_averaged_once(tmp_path):
+    """Two replicas on halves of the batch take the same step as one replica on all of it:
+    the gradient is divided by dp once, not zero times or once per micro-batch. Order
+    tp-dp-pp makes a replica's DP coordinate differ from its global rank, so slicing by
+    the global rank (the seed's defect 5) would train on the wrong rows."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    common = dict(schedule="1f1b", order="tp-dp-pp", micro_batches=2, batch_size=16, steps=3)
+    one = run_3d(tmp_path / "one", 1, 2, 2, **common)
+    two = run_3d(tmp_path / "two", 2, 2, 2, **common)
+    assert_trained(one)
+    assert_same_training(two, one)
+    assert_same_training(two, serial_reference(two))
+    # dp=2 under tp-dp-pp: replica 1 holds ranks 2, 3, 6, 7, none of them rank 1
+    groups = three_d.rank_groups(2, 2, 2, order="tp-dp-pp")
+    assert {r for r in range(8) if three_d.coordinates(r, groups)[0] == 1} == {2, 3, 6, 7}
+
+
+# ----------------------------------------------------------------------------------
+# 5. Bad input
+# ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--dp", "0"], "--dp"),
+    (["--tp", "-1"], "--tp"),
+    (["--pp", "x"], "--pp"),
+    (["--dim", "30", "--tp", "4"], "--dim"),
+    (["--num-layers", "6", "--pp", "4"], "--num-layers"),
+    (["--pp", "16", "--num-layers", "8"], "--pp"),
+    (["--batch-size", "12", "--dp", "2", "--micro-batches", "4"], "--batch-size"),
+    (["--order", "foo"], "--order"),
+    (["--schedule", "bar"], "--schedule"),
+])
+def test_bad_input_exits_2_with_one_line(argv, flag, monkeypatch, capsys):
+    started = no_ranks(monkeypatch)
+    with pytest.raises(SystemExit) as exited:
+        three_d.main([*argv, *TIMEOUT])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    err = captured.err
+    assert len(err.splitlines()) == 1 and err.endswith("\n"), err
+    assert flag in err and "error" in err and "Traceback" not in err
+    assert captured.out == ""
+    assert started == []
+
+
+def test_world_size_mismatch_under_torchrun_exits_2_before_any_rank(monkeypatch, capsys):
+    started = no_ranks(monkeypatch)
+    for name, value in dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        three_d.main(["--dp", "2", "--pp", "2", "--tp", "2", *TIMEOUT])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "--dp" in err and "--pp" in err and "--tp" in err
+    assert "8" in err and "4" in err            # what the sizes need, what torchrun started
+    assert started == []
+    assert not dist.is_initialized()
+
+
+# ----------------------------------------------------------------------------------
+# 6. `make 3d`: the defaults with --check, as a subprocess
+# ----------------------------------------------------------------------------------
+
+LOSS_LINE = re.compile(r"^\[dp0 pp(\d+) tp0\] step\s+(\d+)\s+loss ([0-9.eE+-]+)$")
+
+
+@pytest.mark.deadline(90)   # ~10 s idle; the deadline leaves room for a machine shared with other test runs
+def test_make_3d_defaults_pass_check_and_learn(tmp_path):
+    """The defaults of `make 3d` (8 ranks, 30 steps): --check passes, the printed losses
+    are serial training's, and the loss falls at least tenfold."""
+    save = tmp_path / "run.pt"
+    proc = subprocess.run([sys.executable, "three_d.py", "--check", "--save", str(save), *TIMEOUT],
+                          cwd=REPO, capture_output=True, text=True, timeout=85)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    result = torch.load(save)
+    config = result["config"]
+    assert (config["dp"], config["pp"], config["tp"], config["steps"]) == (2, 2, 2, 30)
+    assert "rank map: dp=2 pp=2 tp=2" in proc.stdout
+    assert sum(line.split()[:4] == ["rank", "dp", "pp", "tp"] for line in lines) == 1
+
+    # one loss line per step, printed by the last stage; the same losses as serial training
+    steps = [LOSS_LINE.match(line) for line in lines if LOSS_LINE.match(line)]
+    assert [int(m[2]) for m in steps] == list(range(config["steps"]))
+    assert all(int(m[1]) == config["pp"] - 1 for m in steps)
+    printed = [float(m[3]) for m in steps]
+    ref = serial_reference(result)
+    torch.testing.assert_close(torch.tensor(printed), torch.tensor(ref["losses"]), atol=2e-6, rtol=1e-5)
+    assert_same_training(result, ref)
+    assert printed[-1] * 10 <= printed[0], printed
+
+    check = [line for line in lines if line.startswith("check against serial autograd")]
+    assert len(check) == 1 and check[0].endswith("OK")
+    assert float(check[0].split("largest difference ")[1].split()[0]) <= dp.CHECK_TOLERANCE
