@@ -33,9 +33,12 @@ from data_parallel import (check_divides, check_training_args, finish_run, init_
 # ----------------------------------------------------------------------------------
 
 def shard_columns(w, tp_rank, tp_size):
-    """Rank t's columns of a full matrix: W[:, t D/T : (t+1) D/T]."""
+    """Rank t's columns of a full matrix: W[:, t D/T : (t+1) D/T], as a copy.
+
+    A copy even when T = 1 (where .contiguous() would return W itself): the optimizer
+    updates the shard in place, and the full matrix must stay the initial one."""
     cols = w.shape[1] // tp_size
-    return w[:, tp_rank * cols:(tp_rank + 1) * cols].contiguous()
+    return w[:, tp_rank * cols:(tp_rank + 1) * cols].clone(memory_format=torch.contiguous_format)
 
 
 def all_gather_columns(a_t, group=None):
@@ -148,10 +151,11 @@ def embedding_worker(rank, world_size, vocab_size, dim):
     start, end = vocab_range(vocab_size, rank, world_size)
     table_t = table[start:end].to(device)
     # Every rank looks up the same tokens: the first and last row of every shard, and
-    # one token three times over.
+    # one token three times over (cut to the row's length: one rank has only 2 edges).
     edges = [row for r in range(world_size) for row in (vocab_range(vocab_size, r, world_size)[0],
                                                           vocab_range(vocab_size, r, world_size)[1] - 1)]
-    tokens = torch.tensor([edges, [1] * 3 + edges[3:]], device=device)   # [2, 2T]
+    repeated = [min(1, vocab_size - 1)] * 3
+    tokens = torch.tensor([edges, (repeated + edges[3:])[:len(edges)]], device=device)   # [2, 2T]
     out, stash = embedding_forward(tokens, table_t, start)
     g = torch.arange(out.numel(), dtype=out.dtype, device=device).view_as(out) / out.numel()
     d_table_t = embedding_backward(g, stash, end - start)

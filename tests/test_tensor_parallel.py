@@ -1,0 +1,371 @@
+"""Tests for tensor_parallel.py: every number is compared with a single-process reference.
+
+- The column-parallel layer in isolation (forked ranks, T = 1..4): forward, dW_t, dx and
+  the skipped all-reduce against autograd on the full matrix; the all-gather's order.
+- The vocab-parallel embedding against nn.Embedding: outputs and table gradients, tokens
+  at every shard edge, repeated tokens, vocabularies that T does not divide.
+- Tensor-parallel training (in-process main(), ranks forked) against serial_train, over
+  world sizes, micro-batches and optimizers; the --save contract; each rank's own shards.
+- The seed's defects stay gone: shards are slices of one matrix, dW_t is [D, D/T].
+- --check from the command line, --check failing on a broken backward, bad flags exit 2.
+
+The workers save what they computed to tmp files and the test asserts in the parent, so a
+rank that never ran fails the test too (its file is missing).
+"""
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import data_parallel as dp
+import tensor_parallel as tp
+from collectives import RankFailed, cleanup, setup, spawn
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Float32, differences only from summation order.
+ATOL = 1e-5
+RTOL = 1e-5
+
+# A small model that trains quickly and stays far from chaos. D = 24 divides by 1, 2, 3, 4;
+# B = 12 by micro-batch counts 1, 2, 3, 4.
+SMALL = {"num_layers": 4, "dim": 24, "batch_size": 12, "steps": 4, "seed": 3}
+LR = {"sgd": 0.1, "adamw": 0.01}
+
+
+def _load_ranks(folder, world_size, prefix="rank"):
+    """Every rank's saved file, in rank order (a missing one fails the test)."""
+    return [torch.load(folder / f"{prefix}{r}.pt") for r in range(world_size)]
+
+
+def _cols(rank, world_size, dim):
+    n = dim // world_size
+    return slice(rank * n, (rank + 1) * n)
+
+
+# ----------------------------------------------------------------------------------
+# 1, 2. The column-parallel layer and the all-gather, in forked ranks
+# ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_shard_columns_are_copies_that_tile_the_matrix(world_size):
+    """The shards tile W in rank order, and training one in place leaves W alone, also at
+    T = 1 (a view of W there once made the saved init weights equal the final ones)."""
+    w = torch.randn(6, 6, generator=torch.Generator().manual_seed(2))
+    before = w.clone()
+    shards = [tp.shard_columns(w, t, world_size) for t in range(world_size)]
+    assert all(s.shape == (6, 6 // world_size) and s.is_contiguous() for s in shards)
+    assert torch.equal(torch.cat(shards, dim=1), w)
+    for s in shards:
+        s.add_(1.0)
+    assert torch.equal(w, before)
+
+
+def _column_worker(rank, world_size, cases, pieces, folder):
+    """Run the layer on this rank's shard of each case's full W, and gather one piece per
+    rank; save everything for the parent to check."""
+    setup(rank, world_size)
+    results = []
+    for x, w, g in cases:
+        w_t = tp.shard_columns(w, rank, world_size)                       # [D, D/T]
+        a, stash = tp.column_forward(x, w_t)                               # [b, D]
+        dx, dw_t = tp.column_backward(g, stash, w_t, need_dx=True)
+        dx_local, dw_t_again = tp.column_backward(g, stash, w_t, need_dx=False)
+        results.append({"w_t": w_t, "a": a, "dx": dx, "dw_t": dw_t,
+                        "dx_local": dx_local, "dw_t_again": dw_t_again})
+    gathered = tp.all_gather_columns(pieces[rank])
+    torch.save({"cases": results, "gathered": gathered}, folder / f"rank{rank}.pt")
+    cleanup()
+
+
+def _column_cases():
+    """(x, W, g) at two shapes; x scaled so some |z| reach gelu's flat tails."""
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for b, d in [(5, 12), (2, 24)]:
+        x = torch.randn(b, d, generator=gen) * 2.0
+        w = torch.randn(d, d, generator=gen) * (2.0 / d) ** 0.5
+        g = torch.randn(b, d, generator=gen)
+        cases.append((x, w, g))
+    return cases
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_column_layer_matches_autograd(tmp_path, world_size):
+    cases = _column_cases()
+    gen = torch.Generator().manual_seed(1)
+    pieces = [torch.randn(3, 5, generator=gen) for _ in range(world_size)]   # [b, n], b != n
+    spawn(_column_worker, world_size, cases, pieces, tmp_path)
+    ranks = _load_ranks(tmp_path, world_size)
+
+    # all_gather_columns: the shards side by side in rank order, the same on every rank
+    want = torch.cat(pieces, dim=1)                                          # [3, 5 T]
+    for r in ranks:
+        assert r["gathered"].shape == (3, 5 * world_size)
+        assert torch.equal(r["gathered"], want)
+
+    for i, (x, w, g) in enumerate(cases):
+        b, d = x.shape
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        a_ref = F.gelu(xr @ wr)
+        a_ref.backward(g)
+        full_dx, full_dw = xr.grad, wr.grad
+        mine = [r["cases"][i] for r in ranks]
+        # the shards tile the one matrix
+        assert torch.equal(torch.cat([m["w_t"] for m in mine], dim=1), w)
+        for t, m in enumerate(mine):
+            # forward: every rank holds the full gelu(x @ W)
+            assert m["a"].shape == (b, d)
+            torch.testing.assert_close(m["a"], a_ref.detach(), atol=ATOL, rtol=RTOL)
+            # dW_t: this rank's columns of autograd's dW, shape [D, D/T] (not the seed's [D/T, D])
+            assert m["dw_t"].shape == (d, d // world_size)
+            torch.testing.assert_close(m["dw_t"], full_dw[:, _cols(t, world_size, d)], atol=ATOL, rtol=RTOL)
+            assert torch.equal(m["dw_t_again"], m["dw_t"])     # need_dx changes dx only
+            # dx: the all-reduced sum equals autograd's dx on every rank
+            assert m["dx"].shape == (b, d)
+            torch.testing.assert_close(m["dx"], full_dx, atol=ATOL, rtol=RTOL)
+        # need_dx=False: each rank keeps only its own term dz_t W_t^T; the terms sum to dx
+        torch.testing.assert_close(sum(m["dx_local"] for m in mine), full_dx, atol=ATOL, rtol=RTOL)
+        for m in mine:
+            if world_size == 1:
+                torch.testing.assert_close(m["dx_local"], full_dx, atol=ATOL, rtol=RTOL)
+            else:   # the all-reduce really was skipped
+                assert (m["dx_local"] - full_dx).abs().max() > 1e-2
+
+
+# ----------------------------------------------------------------------------------
+# 5. The vocab-parallel embedding against nn.Embedding
+# ----------------------------------------------------------------------------------
+
+def _embedding_worker(rank, world_size, cases, folder):
+    setup(rank, world_size)
+    results = []
+    for table, tokens, g in cases:
+        start, end = tp.vocab_range(table.shape[0], rank, world_size)
+        out, stash = tp.embedding_forward(tokens, table[start:end].clone(), start)
+        d_table_t = tp.embedding_backward(g, stash, end - start)
+        results.append({"start": start, "end": end, "out": out, "d_table_t": d_table_t})
+    torch.save(results, folder / f"rank{rank}.pt")
+    cleanup()
+
+
+def _embedding_cases(world_size, dim=5):
+    """(table, tokens, g) for several vocabulary sizes. Every token of the vocabulary
+    appears (so the first and last row of every shard do, wherever the cuts fall), some
+    repeat; the last case puts every token in the last shard."""
+    gen = torch.Generator().manual_seed(world_size)
+    cases = []
+    for vocab_size in sorted({world_size, 7, 10, 13}):
+        if vocab_size < world_size:
+            continue
+        table = torch.randn(vocab_size, dim, generator=gen)
+        seq = torch.cat([torch.arange(vocab_size), torch.randint(vocab_size, (vocab_size + 5,), generator=gen),
+                         torch.full((3,), vocab_size - 1)])
+        seq = seq[torch.randperm(len(seq), generator=gen)]
+        tokens = seq.view(2, -1)                                      # [2, V + 4]
+        cases.append((table, tokens, torch.randn(*tokens.shape, dim, generator=gen)))
+    table = torch.randn(10, dim, generator=gen)
+    tokens = torch.full((3, 2), 9)
+    cases.append((table, tokens, torch.randn(3, 2, dim, generator=gen)))
+    return cases
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_vocab_parallel_embedding_matches_nn_embedding(tmp_path, world_size):
+    cases = _embedding_cases(world_size)
+    assert any(c[0].shape[0] % world_size for c in cases) or world_size == 1   # a V that T does not divide
+    spawn(_embedding_worker, world_size, cases, tmp_path)
+    ranks = _load_ranks(tmp_path, world_size)
+
+    for i, (table, tokens, g) in enumerate(cases):
+        vocab_size = table.shape[0]
+        assert torch.bincount(tokens.flatten()).max() >= 2             # some token repeats
+        ref = nn.Embedding.from_pretrained(table.clone(), freeze=False)
+        ref_out = ref(tokens)
+        ref_out.backward(g)
+        mine = [r[i] for r in ranks]
+        # the ranges tile [0, V) in rank order, balanced to within one row, none empty
+        bounds = [(m["start"], m["end"]) for m in mine]
+        assert bounds[0][0] == 0 and bounds[-1][1] == vocab_size
+        assert all(bounds[t][1] == bounds[t + 1][0] for t in range(world_size - 1))
+        sizes = [e - s for s, e in bounds]
+        assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+        summed = torch.zeros_like(table)
+        for m in mine:
+            start, end = m["start"], m["end"]
+            torch.testing.assert_close(m["out"], ref_out.detach(), atol=ATOL, rtol=RTOL)
+            assert m["d_table_t"].shape == (end - start, table.shape[1])
+            torch.testing.assert_close(m["d_table_t"], ref.weight.grad[start:end], atol=ATOL, rtol=RTOL)
+            summed[start:end] += m["d_table_t"]
+        # each row's gradient comes from its one owner: together they are the full gradient
+        torch.testing.assert_close(summed, ref.weight.grad, atol=ATOL, rtol=RTOL)
+        if (tokens == vocab_size - 1).all():   # only the last shard has tokens: the others get nothing
+            assert all(torch.count_nonzero(m["d_table_t"]) == 0 for m in mine[:-1])
+            assert torch.count_nonzero(mine[-1]["d_table_t"]) > 0
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_embedding_demo_says_true_on_every_rank(capfd, world_size):
+    tp.main(["--embedding", "--world-size", str(world_size)])
+    out = capfd.readouterr().out
+    verdicts = [line for line in out.splitlines() if "forward matches nn.Embedding" in line]
+    assert sorted(line.split("]")[0] for line in verdicts) == [f"[rank {r}" for r in range(world_size)]
+    assert all(line.endswith("nn.Embedding: True, gradient of my rows matches: True") for line in verdicts)
+
+
+# ----------------------------------------------------------------------------------
+# 3, 4. Tensor-parallel training against serial_train; each rank's own shards
+# ----------------------------------------------------------------------------------
+
+def _spy_on_shards(monkeypatch, folder):
+    """Every rank saves its shards when its optimizer is built (before any step) and
+    again at cleanup (after training). Forked ranks inherit the patched names."""
+    kept = {}
+    make_optimizer, original_cleanup = tp.make_optimizer, tp.cleanup
+
+    def spy_optimizer(params, args):
+        kept["shards"] = params
+        torch.save([p.detach().clone() for p in params], folder / f"init{dist.get_rank()}.pt")
+        return make_optimizer(params, args)
+
+    def spy_cleanup():
+        torch.save([p.detach().clone() for p in kept["shards"]], folder / f"final{dist.get_rank()}.pt")
+        original_cleanup()
+
+    monkeypatch.setattr(tp, "make_optimizer", spy_optimizer)
+    monkeypatch.setattr(tp, "cleanup", spy_cleanup)
+
+
+def run_tp(tmp_path, monkeypatch, world_size, micro_batches=1, optimizer="sgd", flags=()):
+    """tensor_parallel.main in-process; the saved dict plus each rank's init/final shards."""
+    save = tmp_path / "run.pt"
+    argv = ["--world-size", str(world_size), "--micro-batches", str(micro_batches),
+            "--optimizer", optimizer, "--lr", str(LR[optimizer]), "--save", str(save), *flags]
+    for key, value in SMALL.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    _spy_on_shards(monkeypatch, tmp_path)
+    tp.main(argv)
+    result = torch.load(save)
+    result["init_shards"] = _load_ranks(tmp_path, world_size, "init")
+    result["final_shards"] = _load_ranks(tmp_path, world_size, "final")
+    return result
+
+
+def assert_save_contract(result):
+    cfg = result["config"]
+    for flag in ("num_layers", "dim", "batch_size", "micro_batches", "steps", "lr", "optimizer",
+                 "seed", "save", "check", "world_size"):
+        assert flag in cfg
+    L, D = cfg["num_layers"], cfg["dim"]
+    for key in ("init_weights", "final_weights"):
+        assert isinstance(result[key], list) and len(result[key]) == L
+        assert all(w.shape == (D, D) and w.dtype == torch.float32 for w in result[key])
+    # the init is init_weights exactly: drawn once, whole (not reseeded per layer or shard)
+    assert all(torch.equal(a, b) for a, b in zip(result["init_weights"], dp.init_weights(L, D, cfg["seed"])))
+    inputs, targets = dp.make_batch(argparse.Namespace(**cfg))
+    assert torch.equal(result["inputs"], inputs) and torch.equal(result["targets"], targets)
+    assert isinstance(result["losses"], list) and len(result["losses"]) == cfg["steps"]
+    # losses[0] is the loss before any update: the initial model on the whole batch
+    out, _ = dp.model_forward(result["init_weights"], inputs)
+    assert result["losses"][0] == pytest.approx(F.mse_loss(out, targets).item(), rel=1e-5)
+
+
+def assert_shards_are_slices(result):
+    """Rank t's shards are columns t D/T .. of the one full matrix, before and after training."""
+    cfg = result["config"]
+    world_size, D = cfg["world_size"], cfg["dim"]
+    init = dp.init_weights(cfg["num_layers"], D, cfg["seed"])
+    for t, (first, last) in enumerate(zip(result["init_shards"], result["final_shards"])):
+        cols = _cols(t, world_size, D)
+        for layer, (w0, w1) in enumerate(zip(first, last)):
+            assert w0.shape == w1.shape == (D, D // world_size)
+            assert torch.equal(w0, init[layer][:, cols])
+            assert torch.equal(w1, result["final_weights"][layer][:, cols])   # gathered in rank order
+    for layer in range(cfg["num_layers"]):
+        assert torch.equal(torch.cat([s[layer] for s in result["init_shards"]], dim=1), init[layer])
+
+
+def assert_matches_serial(result):
+    ref = dp.serial_train(argparse.Namespace(**result["config"]))
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), atol=ATOL, rtol=RTOL)
+    for got, want in zip(result["final_weights"], ref["final_weights"]):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    # it trained: the weights moved far past the tolerance, and the loss fell
+    moved = max((f - i).abs().max().item() for f, i in zip(result["final_weights"], result["init_weights"]))
+    assert moved > 100 * ATOL
+    assert result["losses"][-1] < result["losses"][0]
+
+
+@pytest.mark.parametrize("world_size,micro_batches,optimizer", [
+    (1, 1, "sgd"), (2, 2, "sgd"), (3, 3, "sgd"), (4, 1, "sgd"), (2, 1, "adamw"), (4, 2, "adamw")])
+def test_tp_training_matches_serial(tmp_path, monkeypatch, world_size, micro_batches, optimizer):
+    result = run_tp(tmp_path, monkeypatch, world_size, micro_batches, optimizer)
+    cfg = result["config"]
+    assert (cfg["world_size"], cfg["micro_batches"], cfg["optimizer"]) == (world_size, micro_batches, optimizer)
+    assert_save_contract(result)
+    assert_shards_are_slices(result)
+    assert_matches_serial(result)
+
+
+# ----------------------------------------------------------------------------------
+# 6. --check
+# ----------------------------------------------------------------------------------
+
+@pytest.mark.deadline(60)
+def test_check_passes_from_the_command_line():
+    proc = subprocess.run([sys.executable, "tensor_parallel.py", "--world-size", "2", "--steps", "3", "--check"],
+                          cwd=REPO, capture_output=True, text=True, timeout=55)
+    assert proc.returncode == 0, proc.stderr
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("check against serial autograd training")]
+    assert len(lines) == 1 and lines[0].endswith("OK")
+    worst = float(lines[0].split("largest difference ")[1].split()[0])
+    assert worst <= dp.CHECK_TOLERANCE
+
+
+def test_check_fails_when_dx_is_not_all_reduced(tmp_path, monkeypatch, capfd):
+    """Skip the all-reduce of dx everywhere: each rank backpropagates only its own term,
+    training goes wrong, and --check must say FAILED and exit 1 (spawn: RankFailed)."""
+    column_backward = tp.column_backward
+    monkeypatch.setattr(tp, "column_backward",
+                        lambda g, stash, w_t, group=None, need_dx=True: column_backward(g, stash, w_t, group, False))
+    with pytest.raises(RankFailed) as failed:
+        run_tp(tmp_path, monkeypatch, 2, flags=("--check",))
+    assert failed.value.rank == 0 and "exited with code 1" in failed.value.text
+    out = capfd.readouterr().out
+    assert "check against serial autograd training" in out and "FAILED" in out
+    saved = torch.load(tmp_path / "run.pt")   # saved before the check: really far from serial
+    ref = dp.serial_train(argparse.Namespace(**saved["config"]))
+    assert max((a - b).abs().max().item() for a, b in zip(saved["final_weights"], ref["final_weights"])) > 1e-3
+
+
+# ----------------------------------------------------------------------------------
+# 7. Bad input: one line naming the flag, exit 2, before any rank starts
+# ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--dim", "30", "--world-size", "4"], "--dim"),
+    (["--batch-size", "7", "--micro-batches", "2"], "--batch-size"),
+    (["--world-size", "0"], "--world-size"),
+    (["--steps", "0"], "--steps"),
+    (["--lr", "-1"], "--lr"),
+    (["--optimizer", "foo"], "--optimizer"),
+    (["--num-layers", "x"], "--num-layers"),
+    (["--embedding", "--vocab-size", "2", "--world-size", "4"], "--vocab-size"),
+])
+def test_bad_flags_exit_2_with_one_line(argv, flag, capsys, monkeypatch):
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a worker started despite bad input")
+    monkeypatch.setattr(tp, "spawn", no_spawn)
+    with pytest.raises(SystemExit) as exited:
+        tp.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and "error" in lines[0], err
+    assert "Traceback" not in err
