@@ -78,12 +78,15 @@ def coordinates(rank, groups):
 
 def show_rank_map(dp, pp, tp, order):
     groups = rank_groups(dp, pp, tp, order)
+    width = {name: len(str(groups[name][0])) + 2 for name in ("tp", "pp", "dp")}
     print(f"rank map: dp={dp} pp={pp} tp={tp}, order {order} (fastest first)")
-    print(f"{'rank':>5} {'dp':>3} {'pp':>3} {'tp':>3}   {'tp group':<16}{'pp group':<16}{'dp group':<16}")
+    print(f"{'rank':>5} {'dp':>3} {'pp':>3} {'tp':>3}   " + "".join(
+        f"{name + ' group':<{max(width[name], 10)}}" for name in ("tp", "pp", "dp")))
     for rank in range(dp * pp * tp):
         d, p, t = coordinates(rank, groups)
         mine = {name: next(g for g in groups[name] if rank in g) for name in AXES}
-        print(f"{rank:>5} {d:>3} {p:>3} {t:>3}   {str(mine['tp']):<16}{str(mine['pp']):<16}{str(mine['dp']):<16}")
+        print(f"{rank:>5} {d:>3} {p:>3} {t:>3}   " + "".join(
+            f"{str(mine[name]):<{max(width[name], 10)}}" for name in ("tp", "pp", "dp")))
 
 
 # ----------------------------------------------------------------------------------
