@@ -215,7 +215,9 @@ def pp_worker(rank, world_size, args):
     first, last = rank == 0, rank == world_size - 1
     full = init_weights(args.num_layers, args.dim, args.seed)
     layers = stage_layers(args.num_layers, world_size, rank)
-    weights = [full[i].to(device) for i in layers]
+    # A copy: on the CPU .to(device) returns the same tensor, and the optimizer would
+    # then update `full` in place, which --save writes as the initial weights.
+    weights = [full[i].to(device, copy=True) for i in layers]
     inputs, targets = make_batch(args)
     m = args.micro_batches
     stage = Stage(weights, first, last, targets.to(device).chunk(m), n=args.batch_size * args.dim)
