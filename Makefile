@@ -29,3 +29,9 @@ test: deps
 
 bench: deps
 	$(PYTHON) collectives.py --bench
+	$(PYTHON) pipeline_parallel.py --bubble-table
+	$(PYTHON) data_parallel.py --count-comm --steps 1
+	$(PYTHON) tensor_parallel.py --count-comm --steps 1
+	$(PYTHON) pipeline_parallel.py --count-comm --steps 1
+	$(PYTHON) three_d.py --count-comm --steps 1
+	$(PYTHON) three_d.py --count-comm --steps 1 --p2p-shard

@@ -26,6 +26,8 @@ under torchrun, runs the one rank torchrun started, so every script runs unchang
 on a laptop's CPU, on a GPU box, and across nodes.
 """
 import argparse
+import contextlib
+import inspect
 import math
 import os
 import shutil
@@ -33,9 +35,11 @@ import signal
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 from datetime import timedelta
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -382,6 +386,138 @@ def human_bytes(size):
         if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit}"
         size /= 1024
+
+
+# ----------------------------------------------------------------------------------
+# --count-comm: the bytes each rank sends in one training step (the training scripts
+# use it; the flag is in data_parallel.training_parser)
+# ----------------------------------------------------------------------------------
+#
+# "Bytes sent" by one rank follows the ring algorithm, as --bench's busbw does, so a
+# count is exact and can be derived by hand. Over a group of n ranks:
+#   all-reduce of N bytes            2(n-1)/n x N   (a reduce-scatter, then an all-gather)
+#   all-gather producing N bytes      (n-1)/n x N   (its own piece, to each of n-1 others)
+#   reduce-scatter of N input bytes   (n-1)/n x N
+#   send of N bytes                   N
+# A group of one sends nothing. Fractions keep sums exact when n does not divide N.
+RING_COST = {  # dist function -> (kind, the argument that holds N, factor)
+    "all_reduce": ("all-reduce", "tensor", 2),
+    "all_gather_single": ("all-gather", "output_tensor", 1),
+    "all_gather_into_tensor": ("all-gather", "output_tensor", 1),
+    "reduce_scatter_single": ("reduce-scatter", "input", 1),
+    "reduce_scatter_tensor": ("reduce-scatter", "input", 1),
+}
+
+
+class CommCounter:
+    """Counts the bytes this rank sends inside `with counter.step():`, per (dimension, kind).
+
+    groups names this rank's group of each parallel dimension: {"tp": tp_group,
+    "pp": pp_group, "dp": dp_group} in 3D, {"dp": None} when the world is the one
+    dimension. A collective counts for the dimension of the group it is called on; a
+    send for the dimension whose group holds the peer.
+
+    step() swaps the functions the scripts call as dist.xxx for counting wrappers and
+    puts the originals back at its end, so what runs outside it (the loss's
+    all-reduce, --save's gathers, barriers) is never counted. dist.isend stays as it
+    is, because P2POp accepts only the real one: sends are counted where
+    batch_isend_irecv posts them. Disabled, step() does nothing.
+    """
+
+    def __init__(self, groups, enabled=True):
+        self.groups, self.enabled = groups, enabled
+        self.counts = {}   # (dimension, kind) -> [calls, bytes], of the last step()
+
+    @contextlib.contextmanager
+    def step(self):
+        if not self.enabled:
+            yield
+            return
+        self.counts = {}
+        originals = {name: getattr(dist, name) for name in [*RING_COST, "send", "batch_isend_irecv"]}
+        for name, fn in originals.items():
+            setattr(dist, name, self._counting(name, fn))
+        try:
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+
+    def _counting(self, name, fn):
+        def counted(*args, **kwargs):
+            call = inspect.signature(fn).bind(*args, **kwargs).arguments
+            if name == "batch_isend_irecv":
+                for op in call["p2p_op_list"]:
+                    if op.op is dist.isend:          # the receives send nothing
+                        self._add(self._dimension(peer=op.peer), "send", _nbytes(op.tensor))
+            elif name == "send":
+                peer = call.get("dst")
+                if peer is None:                     # named by its rank in the group
+                    peer = dist.get_global_rank(call.get("group") or dist.group.WORLD, call["group_dst"])
+                self._add(self._dimension(peer=peer), "send", _nbytes(call["tensor"]))
+            else:
+                kind, tensor, factor = RING_COST[name]
+                n = dist.get_world_size(call.get("group"))
+                self._add(self._dimension(group=call.get("group")), kind,
+                          Fraction(factor * (n - 1) * _nbytes(call[tensor]), n))
+            return fn(*args, **kwargs)
+        return counted
+
+    def _add(self, dimension, kind, nbytes):
+        entry = self.counts.setdefault((dimension, kind), [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
+
+    def _dimension(self, group=None, peer=None):
+        """The name of the group a collective runs on, or of the group holding a peer."""
+        world = dist.group.WORLD
+        for name, mine in self.groups.items():
+            mine = world if mine is None else mine
+            if peer is None and mine is (world if group is None else group):
+                return name
+            if peer is not None and peer in dist.get_process_group_ranks(mine):
+                return name
+        return "other"   # a group nobody named: shows up in the report as unexpected
+
+
+def _nbytes(tensor):
+    return tensor.numel() * tensor.element_size()
+
+
+def report_comm(counter, formula, notes=""):
+    """On rank 0, every rank's counts from the last step() beside the analytic formula.
+
+    formula: {(dimension, kind): (bytes, "how they add up")} for this rank. Every rank
+    must call this (it gathers). Ranks whose lines are identical share one block.
+    """
+    lines, names = [], [*counter.groups, "other"]
+    for key in sorted(set(counter.counts) | set(formula), key=lambda k: (names.index(k[0]), k[1])):
+        calls, counted = counter.counts.get(key, (0, 0))
+        expected, how = formula.get(key, (0, "not in the formula"))
+        lines.append((*key, calls, counted, expected, how))
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(lines, everyone, dst=0)
+    if dist.get_rank() != 0:
+        return
+    blocks = {}   # lines -> the ranks that have exactly those
+    for rank, theirs in enumerate(everyone):
+        blocks.setdefault(tuple(theirs), []).append(rank)
+    print("--count-comm: bytes each rank sent in the last training step, counted and by formula\n"
+          "  (ring convention over n ranks: all-reduce of N bytes 2(n-1)/n x N, all-gather and reduce-scatter\n"
+          "  (n-1)/n x N, send N; the loss's all-reduce, --save and barriers are outside the count)", flush=True)
+    for theirs, ranks in blocks.items():
+        print(f"  ranks {','.join(map(str, ranks))}:", flush=True)
+        for dimension, kind, calls, counted, expected, how in theirs:
+            verdict = "ok" if counted == expected else "DIFFERENT"
+            print(f"    {dimension} {kind:<15}{calls:>4} calls  counted {_exact(counted):>10}  "
+                  f"formula {_exact(expected):>10} = {how}  {verdict}", flush=True)
+    if notes:
+        print(textwrap.fill(notes, 100, break_on_hyphens=False), flush=True)
+
+
+def _exact(nbytes):
+    """An integer as it is; a fraction of a byte (n does not divide N) to 2 decimals."""
+    return str(nbytes) if Fraction(nbytes).denominator == 1 else f"{float(nbytes):.2f}"
 
 
 # ----------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
     python data_parallel.py                                  # 4 replicas on the CPU
     python data_parallel.py --world-size 2 --micro-batches 4 --overlap --check
+    python data_parallel.py --count-comm --steps 1           # bytes sent per step, against the formula
     torchrun --nproc-per-node 4 data_parallel.py
 
 The model is an MLP of L layers, a = gelu(x @ W_l), trained with mean squared error
@@ -17,14 +18,15 @@ of the layers below.
 """
 import math
 import os
+from fractions import Fraction
 
 import torch
 import torch._dynamo  # noqa: F401  building any torch.optim optimizer imports it (~1 s): pay once, before forking
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives import (Parser, add_launch_args, check_launch_args, cleanup, log, positive_float,
-                         positive_int, run_main, setup, spawn)
+from collectives import (CommCounter, Parser, add_launch_args, check_launch_args, cleanup, log, positive_float,
+                         positive_int, report_comm, run_main, setup, spawn)
 
 
 # ----------------------------------------------------------------------------------
@@ -157,6 +159,14 @@ class GradientAverager:
                 grad.copy_(piece.view_as(grad))
 
 
+def dp_comm_formula(param_bytes, dp_size):
+    """Bytes one replica sends per step (--count-comm): one all-reduce of all its
+    gradients, 2(d-1)/d x their bytes. --overlap sends one per layer: the same bytes."""
+    d = dp_size
+    return {("dp", "all-reduce"): (Fraction(2 * (d - 1) * param_bytes, d),
+                                   f"2({d}-1)/{d} x {param_bytes} gradient bytes")}
+
+
 def dp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     tag = f"[rank {rank}]"
@@ -167,6 +177,7 @@ def dp_worker(rank, world_size, args):
     averager = GradientAverager(group=None, overlap=args.overlap)
     local_batch = args.batch_size // world_size
     n = local_batch * args.dim  # elements in this replica's slice: its mean loss divides by n
+    comm = CommCounter({"dp": None}, enabled=args.count_comm)
     losses = []
     for step in range(args.steps):
         rows = replica_rows(args.batch_size, rank, world_size, step if args.shuffle else None, args.seed)
@@ -174,23 +185,26 @@ def dp_worker(rank, world_size, args):
         ys = targets[rows].chunk(args.micro_batches)
         grads = [torch.zeros_like(w) for w in weights]
         loss = torch.zeros((), device=device)
-        for mb, (x, y) in enumerate(zip(xs, ys)):
-            out, stashes = model_forward(weights, x)
-            mb_loss, g = mse_loss(out, y, n)
-            loss += mb_loss
-            last = mb == len(xs) - 1
-            for i in reversed(range(len(weights))):
-                g, dw = layer_backward(g, stashes[i], weights[i])
-                grads[i] += dw                          # accumulate over micro-batches
-                if last:
-                    averager.ready(grads[i])           # layer i's gradient is final now
-        averager.finish(grads)
+        with comm.step():                               # --count-comm counts what this sends
+            for mb, (x, y) in enumerate(zip(xs, ys)):
+                out, stashes = model_forward(weights, x)
+                mb_loss, g = mse_loss(out, y, n)
+                loss += mb_loss
+                last = mb == len(xs) - 1
+                for i in reversed(range(len(weights))):
+                    g, dw = layer_backward(g, stashes[i], weights[i])
+                    grads[i] += dw                      # accumulate over micro-batches
+                    if last:
+                        averager.ready(grads[i])       # layer i's gradient is final now
+            averager.finish(grads)
         for w, grad in zip(weights, grads):
             w.grad = grad
         optimizer.step()
         losses.append(global_loss(loss, None))
         if rank == 0:
             log(tag, f"step {step:3d}  loss {losses[-1]:.6f}")
+    if args.count_comm:
+        report_comm(comm, dp_comm_formula(sum(w.numel() * w.element_size() for w in weights), world_size))
     drift = replica_drift(weights)
     if rank == 0:
         log(tag, f"replicas identical after training: {drift == 0.0} (largest difference {drift:g})")
@@ -291,6 +305,9 @@ def training_parser(description):
                                                   "inputs, targets and per-step losses")
     p.add_argument("--check", action="store_true", help="also train serially with autograd and compare; "
                                                         "exit 1 past the tolerance")
+    p.add_argument("--count-comm", action="store_true",
+                   help="count the bytes each rank sends in a training step, per kind and dimension, "
+                        "and print them beside the formula")
     add_launch_args(p)
     return p
 

@@ -3,6 +3,7 @@
     python pipeline_parallel.py                                   # 4 stages, 1F1B
     python pipeline_parallel.py --world-size 4 --schedule gpipe --timeline
     python pipeline_parallel.py --world-size 2 --micro-batches 8 --check
+    python pipeline_parallel.py --bubble-table                    # bubble and stash, p = 2, 4 and m = 1..8
     torchrun --nproc-per-node 4 pipeline_parallel.py
 
 The lecture sends activations forward one micro-batch at a time and stops: "Backward
@@ -19,13 +20,17 @@ GPipe runs all m forwards, then all m backwards: every stage stashes m micro-bat
 one forward, one backward, then drains: stage s holds at most p-s micro-batches. Both
 leave the same bubble, (p-1)/(m+p-1) of the time, when stages take equal time.
 """
+import os
+import tempfile
+import textwrap
 import time
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
+from collectives import (CommCounter, check_launch_args, cleanup, log, positive_int, report_comm, run_main, setup,
+                         spawn)
 from data_parallel import (check_divides, check_training_args, collect_on_rank0, finish_run, init_weights,
                            layer_backward, layer_forward, make_batch, make_optimizer, mse_loss, training_parser)
 
@@ -198,6 +203,15 @@ def run_schedule(actions, stage, inputs, prev_rank, next_rank, buffer_shape, gro
             events.append((action.op, action.mb, start, time.perf_counter()))
 
 
+def pp_comm_formula(stage, num_stages, act_bytes, num_micro_batches):
+    """Bytes stage s sends per step (--count-comm): per micro-batch, its output
+    activation to the next stage (unless last) and its input's gradient to the previous
+    stage (unless first), act_bytes each."""
+    boundaries, m = (stage > 0) + (stage < num_stages - 1), num_micro_batches
+    return {("pp", "send"): (boundaries * m * act_bytes,
+                             f"{m} mb x {act_bytes} x {boundaries} (one per neighbouring stage)")}
+
+
 # ----------------------------------------------------------------------------------
 # Training with it
 # ----------------------------------------------------------------------------------
@@ -225,12 +239,14 @@ def pp_worker(rank, world_size, args):
     actions = build_schedule(args.schedule, world_size, rank, m)
     micro_batches = inputs.to(device).chunk(m)                # [B/m, D] each
     buffer_shape = (args.batch_size // m, args.dim)
+    comm = CommCounter({"pp": None}, enabled=args.count_comm)
     losses = []
     for step in range(args.steps):
         stage.grads = [torch.zeros_like(w) for w in weights]
         stage.loss = 0.0
         events = [] if args.timeline and step == args.steps - 1 else None
-        run_schedule(actions, stage, micro_batches, rank - 1, rank + 1, buffer_shape, events=events)
+        with comm.step():           # --count-comm counts what this sends
+            run_schedule(actions, stage, micro_batches, rank - 1, rank + 1, buffer_shape, events=events)
         for w, grad in zip(weights, stage.grads):
             w.grad = grad
         optimizer.step()
@@ -239,6 +255,9 @@ def pp_worker(rank, world_size, args):
             log(tag, f"step {step:3d}  loss {stage.loss:.6f}")
         if events is not None:
             show_timeline(events, stage.peak_stash, world_size, m, rank)
+    if args.count_comm:
+        act_bytes = buffer_shape[0] * buffer_shape[1] * inputs.element_size()   # one [B/m, D] activation
+        report_comm(comm, pp_comm_formula(rank, world_size, act_bytes, m))
     if rank == 0:
         log(tag, "schedule of every stage:")
         for s in range(world_size):
@@ -256,25 +275,104 @@ def show_timeline(events, peak_stash, num_stages, num_micro_batches, rank):
     everything = collect_on_rank0((events, peak_stash))
     if rank != 0:
         return
-    begin = min(e[2] for evs, _ in everything for e in evs)
-    end = max(e[3] for evs, _ in everything for e in evs)
+    begin, end, idle = idle_shares([evs for evs, _ in everything])
     width = 96
     scale = width / (end - begin)
     print(f"timeline of the last step: {(end - begin) * 1e3:.1f} ms across, F = forward, "
           f"b = backward, the digit is the micro-batch, '.' is idle", flush=True)
-    idle = []
     for s, (evs, peak) in enumerate(everything):
         row = ["."] * width
         for op, mb, t0, t1 in evs:
             a, b = int((t0 - begin) * scale), max(int((t0 - begin) * scale) + 1, int((t1 - begin) * scale))
             for c in range(a, min(b, width)):
                 row[c] = (str(mb % 10) if c > a else ("F" if op == "F" else "b"))
-        busy = sum(t1 - t0 for _, _, t0, t1 in evs)
-        idle.append(1 - busy / (end - begin))
-        print(f"  stage {s} |{''.join(row)}| idle {idle[-1]:5.1%}, peak stash {peak}", flush=True)
+        print(f"  stage {s} |{''.join(row)}| idle {idle[s]:5.1%}, peak stash {peak}", flush=True)
     p, m = num_stages, num_micro_batches
     print(f"bubble: measured {sum(idle) / p:.1%} (mean idle share of the stages), "
           f"theory (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.1%}", flush=True)
+
+
+def idle_shares(stage_events):
+    """One step's (begin, end, [idle share of each stage]). The step spans the first F's
+    start to the last B's end over all stages; a stage is busy only inside its F and B."""
+    begin = min(e[2] for evs in stage_events for e in evs)
+    end = max(e[3] for evs in stage_events for e in evs)
+    return begin, end, [1 - sum(t1 - t0 for _, _, t0, t1 in evs) / (end - begin) for evs in stage_events]
+
+
+# ----------------------------------------------------------------------------------
+# --bubble-table: the measured bubble and the peak stash, for p = 2, 4 and m = 1..8
+# ----------------------------------------------------------------------------------
+
+def bubble_table(stages=(2, 4), micro_batches=range(1, 9), dim=1024, rows=64, steps=3,
+                 backend="auto", timeout_s=60.0):
+    """Both schedules for each p in stages and m in micro_batches: a list of dicts with
+    the measured bubble of the median step ("bubble", "step_ms") and each stage's peak
+    stash ("peak_stash"). One dim x dim layer per stage, rows rows per micro-batch."""
+    table = []
+    for p in stages:   # one run of p ranks measures every m and both schedules
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "table.pt")
+            spawn(bubble_worker, p, list(micro_batches), dim, rows, steps, path,
+                  backend=backend, timeout_s=timeout_s)
+            table += torch.load(path)
+    return table
+
+
+def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps, path):
+    device = setup(rank, num_stages)
+    dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
+    p, first, last = num_stages, rank == 0, rank == num_stages - 1
+    w = init_weights(p, dim, seed=0)[rank].to(device)      # one layer per stage
+    table = []
+    for m in micro_batches:
+        x = torch.randn(m * rows, dim, generator=torch.Generator().manual_seed(m)).to(device).chunk(m)
+        for schedule in ("gpipe", "1f1b"):
+            stage = Stage([w], first, last, targets=x, n=m * rows * dim)   # any targets of the right shape
+            actions = build_schedule(schedule, p, rank, m)
+            timelines = []
+            for _ in range(steps + 1):    # the first step opens the connections: not measured
+                timelines.append([])
+                dist.barrier()            # every stage starts the step at once
+                run_schedule(actions, stage, x, rank - 1, rank + 1, (rows, dim), events=timelines[-1])
+            everything = collect_on_rank0((timelines[1:], stage.peak_stash))
+            if rank == 0:
+                measured = sorted((idle_shares([tl[i] for tl, _ in everything]) for i in range(steps)),
+                                  key=lambda step: step[1] - step[0])
+                begin, end, idle = measured[steps // 2]     # the median step, by its span
+                table.append({"p": p, "m": m, "schedule": schedule, "bubble": sum(idle) / p,
+                              "step_ms": (end - begin) * 1e3, "peak_stash": [peak for _, peak in everything]})
+    if rank == 0:
+        torch.save(table, path)
+    cleanup()
+
+
+def print_bubble_table(table, dim, rows, steps):
+    print(f"pipeline bubble and stash: one {dim} x {dim} layer per stage, {rows} rows per micro-batch, "
+          f"the median step of {steps} after a warm-up step", flush=True)
+    print(f"{'p':>3}{'m':>3}{'theory':>9} |{'gpipe':>8}{'ms':>7}  {'stash':<12}|{'1f1b':>8}{'ms':>7}  stash",
+          flush=True)
+    cells = {(r["p"], r["m"], r["schedule"]): r for r in table}
+    for p, m in dict.fromkeys((r["p"], r["m"]) for r in table):
+        line = f"{p:>3}{m:>3}{(p - 1) / (m + p - 1):>9.1%} "
+        for schedule in ("gpipe", "1f1b"):
+            r = cells[p, m, schedule]
+            line += f"|{r['bubble']:>8.1%}{r['step_ms']:>7.1f}  {' '.join(map(str, r['peak_stash'])):<12}"
+        print(line, flush=True)
+    cores, most = os.cpu_count() or 1, max(r["p"] for r in table)
+    print(textwrap.dedent(f"""\
+        theory: (p-1)/(m+p-1), for stages of equal time and free communication. measured: the mean over
+        stages of the share of the step (the first F's start to the last B's end, on any stage) that a stage
+        spent outside its F and B: besides the bubble, the transfers of activations and gradients and the
+        runner's Python between actions. ms: that step's span. stash: the most micro-batches whose
+        activations a stage held at once, stage 0 first; GPipe holds all m, 1F1B min(p-s, m)."""),
+          flush=True)
+    # Any other work on the machine shows up too: give the reader the load to judge by.
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    print(f"machine: {cores} CPU cores{load}.", flush=True)
+    if most > cores:
+        print(f"note: {most} ranks shared {cores} CPU cores: a stage that waits for a core counts as idle,\n"
+              f"and one that loses its core inside F or B counts as busy.", flush=True)
 
 
 # ----------------------------------------------------------------------------------
@@ -284,7 +382,15 @@ def main(argv=None):
     parser.add_argument("--world-size", type=positive_int, default=4, help="pipeline stages, one rank each")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b", help="micro-batch schedule")
     parser.add_argument("--timeline", action="store_true", help="draw the last step's F/B slots per stage")
+    parser.add_argument("--bubble-table", action="store_true",
+                        help="measure the bubble and peak stash of both schedules for p = 2, 4 and m = 1..8 "
+                             "(its own sizes: one 1024 x 1024 layer per stage, 64 rows per micro-batch)")
     args = parser.parse_args(argv)
+    if args.bubble_table:
+        # The measured bubble against (p-1)/(m+p-1), and each stage's peak stash
+        sizes = dict(dim=1024, rows=64, steps=5)
+        print_bubble_table(bubble_table(backend=args.backend, timeout_s=args.timeout_s, **sizes), **sizes)
+        return
     if args.world_size > args.num_layers:
         parser.error(f"--world-size {args.world_size}: more stages than --num-layers ({args.num_layers})")
     check_divides(parser, args.num_layers, "--num-layers", args.world_size, "--world-size")

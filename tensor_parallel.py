@@ -19,11 +19,14 @@ full activation for the next layer. The lecture stops at the forward pass
 The same file shows Megatron's vocabulary-parallel embedding, which splits a table
 by rows instead: a masked lookup, then an all-reduce.
 """
+from fractions import Fraction
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
+from collectives import (CommCounter, check_launch_args, cleanup, log, positive_int, report_comm, run_main, setup,
+                         spawn)
 from data_parallel import (check_divides, check_training_args, finish_run, init_weights, layer_backward,
                            layer_forward, make_batch, make_optimizer, mse_loss, training_parser)
 
@@ -72,6 +75,43 @@ def column_backward(g, stash, w_t, group=None, need_dx=True):
     return dx, dw_t
 
 
+def tp_comm_formula(num_layers, num_dx, act_bytes, num_micro_batches, tp_size):
+    """Bytes one TP rank sends per step (--count-comm), A = act_bytes of one [b, D]
+    activation: per layer and micro-batch the forward's all-gather, (t-1)/t x A; per
+    layer that needs dx (num_dx: all but the model's first) the backward's all-reduce,
+    2(t-1)/t x A."""
+    t, m, A = tp_size, num_micro_batches, act_bytes
+    return {("tp", "all-gather"): (Fraction(num_layers * m * (t - 1) * A, t),
+                                   f"{num_layers} layers x {m} mb x ({t}-1)/{t} x {A}"),
+            ("tp", "all-reduce"): (Fraction(num_dx * m * 2 * (t - 1) * A, t),
+                                   f"{num_dx} layers x {m} mb x 2({t}-1)/{t} x {A}")}
+
+
+def megatron_comparison(num_layers, act_bytes, num_micro_batches, tp_size):
+    """One paragraph: this layer's TP bytes against Megatron's column-then-row pairs.
+
+    Per pair of layers and micro-batch, with A the bytes of one activation [b, D]:
+      all-gather layers: 2 all-gathers (forward) + 2 all-reduces of dx (backward)
+                         = 2 (t-1)/t A + 4 (t-1)/t A = 6 (t-1)/t A
+      Megatron:          the row layer's all-reduce of z (forward) + the column
+                         layer's all-reduce of dx (backward) = 4 (t-1)/t A
+    Megatron's column layer leaves its output sharded, and the row layer takes that
+    shard as it is; GELU is elementwise, so it runs on the shard in between.
+    Over the model both skip the all-reduce of the model input's dx.
+    """
+    L, A, m, t = num_layers, act_bytes, num_micro_batches, tp_size
+    if t == 1 or L % 2:
+        return "Megatron comparison: needs --tp > 1 and an even number of layers (pairs)."
+    ours = Fraction(m * (t - 1) * A * (L + 2 * (L - 1)), t)        # L all-gathers, L-1 all-reduces
+    megatron = Fraction(m * (t - 1) * A * 2 * (L // 2 + L // 2 - 1), t)   # L/2 forward, L/2-1 backward
+    return (f"Megatron's column-then-row pairs would move fewer bytes. Per pair of layers and micro-batch "
+            f"the all-gather layer sends 2 x (t-1)/t A in forward and 2 x 2(t-1)/t A in backward, 6(t-1)/t A, "
+            f"where Megatron sends one all-reduce of the activation each way, 4(t-1)/t A: 1.5 x. For this run "
+            f"(L={L}, t={t}, m={m}, A={A} bytes; neither all-reduces the model input's dx), per TP rank and "
+            f"step over the model's layers: {float(ours):.0f} bytes against {float(megatron):.0f}, "
+            f"{float(ours / megatron):.3f} x.")
+
+
 # ----------------------------------------------------------------------------------
 # Training with it
 # ----------------------------------------------------------------------------------
@@ -84,26 +124,33 @@ def tp_worker(rank, world_size, args):
     inputs, targets = (t.to(device) for t in make_batch(args))     # every rank sees the whole batch
     optimizer = make_optimizer(shards, args)
     n = args.batch_size * args.dim
+    comm = CommCounter({"tp": None}, enabled=args.count_comm)
     losses = []
     for step in range(args.steps):
         grads = [torch.zeros_like(w) for w in shards]
         loss = 0.0
-        for x, y in zip(inputs.chunk(args.micro_batches), targets.chunk(args.micro_batches)):
-            stashes = []
-            for w_t in shards:
-                x, stash = column_forward(x, w_t)
-                stashes.append(stash)
-            mb_loss, g = mse_loss(x, y, n)        # identical on every rank: the output is replicated
-            loss += mb_loss.item()
-            for i in reversed(range(len(shards))):
-                g, dw_t = column_backward(g, stashes[i], shards[i], need_dx=i > 0)
-                grads[i] += dw_t
+        with comm.step():                         # --count-comm counts what this sends
+            for x, y in zip(inputs.chunk(args.micro_batches), targets.chunk(args.micro_batches)):
+                stashes = []
+                for w_t in shards:
+                    x, stash = column_forward(x, w_t)
+                    stashes.append(stash)
+                mb_loss, g = mse_loss(x, y, n)    # identical on every rank: the output is replicated
+                loss += mb_loss.item()
+                for i in reversed(range(len(shards))):
+                    g, dw_t = column_backward(g, stashes[i], shards[i], need_dx=i > 0)
+                    grads[i] += dw_t
         for w_t, grad in zip(shards, grads):
             w_t.grad = grad
         optimizer.step()
         losses.append(loss)
         if rank == 0:
             log(tag, f"step {step:3d}  loss {loss:.6f}")
+    if args.count_comm:
+        L, m = args.num_layers, args.micro_batches
+        act_bytes = args.batch_size // m * args.dim * inputs.element_size()   # one micro-batch's [B/m, D]
+        report_comm(comm, tp_comm_formula(L, L - 1, act_bytes, m, world_size),
+                    megatron_comparison(L, act_bytes, m, world_size))
     final = [all_gather_columns(w_t) for w_t in shards]   # gather the shards back into full matrices
     if rank == 0:
         finish_run(args, full, final, losses, inputs, targets)

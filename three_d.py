@@ -4,6 +4,7 @@
     python three_d.py --dp 2 --pp 2 --tp 2 --check      # ...and compare with serial training
     python three_d.py --dp 1 --pp 4 --tp 2 --schedule gpipe --order tp-dp-pp
     python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
+    python three_d.py --count-comm --p2p-shard --steps 1  # bytes each rank sends, per dimension
     torchrun --nproc-per-node 8 three_d.py              # one node; the README has two nodes
 
 Nothing new is computed here: this file composes the blocks of steps 2-4.
@@ -16,14 +17,19 @@ What is new is the rank map: which ranks form each group. The seed hard-codes it
 for 8 ranks (and the rank-group utility it came with picks the wrong groups for 6 of
 8 ranks); rank_groups() derives it for any sizes and any nesting order.
 """
+from fractions import Fraction
+
 import torch
 import torch.distributed as dist
 
-from collectives import Parser, add_launch_args, check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
-from data_parallel import (GradientAverager, check_divides, check_training_args, collect_on_rank0, finish_run,
-                           global_loss, init_weights, make_batch, make_optimizer, replica_rows, training_parser)
-from pipeline_parallel import Stage, build_schedule, run_schedule, stage_layers
-from tensor_parallel import all_gather_columns, column_backward, column_forward, shard_columns
+from collectives import (CommCounter, Parser, add_launch_args, check_launch_args, cleanup, log, positive_int,
+                         report_comm, run_main, setup, spawn)
+from data_parallel import (GradientAverager, check_divides, check_training_args, collect_on_rank0, dp_comm_formula,
+                           finish_run, global_loss, init_weights, make_batch, make_optimizer, replica_rows,
+                           training_parser)
+from pipeline_parallel import Stage, build_schedule, pp_comm_formula, run_schedule, stage_layers
+from tensor_parallel import (all_gather_columns, column_backward, column_forward, megatron_comparison, shard_columns,
+                             tp_comm_formula)
 
 
 # ----------------------------------------------------------------------------------
@@ -111,6 +117,22 @@ class ShardedP2PStage(Stage):
         return all_gather_columns(buffer, self.tp_group)                      # [b, D]
 
 
+def three_d_comm_formula(args, p, act_bytes, param_bytes):
+    """Bytes one rank of stage p sends per step (--count-comm), from the blocks'
+    formulas: tp for its stage's layers, pp for its stage boundaries, dp for its shards
+    (param_bytes). act_bytes: one micro-batch's activation [B/(dp m), D]."""
+    m, t, layers = args.micro_batches, args.tp, args.num_layers // args.pp
+    formula = tp_comm_formula(layers, layers - (p == 0), act_bytes, m, t)   # the model's first layer needs no dx
+    formula.update(pp_comm_formula(p, args.pp, act_bytes // t if args.p2p_shard else act_bytes, m))
+    formula.update(dp_comm_formula(param_bytes, args.dp))
+    if args.p2p_shard:   # every tensor received from a neighbouring stage is all-gathered over tp
+        received = (p > 0) + (p < args.pp - 1)
+        gathered, how = formula[("tp", "all-gather")]
+        formula[("tp", "all-gather")] = (gathered + Fraction(received * m * (t - 1) * act_bytes, t),
+                                         f"{how} + {received} received x {m} mb x ({t}-1)/{t} x {act_bytes}")
+    return formula
+
+
 def three_d_worker(rank, world_size, args):
     device = setup(rank, world_size)
     groups = rank_groups(args.dp, args.pp, args.tp, args.order)
@@ -157,12 +179,14 @@ def three_d_worker(rank, world_size, args):
     next_rank = pp_ranks[p + 1] if not last else None
     optimizer = make_optimizer(shards, args)
     averager = GradientAverager(dp_group)
+    comm = CommCounter({"tp": tp_group, "pp": mine["pp"][0], "dp": dp_group}, enabled=args.count_comm)
     losses = []
     for step in range(args.steps):
         stage.grads = [torch.zeros_like(w) for w in shards]
         stage.loss = 0.0
-        run_schedule(actions, stage, micro_inputs, prev_rank, next_rank, buffer_shape)
-        averager.finish(stage.grads)          # average over the replicas, once per step
+        with comm.step():                     # --count-comm counts what this sends
+            run_schedule(actions, stage, micro_inputs, prev_rank, next_rank, buffer_shape)
+            averager.finish(stage.grads)      # average over the replicas, once per step
         for w, grad in zip(shards, stage.grads):
             w.grad = grad
         optimizer.step()
@@ -170,6 +194,11 @@ def three_d_worker(rank, world_size, args):
             losses.append(global_loss(torch.tensor(stage.loss, device=device), dp_group))
             if d == 0 and t == 0:
                 log(tag, f"step {step:3d}  loss {losses[-1]:.6f}")
+    if args.count_comm:
+        act_bytes = len(rows) // m * args.dim * shards[0].element_size()
+        param_bytes = sum(w.numel() * w.element_size() for w in shards)
+        report_comm(comm, three_d_comm_formula(args, p, act_bytes, param_bytes),
+                    megatron_comparison(args.num_layers, act_bytes, m, args.tp))
 
     # Gather replica 0's shards into full matrices on rank 0, for --save and --check.
     pieces = collect_on_rank0((d, t, {i: w.cpu() for i, w in zip(layers, shards)}, losses))

@@ -1,0 +1,140 @@
+"""Tests for --count-comm: the bytes each rank sends in one training step, counted by
+collectives.CommCounter, against formulas computed here from the sizes alone.
+
+Each script runs in-process (ranks forked from here) with --count-comm for one step;
+the report is read back from what the ranks print. The formulas below are written out
+independently of the scripts' own formula functions, per rank, in bytes, with the
+ring convention over a group of n ranks: all-reduce of N bytes sends 2(n-1)/n x N,
+all-gather producing N bytes (n-1)/n x N, a send N bytes. The sizes are chosen so
+that every count is a whole number, and the comparison is exact.
+"""
+import re
+from fractions import Fraction
+
+import pytest
+
+import data_parallel
+import pipeline_parallel
+import tensor_parallel
+import three_d
+
+TIMEOUT = ["--timeout-s", "15"]   # a deadlock fails in 15 s
+F32 = 4                            # bytes per float32
+
+BLOCK = re.compile(r"^  ranks ([\d,]+):$")
+LINE = re.compile(r"^    (\w+) ([\w-]+)\s+(\d+) calls\s+counted\s+(\S+)\s+formula\s+(\S+) = .*  (ok|DIFFERENT)$")
+
+
+def counted_per_rank(out, world_size):
+    """{rank: {(dimension, kind): (calls, bytes)}} from the printed report, zeros left out."""
+    per_rank, ranks = {}, None
+    for line in out.splitlines():
+        if BLOCK.match(line):
+            ranks = [int(r) for r in BLOCK.match(line).group(1).split(",")]
+            for r in ranks:
+                assert r not in per_rank, f"rank {r} reported twice"
+                per_rank[r] = {}
+        elif LINE.match(line):
+            dim, kind, calls, counted, _, _ = LINE.match(line).groups()
+            assert ranks is not None
+            for r in ranks:
+                if int(calls):
+                    per_rank[r][dim, kind] = (int(calls), int(counted))
+    assert sorted(per_rank) == list(range(world_size)), out
+    return per_rank
+
+
+def assert_counts(capfd, world_size, expected_of_rank):
+    out = capfd.readouterr().out
+    assert "DIFFERENT" not in out, out
+    got = counted_per_rank(out, world_size)
+    for rank in range(world_size):
+        want = {k: (calls, int(b)) for k, (calls, b) in expected_of_rank(rank).items() if calls}
+        assert got[rank] == want, f"rank {rank}"
+    return out
+
+
+def all_reduce(n, nbytes):
+    value = Fraction(2 * (n - 1) * nbytes, n)
+    assert value.denominator == 1   # the sizes below keep it whole
+    return value
+
+
+def all_gather(n, nbytes):
+    value = Fraction((n - 1) * nbytes, n)
+    assert value.denominator == 1
+    return value
+
+
+COMMON = ["--count-comm", "--steps", "1", "--optimizer", "sgd", *TIMEOUT]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_data_parallel(capfd, overlap):
+    d, L, D, B, m = 4, 3, 8, 16, 2
+    data_parallel.main(["--world-size", str(d), "--num-layers", str(L), "--dim", str(D), "--batch-size", str(B),
+                        "--micro-batches", str(m), *COMMON, *(["--overlap"] if overlap else [])])
+    params = L * D * D * F32
+    calls = L if overlap else 1   # one all-reduce per layer with --overlap, one flat one without: same bytes
+    assert_counts(capfd, d, lambda rank: {("dp", "all-reduce"): (calls, all_reduce(d, params))})
+
+
+def test_tensor_parallel(capfd):
+    t, L, D, B, m = 4, 3, 8, 12, 3
+    tensor_parallel.main(["--world-size", str(t), "--num-layers", str(L), "--dim", str(D), "--batch-size", str(B),
+                          "--micro-batches", str(m), *COMMON])
+    act = B // m * D * F32   # one micro-batch's activation [B/m, D]
+    out = assert_counts(capfd, t, lambda rank: {
+        ("tp", "all-gather"): (L * m, L * m * all_gather(t, act)),
+        ("tp", "all-reduce"): ((L - 1) * m, (L - 1) * m * all_reduce(t, act)),   # the first layer's dx is skipped
+    })
+    assert "Megatron" not in out or "even number" in out   # L = 3: no pairs to compare
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_parallel(capfd, schedule):
+    p, L, D, B, m = 3, 3, 8, 8, 4
+    pipeline_parallel.main(["--world-size", str(p), "--num-layers", str(L), "--dim", str(D),
+                            "--batch-size", str(B), "--micro-batches", str(m), "--schedule", schedule, *COMMON])
+    act = B // m * D * F32
+
+    def expected(s):
+        sends = m * ((s > 0) + (s < p - 1))   # an activation forward and a gradient back per micro-batch
+        return {("pp", "send"): (sends, sends * act)}
+    assert_counts(capfd, p, expected)
+
+
+@pytest.mark.parametrize("schedule,shard", [("1f1b", False), ("gpipe", False), ("1f1b", True)])
+def test_three_d(capfd, schedule, shard):
+    dp, pp, tp, L, D, B, m = 2, 2, 2, 4, 8, 8, 2
+    three_d.main(["--dp", str(dp), "--pp", str(pp), "--tp", str(tp), "--num-layers", str(L), "--dim", str(D),
+                  "--batch-size", str(B), "--micro-batches", str(m), "--schedule", schedule, *COMMON,
+                  *(["--p2p-shard"] if shard else [])])
+    act = B // (dp * m) * D * F32        # one micro-batch of one replica, [B/(dp m), D]
+    layers = L // pp
+
+    def expected(rank):
+        p = rank // tp % pp               # rank = (d pp + p) tp + t
+        neighbours = (p > 0) + (p < pp - 1)
+        gathers = layers * m + (neighbours * m if shard else 0)   # --p2p-shard gathers what it receives
+        reduces = (layers - (p == 0)) * m
+        return {
+            ("tp", "all-gather"): (gathers, gathers * all_gather(tp, act)),
+            ("tp", "all-reduce"): (reduces, reduces * all_reduce(tp, act)),
+            ("pp", "send"): (neighbours * m, neighbours * m * (act // tp if shard else act)),
+            ("dp", "all-reduce"): (1, all_reduce(dp, layers * D * (D // tp) * F32)),
+        }
+    out = assert_counts(capfd, dp * pp * tp, expected)
+    # Megatron's pairs: L all-gathers + (L-1) all-reduces against L/2 + (L/2 - 1) all-reduces
+    ours = m * (L * all_gather(tp, act) + (L - 1) * all_reduce(tp, act))
+    megatron = m * (L - 1) * all_reduce(tp, act)
+    assert f"{ours} bytes against {megatron}" in out.replace("\n", " ")
+    assert f"{float(ours / megatron):.3f} x" in out.replace("\n", " ")
+
+
+def test_sizes_of_one_send_nothing(capfd):
+    """dp = tp = 1: the groups of one are never called, and their formulas are zero."""
+    three_d.main(["--dp", "1", "--pp", "2", "--tp", "1", "--num-layers", "2", "--dim", "4", "--batch-size", "4",
+                  "--micro-batches", "2", *COMMON])
+    act = 2 * 4 * F32
+    assert_counts(capfd, 2, lambda rank: {("pp", "send"): (2, 2 * act)})
