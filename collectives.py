@@ -30,9 +30,12 @@ import contextlib
 import inspect
 import math
 import os
+import pickle
+import platform
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -275,20 +278,32 @@ def bench(rank, world_size):
 
 def time_collective(run, device):
     """Median over REPEATS runs of the slowest rank's time for one call, after WARMUP."""
-    for _ in range(WARMUP):  # the first calls open connections and allocate buffers
-        run()
-    times = torch.zeros(REPEATS, dtype=torch.float64)
-    for i in range(REPEATS):
-        dist.barrier()  # start together, so no rank's time includes waiting for another
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # NCCL calls return before the GPU is done
-        times[i] = time.perf_counter() - start
-    # A collective is only done when the slowest rank is done
+    return race({"run": run}, device)["run"]
+
+
+def race(sides, device, warmup=WARMUP, repeats=REPEATS):
+    """Time one call of each side, the sides taking turns; return {name: seconds}.
+
+    Made for a shared, noisy machine: `warmup` rounds first (the first calls open
+    connections and allocate buffers), then `repeats` rounds with each side once per
+    round, so a slow spell hits every side alike. Every call starts on all ranks at
+    once (a barrier) and is done when the slowest rank is done: a side's figure is the
+    median over the rounds of the slowest rank's time. A side may do nothing on some
+    ranks (a serial reference that runs on rank 0 alone).
+    """
+    times = torch.zeros(len(sides), repeats, dtype=torch.float64)
+    for i in range(warmup + repeats):
+        for j, run in enumerate(sides.values()):
+            dist.barrier()  # start together, so no rank's time includes waiting for another
+            start = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # NCCL calls return before the GPU is done
+            if i >= warmup:
+                times[j, i - warmup] = time.perf_counter() - start
     times = times.to(device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return statistics.median(times.tolist())
+    return {name: statistics.median(row) for name, row in zip(sides, times.tolist())}
 
 
 def print_bench(results, world_size, backend):
@@ -309,12 +324,133 @@ def print_bench(results, world_size, backend):
               f"time the scheduler more than the collective")
 
 
+def spawn_returning(fn, world_size, *args, **launch):
+    """spawn(), and return what fn returned on rank 0: for the benches and tests that
+    want numbers rather than printed lines. (Under torchrun: rank 0's process gets
+    them, the others None.)"""
+    folder = tempfile.mkdtemp(prefix="parallel-result-")
+    path = os.path.join(folder, "rank0.pickle")
+    try:
+        spawn(_save_rank0, world_size, fn, path, *args, **launch)
+        if not os.path.exists(path):
+            return None
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _save_rank0(rank, world_size, fn, path, *args):
+    # pickle, not torch.save: in a forked child, torch.save after the parent's
+    # torch.load hung (a lock held at fork time); results are plain numbers anyway
+    result = fn(rank, world_size, *args)
+    if rank == 0:
+        with open(path, "wb") as f:
+            pickle.dump(result, f)
+
+
+def machine():
+    """One line that names this machine, printed under every bench table."""
+    cpu = platform.processor() or "unknown CPU"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpus = "none"
+    if torch.cuda.is_available():
+        gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return (f"machine: {cores} CPU cores ({cpu}), GPU: {gpus}, torch {torch.__version__}, "
+            f"Python {platform.python_version()}{load}")
+
+
+# Start-up: how long from "start 8 ranks" to the end of their first all-reduce. The
+# three launchers do the same job; torchrun runs this tiny script.
+STARTUP_SCRIPT = """\
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+one = torch.ones(1)
+dist.all_reduce(one)
+assert one.item() == dist.get_world_size()
+dist.destroy_process_group()
+"""
+
+
+def one_all_reduce(rank, world_size):
+    """The whole job of a rank in the start-up race: join, one all-reduce, leave."""
+    setup(rank, world_size)
+    one = torch.ones(1)
+    dist.all_reduce(one)
+    assert one.item() == world_size
+    cleanup()
+
+
+def _mp_spawn_rank(rank, world_size, store_path):
+    """mp.spawn's rank: the same job, meeting at a file store as ours do."""
+    os.environ.update(PARALLEL_STORE=store_path, PARALLEL_BACKEND="gloo")
+    one_all_reduce(rank, world_size)
+
+
+def startup_race(world_size=8, repeats=3):
+    """Seconds from launch to the end of one all-reduce on world_size CPU ranks, for
+    our launcher, torch.multiprocessing.spawn and torchrun: median of `repeats`, the
+    launchers taking turns. {launcher: seconds}."""
+    folder = tempfile.mkdtemp(prefix="parallel-startup-")
+    script = os.path.join(folder, "one_all_reduce.py")
+    with open(script, "w") as f:
+        f.write(STARTUP_SCRIPT)
+
+    def with_mp_spawn():
+        store = os.path.join(folder, f"store-{time.monotonic_ns()}")
+        mp.spawn(_mp_spawn_rank, args=(world_size, store), nprocs=world_size)
+
+    def with_torchrun():
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={world_size}", script],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"torchrun failed: {done.stderr.strip().splitlines()[-1:]}")
+
+    launchers = {"collectives.spawn (fork)": lambda: spawn(one_all_reduce, world_size, backend="gloo"),
+                 "torch.multiprocessing.spawn": with_mp_spawn,
+                 "torchrun --standalone": with_torchrun}
+    times = {name: [] for name in launchers}
+    try:
+        for _ in range(repeats):
+            for name, launch in launchers.items():
+                start = time.perf_counter()
+                launch()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def print_startup(times, world_size, repeats):
+    print(f"start-up: {world_size} CPU ranks, from the launch to the end of one all-reduce (gloo); "
+          f"median of {repeats}, the launchers taking turns")
+    print(f"{'launcher':<30}{'seconds':>9}{'x ours':>9}")
+    ours = times["collectives.spawn (fork)"]
+    for name, seconds in times.items():
+        print(f"{name:<30}{seconds:>9.2f}{seconds / ours:>9.1f}")
+    # Where the time goes: a forked rank starts with torch already imported by the
+    # parent; mp.spawn and torchrun start fresh interpreters that each import torch,
+    # world_size imports sharing the cores (and torchrun adds its own agent and store).
+    print("why: fork starts each rank from this process, torch already imported; the other two start "
+          f"{world_size} fresh interpreters that each import torch, sharing {os.cpu_count()} cores")
+
+
 def main():
     args = parse_args()
     launch = dict(backend=args.backend, timeout_s=args.timeout_s)
     if args.bench:
         # Time all-reduce, reduce-scatter, all-gather and the ring from 4 KiB to 64 MiB
         spawn(bench, args.world_size, **launch)
+        # Time to start 8 ranks and finish one all-reduce: ours, mp.spawn, torchrun
+        print_startup(startup_race(8, repeats=3), 8, repeats=3)
+        return
+    if args.machine:
+        print(machine())
         return
     spawn(tour, args.world_size, [
         # All-reduce, reduce-scatter, all-gather, and all-reduce = RS + AG
@@ -338,7 +474,10 @@ def parse_args():
                         help="number of ranks (default: 4, or WORLD_SIZE under torchrun)")
     parser.add_argument("--bench", action="store_true",
                         help="time all-reduce, reduce-scatter, all-gather and the ring "
-                             "all-reduce from 4 KiB to 64 MiB; print a bandwidth table")
+                             "all-reduce from 4 KiB to 64 MiB; print a bandwidth table; then time "
+                             "starting 8 ranks with our launcher, mp.spawn and torchrun")
+    parser.add_argument("--machine", action="store_true",
+                        help="print one line naming this machine (cores, GPU, torch) and exit")
     add_launch_args(parser)
     args = parser.parse_args()
     if args.world_size is None:
