@@ -440,8 +440,8 @@ def print_startup(times, world_size, repeats):
           f"{world_size} fresh interpreters that each import torch, sharing {os.cpu_count()} cores")
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     launch = dict(backend=args.backend, timeout_s=args.timeout_s)
     if args.bench:
         # Time all-reduce, reduce-scatter, all-gather and the ring from 4 KiB to 64 MiB
@@ -468,7 +468,7 @@ def main():
 # Plumbing for this step: the command line, and printing before/after on every rank
 # ----------------------------------------------------------------------------------
 
-def parse_args():
+def parse_args(argv=None):
     parser = Parser(description="Step 1: every collective on every rank, or --bench.")
     parser.add_argument("--world-size", type=positive_int, default=None,
                         help="number of ranks (default: 4, or WORLD_SIZE under torchrun)")
@@ -479,7 +479,7 @@ def parse_args():
     parser.add_argument("--machine", action="store_true",
                         help="print one line naming this machine (cores, GPU, torch) and exit")
     add_launch_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.world_size is None:
         args.world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 4
     check_launch_args(parser, args, args.world_size)
@@ -775,6 +775,8 @@ def setup(rank, world_size, backend=None, timeout_s=None):
         device = torch.device("cpu")
         torch.set_num_threads(1)  # eight ranks share a few cores: one thread each
     timeout = timedelta(seconds=timeout_s)
+    if dist.is_initialized():  # Ray Train's TorchTrainer joins the group before our function runs
+        return device
     if "PARALLEL_STORE" in os.environ:  # started by spawn() above
         store = dist.FileStore(os.environ["PARALLEL_STORE"], world_size)
         dist.init_process_group(backend, rank=rank, world_size=world_size, store=store, timeout=timeout)

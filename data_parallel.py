@@ -318,7 +318,9 @@ def check_divides(parser, value, flag, divisor, divisor_flag):
 
 
 def check_training_args(parser, args):
-    """Checks every script shares: a --save path we can write."""
+    """Checks every script shares: a seed torch takes, a --save path we can write."""
+    if not 0 <= args.seed < 2**32:   # torch overflows past 2**64; keep seed + 2 and --shuffle's seeds in range
+        parser.error(f"--seed {args.seed}: expected an integer from 0 to {2**32 - 1}")
     if args.save:
         folder = os.path.dirname(os.path.abspath(args.save))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.save):
