@@ -6,6 +6,7 @@
     python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
     python three_d.py --count-comm --p2p-shard --steps 1  # bytes each rank sends, per dimension
     torchrun --nproc-per-node 8 three_d.py              # one node; the README has two nodes
+    python three_d.py --ray                             # the ranks as Ray Train workers (make 3d-ray)
 
 Nothing new is computed here: this file composes the blocks of steps 2-4.
 - Every layer is the column-parallel layer of step 3, over the stage's TP group.
@@ -225,6 +226,8 @@ def main(argv=None):
     parser.add_argument("--p2p-shard", action="store_true",
                         help="send 1/tp of each activation between stages and all-gather it there")
     parser.add_argument("--show-rank-map", action="store_true", help="print the rank map and exit")
+    parser.add_argument("--ray", action="store_true",
+                        help="start the ranks as Ray Train workers, on the Ray cluster if one runs (needs ray[train])")
     args = parser.parse_args(argv)
     if args.show_rank_map:
         show_rank_map(args.dp, args.pp, args.tp, args.order)
@@ -237,7 +240,50 @@ def main(argv=None):
     check_divides(parser, args.batch_size, "--batch-size", args.dp * args.micro_batches, "--dp x --micro-batches")
     check_training_args(parser, args)
     check_launch_args(parser, args, world_size, flag="--dp x --pp x --tp")
+    if args.ray:   # the same ranks, started by Ray instead of spawn (the section below)
+        ray_launch(parser, args, world_size)
+        return
     spawn(three_d_worker, world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+
+
+# ----------------------------------------------------------------------------------
+# --ray: the same ranks as Ray Train workers
+# ----------------------------------------------------------------------------------
+#
+# Ray's TorchTrainer starts one worker process per rank, on any node of the cluster,
+# gives it what torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+# MASTER_ADDR, MASTER_PORT) and joins the process group before it calls
+# ray_train_func. From there the path is torchrun's: spawn() sees RANK and runs this
+# one rank, and setup() finds the group already joined.
+
+def ray_train_func(config):
+    """Body of one Ray Train worker: this rank of the run that config["args"] describes."""
+    args = config["args"]
+    spawn(three_d_worker, args.dp * args.pp * args.tp, args, backend=config["backend"], timeout_s=args.timeout_s)
+
+
+def ray_launch(parser, args, world_size):
+    import importlib.util
+    import os
+    if importlib.util.find_spec("ray") is None:
+        parser.error("--ray: Ray is not installed; pip install 'ray[train]' (or: make 3d-ray)")
+    import ray
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    ray.init()   # joins the cluster of `ray start` (RAY_ADDRESS, or one on this machine), else starts one here
+    cluster = ray.cluster_resources()
+    use_gpu = args.backend == "nccl" or (args.backend == "auto" and cluster.get("GPU", 0) >= world_size)
+    backend = "nccl" if use_gpu else "gloo"
+    # A share of the cluster's CPUs per rank, at most one: 8 ranks fit on a 2-core laptop.
+    resources = {"CPU": min(1.0, cluster.get("CPU", 1) / world_size), **({"GPU": 1} if use_gpu else {})}
+    if args.save:
+        args.save = os.path.abspath(args.save)   # a worker may run in another directory
+    trainer = TorchTrainer(ray_train_func, train_loop_config={"args": args, "backend": backend},
+                           scaling_config=ScalingConfig(num_workers=world_size, use_gpu=use_gpu,
+                                                        resources_per_worker=resources),
+                           torch_config=TorchConfig(backend=backend, timeout_s=args.timeout_s))
+    trainer.fit()
 
 
 if __name__ == "__main__":
