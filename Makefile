@@ -1,7 +1,7 @@
 # Every README command is a target here; each body is the plain command.
 PYTHON ?= python3
 
-.PHONY: deps collectives dp tp pp 3d test bench
+.PHONY: deps ray-deps collectives dp tp pp 3d 3d-ray test test-multinode test-ray bench
 
 # Install torch and pytest only if they are missing; a torch already installed is
 # reused (pip would replace it if asked for torch==2.13.0 over another version).
@@ -24,8 +24,23 @@ pp: deps
 3d: deps
 	$(PYTHON) three_d.py --dp 2 --pp 2 --tp 2 --check
 
+# Ray is optional, not in requirements.txt: installed here only if missing (about
+# 200 MB). ray[train] does not depend on torch, so the installed torch stays as it is.
+ray-deps: deps
+	@$(PYTHON) -c "import importlib.util as u; exit(u.find_spec('ray') is None)" || $(PYTHON) -m pip install -q "ray[train]==2.60.0"
+
+3d-ray: ray-deps
+	$(PYTHON) three_d.py --ray --dp 2 --pp 2 --tp 2 --check
+
 test: deps
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -m "not multinode and not ray" tests
+
+# Two nodes in network namespaces, as root (about a minute)
+test-multinode: deps
+	$(PYTHON) -m pytest -q -m multinode tests
+
+test-ray: ray-deps
+	$(PYTHON) -m pytest -q -m ray tests
 
 bench: deps
 	$(PYTHON) collectives.py --bench

@@ -33,3 +33,5 @@ def deadline(request):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "deadline(seconds): fail the test after this many seconds")
+    config.addinivalue_line("markers", "multinode: two nodes in network namespaces, as root (make test-multinode)")
+    config.addinivalue_line("markers", "ray: runs Ray Train workers; skipped when Ray is not installed")
