@@ -111,7 +111,7 @@ def build_schedule(schedule, num_stages, stage, num_micro_batches):
 # ----------------------------------------------------------------------------------
 
 def plain_backward(g, stash, w, need_dx):
-    return layer_backward(g, stash, w)
+    return layer_backward(g, stash, w, need_dx)
 
 
 class Stage:

@@ -116,6 +116,24 @@ def megatron_comparison(num_layers, act_bytes, num_micro_batches, tp_size):
 # Training with it
 # ----------------------------------------------------------------------------------
 
+def tp_step(shards, xs, ys, n, group=None):
+    """One step's gradients from the column-parallel blocks: each micro-batch (xs, ys)
+    forward through every layer and back, dW_t summed over them. Returns (grads, loss)."""
+    grads = [torch.zeros_like(w) for w in shards]
+    loss = torch.zeros((), device=shards[0].device)
+    for x, y in zip(xs, ys):
+        stashes = []
+        for w_t in shards:
+            x, stash = column_forward(x, w_t, group)
+            stashes.append(stash)
+        mb_loss, g = mse_loss(x, y, n)        # identical on every rank: the output is replicated
+        loss += mb_loss
+        for i in reversed(range(len(shards))):
+            g, dw_t = column_backward(g, stashes[i], shards[i], group, need_dx=i > 0)
+            grads[i] += dw_t
+    return grads, loss
+
+
 def tp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     tag = f"[rank {rank}]"
@@ -127,19 +145,9 @@ def tp_worker(rank, world_size, args):
     comm = CommCounter({"tp": None}, enabled=args.count_comm)
     losses = []
     for step in range(args.steps):
-        grads = [torch.zeros_like(w) for w in shards]
-        loss = 0.0
         with comm.step():                         # --count-comm counts what this sends
-            for x, y in zip(inputs.chunk(args.micro_batches), targets.chunk(args.micro_batches)):
-                stashes = []
-                for w_t in shards:
-                    x, stash = column_forward(x, w_t)
-                    stashes.append(stash)
-                mb_loss, g = mse_loss(x, y, n)    # identical on every rank: the output is replicated
-                loss += mb_loss.item()
-                for i in reversed(range(len(shards))):
-                    g, dw_t = column_backward(g, stashes[i], shards[i], need_dx=i > 0)
-                    grads[i] += dw_t
+            grads, loss = tp_step(shards, inputs.chunk(args.micro_batches), targets.chunk(args.micro_batches), n)
+        loss = loss.item()
         for w_t, grad in zip(shards, grads):
             w_t.grad = grad
         optimizer.step()
