@@ -27,6 +27,7 @@ on a laptop's CPU, on a GPU box, and across nodes.
 """
 import argparse
 import contextlib
+import gc
 import inspect
 import math
 import os
@@ -347,6 +348,75 @@ def _save_rank0(rank, world_size, fn, path, *args):
     if rank == 0:
         with open(path, "wb") as f:
             pickle.dump(result, f)
+
+
+# The training scripts' --bench ("What PyTorch gives you for this", at the end of each)
+# races our step against PyTorch's own API for it. A side is (step, state): step()
+# runs one training step, state() returns (weights, grads) in our layout, or state is
+# None for a side that is timed but not compared (the serial reference).
+
+def check_and_race(sides, device, steps):
+    """Step every side once from the same weights and compare its gradients with ours
+    (the first side); time `steps` more of each, taking turns (race); then compare the
+    weights, which every side has now stepped equally often.
+    Returns ({name: seconds}, {name: largest difference from ours, None if not compared})."""
+    ours = next(iter(sides.values()))[1]
+    compared = {name: state for name, (_, state) in sides.items() if state is not None and state is not ours}
+    for step, _ in sides.values():
+        step()
+    diffs = dict.fromkeys(sides)
+    diffs.update({name: largest_difference(ours()[1], state()[1]) for name, state in compared.items()})
+    times = race({name: step for name, (step, _) in sides.items()}, device, WARMUP, steps)
+    for name, state in compared.items():
+        diffs[name] = max(diffs[name], largest_difference(ours()[0], state()[0]))
+    return times, diffs
+
+
+def largest_difference(ours, theirs):
+    """max |a - b| over two lists of tensors, over every rank."""
+    diff = torch.zeros((), device=ours[0].device)
+    for a, b in zip(ours, theirs):
+        diff = torch.maximum(diff, (a.detach() - b.detach()).abs().max())
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return diff.item()
+
+
+def end_race(sides):
+    """Free every side, then leave the group. In this order: a DDP freed after the group
+    is destroyed joins gloo's threads while holding the GIL, and can hang for good."""
+    sides.clear()
+    gc.collect()
+    cleanup()
+
+
+def print_race(result):
+    """The table: each side's step time, speed-up over serial, difference from ours;
+    then ours / theirs. Exit 1 if a side computed something else."""
+    times, diffs, world_size = result["times"], result["diffs"], result["world_size"]
+    serial = next(name for name in times if name.startswith("serial"))
+    cores = os.cpu_count()
+    ideal = world_size if pick_backend(world_size) == "nccl" else min(world_size, cores)
+    title, *more = result["title"].split("\n")
+    print(title)
+    for line in more:
+        print(textwrap.fill(line, 110, subsequent_indent="    ", break_on_hyphens=False))
+    print(f"  median of {result['steps']} steps after {WARMUP} warm-up, the sides taking turns; "
+          f"speed-up: serial / side, ideal {ideal}x ({world_size} ranks, {cores} cores)\n"
+          f"  difference: largest |ours - theirs| in the first step's gradients and in the weights after "
+          f"{WARMUP + result['steps'] + 1} steps")
+    print(f"  {'side':<50}{'step (ms)':>10}{'speed-up':>14}  difference")
+    for name, seconds in times.items():
+        diff, speedup = diffs[name], times[serial] / seconds
+        verdict = "-" if diff is None else f"{diff:.1e} {'same' if diff <= result['tolerance'] else 'DIFFERENT'}"
+        gain = "" if name == serial else f"{speedup:.2f}x {speedup / ideal:>4.0%}"
+        print(f"  {name:<50}{seconds * 1e3:>10.2f}{gain:>14}  {verdict}")
+    for ours, theirs in result["ratios"]:
+        print(f"  {ours} / {theirs}: {times[ours] / times[theirs]:.2f}x")
+    for note in result.get("notes", []):
+        print(textwrap.fill(note, 110, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False))
+    print(flush=True)
+    if any(diff is not None and diff > result['tolerance'] for diff in diffs.values()):
+        raise SystemExit("error: a side computed something other than ours; its time compares nothing")
 
 
 def machine():

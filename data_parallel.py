@@ -16,6 +16,7 @@ backward; `--overlap` starts each layer's all-reduce as soon as that gradient is
 final, as DistributedDataParallel does, so communication hides behind the backward
 of the layers below.
 """
+import contextlib
 import math
 import os
 from fractions import Fraction
@@ -24,9 +25,11 @@ import torch
 import torch._dynamo  # noqa: F401  building any torch.optim optimizer imports it (~1 s): pay once, before forking
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
-from collectives import (CommCounter, Parser, add_launch_args, check_launch_args, cleanup, log, positive_float,
-                         positive_int, report_comm, run_main, setup, spawn)
+from collectives import (CommCounter, Parser, add_launch_args, check_and_race, check_launch_args, cleanup, end_race,
+                         log, pick_backend, positive_float, positive_int, print_race, report_comm, run_main, setup,
+                         spawn, spawn_returning)
 
 
 # ----------------------------------------------------------------------------------
@@ -325,7 +328,7 @@ def training_parser(description):
     p.add_argument("--dim", type=positive_int, default=64, help="width D: every W is D x D")
     p.add_argument("--batch-size", type=positive_int, default=32, help="global batch B, over all replicas")
     p.add_argument("--micro-batches", type=positive_int, default=2, help="micro-batches m per replica and step")
-    p.add_argument("--steps", type=positive_int, default=30, help="optimizer steps")
+    p.add_argument("--steps", type=positive_int, default=30, help="optimizer steps (--bench: timed steps, >= 5)")
     p.add_argument("--lr", type=positive_float, default=1e-2, help="learning rate")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw",
                    help="sgd (plain) or adamw (PyTorch defaults); use sgd to check scale errors")
@@ -337,6 +340,9 @@ def training_parser(description):
     p.add_argument("--count-comm", action="store_true",
                    help="count the bytes each rank sends in a training step, per kind and dimension, "
                         "and print them beside the formula")
+    p.add_argument("--bench", action="store_true",
+                   help="instead of training: do the same step with PyTorch's own API, check the two equal, "
+                        "and time them side by side and against serial (median of --steps steps, taking turns)")
     add_launch_args(p)
     return p
 
@@ -354,6 +360,8 @@ def check_training_args(parser, args):
         folder = os.path.dirname(os.path.abspath(args.save))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.save):
             parser.error(f"--save {args.save}: cannot write there")
+    if args.bench and args.steps < 5:
+        parser.error(f"--steps {args.steps}: --bench reports the median of at least 5 timed steps")
 
 
 def main(argv=None):
@@ -368,7 +376,109 @@ def main(argv=None):
                   "--world-size x --micro-batches")
     check_training_args(parser, args)
     check_launch_args(parser, args, args.world_size)
+    if args.bench:
+        # Our step against DistributedDataParallel's: checked equal, then timed
+        print_race(versus_ddp(args))
+        return
     spawn(dp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+
+
+# ----------------------------------------------------------------------------------
+# What PyTorch gives you for this: DistributedDataParallel (--bench)
+# ----------------------------------------------------------------------------------
+#
+# --bench, in every training script: the same step done by PyTorch's own API, on the
+# same weights, data and world size, with SGD on both sides. The two must compute the
+# same thing, or their times mean nothing: the first step's gradients are compared,
+# and the weights after every timed step (both sides take the same steps). Then the
+# sides are timed taking turns (collectives.check_and_race). Our step on the whole batch, on
+# rank 0 alone with one thread, is the serial reference for the speed-up.
+
+def as_module(weights, device):
+    """Our model as nn.Sequential(Linear, GELU, ...) for PyTorch's APIs (a copy).
+    nn.Linear computes x @ weight.T, so its weight is W^T."""
+    layers = []
+    for w in weights:
+        linear = torch.nn.Linear(*w.shape, bias=False, device=device)
+        with torch.no_grad():
+            linear.weight.copy_(w.T)                      # [out, in] = W^T
+        layers += [linear, torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def our_side(weights, xs, ys, n, averager, lr):
+    """Our step with SGD, as (step, state): state() gives (weights, grads)."""
+    optimizer = torch.optim.SGD(weights, lr=lr)
+
+    def step():
+        grads, _ = dp_step(weights, xs, ys, n, averager)
+        for w, grad in zip(weights, grads):
+            w.grad = grad
+        optimizer.step()
+    return step, lambda: (weights, [w.grad for w in weights])
+
+
+def serial_side(args, device):
+    """Our step on the whole batch on rank 0 alone: a side that is not compared (None).
+    Every rank must call this: it makes rank 0's group of one."""
+    alone = dist.new_group([0])
+    if dist.get_rank() != 0:
+        return (lambda: None), None
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    weights = [w.to(device) for w in init_weights(args.num_layers, args.dim, args.seed)]
+    m = args.micro_batches
+    step, _ = our_side(weights, inputs.chunk(m), targets.chunk(m), inputs.numel(), GradientAverager(alone), args.lr)
+    return step, None
+
+
+def ddp_race(rank, world_size, args):
+    device = setup(rank, world_size)
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    rows = replica_rows(args.batch_size, rank, world_size)
+    m = args.micro_batches
+    xs, ys = inputs[rows].chunk(m), targets[rows].chunk(m)       # [B/(W m), D] each
+    n = len(rows) * args.dim                                      # this replica's mean divides by n
+    init = init_weights(args.num_layers, args.dim, args.seed)
+    sides = {name: our_side([w.to(device, copy=True) for w in init], xs, ys, n, GradientAverager(None, overlap),
+                            args.lr) for name, overlap in (("ours", False), ("ours --overlap", True))}
+    sides["DDP"] = ddp_side(as_module(init, device), xs, ys, n, args.lr, device)
+    sides["serial: our step, whole batch, 1 rank"] = serial_side(args, device)
+    result = check_and_race(sides, device, args.steps)
+    end_race(sides)
+    return result
+
+
+def ddp_side(model, xs, ys, n, lr, device):
+    """DDP's step with SGD, as (step, state). no_sync() skips the all-reduce of every
+    micro-batch but the last; each micro-batch's loss is its squared error / n, as in
+    mse_loss, and DDP averages the gradients over the replicas, as ours."""
+    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+
+    def step():
+        optimizer.zero_grad()
+        for mb, (x, y) in enumerate(zip(xs, ys)):
+            with ddp.no_sync() if mb < len(xs) - 1 else contextlib.nullcontext():
+                (F.mse_loss(ddp(x), y, reduction="sum") / n).backward()
+        optimizer.step()
+    linears = model[::2]
+    return step, lambda: ([lin.weight.T for lin in linears], [lin.weight.grad.T for lin in linears])
+
+
+def versus_ddp(args):
+    """Run the race on args.world_size ranks; return what print_race prints."""
+    times, diffs = spawn_returning(ddp_race, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+    return dict(title=f"data parallel vs DistributedDataParallel: {bench_sizes(args, args.world_size)}",
+                times=times, diffs=diffs, ratios=[("ours", "DDP"), ("ours --overlap", "DDP")],
+                world_size=args.world_size, steps=args.steps, tolerance=CHECK_TOLERANCE)
+
+
+def bench_sizes(args, world_size):
+    backend = pick_backend(world_size, args.backend)
+    return (f"{world_size} ranks ({backend}{', 1 thread each' if backend == 'gloo' else ''}), "
+            f"L={args.num_layers} D={args.dim} B={args.batch_size} m={args.micro_batches}, SGD")
+
+
 
 
 if __name__ == "__main__":
