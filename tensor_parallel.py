@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives import (CommCounter, check_launch_args, cleanup, log, positive_int, report_comm, run_main, setup,
-                         spawn)
-from data_parallel import (check_divides, check_training_args, finish_run, init_weights, layer_backward,
-                           layer_forward, make_batch, make_optimizer, mse_loss, training_parser)
+from collectives import (CommCounter, check_and_race, check_launch_args, cleanup, end_race, log, positive_int,
+                         print_race, report_comm, run_main, setup, spawn, spawn_returning)
+from data_parallel import (CHECK_TOLERANCE, as_module, bench_sizes, check_divides, check_training_args, finish_run,
+                           init_weights, layer_backward, layer_forward, make_batch, make_optimizer, mse_loss,
+                           serial_side, training_parser)
 
 
 # ----------------------------------------------------------------------------------
@@ -243,7 +244,73 @@ def main(argv=None):
     check_divides(parser, args.dim, "--dim", args.world_size, "--world-size")
     check_divides(parser, args.batch_size, "--batch-size", args.micro_batches, "--micro-batches")
     check_training_args(parser, args)
+    if args.bench:
+        # Our step against ColwiseParallel's: checked equal, then timed
+        print_race(versus_colwise(args))
+        return
     spawn(tp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+
+
+# ----------------------------------------------------------------------------------
+# What PyTorch gives you for this: ColwiseParallel on a DeviceMesh (--bench)
+# ----------------------------------------------------------------------------------
+
+def colwise_race(rank, world_size, args):
+    device = setup(rank, world_size)
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    m, n = args.micro_batches, args.batch_size * args.dim
+    xs, ys = inputs.chunk(m), targets.chunk(m)                    # the whole batch on every rank
+    full = init_weights(args.num_layers, args.dim, args.seed)
+    shards = [shard_columns(w, rank, world_size).to(device) for w in full]
+    sides = {"ours": tp_side(shards, xs, ys, n, args.lr),
+             "ColwiseParallel(output_layouts=Replicate())": colwise_side(as_module(full, device), xs, ys, n, args.lr),
+             "serial: our step, whole batch, 1 rank": serial_side(args, device)}
+    result = check_and_race(sides, device, args.steps)
+    end_race(sides)
+    return result
+
+
+def colwise_side(model, xs, ys, n, lr):
+    """PyTorch's TP step with SGD, as (step, state): each nn.Linear made ColwiseParallel
+    over a mesh of every rank, its output all-gathered (Replicate) like ours. The local
+    part of its DTensor weight is W_t^T."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    mesh = init_device_mesh(xs[0].device.type, (dist.get_world_size(),))
+    parallelize_module(model, mesh, {str(i): ColwiseParallel(output_layouts=Replicate())
+                                     for i in range(0, len(model), 2)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def step():
+        optimizer.zero_grad()
+        for x, y in zip(xs, ys):
+            (F.mse_loss(model(x), y, reduction="sum") / n).backward()
+        optimizer.step()
+    linears = model[::2]
+    return step, lambda: ([lin.weight.to_local().T for lin in linears],
+                          [lin.weight.grad.to_local().T for lin in linears])
+
+
+def tp_side(shards, xs, ys, n, lr, group=None):
+    """Our TP step with SGD, as (step, state) for check_and_race."""
+    optimizer = torch.optim.SGD(shards, lr=lr)
+
+    def step():
+        grads, _ = tp_step(shards, xs, ys, n, group)
+        for w_t, grad in zip(shards, grads):
+            w_t.grad = grad
+        optimizer.step()
+    return step, lambda: (shards, [w.grad for w in shards])
+
+
+def versus_colwise(args):
+    """Run the race on args.world_size ranks; return what print_race prints."""
+    import torch.distributed.tensor.parallel  # noqa: F401  (~2 s) once here, before the ranks fork
+    times, diffs = spawn_returning(colwise_race, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+    return dict(title=f"tensor parallel vs torch.distributed.tensor.parallel: {bench_sizes(args, args.world_size)}",
+                times=times, diffs=diffs, ratios=[("ours", "ColwiseParallel(output_layouts=Replicate())")],
+                world_size=args.world_size, steps=args.steps, tolerance=CHECK_TOLERANCE)
 
 
 if __name__ == "__main__":
