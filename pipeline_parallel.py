@@ -28,11 +28,13 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from collectives import (CommCounter, check_launch_args, cleanup, log, positive_int, report_comm, run_main, setup,
-                         spawn)
-from data_parallel import (check_divides, check_training_args, collect_on_rank0, finish_run, init_weights,
-                           layer_backward, layer_forward, make_batch, make_optimizer, mse_loss, training_parser)
+from collectives import (CommCounter, check_and_race, check_launch_args, cleanup, end_race, log, positive_int,
+                         print_race, report_comm, run_main, setup, spawn, spawn_returning)
+from data_parallel import (CHECK_TOLERANCE, as_module, bench_sizes, check_divides, check_training_args,
+                           collect_on_rank0, finish_run, init_weights, layer_backward, layer_forward, make_batch,
+                           make_optimizer, mse_loss, serial_side, training_parser)
 
 
 # ----------------------------------------------------------------------------------
@@ -397,7 +399,88 @@ def main(argv=None):
     check_divides(parser, args.batch_size, "--batch-size", args.micro_batches, "--micro-batches")
     check_training_args(parser, args)
     check_launch_args(parser, args, args.world_size)
+    if args.bench:
+        # Our GPipe and 1F1B against torch.distributed.pipelining's: checked equal, then timed
+        print_race(versus_pipelining(args))
+        return
     spawn(pp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+
+
+# ----------------------------------------------------------------------------------
+# What PyTorch gives you for this: torch.distributed.pipelining (--bench)
+# ----------------------------------------------------------------------------------
+
+def pipelining_race(rank, world_size, args):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    device = setup(rank, world_size)
+    dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
+    full = init_weights(args.num_layers, args.dim, args.seed)
+    layers = stage_layers(args.num_layers, world_size, rank)
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    m = args.micro_batches
+    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    if m < world_size:
+        del schedules["1f1b"]          # PyTorch's 1F1B needs at least as many micro-batches as stages
+    sides = {}
+    for name, schedule_class in schedules.items():
+        weights = [full[i].to(device, copy=True) for i in layers]
+        sides[f"ours {name}"] = pp_side(weights, name, rank, world_size, inputs, targets, args)
+        sides[f"torch {schedule_class.__name__}"] = pipelining_side(
+            as_module([full[i] for i in layers], device), schedule_class, rank, world_size, inputs, targets, args)
+    sides["serial: our step, whole batch, 1 rank"] = serial_side(args, device)
+    result = check_and_race(sides, device, args.steps)
+    end_race(sides)
+    return result
+
+
+def pp_side(weights, schedule, rank, world_size, inputs, targets, args):
+    """Our stage with one schedule and SGD, as (step, state) for check_and_race."""
+    m = args.micro_batches
+    stage = Stage(weights, rank == 0, rank == world_size - 1, targets.chunk(m), n=args.batch_size * args.dim)
+    actions = build_schedule(schedule, world_size, rank, m)
+    optimizer = torch.optim.SGD(weights, lr=args.lr)
+
+    def step():
+        stage.grads = [torch.zeros_like(w) for w in weights]
+        stage.loss = 0.0
+        run_schedule(actions, stage, inputs.chunk(m), rank - 1, rank + 1, (args.batch_size // m, args.dim))
+        for w, grad in zip(weights, stage.grads):
+            w.grad = grad
+        optimizer.step()
+    return step, lambda: (weights, stage.grads)
+
+
+def pipelining_side(module, schedule_class, rank, world_size, inputs, targets, args):
+    """PyTorch's stage (this rank's layers as a module) with a schedule of the same stage
+    and micro-batch counts, and SGD, as (step, state). Each micro-batch's loss is
+    loss_fn(output, target), its mean squared error, and the schedule divides the
+    gradients by m (scale_grads): with equal micro-batches, the gradient of the mean
+    over the batch, as ours. The first stage gives the inputs, the last the targets."""
+    from torch.distributed.pipelining import PipelineStage
+    stage = PipelineStage(module, rank, world_size, inputs.device)
+    schedule = schedule_class(stage, args.micro_batches, loss_fn=F.mse_loss)
+    first, last = rank == 0, rank == world_size - 1
+    params = list(module.parameters())                 # nn.Linear weights: W^T
+    optimizer = torch.optim.SGD(params, lr=args.lr)
+
+    def step():
+        optimizer.zero_grad()
+        schedule.step(*[inputs] if first else [], **dict(target=targets) if last else {}, return_outputs=False)
+        optimizer.step()
+    return step, lambda: ([p.T for p in params], [p.grad.T for p in params])
+
+
+def versus_pipelining(args):
+    """Run the race on args.world_size ranks; return what print_race prints."""
+    import torch.distributed.pipelining  # noqa: F401  (~3 s) once here, before the ranks fork
+    times, diffs = spawn_returning(pipelining_race, args.world_size, args, backend=args.backend,
+                                   timeout_s=args.timeout_s)
+    ratios = [(f"ours {s}", f"torch {c}") for s, c in (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"))
+              if f"ours {s}" in times]
+    notes = [] if len(ratios) == 2 else [f"1F1B skipped: PyTorch's needs --micro-batches >= stages ({args.world_size})"]
+    return dict(title=f"pipeline parallel vs torch.distributed.pipelining: {bench_sizes(args, args.world_size)}",
+                times=times, diffs=diffs, ratios=ratios, notes=notes, world_size=args.world_size,
+                steps=args.steps, tolerance=CHECK_TOLERANCE)
 
 
 if __name__ == "__main__":
