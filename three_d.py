@@ -18,16 +18,23 @@ What is new is the rank map: which ranks form each group. The seed hard-codes it
 for 8 ranks (and the rank-group utility it came with picks the wrong groups for 6 of
 8 ranks); rank_groups() derives it for any sizes and any nesting order.
 """
+import os
+import re
+import shutil
+import tempfile
 from fractions import Fraction
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
-from collectives import (CommCounter, Parser, add_launch_args, check_launch_args, cleanup, log, positive_int,
-                         report_comm, run_main, setup, spawn)
-from data_parallel import (GradientAverager, check_divides, check_training_args, collect_on_rank0, dp_comm_formula,
-                           finish_run, global_loss, init_weights, make_batch, make_optimizer, replica_rows,
-                           training_parser)
+from collectives import (CommCounter, Parser, RankFailed, add_launch_args, check_and_race, check_launch_args,
+                         cleanup, end_race, log, positive_int, print_race, report_comm, run_main, setup, spawn,
+                         spawn_returning)
+from data_parallel import (CHECK_TOLERANCE, GradientAverager, as_module, bench_sizes, check_divides,
+                           check_training_args, collect_on_rank0, dp_comm_formula, finish_run, global_loss,
+                           init_weights, make_batch, make_optimizer, replica_rows, serial_side, training_parser)
 from pipeline_parallel import Stage, build_schedule, pp_comm_formula, run_schedule, stage_layers
 from tensor_parallel import (all_gather_columns, column_backward, column_forward, megatron_comparison, shard_columns,
                              tp_comm_formula)
@@ -243,6 +250,9 @@ def main(argv=None):
     if args.ray:   # the same ranks, started by Ray instead of spawn (the section below)
         ray_launch(parser, args, world_size)
         return
+    if args.bench:   # ours against serial and PyTorch's own composition (the last section)
+        print_race(versus_torch_3d(args))
+        return
     spawn(three_d_worker, world_size, args, backend=args.backend, timeout_s=args.timeout_s)
 
 
@@ -284,6 +294,192 @@ def ray_launch(parser, args, world_size):
                                                         resources_per_worker=resources),
                            torch_config=TorchConfig(backend=backend, timeout_s=args.timeout_s))
     trainer.fit()
+
+
+# ----------------------------------------------------------------------------------
+# What PyTorch gives you for this: DeviceMesh (dp, pp, tp) composed (--bench)
+# ----------------------------------------------------------------------------------
+#
+# PyTorch's own pieces on the same rank map: torch.distributed.pipelining over the pp
+# groups, ColwiseParallel inside each stage over the tp groups, and one of three ways
+# across dp: a manual all-reduce of the gradients, FSDP2 (fully_shard), or DDP.
+# DDP with its defaults goes wrong in this composition on torch 2.13 (gloo): its first
+# step's gradients are m times too large (after TP, DDP's module lists no parameters,
+# so the schedule's division by m finds none), and its second step fails (see
+# ddp_as_composed). DDP runs here with find_unused_parameters=True, scale_grads=False,
+# and the division by m done by hand, on our own references to the parameters.
+
+DP_WAYS = ("all-reduce", "FSDP2", "DDP")
+
+
+def torch_3d_race(rank, world_size, args):
+    device = setup(rank, world_size)
+    quiet_dtensor_warnings()
+    mesh = torch_mesh(args, device)
+    ours, full, inputs, targets = our_3d_side(rank, args, device)
+    sides = {"ours": ours, "serial: our step, whole batch, 1 rank": serial_side(args, device)}
+    for dp_way in DP_WAYS:
+        sides[f"torch 3D, dp by {dp_way}"] = torch_3d_side(args, mesh, device, dp_way, full, inputs, targets)
+    result = check_and_race(sides, device, args.steps)
+    end_race(sides)
+    return result
+
+
+def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_fixed=True):
+    """PyTorch's composition on this rank, with SGD, as (step, state) in our layout."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    d, p, t = (mesh[name].get_local_rank() for name in AXES)
+    first, last, m = p == 0, p == args.pp - 1, args.micro_batches
+    model = as_module([full[i] for i in stage_layers(args.num_layers, args.pp, p)], device)
+    parallelize_module(model, mesh["tp"], {str(i): ColwiseParallel(output_layouts=Replicate())
+                                           for i in range(0, len(model), 2)})
+    if dp_way == "FSDP2":
+        fully_shard(model, mesh=mesh["dp"])         # reduce-scatters the gradients, averaged over dp
+    if dp_way == "DDP":
+        model = DistributedDataParallel(model, device_mesh=mesh["dp"], find_unused_parameters=ddp_fixed)
+    params = list(model.parameters())               # ours to keep: after DDP's first forward it has none
+    scale_grads = dp_way != "DDP" or not ddp_fixed  # the schedule's division by m misses DDP's parameters
+    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule](
+        PipelineStage(model, p, args.pp, device, group=mesh["pp"].get_group()), m, loss_fn=F.mse_loss,
+        scale_grads=scale_grads)
+    optimizer = torch.optim.SGD(params, lr=args.lr)
+
+    def step():
+        optimizer.zero_grad()
+        schedule.step(*[inputs] if first else [], **dict(target=targets) if last else {}, return_outputs=False)
+        if not scale_grads:
+            for q in params:
+                q.grad.div_(m)
+        if dp_way == "all-reduce":
+            for q in params:
+                dist.all_reduce(q.grad.to_local(), op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+        optimizer.step()
+
+    def our_layout(tensors):
+        """Each weight or gradient as our shard W_t [D, D/T]: the local part of a DTensor
+        sharded over tp is W_t^T; FSDP2's is cut over dp too, so gather it whole first."""
+        shards = []
+        for x in tensors:
+            if getattr(x, "device_mesh", None) is not None and x.device_mesh.ndim > 1:
+                x = x.full_tensor()[t * args.dim // args.tp:(t + 1) * args.dim // args.tp]
+            shards.append((x.to_local() if hasattr(x, "to_local") else x).T)
+        return shards
+    return step, lambda: (our_layout(params), our_layout([q.grad for q in params]))
+
+
+def our_3d_side(rank, args, device):
+    """Our step, with the blocks three_d_worker uses, as (step, state); and the full
+    weights and this replica's batch, for the other sides."""
+    groups = rank_groups(args.dp, args.pp, args.tp, args.order)
+    mine = {}
+    for name in ("tp", "pp", "dp"):            # every rank creates every group, in the same order
+        for ranks in groups[name]:
+            handle = dist.new_group(ranks)
+            if rank in ranks:
+                mine[name] = (handle, ranks)
+    d, p, t = coordinates(rank, groups)
+    tp_group, (_, pp_ranks) = mine["tp"][0], mine["pp"]
+    full = init_weights(args.num_layers, args.dim, args.seed)
+    shards = [shard_columns(full[i], t, args.tp).to(device) for i in stage_layers(args.num_layers, args.pp, p)]
+    inputs, targets = make_batch(args)
+    rows = replica_rows(args.batch_size, d, args.dp)
+    inputs, targets, m = inputs[rows].to(device), targets[rows].to(device), args.micro_batches
+    kind = dict(cls=ShardedP2PStage, tp_group=tp_group) if args.p2p_shard else dict(cls=Stage)
+    stage = kind.pop("cls")(shards, p == 0, p == args.pp - 1, targets.chunk(m), inputs.numel(),
+                            forward_fn=lambda x, w: column_forward(x, w, tp_group),
+                            backward_fn=lambda g, stash, w, need_dx: column_backward(g, stash, w, tp_group, need_dx),
+                            **kind)
+    buffer_shape = (len(rows) // m, args.dim // args.tp if args.p2p_shard else args.dim)
+    actions = build_schedule(args.schedule, args.pp, p, m)
+    prev_rank, next_rank = (pp_ranks[p - 1] if p > 0 else None), (pp_ranks[p + 1] if p < args.pp - 1 else None)
+    averager, optimizer = GradientAverager(mine["dp"][0]), torch.optim.SGD(shards, lr=args.lr)
+
+    def step():
+        stage.grads = [torch.zeros_like(w) for w in shards]
+        run_schedule(actions, stage, inputs.chunk(m), prev_rank, next_rank, buffer_shape)
+        averager.finish(stage.grads)
+        for w, grad in zip(shards, stage.grads):
+            w.grad = grad
+        optimizer.step()
+    return (step, lambda: (shards, stage.grads)), full, inputs, targets
+
+
+def ddp_as_composed(rank, world_size, args, path):
+    """DDP in the composition with its defaults (find_unused_parameters=False, the
+    schedule's scale_grads): rank 0 saves how its first step's gradients compare with
+    ours, then a second step runs, and fails on this torch."""
+    device = setup(rank, world_size)
+    quiet_dtensor_warnings()
+    mesh = torch_mesh(args, device)
+    (ours, ours_state), full, inputs, targets = our_3d_side(rank, args, device)
+    theirs, theirs_state = torch_3d_side(args, mesh, device, "DDP", full, inputs, targets, ddp_fixed=False)
+    sides = {"ours": (ours, ours_state), "DDP": (theirs, theirs_state)}
+    ours()
+    theirs()
+    norms = torch.tensor([sum(g.square().sum() for g in state()[1]).item() for state in (ours_state, theirs_state)],
+                         device=device)
+    dist.all_reduce(norms)                                     # squared norms of the whole model's gradients
+    if rank == 0:
+        with open(path, "w") as f:                             # text: torch.save can hang in a forked rank
+            f.write(str((norms[1] / norms[0]).sqrt().item()))
+    del ours, ours_state, theirs, theirs_state
+    sides["DDP"][0]()                                          # the second step
+    end_race(sides)
+
+
+def torch_mesh(args, device):
+    """PyTorch's DeviceMesh over our rank map: the grid [dp, pp, tp] of ranks."""
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh(device.type, rank_grid(args.dp, args.pp, args.tp, args.order), mesh_dim_names=AXES)
+
+
+def quiet_dtensor_warnings():
+    """Gathering an FSDP2 + TP weight whole (for the check, not timed) warns on every rank."""
+    import logging
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def versus_torch_3d(args):
+    """Run the race, then DDP with its defaults; return what print_race prints."""
+    import torch.distributed.fsdp  # noqa: F401  (~5 s with the two below) once, before the ranks fork
+    import torch.distributed.pipelining  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401
+    world_size, launch = args.dp * args.pp * args.tp, dict(backend=args.backend, timeout_s=args.timeout_s)
+    times, diffs = spawn_returning(torch_3d_race, world_size, args, **launch)
+    notes = [f"DDP with its defaults (find_unused_parameters=False) and the schedule's (scale_grads=True): "
+             f"{ddp_failure(args, world_size, launch)}"]
+    return dict(title=f"3D (dp={args.dp} pp={args.pp} tp={args.tp}, {args.schedule}) vs serial and PyTorch's own "
+                      f"composition: {bench_sizes(args, world_size)}\n  torch 3D is DeviceMesh (dp, pp, tp), "
+                      f"torch.distributed.pipelining over pp, ColwiseParallel over tp, and across dp: "
+                      f"{', '.join(DP_WAYS)} (DDP: find_unused_parameters=True, scale_grads=False, / m by hand)",
+                times=times, diffs=diffs, world_size=world_size, steps=args.steps, tolerance=CHECK_TOLERANCE,
+                notes=notes,
+                ratios=[("ours", name) for name in times if name.startswith("torch")])
+
+
+def ddp_failure(args, world_size, launch):
+    """What goes wrong with DDP composed with its defaults, in one line."""
+    folder = tempfile.mkdtemp(prefix="parallel-ddp-")
+    path = os.path.join(folder, "ratio")
+    try:
+        try:
+            spawn(ddp_as_composed, world_size, args, path, **launch)
+            error = "the second step ran"
+        except RankFailed as e:
+            # The root cause: the first "SomethingError: ..." line of the failing rank's traceback
+            error = next((line for line in e.text.splitlines() if re.match(r"\w+(Error|Exception): \S", line)),
+                         str(e))
+        ratio = None
+        if os.path.exists(path):
+            with open(path) as f:
+                ratio = float(f.read())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    first = "no first step" if ratio is None else f"first step's gradients {ratio:.2f}x ours (m = {args.micro_batches})"
+    return f"{first}; second step: {error}"
 
 
 if __name__ == "__main__":
