@@ -1,0 +1,70 @@
+"""--bench's checks, at a tiny size and one timed step: our step and PyTorch's own API
+for it (DDP, ColwiseParallel, torch.distributed.pipelining, and their 3D composition)
+must compute the same gradients and weights, or the bench's times compare nothing.
+No time is asserted."""
+from types import SimpleNamespace
+
+import pytest
+
+import collectives
+import data_parallel
+import pipeline_parallel
+import tensor_parallel
+import three_d
+
+TOLERANCE = 1e-5   # float32 summation order gives ~1e-7 here
+
+
+@pytest.fixture(autouse=True)
+def no_warm_up(monkeypatch):
+    monkeypatch.setattr(collectives, "WARMUP", 0)
+
+
+def tiny(**sizes):
+    # one timed step; lr 0.1: a step moves the weights visibly, so a wrong gradient shows in them too
+    return SimpleNamespace(num_layers=4, dim=8, batch_size=8, micro_batches=2, steps=1, seed=0, lr=0.1,
+                           backend="gloo", timeout_s=30.0, **sizes)
+
+
+def assert_same(result, compared):
+    diffs = {name: diff for name, diff in result["diffs"].items() if diff is not None}
+    assert sorted(diffs) == sorted(compared)
+    assert all(diff <= TOLERANCE for diff in diffs.values()), diffs
+    assert all(seconds > 0 for seconds in result["times"].values())
+
+
+def test_data_parallel_equals_ddp():
+    result = data_parallel.versus_ddp(tiny(world_size=2))
+    assert_same(result, ["ours --overlap", "DDP"])
+
+
+def test_tensor_parallel_equals_colwise_parallel():
+    result = tensor_parallel.versus_colwise(tiny(world_size=2))
+    assert_same(result, ["ColwiseParallel(output_layouts=Replicate())"])
+
+
+def test_pipeline_equals_pipelining_gpipe_and_1f1b():
+    result = pipeline_parallel.versus_pipelining(tiny(world_size=2))
+    assert_same(result, ["torch ScheduleGPipe", "ours 1f1b", "torch Schedule1F1B"])
+
+
+def test_three_d_equals_pytorch_composition():
+    result = three_d.versus_torch_3d(tiny(dp=2, pp=2, tp=2, schedule="1f1b", order="tp-pp-dp", p2p_shard=False))
+    assert_same(result, [f"torch 3D, dp by {way}" for way in three_d.DP_WAYS])
+
+
+def test_a_wrong_gradient_is_caught_and_its_table_refused(monkeypatch, capsys):
+    """The check is not vacuous: double our averaged gradients and DDP no longer matches,
+    and print_race exits instead of reporting a time for different work."""
+    finish = data_parallel.GradientAverager.finish
+
+    def finish_twice_too_large(self, grads):
+        finish(self, grads)
+        for grad in grads:
+            grad.mul_(2)
+    monkeypatch.setattr(data_parallel.GradientAverager, "finish", finish_twice_too_large)
+    result = data_parallel.versus_ddp(tiny(world_size=2))
+    assert result["diffs"]["DDP"] > 1e-3 and result["diffs"]["ours --overlap"] <= TOLERANCE
+    with pytest.raises(SystemExit):
+        collectives.print_race(result)
+    assert "DIFFERENT" in capsys.readouterr().out
