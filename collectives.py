@@ -327,8 +327,12 @@ def print_bench(results, world_size, backend):
 
 def spawn_returning(fn, world_size, *args, **launch):
     """spawn(), and return what fn returned on rank 0: for the benches and tests that
-    want numbers rather than printed lines. (Under torchrun: rank 0's process gets
-    them, the others None.)"""
+    want numbers rather than printed lines. Under torchrun, what fn returned on this
+    rank (a bench's results are all-reduced: the same on every rank)."""
+    if under_torchrun():
+        results = []
+        spawn(lambda rank, size, *more: results.append(fn(rank, size, *more)), world_size, *args, **launch)
+        return results[0]
     folder = tempfile.mkdtemp(prefix="parallel-result-")
     path = os.path.join(folder, "rank0.pickle")
     try:
@@ -391,7 +395,10 @@ def end_race(sides):
 
 def print_race(result):
     """The table: each side's step time, speed-up over serial, difference from ours;
-    then ours / theirs. Exit 1 if a side computed something else."""
+    then ours / theirs. Exit 1 if a side computed something else. Under torchrun,
+    rank 0 prints it."""
+    if under_torchrun() and os.environ["RANK"] != "0":
+        return
     times, diffs, world_size = result["times"], result["diffs"], result["world_size"]
     serial = next(name for name in times if name.startswith("serial"))
     cores = os.cpu_count()

@@ -3,6 +3,7 @@
     python data_parallel.py                                  # 4 replicas on the CPU
     python data_parallel.py --world-size 2 --micro-batches 4 --overlap --check
     python data_parallel.py --count-comm --steps 1           # bytes sent per step, against the formula
+    python data_parallel.py --bench --world-size 2           # ours against DDP and serial: equal, then timed
     torchrun --nproc-per-node 4 data_parallel.py
 
 The model is an MLP of L layers, a = gelu(x @ W_l), trained with mean squared error

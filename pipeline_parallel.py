@@ -4,6 +4,7 @@
     python pipeline_parallel.py --world-size 4 --schedule gpipe --timeline
     python pipeline_parallel.py --world-size 2 --micro-batches 8 --check
     python pipeline_parallel.py --bubble-table                    # bubble and stash, p = 2, 4 and m = 1..8
+    python pipeline_parallel.py --bench --world-size 2 --micro-batches 4   # against torch.distributed.pipelining
     torchrun --nproc-per-node 4 pipeline_parallel.py
 
 The lecture sends activations forward one micro-batch at a time and stops: "Backward

@@ -3,6 +3,7 @@
     python tensor_parallel.py                               # 4 ranks share each layer
     python tensor_parallel.py --world-size 2 --check
     python tensor_parallel.py --embedding                   # the vocab-parallel embedding
+    python tensor_parallel.py --bench --world-size 2        # ours against ColwiseParallel and serial
     torchrun --nproc-per-node 4 tensor_parallel.py
 
 The lecture's column-parallel layer: rank t of T holds the columns W_t of every

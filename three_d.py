@@ -5,6 +5,7 @@
     python three_d.py --dp 1 --pp 4 --tp 2 --schedule gpipe --order tp-dp-pp
     python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
     python three_d.py --count-comm --p2p-shard --steps 1  # bytes each rank sends, per dimension
+    python three_d.py --bench --steps 5                 # against serial and PyTorch's own 3D composition
     torchrun --nproc-per-node 8 three_d.py              # one node; the README has two nodes
     python three_d.py --ray                             # the ranks as Ray Train workers (make 3d-ray)
 
@@ -31,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from collectives import (CommCounter, Parser, RankFailed, add_launch_args, check_and_race, check_launch_args,
                          cleanup, end_race, log, positive_int, print_race, report_comm, run_main, setup, spawn,
-                         spawn_returning)
+                         spawn_returning, under_torchrun)
 from data_parallel import (CHECK_TOLERANCE, GradientAverager, as_module, bench_sizes, check_divides,
                            check_training_args, collect_on_rank0, dp_comm_formula, finish_run, global_loss,
                            init_weights, make_batch, make_optimizer, replica_rows, serial_side, training_parser)
@@ -449,8 +450,9 @@ def versus_torch_3d(args):
     import torch.distributed.tensor.parallel  # noqa: F401
     world_size, launch = args.dp * args.pp * args.tp, dict(backend=args.backend, timeout_s=args.timeout_s)
     times, diffs = spawn_returning(torch_3d_race, world_size, args, **launch)
-    notes = [f"DDP with its defaults (find_unused_parameters=False) and the schedule's (scale_grads=True): "
-             f"{ddp_failure(args, world_size, launch)}"]
+    failure = "not run under torchrun (its failure would end the ranks)" if under_torchrun() else \
+        ddp_failure(args, world_size, launch)
+    notes = [f"DDP with its defaults (find_unused_parameters=False) and the schedule's (scale_grads=True): {failure}"]
     return dict(title=f"3D (dp={args.dp} pp={args.pp} tp={args.tp}, {args.schedule}) vs serial and PyTorch's own "
                       f"composition: {bench_sizes(args, world_size)}\n  torch 3D is DeviceMesh (dp, pp, tp), "
                       f"torch.distributed.pipelining over pp, ColwiseParallel over tp, and across dp: "
