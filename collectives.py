@@ -3,7 +3,8 @@ the launcher every later step imports.
 
     python collectives.py                      # every collective, on 4 ranks
     python collectives.py --world-size 8
-    python collectives.py --bench              # time and bandwidth of each collective
+    python collectives.py --bench              # time and bandwidth of each collective; start-up of 8 ranks
+    python collectives.py --machine            # one line naming this machine, as under every bench
     torchrun --nproc-per-node 4 collectives.py # the same script under torchrun
 
 Every rank prints its tensors before and after each collective, so the definitions
