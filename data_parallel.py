@@ -407,16 +407,20 @@ def as_module(weights, device):
     return torch.nn.Sequential(*layers)
 
 
-def our_side(weights, xs, ys, n, averager, lr):
-    """Our step with SGD, as (step, state): state() gives (weights, grads)."""
+def sgd_side(weights, compute_grads, lr):
+    """Our step with SGD, as (step, state) for check_and_race: compute_grads() runs
+    forward and backward and returns the gradients; state() gives (weights, grads)."""
     optimizer = torch.optim.SGD(weights, lr=lr)
 
     def step():
-        grads, _ = dp_step(weights, xs, ys, n, averager)
-        for w, grad in zip(weights, grads):
+        for w, grad in zip(weights, compute_grads()):
             w.grad = grad
         optimizer.step()
     return step, lambda: (weights, [w.grad for w in weights])
+
+
+def our_side(weights, xs, ys, n, averager, lr):
+    return sgd_side(weights, lambda: dp_step(weights, xs, ys, n, averager)[0], lr)
 
 
 def serial_side(args, device):

@@ -30,7 +30,7 @@ from collectives import (CommCounter, check_and_race, check_launch_args, cleanup
                          print_race, report_comm, run_main, setup, spawn, spawn_returning)
 from data_parallel import (CHECK_TOLERANCE, as_module, bench_sizes, check_divides, check_training_args, finish_run,
                            init_weights, layer_backward, layer_forward, make_batch, make_optimizer, mse_loss,
-                           serial_side, training_parser)
+                           serial_side, sgd_side, training_parser)
 
 
 # ----------------------------------------------------------------------------------
@@ -295,14 +295,7 @@ def colwise_side(model, xs, ys, n, lr):
 
 def tp_side(shards, xs, ys, n, lr, group=None):
     """Our TP step with SGD, as (step, state) for check_and_race."""
-    optimizer = torch.optim.SGD(shards, lr=lr)
-
-    def step():
-        grads, _ = tp_step(shards, xs, ys, n, group)
-        for w_t, grad in zip(shards, grads):
-            w_t.grad = grad
-        optimizer.step()
-    return step, lambda: (shards, [w.grad for w in shards])
+    return sgd_side(shards, lambda: tp_step(shards, xs, ys, n, group)[0], lr)
 
 
 def versus_colwise(args):

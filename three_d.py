@@ -30,12 +30,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from collectives import (CommCounter, Parser, RankFailed, add_launch_args, check_and_race, check_launch_args,
+from collectives import (CommCounter, RankFailed, check_and_race, check_launch_args,
                          cleanup, end_race, log, positive_int, print_race, report_comm, run_main, setup, spawn,
                          spawn_returning, under_torchrun)
 from data_parallel import (CHECK_TOLERANCE, GradientAverager, as_module, bench_sizes, check_divides,
                            check_training_args, collect_on_rank0, dp_comm_formula, finish_run, global_loss,
-                           init_weights, make_batch, make_optimizer, replica_rows, serial_side, training_parser)
+                           init_weights, make_batch, make_optimizer, replica_rows, serial_side, sgd_side,
+                           training_parser)
 from pipeline_parallel import Stage, build_schedule, pp_comm_formula, run_schedule, stage_layers
 from tensor_parallel import (all_gather_columns, column_backward, column_forward, megatron_comparison, shard_columns,
                              tp_comm_formula)
@@ -142,82 +143,97 @@ def three_d_comm_formula(args, p, act_bytes, param_bytes):
     return formula
 
 
+class ThreeDRank:
+    """One rank's share of the 3D job: its groups and coordinates, its shards of its
+    stage's layers, its replica's micro-batches, and the stage and schedule that run them."""
+
+    def __init__(self, rank, args, device):
+        groups = rank_groups(args.dp, args.pp, args.tp, args.order)
+        mine = {}
+        for name in ("tp", "pp", "dp"):            # every rank creates every group, in the same order
+            for ranks in groups[name]:
+                handle = dist.new_group(ranks)
+                if rank in ranks:
+                    mine[name] = (handle, ranks)
+        self.groups = {name: handle for name, (handle, _) in mine.items()}
+        self.d, self.p, self.t = d, p, t = coordinates(rank, groups)
+        self.tag = f"[dp{d} pp{p} tp{t}]"
+        tp_group, pp_ranks = self.groups["tp"], mine["pp"][1]
+        dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
+        first, last = p == 0, p == args.pp - 1
+
+        # This rank's weights: the layers of stage p, each sliced to TP rank t's columns.
+        self.full = init_weights(args.num_layers, args.dim, args.seed)
+        self.layers = stage_layers(args.num_layers, args.pp, p)
+        self.shards = [shard_columns(self.full[i], t, args.tp).to(device) for i in self.layers]   # [D, D/T] each
+
+        # This replica's slice of the batch, by its DP coordinate; the same on every TP rank.
+        self.inputs, self.targets = make_batch(args)
+        rows = replica_rows(args.batch_size, d, args.dp)
+        self.replica_inputs, self.replica_targets = self.inputs[rows].to(device), self.targets[rows].to(device)
+        m = args.micro_batches
+        self.micro_inputs = self.replica_inputs.chunk(m)         # [B/(dp m), D] each
+        n = len(rows) * args.dim                                  # the replica's mean loss divides by n
+
+        def tp_forward(x, w):
+            return column_forward(x, w, tp_group)
+
+        def tp_backward(g, stash, w, need_dx):
+            return column_backward(g, stash, w, tp_group, need_dx)
+
+        kind = dict(cls=ShardedP2PStage, tp_group=tp_group) if args.p2p_shard else dict(cls=Stage)
+        self.stage = kind.pop("cls")(self.shards, first, last, self.replica_targets.chunk(m), n,
+                                     forward_fn=tp_forward, backward_fn=tp_backward, **kind)
+        self.buffer_shape = (len(rows) // m, args.dim // args.tp if args.p2p_shard else args.dim)
+        self.actions = build_schedule(args.schedule, args.pp, p, m)
+        self.prev_rank = pp_ranks[p - 1] if not first else None
+        self.next_rank = pp_ranks[p + 1] if not last else None
+        self.averager = GradientAverager(self.groups["dp"])
+
+    def gradients(self):
+        """Every micro-batch forward and backward through the pipeline, then the
+        gradients averaged over the replicas, once. Returns them, one per shard."""
+        self.stage.grads = [torch.zeros_like(w) for w in self.shards]
+        self.stage.loss = 0.0
+        run_schedule(self.actions, self.stage, self.micro_inputs, self.prev_rank, self.next_rank, self.buffer_shape)
+        self.averager.finish(self.stage.grads)
+        return self.stage.grads
+
+
 def three_d_worker(rank, world_size, args):
     device = setup(rank, world_size)
-    groups = rank_groups(args.dp, args.pp, args.tp, args.order)
-    mine = {}
-    for name in ("tp", "pp", "dp"):            # every rank creates every group, in the same order
-        for ranks in groups[name]:
-            handle = dist.new_group(ranks)
-            if rank in ranks:
-                mine[name] = (handle, ranks)
-    d, p, t = coordinates(rank, groups)
-    tag = f"[dp{d} pp{p} tp{t}]"
-    tp_group, dp_group = mine["tp"][0], mine["dp"][0]
-    pp_ranks = mine["pp"][1]
-    dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
-    first, last = p == 0, p == args.pp - 1
+    me = ThreeDRank(rank, args, device)
     if rank == 0:
         show_rank_map(args.dp, args.pp, args.tp, args.order)
-
-    # This rank's weights: the layers of stage p, each sliced to TP rank t's columns.
-    full = init_weights(args.num_layers, args.dim, args.seed)
-    layers = stage_layers(args.num_layers, args.pp, p)
-    shards = [shard_columns(full[i], t, args.tp).to(device) for i in layers]    # [D, D/T] each
-
-    # This replica's slice of the batch, by its DP coordinate; the same on every TP rank.
-    inputs, targets = make_batch(args)
-    rows = replica_rows(args.batch_size, d, args.dp)
-    m = args.micro_batches
-    micro_inputs = inputs[rows].to(device).chunk(m)          # [B/(dp m), D] each
-    micro_targets = targets[rows].to(device).chunk(m)
-    n = len(rows) * args.dim                                  # the replica's mean loss divides by n
-
-    def tp_forward(x, w):
-        return column_forward(x, w, tp_group)
-
-    def tp_backward(g, stash, w, need_dx):
-        return column_backward(g, stash, w, tp_group, need_dx)
-
-    kind = dict(cls=ShardedP2PStage, tp_group=tp_group) if args.p2p_shard else dict(cls=Stage)
-    stage = kind.pop("cls")(shards, first, last, micro_targets, n, forward_fn=tp_forward, backward_fn=tp_backward,
-                            **kind)
-    buffer_shape = (len(rows) // m, args.dim // args.tp if args.p2p_shard else args.dim)
-    actions = build_schedule(args.schedule, args.pp, p, m)
-    prev_rank = pp_ranks[p - 1] if not first else None
-    next_rank = pp_ranks[p + 1] if not last else None
-    optimizer = make_optimizer(shards, args)
-    averager = GradientAverager(dp_group)
-    comm = CommCounter({"tp": tp_group, "pp": mine["pp"][0], "dp": dp_group}, enabled=args.count_comm)
+    last = me.p == args.pp - 1
+    optimizer = make_optimizer(me.shards, args)
+    comm = CommCounter(me.groups, enabled=args.count_comm)
     losses = []
     for step in range(args.steps):
-        stage.grads = [torch.zeros_like(w) for w in shards]
-        stage.loss = 0.0
         with comm.step():                     # --count-comm counts what this sends
-            run_schedule(actions, stage, micro_inputs, prev_rank, next_rank, buffer_shape)
-            averager.finish(stage.grads)      # average over the replicas, once per step
-        for w, grad in zip(shards, stage.grads):
+            grads = me.gradients()
+        for w, grad in zip(me.shards, grads):
             w.grad = grad
         optimizer.step()
         if last:                              # the last stage knows the loss; average it over replicas
-            losses.append(global_loss(torch.tensor(stage.loss, device=device), dp_group))
-            if d == 0 and t == 0:
-                log(tag, f"step {step:3d}  loss {losses[-1]:.6f}")
+            losses.append(global_loss(torch.tensor(me.stage.loss, device=device), me.groups["dp"]))
+            if me.d == 0 and me.t == 0:
+                log(me.tag, f"step {step:3d}  loss {losses[-1]:.6f}")
     if args.count_comm:
-        act_bytes = len(rows) // m * args.dim * shards[0].element_size()
-        param_bytes = sum(w.numel() * w.element_size() for w in shards)
-        report_comm(comm, three_d_comm_formula(args, p, act_bytes, param_bytes),
-                    megatron_comparison(args.num_layers, act_bytes, m, args.tp))
+        act_bytes = me.buffer_shape[0] * args.dim * me.shards[0].element_size()
+        param_bytes = sum(w.numel() * w.element_size() for w in me.shards)
+        report_comm(comm, three_d_comm_formula(args, me.p, act_bytes, param_bytes),
+                    megatron_comparison(args.num_layers, act_bytes, args.micro_batches, args.tp))
 
     # Gather replica 0's shards into full matrices on rank 0, for --save and --check.
-    pieces = collect_on_rank0((d, t, {i: w.cpu() for i, w in zip(layers, shards)}, losses))
+    pieces = collect_on_rank0((me.d, me.t, {i: w.cpu() for i, w in zip(me.layers, me.shards)}, losses))
     if rank == 0:
         final = [None] * args.num_layers
         for i in range(args.num_layers):
             columns = [(pt, sh[i]) for pd, pt, sh, _ in pieces if pd == 0 and i in sh]
             final[i] = torch.cat([c for _, c in sorted(columns, key=lambda tc: tc[0])], dim=1)
         reported = next(ls for _, _, _, ls in pieces if ls)
-        finish_run(args, full, final, reported, inputs, targets)
+        finish_run(args, me.full, final, reported, me.inputs, me.targets)
     cleanup()
 
 
@@ -372,40 +388,10 @@ def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_fixed=T
 
 
 def our_3d_side(rank, args, device):
-    """Our step, with the blocks three_d_worker uses, as (step, state); and the full
-    weights and this replica's batch, for the other sides."""
-    groups = rank_groups(args.dp, args.pp, args.tp, args.order)
-    mine = {}
-    for name in ("tp", "pp", "dp"):            # every rank creates every group, in the same order
-        for ranks in groups[name]:
-            handle = dist.new_group(ranks)
-            if rank in ranks:
-                mine[name] = (handle, ranks)
-    d, p, t = coordinates(rank, groups)
-    tp_group, (_, pp_ranks) = mine["tp"][0], mine["pp"]
-    full = init_weights(args.num_layers, args.dim, args.seed)
-    shards = [shard_columns(full[i], t, args.tp).to(device) for i in stage_layers(args.num_layers, args.pp, p)]
-    inputs, targets = make_batch(args)
-    rows = replica_rows(args.batch_size, d, args.dp)
-    inputs, targets, m = inputs[rows].to(device), targets[rows].to(device), args.micro_batches
-    kind = dict(cls=ShardedP2PStage, tp_group=tp_group) if args.p2p_shard else dict(cls=Stage)
-    stage = kind.pop("cls")(shards, p == 0, p == args.pp - 1, targets.chunk(m), inputs.numel(),
-                            forward_fn=lambda x, w: column_forward(x, w, tp_group),
-                            backward_fn=lambda g, stash, w, need_dx: column_backward(g, stash, w, tp_group, need_dx),
-                            **kind)
-    buffer_shape = (len(rows) // m, args.dim // args.tp if args.p2p_shard else args.dim)
-    actions = build_schedule(args.schedule, args.pp, p, m)
-    prev_rank, next_rank = (pp_ranks[p - 1] if p > 0 else None), (pp_ranks[p + 1] if p < args.pp - 1 else None)
-    averager, optimizer = GradientAverager(mine["dp"][0]), torch.optim.SGD(shards, lr=args.lr)
-
-    def step():
-        stage.grads = [torch.zeros_like(w) for w in shards]
-        run_schedule(actions, stage, inputs.chunk(m), prev_rank, next_rank, buffer_shape)
-        averager.finish(stage.grads)
-        for w, grad in zip(shards, stage.grads):
-            w.grad = grad
-        optimizer.step()
-    return (step, lambda: (shards, stage.grads)), full, inputs, targets
+    """Our step (three_d_worker's, with SGD) as (step, state); and the full weights and
+    this replica's batch, for the other sides."""
+    me = ThreeDRank(rank, args, device)
+    return sgd_side(me.shards, me.gradients, args.lr), me.full, me.replica_inputs, me.replica_targets
 
 
 def ddp_as_composed(rank, world_size, args, path):
