@@ -68,10 +68,11 @@ def column_forward(x, w_t, group=None):
 def column_backward(g, stash, w_t, group=None, need_dx=True):
     """g = dL/da [b, D], the same on every rank -> (dx [b, D], dW_t [D, D/T]).
 
-    need_dx=False skips the all-reduce where nobody uses dx (the model's first layer)."""
+    need_dx=False skips dx (None), and its all-reduce, where nobody uses it: the
+    model's first layer."""
     tp_rank, cols = dist.get_rank(group), w_t.shape[1]
     g_t = g[:, tp_rank * cols:(tp_rank + 1) * cols]    # backward of all-gather: slice   [b, D/T]
-    dx, dw_t = layer_backward(g_t, stash, w_t)         # dW_t = x^T dz_t [D, D/T];  dz_t W_t^T [b, D]
+    dx, dw_t = layer_backward(g_t, stash, w_t, need_dx)   # dW_t = x^T dz_t [D, D/T];  dz_t W_t^T [b, D]
     if need_dx and dist.get_world_size(group) > 1:
         dist.all_reduce(dx, group=group)               # dx = sum_t dz_t W_t^T
     return dx, dw_t
