@@ -15,9 +15,10 @@ Nothing new is computed here: this file composes the blocks of steps 2-4.
   coordinate t sends to the next stage's rank with the same t.
 - After all micro-batches, each shard's gradient is averaged over its DP group with
   the averager of step 2, once, and the optimizer steps.
-What is new is the rank map: which ranks form each group. The seed hard-codes it
-for 8 ranks (and the rank-group utility it came with picks the wrong groups for 6 of
-8 ranks); rank_groups() derives it for any sizes and any nesting order.
+What is new is the rank map: which ranks form each group. The from-scratch 3D code
+that the lecture inspired hard-codes it for 8 ranks (and a rank-group utility often
+used with it picks the wrong groups for 6 of 8 ranks); rank_groups() derives it for
+any sizes and any nesting order.
 """
 import os
 import re
@@ -46,8 +47,8 @@ from tensor_parallel import (all_gather_columns, column_backward, column_forward
 # The rank map
 # ----------------------------------------------------------------------------------
 
-# The seed's map for dp = pp = tp = 2, written out by hand:
-SEED_MAP_2x2x2 = {
+# The map that from-scratch 3D code hard-codes for dp = pp = tp = 2, written out by hand:
+HARD_CODED_MAP_2x2x2 = {
     "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],   # neighbours share every layer
     "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],   # 0 -> 2, 1 -> 3, 4 -> 6, 5 -> 7
     "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],   # replicas
@@ -58,7 +59,7 @@ SEED_MAP_2x2x2 = {
 # Which axis varies fastest is a choice (--order, named fastest first, as Megatron's
 # order string). TP goes innermost in both orders we offer: it talks at every layer,
 # so its ranks should share the fastest links, inside one node.
-#   tp-pp-dp (default, as the seeds): replicas outermost. DP's all-reduce, once per
+#   tp-pp-dp (default, as that code does): replicas outermost. DP's all-reduce, once per
 #     step but as big as the model, crosses nodes.
 #   tp-dp-pp (Megatron, torchtitan): stages outermost. Only the pipeline's
 #     point-to-point activations cross nodes: the lightest traffic of the three.

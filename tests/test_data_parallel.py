@@ -34,7 +34,7 @@ SHAPES = [(1, 1, 1), (3, 5, 7), (8, 16, 16), (4, 64, 32)]   # (batch, D_in, D_ou
 
 
 def tanh_gelu_grad(z):
-    """Derivative of gelu(approximate="tanh"): the formula the seed wrongly used."""
+    """Derivative of gelu(approximate="tanh"): the formula a known from-scratch implementation wrongly pairs with the erf GELU."""
     c = math.sqrt(2.0 / math.pi)
     u = c * (z + 0.044715 * z ** 3)
     t = torch.tanh(u)
@@ -71,7 +71,7 @@ def test_gelu_grad_matches_autograd_of_erf_gelu(dtype):
 
 def test_tanh_derivative_would_fail_the_gelu_test():
     """The tanh formula is the derivative of the tanh GELU, not of the erf GELU we run:
-    the comparison above would reject it (the seed's defect 2)."""
+    the comparison above would reject it (the tanh-derivative bug)."""
     z = _gelu_points().double()
     tanh = tanh_gelu_grad(z)
     # the helper is right for what it claims to be ...
@@ -114,7 +114,7 @@ def test_layer_forward_and_backward_match_autograd(shape, scale, dtype):
 
 
 def test_layer_backward_with_tanh_derivative_would_fail():
-    """The same comparison catches the seed's tanh derivative in a real layer."""
+    """The same comparison catches the tanh derivative in a real layer."""
     x, w, g = _layer_inputs(8, 16, 16, 1.0, torch.float64)
     _, (_, z) = dp.layer_forward(x, w)
     dz_wrong = g * tanh_gelu_grad(z)
@@ -448,7 +448,7 @@ def test_replica_rows_shuffle_changes_with_step_and_seed():
 def test_replica_rows_are_taken_by_dp_rank_in_3d():
     """In a 3D grid (rank = (d*PP + p)*TP + t) the slice follows the dp coordinate d, so the
     tp/pp peers of a replica share its rows and the replicas cover the batch; slicing by
-    the global rank (the seed's defect 5) would leave ranks past the first dp_size empty."""
+    the global rank (a classic bug) would leave ranks past the first dp_size empty."""
     DP, PP, TP, B = 2, 2, 2, 8
     grid = torch.arange(DP * PP * TP).view(DP, PP, TP)
     by_rank = {}

@@ -6,7 +6,7 @@
   at every shard edge, repeated tokens, vocabularies that T does not divide.
 - Tensor-parallel training (in-process main(), ranks forked) against serial_train, over
   world sizes, micro-batches and optimizers; the --save contract; each rank's own shards.
-- The seed's defects stay gone: shards are slices of one matrix, dW_t is [D, D/T].
+- Known from-scratch bugs stay gone: shards are slices of one matrix, dW_t is [D, D/T].
 - --check from the command line, --check failing on a broken backward, bad flags exit 2.
 
 The workers save what they computed to tmp files and the test asserts in the parent, so a
@@ -123,7 +123,7 @@ def test_column_layer_matches_autograd(tmp_path, world_size):
             # forward: every rank holds the full gelu(x @ W)
             assert m["a"].shape == (b, d)
             torch.testing.assert_close(m["a"], a_ref.detach(), atol=ATOL, rtol=RTOL)
-            # dW_t: this rank's columns of autograd's dW, shape [D, D/T] (not the seed's [D/T, D])
+            # dW_t: this rank's columns of autograd's dW, shape [D, D/T] (not the transposed [D/T, D])
             assert m["dw_t"].shape == (d, d // world_size)
             torch.testing.assert_close(m["dw_t"], full_dw[:, _cols(t, world_size, d)], atol=ATOL, rtol=RTOL)
             assert torch.equal(m["dw_t_again"], m["dw_t"])     # need_dx changes dx only

@@ -2,8 +2,8 @@
 
 - rank_groups() for every factorization dp x pp x tp of world sizes 1..12, in both
   orders, against the layout computed here with plain loops; membership (every rank
-  in each of its own groups, at the position of its coordinate: the seed's utility
-  got 6 of 8 ranks wrong); the seed's 2x2x2 map and DESIGN.md's tp-dp-pp groups.
+  in each of its own groups, at the position of its coordinate: a well-known rank-group utility
+  got 6 of 8 ranks wrong); the hard-coded 2x2x2 map and the documented tp-dp-pp groups.
 - --show-rank-map prints that table and starts no rank.
 - Training (three_d.main in-process, ranks forked from here) against
   data_parallel.serial_train over nine layouts, both schedules, both orders,
@@ -50,7 +50,7 @@ ALL_LAYOUTS = [layout for w in range(1, 13) for layout in factorizations(w)]
 
 
 def expected_rank(d, p, t, sizes, order):
-    """The rank at coordinates (d, p, t), from the formulas in DESIGN.md, no tensors:
+    """The rank at coordinates (d, p, t), from the rank formulas, no tensors:
     tp-pp-dp is arange(W).view(dp, pp, tp): rank = (d PP + p) TP + t;
     tp-dp-pp is arange(W).view(pp, dp, tp): rank = (p DP + d) TP + t."""
     dp_size, pp_size, tp_size = sizes
@@ -101,7 +101,7 @@ def test_rank_groups_for_every_factorization(order):
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_every_rank_is_in_each_of_its_own_groups(order):
-    """Membership, the test the seed utility fails: the rank at (d, p, t) is in the group
+    """Membership, the test a well-known rank-group utility fails: the rank at (d, p, t) is in the group
     that varies one coordinate and fixes the other two, at the position of its own
     coordinate, and coordinates() returns (d, p, t)."""
     for sizes in ALL_LAYOUTS:
@@ -136,18 +136,18 @@ def test_default_order_coordinates_follow_the_formula():
 
 
 def test_2x2x2_default_is_the_seed_map():
-    assert three_d.rank_groups(2, 2, 2) == three_d.SEED_MAP_2x2x2
-    assert three_d.rank_groups(2, 2, 2, order="tp-pp-dp") == three_d.SEED_MAP_2x2x2
-    # ...and the seed map itself is what DESIGN.md lists
-    assert three_d.SEED_MAP_2x2x2 == {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    assert three_d.rank_groups(2, 2, 2) == three_d.HARD_CODED_MAP_2x2x2
+    assert three_d.rank_groups(2, 2, 2, order="tp-pp-dp") == three_d.HARD_CODED_MAP_2x2x2
+    # ...and the hard-coded map itself is the formula's
+    assert three_d.HARD_CODED_MAP_2x2x2 == {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
                                       "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
                                       "dp": [[0, 4], [1, 5], [2, 6], [3, 7]]}
 
 
 def test_2x2x2_tp_dp_pp_puts_the_pipeline_outermost():
     groups = three_d.rank_groups(2, 2, 2, order="tp-dp-pp")
-    assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]   # DESIGN.md
-    assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]   # DESIGN.md
+    assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]   # pipeline outermost
+    assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]   # pipeline outermost
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]   # TP innermost in both orders
 
 
@@ -279,7 +279,7 @@ def test_dp2_equals_dp1_so_the_gradient_is_averaged_once(tmp_path):
     """Two replicas on halves of the batch take the same step as one replica on all of it:
     the gradient is divided by dp once, not zero times or once per micro-batch. Order
     tp-dp-pp makes a replica's DP coordinate differ from its global rank, so slicing by
-    the global rank (the seed's defect 5) would train on the wrong rows."""
+    the global rank (a classic bug) would train on the wrong rows."""
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
     common = dict(schedule="1f1b", order="tp-dp-pp", micro_batches=2, batch_size=16, steps=3)
