@@ -21,10 +21,18 @@ The gaps in the lecture that this step fills:
 - --bench reports bus bandwidth as nccl-tests defines it, so numbers compare across
   collectives and world sizes.
 
-The launcher at the bottom of this file (spawn / setup / cleanup) is the only
-plumbing in the collection. It starts one process per rank on this machine, or,
-under torchrun, runs the one rank torchrun started, so every script runs unchanged
-on a laptop's CPU, on a GPU box, and across nodes.
+The launcher near the bottom of this file (spawn / setup / cleanup) is the plumbing
+every script shares. It starts one process per rank on this machine, or, under
+torchrun, runs the one rank torchrun started, so every script runs unchanged on a
+laptop's CPU, on a GPU box, and across nodes.
+
+How the file is laid out, so that the lecture can be read first:
+1. the collectives, shown on every rank, and the ring all-reduce (the lecture);
+2. --bench for the collectives, then the helpers that every script's --bench uses to
+   race our step against PyTorch's own, and the start-up race of three launchers;
+3. main() and this step's printing;
+4. --count-comm's counter, which the training scripts switch on;
+5. the launcher, and the command-line checks every script shares.
 """
 import argparse
 import contextlib
