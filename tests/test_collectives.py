@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import collectives as C
 from collectives import RankFailed, cleanup, ring_all_reduce, setup, spawn
+from common import child_pids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEEN = {}  # what a worker that ran in this process saw; forked ranks' writes stay in theirs
@@ -179,15 +180,6 @@ def test_ring_all_reduce_on_subgroups():
 
 
 # ---- the launcher -----------------------------------------------------------------
-
-def child_pids():
-    """This process's live children, as the kernel sees them."""
-    pids = set()
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids.update(int(pid) for pid in f.read().split())
-    return pids
-
 
 def raise_on_rank_2(rank, world_size):
     setup(rank, world_size)

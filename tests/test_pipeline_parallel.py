@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import data_parallel as dp
 import pipeline_parallel as pp
 from collectives import cleanup, setup, spawn
+from common import assert_same_training
 from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action
 
 REPO = Path(__file__).resolve().parent.parent
@@ -254,13 +255,6 @@ def run_pp(tmp_path, world_size, micro_batches, schedule, num_layers=12, batch_s
     return torch.load(save)
 
 
-def assert_close_runs(got, want):
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), atol=ATOL, rtol=RTOL)
-    assert len(got["final_weights"]) == len(want["final_weights"])
-    for layer, (a, b) in enumerate(zip(got["final_weights"], want["final_weights"])):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda msg: f"layer {layer}: {msg}")
-
-
 def assert_trained(result):
     """The weights moved far past the tolerance, so a gradient scale error would show."""
     moved = max((f - i).abs().max().item() for f, i in zip(result["final_weights"], result["init_weights"]))
@@ -271,7 +265,7 @@ def assert_matches_serial(result):
     config = result["config"]
     ref = dp.serial_train(argparse.Namespace(**config))
     assert len(result["losses"]) == config["steps"]
-    assert_close_runs(result, ref)
+    assert_same_training(result, ref)
     assert_trained(result)
     init = dp.init_weights(config["num_layers"], config["dim"], config["seed"])
     assert all(torch.equal(a, b) for a, b in zip(result["init_weights"], init))
@@ -417,7 +411,7 @@ def test_dw_accumulates_over_micro_batches(tmp_path, schedule):
     one = run_pp(tmp_path, 2, 1, schedule, num_layers=4, batch_size=8)
     four = run_pp(tmp_path, 2, 4, schedule, num_layers=4, batch_size=8)
     assert_trained(one)
-    assert_close_runs(four, one)
+    assert_same_training(four, one)
 
 
 def test_1f1b_does_not_deadlock_with_messages_past_gloos_buffer(tmp_path):

@@ -35,6 +35,7 @@ import pipeline_parallel
 import tensor_parallel
 import three_d
 from collectives import RankFailed
+from common import child_pids
 from faults import fail_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -219,14 +220,6 @@ def test_bad_input_from_the_command_line():
 # call is in the middle of step 1.
 SMALL = ["--dp", "2", "--pp", "2", "--tp", "2", "--num-layers", "4", "--dim", "16", "--batch-size", "8",
          "--micro-batches", "2", "--steps", "3"]
-
-
-def child_pids():
-    pids = set()
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids.update(int(pid) for pid in f.read().split())
-    return pids
 
 
 @pytest.mark.deadline(40)

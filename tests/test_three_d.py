@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import data_parallel as dp
 import three_d
+from common import assert_same_training
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -210,13 +211,6 @@ def run_3d(tmp_path, dp_size, pp_size, tp_size, schedule="1f1b", order="tp-pp-dp
 
 def serial_reference(result):
     return dp.serial_train(argparse.Namespace(**result["config"]))
-
-
-def assert_same_training(got, want):
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), atol=ATOL, rtol=RTOL)
-    assert len(got["final_weights"]) == len(want["final_weights"])
-    for layer, (a, b) in enumerate(zip(got["final_weights"], want["final_weights"])):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda msg: f"layer {layer}: {msg}")
 
 
 def assert_follows_the_contract(result):
