@@ -54,6 +54,9 @@ import traceback
 from datetime import timedelta
 from fractions import Fraction
 
+import warnings
+
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")  # torch's import warns without numpy; nothing here needs it
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -720,10 +723,10 @@ def report_comm(counter, formula, notes=""):
         calls, counted = counter.counts.get(key, (0, 0))
         expected, how = formula.get(key, (0, "not in the formula"))
         lines.append((*key, calls, counted, expected, how))
-    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(lines, everyone, dst=0)
+    everyone = _gather_text(repr(lines))
     if dist.get_rank() != 0:
         return
+    everyone = [eval(text, {"Fraction": Fraction}) for text in everyone]   # our own repr() of plain values
     blocks = {}   # lines -> the ranks that have exactly those
     for rank, theirs in enumerate(everyone):
         blocks.setdefault(tuple(theirs), []).append(rank)
@@ -738,6 +741,22 @@ def report_comm(counter, formula, notes=""):
                   f"formula {_exact(expected):>10} = {how}  {verdict}", flush=True)
     if notes:
         print(textwrap.fill(notes, 100, break_on_hyphens=False), flush=True)
+
+
+def _gather_text(text):
+    """Every rank's string, in rank order, on rank 0 (None elsewhere), as bytes in tensors:
+    torch's object collectives need numpy, which nothing else here does."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(data)]))
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:len(data)] = data
+    parts = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes] if dist.get_rank() == 0 else None
+    dist.gather(padded, parts, dst=0)
+    if parts is None:
+        return None
+    return [bytes(part[:int(size)].tolist()).decode() for part, size in zip(parts, sizes)]
 
 
 def _exact(nbytes):

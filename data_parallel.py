@@ -22,6 +22,9 @@ import math
 import os
 from fractions import Fraction
 
+import warnings
+
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")  # torch's import warns without numpy; nothing here needs it
 import torch
 import torch._dynamo  # noqa: F401  building any torch.optim optimizer imports it (~1 s): pay once, before forking
 import torch.distributed as dist
@@ -288,12 +291,13 @@ def serial_train(args):
     return {"final_weights": [w.detach() for w in weights], "losses": losses}
 
 
-def collect_on_rank0(obj):
-    """Every rank's obj, in rank order, on rank 0 (None elsewhere): for --save and the
-    timeline, not for training, so pickling small objects is fine."""
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
-    return gathered
+def gather_on_rank0(tensor):
+    """Every rank's tensor (the same shape on all), stacked in rank order on rank 0:
+    [world_size, *shape]; None elsewhere. Tensors, not pickled objects: torch's object
+    collectives need numpy, which nothing else here does."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather(tensor.contiguous(), parts, dst=0)
+    return torch.stack(parts) if parts is not None else None
 
 
 def finish_run(args, init_weights_, final_weights, losses, inputs, targets, extra=None):

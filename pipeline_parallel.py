@@ -27,6 +27,9 @@ import textwrap
 import time
 from typing import NamedTuple
 
+import warnings
+
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")  # torch's import warns without numpy; nothing here needs it
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 from collectives import (CommCounter, check_and_race, check_launch_args, cleanup, end_race, log, positive_int,
                          print_race, report_comm, run_main, setup, spawn, spawn_returning)
 from data_parallel import (CHECK_TOLERANCE, as_module, bench_sizes, check_divides, check_training_args,
-                           collect_on_rank0, finish_run, init_weights, layer_backward, layer_forward, make_batch,
+                           finish_run, gather_on_rank0, init_weights, layer_backward, layer_forward, make_batch,
                            make_optimizer, mse_loss, serial_side, training_parser)
 
 
@@ -257,7 +260,7 @@ def pp_worker(rank, world_size, args):
         if last:
             log(tag, f"step {step:3d}  loss {stage.loss:.6f}")
         if events is not None:
-            show_timeline(events, stage.peak_stash, world_size, m, rank)
+            show_timeline(events, stage.peak_stash, world_size, m, rank, device)
     if args.count_comm:
         act_bytes = buffer_shape[0] * buffer_shape[1] * inputs.element_size()   # one [B/m, D] activation
         report_comm(comm, pp_comm_formula(rank, world_size, act_bytes, m))
@@ -265,19 +268,33 @@ def pp_worker(rank, world_size, args):
         log(tag, "schedule of every stage:")
         for s in range(world_size):
             log(f"[stage {s}]", " ".join(map(str, build_schedule(args.schedule, world_size, s, m))))
-    pieces = collect_on_rank0({i: w.cpu() for i, w in zip(layers, weights)})
-    all_losses = collect_on_rank0(losses)
+    # Rank 0 gathers every stage's layers, [p, L/p, D, D], which in stage order are the
+    # model's layers in order; the losses come from the last stage, which alone has them.
+    stages = gather_on_rank0(torch.stack(weights))
+    losses = torch.tensor(losses, dtype=torch.float64, device=device)
+    dist.broadcast(losses, src=world_size - 1)
     if rank == 0:
-        final = [merged for piece in pieces for merged in piece.values()]
-        finish_run(args, full, final, all_losses[-1], inputs, targets)
+        finish_run(args, full, list(stages.flatten(0, 1)), losses.tolist(), inputs, targets)
     cleanup()
 
 
-def show_timeline(events, peak_stash, num_stages, num_micro_batches, rank):
+def events_tensor(events, device):
+    """(op, mb, start, end) events as rows of a float64 tensor, to gather them."""
+    return torch.tensor([["FB".index(op), mb, t0, t1] for op, mb, t0, t1 in events], dtype=torch.float64,
+                        device=device)
+
+
+def events_list(rows):
+    return [("FB"[int(op)], int(mb), t0, t1) for op, mb, t0, t1 in rows.tolist()]
+
+
+def show_timeline(events, peak_stash, num_stages, num_micro_batches, rank, device):
     """Rank 0 draws every stage's F and B slots on one time axis (one step)."""
-    everything = collect_on_rank0((events, peak_stash))
+    stages = gather_on_rank0(events_tensor(events, device))          # [p, 2m, 4]
+    peaks = gather_on_rank0(torch.tensor(peak_stash, device=device))
     if rank != 0:
         return
+    everything = [(events_list(rows), peak) for rows, peak in zip(stages, peaks.tolist())]
     begin, end, idle = idle_shares([evs for evs, _ in everything])
     width = 96
     scale = width / (end - begin)
@@ -338,8 +355,11 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps, path):
                 timelines.append([])
                 dist.barrier()            # every stage starts the step at once
                 run_schedule(actions, stage, x, rank - 1, rank + 1, (rows, dim), events=timelines[-1])
-            everything = collect_on_rank0((timelines[1:], stage.peak_stash))
+            steps_of = gather_on_rank0(torch.stack([events_tensor(tl, device) for tl in timelines[1:]]))
+            peaks = gather_on_rank0(torch.tensor(stage.peak_stash, device=device))
             if rank == 0:
+                everything = [([events_list(rows) for rows in stage_steps], peak)
+                              for stage_steps, peak in zip(steps_of, peaks.tolist())]
                 measured = sorted((idle_shares([tl[i] for tl, _ in everything]) for i in range(steps)),
                                   key=lambda step: step[1] - step[0])
                 begin, end, idle = measured[steps // 2]     # the median step, by its span
@@ -458,7 +478,11 @@ def pipelining_side(module, schedule_class, rank, world_size, inputs, targets, a
     gradients by m (scale_grads): with equal micro-batches, the gradient of the mean
     over the batch, as ours. The first stage gives the inputs, the last the targets."""
     from torch.distributed.pipelining import PipelineStage
-    stage = PipelineStage(module, rank, world_size, inputs.device)
+    # Shapes given up front (static mode): inferring them sends pickled objects, which needs numpy
+    # (an activation between stages requires grad: its gradient is sent back)
+    example = inputs[:args.batch_size // args.micro_batches].clone().requires_grad_()   # one micro-batch [B/m, D]
+    stage = PipelineStage(module, rank, world_size, inputs.device, input_args=example if rank else example.detach(),
+                          output_args=example)
     schedule = schedule_class(stage, args.micro_batches, loss_fn=F.mse_loss)
     first, last = rank == 0, rank == world_size - 1
     params = list(module.parameters())                 # nn.Linear weights: W^T

@@ -22,6 +22,9 @@ by rows instead: a masked lookup, then an all-reduce.
 """
 from fractions import Fraction
 
+import warnings
+
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")  # torch's import warns without numpy; nothing here needs it
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

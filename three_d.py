@@ -26,6 +26,9 @@ import shutil
 import tempfile
 from fractions import Fraction
 
+import warnings
+
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")  # torch's import warns without numpy; nothing here needs it
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -35,7 +38,7 @@ from collectives import (CommCounter, RankFailed, check_and_race, check_launch_a
                          cleanup, end_race, log, positive_int, print_race, report_comm, run_main, setup, spawn,
                          spawn_returning, under_torchrun)
 from data_parallel import (CHECK_TOLERANCE, GradientAverager, as_module, bench_sizes, check_divides,
-                           check_training_args, collect_on_rank0, dp_comm_formula, finish_run, global_loss,
+                           check_training_args, dp_comm_formula, finish_run, gather_on_rank0, global_loss,
                            init_weights, make_batch, make_optimizer, replica_rows, serial_side, sgd_side,
                            training_parser)
 from pipeline_parallel import Stage, build_schedule, pp_comm_formula, run_schedule, stage_layers
@@ -226,15 +229,16 @@ def three_d_worker(rank, world_size, args):
         report_comm(comm, three_d_comm_formula(args, me.p, act_bytes, param_bytes),
                     megatron_comparison(args.num_layers, act_bytes, args.micro_batches, args.tp))
 
-    # Gather replica 0's shards into full matrices on rank 0, for --save and --check.
-    pieces = collect_on_rank0((me.d, me.t, {i: w.cpu() for i, w in zip(me.layers, me.shards)}, losses))
+    # Rank 0 gathers every rank's shards, [world, L/pp, D, D/tp], and rebuilds the full
+    # matrices from replica 0's: stage p holds layers p L/pp.., TP rank t their columns t.
+    shards = gather_on_rank0(torch.stack(me.shards))
+    grid = rank_grid(args.dp, args.pp, args.tp, args.order)               # [dp, pp, tp] -> rank
+    losses = torch.tensor(losses if last else [0.0] * args.steps, dtype=torch.float64, device=device)
+    dist.broadcast(losses, src=grid[0, args.pp - 1, 0].item())            # the last stage has them
     if rank == 0:
-        final = [None] * args.num_layers
-        for i in range(args.num_layers):
-            columns = [(pt, sh[i]) for pd, pt, sh, _ in pieces if pd == 0 and i in sh]
-            final[i] = torch.cat([c for _, c in sorted(columns, key=lambda tc: tc[0])], dim=1)
-        reported = next(ls for _, _, _, ls in pieces if ls)
-        finish_run(args, me.full, final, reported, me.inputs, me.targets)
+        stages = [torch.cat([shards[grid[0, p, t]] for t in range(args.tp)], dim=2) for p in range(args.pp)]
+        final = list(torch.cat(stages))                                   # L x [D, D]
+        finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets)
     cleanup()
 
 
@@ -359,9 +363,14 @@ def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_fixed=T
     if dp_way == "DDP":
         model = DistributedDataParallel(model, device_mesh=mesh["dp"], find_unused_parameters=ddp_fixed)
     params = list(model.parameters())               # ours to keep: after DDP's first forward it has none
+    # Shapes given up front (static mode): inferring them sends pickled objects, which needs numpy;
+    # an activation between stages requires grad, as its gradient is sent back. [B/(dp m), D]
+    example = inputs[:len(inputs) // m].clone().requires_grad_()
     scale_grads = dp_way != "DDP" or not ddp_fixed  # the schedule's division by m misses DDP's parameters
     schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule](
-        PipelineStage(model, p, args.pp, device, group=mesh["pp"].get_group()), m, loss_fn=F.mse_loss,
+        PipelineStage(model, p, args.pp, device, group=mesh["pp"].get_group(),   # shapes given: static mode
+                      input_args=example if p else example.detach(), output_args=example),
+        m, loss_fn=F.mse_loss,
         scale_grads=scale_grads)
     optimizer = torch.optim.SGD(params, lr=args.lr)
 

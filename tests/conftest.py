@@ -32,6 +32,8 @@ def deadline(request):
 
 
 def pytest_configure(config):
+    # torch's import warns when numpy is missing (a fresh environment); nothing needs numpy
+    config.addinivalue_line("filterwarnings", "ignore:Failed to initialize NumPy")
     config.addinivalue_line("markers", "deadline(seconds): fail the test after this many seconds")
     config.addinivalue_line("markers", "multinode: two nodes in network namespaces, as root (make test-multinode)")
     config.addinivalue_line("markers", "ray: runs Ray Train workers; skipped when Ray is not installed")

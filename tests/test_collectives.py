@@ -363,7 +363,8 @@ def test_two_runs_started_at_once_both_pass():
 
 def test_under_torchrun():
     # --standalone: torchrun's rendezvous on a free port of this machine
-    launcher = ("torchrun", "--standalone", "--nproc-per-node", "2")
+    # torchrun as `python -m torch.distributed.run`: the same program, found in any environment
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
     code, out, err = finish(run_script(launcher=launcher))
     assert code == 0, err
     lines = out.splitlines()

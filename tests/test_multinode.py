@@ -22,6 +22,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -50,8 +51,6 @@ def two_nodes():
         pytest.skip("network namespaces need root")
     if shutil.which("ip") is None:
         pytest.skip("needs iproute2's ip (apt-get install -y iproute2)")
-    if shutil.which("torchrun") is None:
-        pytest.skip("needs torchrun on PATH")
     tag = f"t3d{os.getpid() % 100000}"   # unique per test session: two sessions can run at once
     nodes = [(f"{tag}n{i}", f"{tag}v{i}") for i in range(2)]
     made = []
@@ -92,7 +91,7 @@ class Node:
         env.update(GLOO_SOCKET_IFNAME=dev, LOGLEVEL="INFO")   # INFO: torchrun logs each node's group_rank
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", ns, "timeout", "-k", "5", "150",
-             "torchrun", "--nnodes", "2", "--nproc-per-node", "4", *torchrun_args, "three_d.py", *script_args],
+             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4", *torchrun_args, "three_d.py", *script_args],
             cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.out, self.err = [], []
         self.readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
@@ -141,7 +140,7 @@ class Node:
                     cmdline = f.read().split(b"\0")
             except OSError:
                 continue
-            if any(arg.endswith(b"three_d.py") for arg in cmdline) and not any(b"torchrun" in a for a in cmdline):
+            if any(arg.endswith(b"three_d.py") for arg in cmdline) and b"torch.distributed.run" not in cmdline:
                 ranks.append(pid)
         return ranks
 

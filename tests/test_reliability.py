@@ -272,7 +272,7 @@ def test_under_torchrun_the_failure_summary_carries_the_traceback():
     # run_main decorates main with torchrun's @record under torchrun, so the rank that
     # raised writes its traceback where torchrun's summary finds it.
     start_time = time.monotonic()
-    code, out, err = finish(start(["torchrun", "--standalone", "--nproc-per-node", "2", FAULTS, "1", "2", "raise",
+    code, out, err = finish(start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", FAULTS, "1", "2", "raise",
                                    "--dp", "2", "--pp", "1", "--tp", "1", "--num-layers", "2", "--dim", "16",
                                    "--batch-size", "8", "--steps", "3", "--timeout-s", "20"],
                                   start_new_session=True), timeout=80)

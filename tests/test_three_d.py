@@ -12,8 +12,9 @@
 - `make 3d` (the defaults with --check) as a subprocess, once.
 """
 import argparse
-import json
 import itertools
+import json
+import os
 import re
 import subprocess
 import sys
@@ -334,17 +335,30 @@ def test_world_size_mismatch_under_torchrun_exits_2_before_any_rank(monkeypatch,
 # 6. `make 3d`: the defaults with --check, as a subprocess
 # ----------------------------------------------------------------------------------
 
+def without_numpy(tmp_path):
+    """A folder to put first on PYTHONPATH: in it, `import numpy` fails as on a fresh machine."""
+    (tmp_path / "numpy").mkdir()
+    (tmp_path / "numpy" / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'numpy\'")\n')
+    check = subprocess.run([sys.executable, "-c", "import numpy"], env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                           capture_output=True, text=True)
+    assert check.returncode == 1 and "No module named 'numpy'" in check.stderr
+    return str(tmp_path)
+
+
 LOSS_LINE = re.compile(r"^\[dp0 pp(\d+) tp0\] step\s+(\d+)\s+loss ([0-9.eE+-]+)$")
 
 
 @pytest.mark.deadline(90)   # ~10 s idle; the deadline leaves room for a machine shared with other test runs
 def test_make_3d_defaults_pass_check_and_learn(tmp_path):
-    """The defaults of `make 3d` (8 ranks, 30 steps): --check passes, the printed losses
+    """The defaults of `make 3d` (8 ranks, 30 steps) on a machine without numpy, which
+    torch does not depend on: --check passes with nothing on stderr, the printed losses
     are serial training's, and the loss falls at least tenfold."""
     save = tmp_path / "run.pt"
+    env = {**os.environ, "PYTHONPATH": without_numpy(tmp_path)}
     proc = subprocess.run([sys.executable, "three_d.py", "--check", "--save", str(save), *TIMEOUT],
-                          cwd=REPO, capture_output=True, text=True, timeout=85)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=85)
     assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""        # not even torch's warning that numpy is missing
     lines = proc.stdout.splitlines()
     result = torch.load(save)
     config = result["config"]
