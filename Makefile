@@ -54,22 +54,23 @@ test-multinode: deps
 test-ray: ray-deps
 	$(PYTHON) -m pytest -q -m ray tests
 
-# bench: each script's step against PyTorch's own API for it and against serial, at a
-# compute-heavy size (D=1024) and where communication dominates (the defaults, D=64)
+# bench (tests/bench.py): each step against PyTorch's own API for it and against serial,
+# at a compute-heavy size (D=1024) and where communication dominates (the defaults, D=64);
+# the collectives' bandwidth, start-up, the pipeline bubble, and the bytes each rank sends
 bench: deps
-	$(PYTHON) collectives.py --bench
-	$(PYTHON) data_parallel.py --bench --world-size 2 --num-layers 4 --dim 1024 --batch-size 2048 --steps 5
-	$(PYTHON) data_parallel.py --bench --world-size 2
-	$(PYTHON) tensor_parallel.py --bench --world-size 2 --num-layers 4 --dim 1024 --batch-size 2048 --steps 5
-	$(PYTHON) tensor_parallel.py --bench --world-size 2
-	$(PYTHON) pipeline_parallel.py --bench --world-size 2 --num-layers 4 --dim 1024 --batch-size 2048 --micro-batches 8 --steps 5
-	$(PYTHON) pipeline_parallel.py --bench --world-size 2 --micro-batches 4
-	$(PYTHON) three_d.py --bench --dp 2 --pp 2 --tp 2 --steps 10
-	$(PYTHON) three_d.py --bench --dp 2 --pp 2 --tp 2 --dim 512 --batch-size 256 --steps 5
-	$(PYTHON) pipeline_parallel.py --bubble-table
-	$(PYTHON) data_parallel.py --count-comm --steps 1
-	$(PYTHON) tensor_parallel.py --count-comm --steps 1
-	$(PYTHON) pipeline_parallel.py --count-comm --steps 1
-	$(PYTHON) three_d.py --count-comm --steps 1
-	$(PYTHON) three_d.py --count-comm --steps 1 --p2p-shard
-	$(PYTHON) collectives.py --machine
+	$(PYTHON) tests/bench.py collectives
+	$(PYTHON) tests/bench.py data_parallel --world-size 2 --num-layers 4 --dim 1024 --batch-size 2048 --steps 5
+	$(PYTHON) tests/bench.py data_parallel --world-size 2
+	$(PYTHON) tests/bench.py tensor_parallel --world-size 2 --num-layers 4 --dim 1024 --batch-size 2048 --steps 5
+	$(PYTHON) tests/bench.py tensor_parallel --world-size 2
+	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --num-layers 4 --dim 1024 --batch-size 2048 --micro-batches 8 --steps 5
+	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 4
+	$(PYTHON) tests/bench.py three_d --dp 2 --pp 2 --tp 2 --steps 10
+	$(PYTHON) tests/bench.py three_d --dp 2 --pp 2 --tp 2 --dim 512 --batch-size 256 --steps 5
+	$(PYTHON) tests/bench.py bubble-table
+	$(PYTHON) tests/bench.py count-comm data_parallel
+	$(PYTHON) tests/bench.py count-comm tensor_parallel
+	$(PYTHON) tests/bench.py count-comm pipeline_parallel
+	$(PYTHON) tests/bench.py count-comm three_d
+	$(PYTHON) tests/bench.py count-comm three_d --p2p-shard
+	$(PYTHON) tests/bench.py machine

@@ -292,13 +292,17 @@ def test_under_torchrun_spawn_runs_this_rank_in_process(monkeypatch, capsys):
     # A world size that does not match what torchrun started is an error, not a hang
     with pytest.raises(SystemExit, match="torchrun started 4 ranks but this run needs 2"):
         spawn(record_rank, 2)
+    # At the door: every rank exits 2, and rank 0 alone says why, in one line (not 4 times)
     parser = C.Parser(prog="collectives.py")
     C.add_launch_args(parser)
-    with pytest.raises(SystemExit) as exited:
-        C.check_launch_args(parser, parser.parse_args([]), 2)
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and "--world-size" in err and "WORLD_SIZE=4" in err
+    for rank, lines in ((3, 0), (0, 1)):
+        monkeypatch.setenv("RANK", str(rank))
+        with pytest.raises(SystemExit) as exited:
+            C.check_launch_args(parser, parser.parse_args([]), 2)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == lines
+    assert "--world-size" in err and "WORLD_SIZE=4" in err
 
 
 def test_under_torchrun_setup_meets_at_master_port(monkeypatch):
@@ -375,9 +379,11 @@ def exit_quietly_or_not(rank, world_size):
     sys.exit() if rank == 0 else sys.exit("rank 1 stops: bad config")
 
 
-def test_sys_exit_in_a_rank():
-    # sys.exit() is success, as in any script; sys.exit("why") is a failure with its reason
+def test_sys_exit_in_a_rank(capfd):
+    # sys.exit() is success, as in any script; sys.exit("why") is a failure: the rank
+    # prints its reason on stderr, as a script does, and exits with code 1
     spawn(lambda rank, world_size: sys.exit(), 2)
-    with pytest.raises(RankFailed, match="rank 1 stops: bad config") as failed:
+    with pytest.raises(RankFailed, match="rank 1 failed first: exited with code 1") as failed:
         spawn(exit_quietly_or_not, 2)
     assert failed.value.rank == 1
+    assert "rank 1 stops: bad config" in capfd.readouterr().err

@@ -1,8 +1,9 @@
-"""Tests for --count-comm: the bytes each rank sends in one training step, counted by
-collectives.CommCounter, against formulas computed here from the sizes alone.
+"""Tests for make bench's count-comm: the bytes each rank sends in one training step,
+counted by tests/comm_count.py's CommCounter, against formulas computed here from the
+sizes alone.
 
-Each script runs in-process (ranks forked from here) with --count-comm for one step;
-the report is read back from what the ranks print. The formulas below are written out
+Each script's step runs in-process (ranks forked from here) under the counter, with
+the script's own command line; the report is read back from what the ranks print. The formulas below are written out
 independently of the scripts' own formula functions, per rank, in bytes, with the
 ring convention over a group of n ranks: all-reduce of N bytes sends 2(n-1)/n x N,
 all-gather producing N bytes (n-1)/n x N, a send N bytes. The sizes are chosen so
@@ -13,10 +14,7 @@ from fractions import Fraction
 
 import pytest
 
-import data_parallel
-import pipeline_parallel
-import tensor_parallel
-import three_d
+import comm_count
 
 TIMEOUT = ["--timeout-s", "15"]   # a deadlock fails in 15 s
 F32 = 4                            # bytes per float32
@@ -66,13 +64,13 @@ def all_gather(n, nbytes):
     return value
 
 
-COMMON = ["--count-comm", "--steps", "1", "--optimizer", "sgd", *TIMEOUT]
+COMMON = ["--steps", "1", "--optimizer", "sgd", *TIMEOUT]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_data_parallel(capfd, overlap):
     d, L, D, B, m = 4, 3, 8, 16, 2
-    data_parallel.main(["--world-size", str(d), "--num-layers", str(L), "--dim", str(D), "--batch-size", str(B),
+    comm_count.count("data_parallel", ["--world-size", str(d), "--num-layers", str(L), "--dim", str(D), "--batch-size", str(B),
                         "--micro-batches", str(m), *COMMON, *(["--overlap"] if overlap else [])])
     params = L * D * D * F32
     calls = L if overlap else 1   # one all-reduce per layer with --overlap, one flat one without: same bytes
@@ -81,7 +79,7 @@ def test_data_parallel(capfd, overlap):
 
 def test_tensor_parallel(capfd):
     t, L, D, B, m = 4, 3, 8, 12, 3
-    tensor_parallel.main(["--world-size", str(t), "--num-layers", str(L), "--dim", str(D), "--batch-size", str(B),
+    comm_count.count("tensor_parallel", ["--world-size", str(t), "--num-layers", str(L), "--dim", str(D), "--batch-size", str(B),
                           "--micro-batches", str(m), *COMMON])
     act = B // m * D * F32   # one micro-batch's activation [B/m, D]
     out = assert_counts(capfd, t, lambda rank: {
@@ -94,7 +92,7 @@ def test_tensor_parallel(capfd):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_parallel(capfd, schedule):
     p, L, D, B, m = 3, 3, 8, 8, 4
-    pipeline_parallel.main(["--world-size", str(p), "--num-layers", str(L), "--dim", str(D),
+    comm_count.count("pipeline_parallel", ["--world-size", str(p), "--num-layers", str(L), "--dim", str(D),
                             "--batch-size", str(B), "--micro-batches", str(m), "--schedule", schedule, *COMMON])
     act = B // m * D * F32
 
@@ -107,7 +105,7 @@ def test_pipeline_parallel(capfd, schedule):
 @pytest.mark.parametrize("schedule,shard", [("1f1b", False), ("gpipe", False), ("1f1b", True)])
 def test_three_d(capfd, schedule, shard):
     dp, pp, tp, L, D, B, m = 2, 2, 2, 4, 8, 8, 2
-    three_d.main(["--dp", str(dp), "--pp", str(pp), "--tp", str(tp), "--num-layers", str(L), "--dim", str(D),
+    comm_count.count("three_d", ["--dp", str(dp), "--pp", str(pp), "--tp", str(tp), "--num-layers", str(L), "--dim", str(D),
                   "--batch-size", str(B), "--micro-batches", str(m), "--schedule", schedule, *COMMON,
                   *(["--p2p-shard"] if shard else [])])
     act = B // (dp * m) * D * F32        # one micro-batch of one replica, [B/(dp m), D]
@@ -134,7 +132,7 @@ def test_three_d(capfd, schedule, shard):
 
 def test_sizes_of_one_send_nothing(capfd):
     """dp = tp = 1: the groups of one are never called, and their formulas are zero."""
-    three_d.main(["--dp", "1", "--pp", "2", "--tp", "1", "--num-layers", "2", "--dim", "4", "--batch-size", "4",
+    comm_count.count("three_d", ["--dp", "1", "--pp", "2", "--tp", "1", "--num-layers", "2", "--dim", "4", "--batch-size", "4",
                   "--micro-batches", "2", *COMMON])
     act = 2 * 4 * F32
     assert_counts(capfd, 2, lambda rank: {("pp", "send"): (2, 2 * act)})

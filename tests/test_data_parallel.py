@@ -69,6 +69,20 @@ def test_gelu_grad_matches_autograd_of_erf_gelu(dtype):
     torch.testing.assert_close(mine.double(), exact, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_fused_kernel_the_step_runs_is_g_times_the_formula(dtype):
+    """layer_backward runs torch.ops.aten.gelu_backward(g, z) for dz = g * gelu'(z): the
+    same numbers as the written formula, on both tails and at zero, and not the tanh
+    GELU's (its own approximate='tanh' variant)."""
+    z = _gelu_points().to(dtype)
+    g = torch.randn(z.shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    fused = torch.ops.aten.gelu_backward(g, z)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(fused, g * dp.gelu_grad(z), **tol)
+    tanh = torch.ops.aten.gelu_backward(g, z, approximate="tanh")
+    assert (tanh - g * dp.gelu_grad(z)).abs().max() > 1e-4
+
+
 def test_tanh_derivative_would_fail_the_gelu_test():
     """The tanh formula is the derivative of the tanh GELU, not of the erf GELU we run:
     the comparison above would reject it (the tanh-derivative bug)."""
@@ -497,12 +511,9 @@ def test_check_passes_from_the_command_line(command_line_runs):
 def test_check_fails_when_the_parallel_result_is_wrong(tmp_path, monkeypatch, capfd):
     """Break the averaging (sum over replicas, no division): --check must exit non-zero,
     which spawn reports as RankFailed from rank 0."""
-    def finish_without_division(self, grads):
-        if self.size > 1:                       # the all-reduce as usual, then no division by dp
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.group)
-            for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
-                grad.copy_(piece.view_as(grad))
+    def finish_without_division(self):
+        if self.dp_size > 1:                    # the all-reduce as usual, then no division by dp
+            dist.all_reduce(self.flat, group=self.group)
 
     monkeypatch.setattr(dp.GradientAverager, "finish", finish_without_division)
     with pytest.raises(RankFailed) as failed:

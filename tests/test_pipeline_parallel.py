@@ -6,7 +6,7 @@
    lists under NCCL's rule (a send completes only when its receive is posted) finds
    no deadlock, while it does find one in the unfused 1F1B lists.
 2. Pipeline training (in-process main(), ranks forked) against data_parallel.serial_train.
-3. Stage + run_schedule driven directly: each micro-batch's stash is popped by its own
+3. StageLayers + run_schedule driven directly: each micro-batch's stash is popped by its own
    backward, the stash never holds more than the schedule says, dW equals autograd's.
 4. dW accumulates over micro-batches: m = 4 trains exactly like m = 1.
 5. Messages too big for gloo's small-message buffer still do not deadlock.
@@ -296,11 +296,11 @@ def test_pp_adamw_matches_serial(tmp_path):
 
 
 # ----------------------------------------------------------------------------------
-# 3. Stage and run_schedule, driven directly
+# 3. StageLayers and run_schedule, driven directly
 # ----------------------------------------------------------------------------------
 
-class TracedStage(pp.Stage):
-    """A Stage that records which micro-batches its stash holds around every F and B."""
+class TracedStage(pp.StageLayers):
+    """StageLayers that record which micro-batches its stash holds around every F and B."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -340,16 +340,16 @@ def direct_worker(rank, world_size, out_dir):
     for schedule, m in DIRECT_CASES:
         batch_size = DIRECT["rows"] * m
         inputs, targets = direct_batch(L, batch_size)
-        stage = TracedStage(weights, first, last, targets.chunk(m), n=batch_size * D)
+        layers = TracedStage(weights, first, last, targets.chunk(m), n=batch_size * D)
         actions = pp.build_schedule(schedule, world_size, rank, m)
         steps = []
-        for _ in range(2):   # two steps on one Stage: nothing may be left over from the first
-            stage.grads = [torch.zeros_like(w) for w in weights]
-            stage.loss, stage.trace = 0.0, []
-            pp.run_schedule(actions, stage, inputs.chunk(m), rank - 1, rank + 1, (batch_size // m, D))
-            steps.append({"grads": [g.clone() for g in stage.grads], "loss": stage.loss,
-                          "stash_left": len(stage.stash), "loss_grad_left": len(stage.loss_grad),
-                          "peak_stash": stage.peak_stash, "trace": stage.trace})
+        for _ in range(2):   # two steps on one StageLayers: nothing may be left over from the first
+            layers.grads = [torch.zeros_like(w) for w in weights]
+            layers.loss, layers.trace = 0.0, []
+            pp.run_schedule(actions, layers, inputs.chunk(m), rank - 1, rank + 1, (batch_size // m, D))
+            steps.append({"grads": [g.clone() for g in layers.grads], "loss": layers.loss,
+                          "stash_left": len(layers.stash), "loss_grad_left": len(layers.loss_grad),
+                          "peak_stash": layers.peak_stash, "trace": layers.trace})
         results[schedule, m] = steps
     torch.save(results, out_dir / f"rank{rank}.pt")
     cleanup()
@@ -396,7 +396,7 @@ def test_stage_stash_is_popped_by_its_own_backward_and_dw_is_autograds(tmp_path)
                                                msg=lambda msg: f"{where} layer {layer}: {msg}")
                 if s == world_size - 1:
                     assert step["loss"] == pytest.approx(ref_loss, rel=1e-5), where
-            # the two steps on one Stage (same weights) are identical: nothing carried over
+            # the two steps on one StageLayers (same weights) are identical: nothing carried over
             first_step, second_step = results[schedule, m]
             assert all(torch.equal(a, b) for a, b in zip(first_step["grads"], second_step["grads"])), where
 
@@ -428,6 +428,7 @@ def test_1f1b_does_not_deadlock_with_messages_past_gloos_buffer(tmp_path):
 
 ROW = re.compile(r"^  stage (\d+) \|([^|]*)\| idle\s+([\d.]+)%, peak stash (\d+)$")
 BUBBLE = re.compile(r"^bubble: measured ([\d.]+)% .*theory \(p-1\)/\(m\+p-1\) = ([\d.]+)%$")
+LABEL = re.compile(r"([FB])(\d+)-*")
 
 
 @pytest.mark.parametrize("schedule,world_size,micro_batches", [("1f1b", 3, 4), ("gpipe", 4, 2)])
@@ -439,7 +440,11 @@ def test_timeline_rows_bubble_and_peak_stash(tmp_path, capfd, schedule, world_si
     rows = [ROW.match(line) for line in lines if ROW.match(line)]
     assert [int(r.group(1)) for r in rows] == list(range(world_size))     # one row per stage, in order
     for s, row in enumerate(rows):
-        assert len(row.group(2)) == 96 and set(row.group(2)) <= set("Fb0123456789.")
+        # every F and B of the stage, in its schedule's order, each labelled in full
+        drawing = row.group(2)
+        assert len(drawing) >= 96 and set(drawing) <= set("FB0123456789-.")
+        labels = [(op, int(mb)) for op, mb in LABEL.findall(drawing.replace(".", " "))]
+        assert labels == pp.compute_order(schedule, world_size, s, micro_batches)
         assert 0.0 <= float(row.group(3)) <= 100.0
         expected_peak = min(world_size - s, micro_batches) if schedule == "1f1b" else micro_batches
         assert int(row.group(4)) == expected_peak

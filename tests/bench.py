@@ -1,0 +1,638 @@
+"""make bench: each step of the collection beside what PyTorch gives for it, and the
+figures that are not the lecture. The scripts never import this; it imports them.
+
+    python tests/bench.py collectives [--world-size N]   # time and bus bandwidth of each collective;
+                                                        # the start-up of 8 ranks by three launchers
+    python tests/bench.py data_parallel [its flags]      # ours against DistributedDataParallel and serial
+    python tests/bench.py tensor_parallel [its flags]    # against ColwiseParallel(output_layouts=Replicate())
+    python tests/bench.py pipeline_parallel [its flags]  # against ScheduleGPipe and Schedule1F1B
+    python tests/bench.py three_d [its flags]            # against PyTorch's own 3D composition
+    python tests/bench.py bubble-table                   # pipeline bubble and stash, p = 2, 4 and m = 1..8
+    python tests/bench.py count-comm SCRIPT [its flags]  # bytes sent per step, counted, beside the formula
+    python tests/bench.py machine                        # one line naming this machine
+
+Each comparison takes the script's own flags (--steps: the timed steps, at least 5), runs
+the same step with PyTorch's API on the same model, sizes, data and world size, with SGD,
+checks that the two compute the same thing, then times them taking turns (race.py).
+"""
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import warnings
+
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy; unneeded
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import collectives  # noqa: E402
+import data_parallel  # noqa: E402
+import pipeline_parallel  # noqa: E402
+import tensor_parallel  # noqa: E402
+import three_d  # noqa: E402
+from collectives import RankFailed, cleanup, ring_all_reduce, setup, spawn, under_torchrun  # noqa: E402
+from data_parallel import GradientAverager, dp_step, init_weights, make_batch, replica_rows  # noqa: E402
+from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers  # noqa: E402
+from race import (as_module, bench_sizes, check_and_race, end_race, machine, mse_sum, print_race,  # noqa: E402
+                  race, serial_side, sgd_side, spawn_returning)
+from tensor_parallel import shard_columns, tp_step  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------
+# Step 1: time each collective, and report bandwidth the way nccl-tests does
+# ----------------------------------------------------------------------------------
+#
+# For a tensor of S bytes that took t seconds, the algorithm bandwidth is algbw = S / t.
+# It depends on n: an all-reduce over more ranks has more to move. The bus bandwidth
+# busbw multiplies algbw by the fraction of S that each rank must send or receive at the
+# least, so it can be compared with the link's speed, and across collectives and sizes:
+#   reduce-scatter: rank r's part of each of the n-1 other slices has to leave rank r,
+#                   (n-1)/n x S bytes.                        busbw = algbw x (n-1)/n
+#   all-gather:     rank r has to receive the n-1 slices it lacks, (n-1)/n x S bytes.
+#                                                             busbw = algbw x (n-1)/n
+#   all-reduce:     a reduce-scatter, then an all-gather.     busbw = algbw x 2(n-1)/n
+# S is the full tensor: the input of reduce-scatter and the output of all-gather. The
+# lecture takes S for reduce-scatter to be the per-rank output, S/n, so its
+# reduce-scatter figure is busbw / n, n times below its all-reduce figure for one link.
+
+BENCH_SIZES = [4 * 1024 * 4**i for i in range(8)]   # 4 KiB, 16 KiB, ..., 64 MiB
+REPEATS = 5
+
+
+def bandwidth(rank, world_size):
+    device = setup(rank, world_size)
+    n, results = world_size, []   # (collective, bytes, seconds, algbw, busbw)
+    for size in BENCH_SIZES:
+        numel = max(n, size // 4 // n * n)   # float32 elements; n divides it, for the slices
+        # Zeros: the values do not change the time, and zeros never overflow, however often summed.
+        full, piece = torch.zeros(numel, device=device), torch.zeros(numel // n, device=device)
+        one_pass, two_passes = (n - 1) / n, 2 * (n - 1) / n   # busbw / algbw, derived above
+        calls = {"all-reduce": (lambda: dist.all_reduce(full), two_passes),
+                 "reduce-scatter": (lambda: dist.reduce_scatter_single(piece, full), one_pass),
+                 "all-gather": (lambda: dist.all_gather_single(full, piece), one_pass),
+                 "ring all-reduce": (lambda: ring_all_reduce(full), two_passes)}
+        for name, (run, bus_factor) in calls.items():
+            seconds = race({name: run}, device, repeats=REPEATS)[name]
+            algbw = full.numel() * 4 / seconds
+            results.append((name, full.numel() * 4, seconds, algbw, algbw * bus_factor))
+    if rank == 0:
+        print_bandwidth(results, world_size, dist.get_backend())
+    cleanup()
+
+
+def print_bandwidth(results, world_size, backend):
+    print(f"{world_size} ranks, {backend}, float32; time is the median of {REPEATS} runs after 2 warm-up; "
+          f"GB/s = 1e9 bytes/s")
+    print(f"{'collective':<16}{'size':>10}{'time (us)':>12}{'algbw (GB/s)':>14}{'busbw (GB/s)':>14}")
+    for name in dict.fromkeys(row[0] for row in results):   # one block per collective
+        for collective, size, seconds, algbw, busbw in results:
+            if collective == name:
+                print(f"{collective:<16}{human_bytes(size):>10}{seconds * 1e6:>12.1f}"
+                      f"{algbw / 1e9:>14.3f}{busbw / 1e9:>14.3f}")
+        print()
+    if backend == "gloo" and world_size > (os.cpu_count() or 1):
+        print(f"note: {world_size} ranks share {os.cpu_count()} CPU cores; the small sizes time the "
+              f"scheduler more than the collective")
+
+
+def human_bytes(size):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}"
+        size /= 1024
+
+
+# Start-up: from "start 8 ranks" to the end of their first all-reduce. The three
+# launchers do the same job; torchrun runs this tiny script.
+STARTUP_SCRIPT = """\
+import warnings
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+one = torch.ones(1)
+dist.all_reduce(one)
+assert one.item() == dist.get_world_size()
+dist.destroy_process_group()
+"""
+
+
+def one_all_reduce(rank, world_size):
+    """The whole job of a rank in the start-up race: join, one all-reduce, leave."""
+    setup(rank, world_size)
+    one = torch.ones(1)
+    dist.all_reduce(one)
+    assert one.item() == world_size
+    cleanup()
+
+
+def _mp_spawn_rank(rank, world_size, store_path):
+    """mp.spawn's rank: the same job, meeting at a file store as ours do."""
+    os.environ.update(PARALLEL_STORE=store_path, PARALLEL_BACKEND="gloo")
+    one_all_reduce(rank, world_size)
+
+
+def startup_race(world_size=8, repeats=3):
+    """Seconds from launch to the end of one all-reduce on world_size CPU ranks, for our
+    launcher, torch.multiprocessing.spawn and torchrun: median of `repeats`, the launchers
+    taking turns. {launcher: seconds}."""
+    folder = tempfile.mkdtemp(prefix="parallel-startup-")
+    script = os.path.join(folder, "one_all_reduce.py")
+    with open(script, "w") as f:
+        f.write(STARTUP_SCRIPT)
+
+    def with_mp_spawn():
+        mp.spawn(_mp_spawn_rank, args=(world_size, os.path.join(folder, f"store-{time.monotonic_ns()}")),
+                 nprocs=world_size)
+
+    def with_torchrun():
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={world_size}", script], capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"torchrun failed: {done.stderr.strip().splitlines()[-1:]}")
+
+    launchers = {"collectives.spawn (fork)": lambda: spawn(one_all_reduce, world_size, backend="gloo"),
+                 "torch.multiprocessing.spawn": with_mp_spawn, "torchrun --standalone": with_torchrun}
+    times = {name: [] for name in launchers}
+    try:
+        for _ in range(repeats):
+            for name, launch in launchers.items():
+                start = time.perf_counter()
+                launch()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def print_startup(times, world_size, repeats):
+    print(f"start-up: {world_size} CPU ranks, from the launch to the end of one all-reduce (gloo); "
+          f"median of {repeats}, the launchers taking turns")
+    print(f"{'launcher':<30}{'seconds':>9}{'x ours':>9}")
+    ours = times["collectives.spawn (fork)"]
+    for name, seconds in times.items():
+        print(f"{name:<30}{seconds:>9.2f}{seconds / ours:>9.1f}")
+    print("why: fork starts each rank from this process, torch already imported; the other two start "
+          f"{world_size} fresh interpreters that each import torch, sharing {os.cpu_count()} cores")
+
+
+# ----------------------------------------------------------------------------------
+# Step 2 against DistributedDataParallel
+# ----------------------------------------------------------------------------------
+
+def versus_ddp(args):
+    times, diffs = spawn_returning(ddp_race, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+    return dict(title=f"data parallel vs DistributedDataParallel: {bench_sizes(args, args.world_size)}",
+                times=times, diffs=diffs, ratios=[("ours", "DDP"), ("ours --overlap", "DDP")],
+                world_size=args.world_size, steps=args.steps)
+
+
+def ddp_race(rank, world_size, args):
+    device = setup(rank, world_size)
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    rows = replica_rows(args.batch_size, rank, world_size)
+    m = args.micro_batches
+    xs, ys = inputs[rows].chunk(m), targets[rows].chunk(m)       # [B/(d m), D] each
+    n = len(rows) * args.dim                                      # this replica's mean divides by n
+    init = init_weights(args.num_layers, args.dim, args.seed)
+    sides = {}
+    for name, overlap in (("ours", False), ("ours --overlap", True)):
+        weights, averager = [w.to(device, copy=True) for w in init], GradientAverager(None, overlap)
+        sides[name] = sgd_side(weights, lambda w=weights, a=averager: dp_step(w, xs, ys, n, a)[0], args.lr)
+    sides["DDP"] = ddp_side(as_module(init, device), xs, ys, n, args.lr, device)
+    sides["serial: our step, whole batch, 1 rank"] = serial_side(args, device)
+    result = check_and_race(sides, device, args.steps)
+    end_race(sides)
+    return result
+
+
+def ddp_side(model, xs, ys, n, lr, device):
+    """DDP's step with SGD, as (step, state). no_sync() skips the all-reduce of every
+    micro-batch but the last; each micro-batch's loss is its squared error / n, as in
+    mse_loss, and DDP averages the gradients over the replicas, as ours."""
+    from torch.nn.parallel import DistributedDataParallel
+    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+
+    def step():
+        optimizer.zero_grad()
+        for mb, (x, y) in enumerate(zip(xs, ys)):
+            if mb < len(xs) - 1:
+                with ddp.no_sync():
+                    mse_sum(n)(ddp(x), y).backward()
+            else:
+                mse_sum(n)(ddp(x), y).backward()
+        optimizer.step()
+    linears = model[::2]
+    return step, lambda: ([lin.weight.T for lin in linears], [lin.weight.grad.T for lin in linears])
+
+
+# ----------------------------------------------------------------------------------
+# Step 3 against ColwiseParallel on a DeviceMesh
+# ----------------------------------------------------------------------------------
+
+def versus_colwise(args):
+    import torch.distributed.tensor.parallel  # noqa: F401  (~2 s) once here, before the ranks fork
+    times, diffs = spawn_returning(colwise_race, args.world_size, args, backend=args.backend,
+                                   timeout_s=args.timeout_s)
+    return dict(title=f"tensor parallel vs torch.distributed.tensor.parallel: {bench_sizes(args, args.world_size)}",
+                times=times, diffs=diffs, ratios=[("ours", "ColwiseParallel(output_layouts=Replicate())")],
+                world_size=args.world_size, steps=args.steps)
+
+
+def colwise_race(rank, world_size, args):
+    device = setup(rank, world_size)
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    m, n = args.micro_batches, args.batch_size * args.dim
+    xs, ys = inputs.chunk(m), targets.chunk(m)                   # the whole batch on every rank
+    full = init_weights(args.num_layers, args.dim, args.seed)
+    shards = [shard_columns(w, rank, world_size).to(device) for w in full]
+    sides = {"ours": sgd_side(shards, lambda: tp_step(shards, xs, ys, n)[0], args.lr),
+             "ColwiseParallel(output_layouts=Replicate())": colwise_side(as_module(full, device), xs, ys, n,
+                                                                         args.lr),
+             "serial: our step, whole batch, 1 rank": serial_side(args, device)}
+    result = check_and_race(sides, device, args.steps)
+    end_race(sides)
+    return result
+
+
+def colwise_side(model, xs, ys, n, lr):
+    """PyTorch's TP step with SGD, as (step, state): each nn.Linear made ColwiseParallel
+    over a mesh of every rank, its output all-gathered (Replicate) as ours is. The local
+    part of its DTensor weight is W_t^T."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    mesh = init_device_mesh(xs[0].device.type, (dist.get_world_size(),))
+    parallelize_module(model, mesh, {str(i): ColwiseParallel(output_layouts=Replicate())
+                                     for i in range(0, len(model), 2)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def step():
+        optimizer.zero_grad()
+        for x, y in zip(xs, ys):
+            mse_sum(n)(model(x), y).backward()
+        optimizer.step()
+    linears = model[::2]
+    return step, lambda: ([lin.weight.to_local().T for lin in linears],
+                          [lin.weight.grad.to_local().T for lin in linears])
+
+
+# ----------------------------------------------------------------------------------
+# Step 4 against torch.distributed.pipelining
+# ----------------------------------------------------------------------------------
+
+def versus_pipelining(args):
+    import torch.distributed.pipelining  # noqa: F401  (~3 s) once here, before the ranks fork
+    times, diffs = spawn_returning(pipelining_race, args.world_size, args, backend=args.backend,
+                                   timeout_s=args.timeout_s)
+    ratios = [(f"ours {s}", f"torch {c}") for s, c in (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"))
+              if f"ours {s}" in times]
+    notes = [] if len(ratios) == 2 else [f"1F1B skipped: PyTorch's needs --micro-batches >= stages ({args.world_size})"]
+    return dict(title=f"pipeline parallel vs torch.distributed.pipelining: {bench_sizes(args, args.world_size)}",
+                times=times, diffs=diffs, ratios=ratios, notes=notes, world_size=args.world_size, steps=args.steps)
+
+
+def pipelining_race(rank, world_size, args):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    device = setup(rank, world_size)
+    dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
+    full = init_weights(args.num_layers, args.dim, args.seed)
+    layer_ids = stage_layers(args.num_layers, world_size, rank)
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    if args.micro_batches < world_size:
+        del schedules["1f1b"]          # PyTorch's 1F1B needs at least as many micro-batches as stages
+    sides = {}
+    for name, schedule_class in schedules.items():
+        weights = [full[i].to(device, copy=True) for i in layer_ids]
+        sides[f"ours {name}"] = pp_side(weights, name, rank, world_size, inputs, targets, args)
+        sides[f"torch {schedule_class.__name__}"] = pipelining_side(
+            as_module([full[i] for i in layer_ids], device), schedule_class, rank, world_size, inputs, targets, args)
+    sides["serial: our step, whole batch, 1 rank"] = serial_side(args, device)
+    result = check_and_race(sides, device, args.steps)
+    end_race(sides)
+    return result
+
+
+def pp_side(weights, schedule, stage, num_stages, inputs, targets, args):
+    """Our stage with one schedule and SGD, as (step, state)."""
+    m = args.micro_batches
+    layers = StageLayers(weights, stage == 0, stage == num_stages - 1, targets.chunk(m), n=args.batch_size * args.dim)
+    actions = build_schedule(schedule, num_stages, stage, m)
+
+    def gradients():
+        layers.grads, layers.loss = [torch.zeros_like(w) for w in weights], 0.0
+        run_schedule(actions, layers, inputs.chunk(m), stage - 1, stage + 1, (args.batch_size // m, args.dim))
+        return layers.grads
+    return sgd_side(weights, gradients, args.lr)
+
+
+def pipelining_side(module, schedule_class, stage, num_stages, inputs, targets, args):
+    """PyTorch's stage (this rank's layers as a module) with a schedule of the same stage
+    and micro-batch counts, and SGD, as (step, state). Each micro-batch's loss is its mean
+    squared error, and the schedule divides the gradients by m (scale_grads): with equal
+    micro-batches, the gradient of the mean over the batch, as ours."""
+    from torch.distributed.pipelining import PipelineStage
+    # Shapes given up front (static mode): inferring them sends pickled objects, which needs
+    # numpy. An activation between stages requires grad: its gradient is sent back.
+    example = inputs[:args.batch_size // args.micro_batches].clone().requires_grad_()   # [B/m, D]
+    stage_module = PipelineStage(module, stage, num_stages, inputs.device,
+                                 input_args=example if stage else example.detach(), output_args=example)
+    schedule = schedule_class(stage_module, args.micro_batches, loss_fn=F.mse_loss)
+    first, last = stage == 0, stage == num_stages - 1
+    params = list(module.parameters())                 # nn.Linear weights: W^T
+    optimizer = torch.optim.SGD(params, lr=args.lr)
+
+    def step():
+        optimizer.zero_grad()
+        schedule.step(*[inputs] if first else [], **dict(target=targets) if last else {}, return_outputs=False)
+        optimizer.step()
+    return step, lambda: ([p.T for p in params], [p.grad.T for p in params])
+
+
+# ----------------------------------------------------------------------------------
+# Step 5 against DeviceMesh (dp, pp, tp) composed
+# ----------------------------------------------------------------------------------
+#
+# PyTorch's own pieces on the same rank map: torch.distributed.pipelining over the pp
+# groups, ColwiseParallel inside each stage over the tp groups, and one of three ways
+# across dp: a manual all-reduce of the gradients, FSDP2 (fully_shard), or DDP. DDP with
+# its defaults goes wrong in this composition on torch 2.13 (gloo): its first step's
+# gradients are m times too large (after TP, DDP's module lists no parameters, so the
+# schedule's division by m finds none), and its second step fails (ddp_as_composed;
+# README "PyTorch's own 3D composition"). DDP runs here with find_unused_parameters=True,
+# scale_grads=False, and the division by m done by hand, on our own references.
+
+DP_WAYS = ("all-reduce", "FSDP2", "DDP")
+
+
+def versus_torch_3d(args):
+    """Run the race, then DDP with its defaults; return what print_race prints."""
+    import torch.distributed.fsdp  # noqa: F401  (~5 s with the two below) once, before the ranks fork
+    import torch.distributed.pipelining  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401
+    world_size, launch = args.dp * args.pp * args.tp, dict(backend=args.backend, timeout_s=args.timeout_s)
+    times, diffs = spawn_returning(torch_3d_race, world_size, args, **launch)
+    failure = "not run under torchrun (its failure would end the ranks)" if under_torchrun() else \
+        ddp_failure(args, world_size, launch)
+    notes = [f"DDP with its defaults (find_unused_parameters=False) and the schedule's (scale_grads=True): {failure}"]
+    return dict(title=f"3D (dp={args.dp} pp={args.pp} tp={args.tp}, {args.schedule}) vs serial and PyTorch's own "
+                      f"composition: {bench_sizes(args, world_size)}\n  torch 3D is DeviceMesh (dp, pp, tp), "
+                      f"torch.distributed.pipelining over pp, ColwiseParallel over tp, and across dp: "
+                      f"{', '.join(DP_WAYS)} (DDP: find_unused_parameters=True, scale_grads=False, / m by hand)",
+                times=times, diffs=diffs, world_size=world_size, steps=args.steps, notes=notes,
+                ratios=[("ours", name) for name in times if name.startswith("torch")])
+
+
+def torch_3d_race(rank, world_size, args):
+    device = setup(rank, world_size)
+    quiet_dtensor_warnings()
+    mesh = torch_mesh(args, device)
+    ours, full, inputs, targets = our_3d_side(rank, args, device)
+    sides = {"ours": ours, "serial: our step, whole batch, 1 rank": serial_side(args, device)}
+    for dp_way in DP_WAYS:
+        sides[f"torch 3D, dp by {dp_way}"] = torch_3d_side(args, mesh, device, dp_way, full, inputs, targets)
+    result = check_and_race(sides, device, args.steps)
+    end_race(sides)
+    return result
+
+
+def our_3d_side(rank, args, device):
+    """Our 3D step with SGD as (step, state); and the full weights and this replica's
+    batch, for PyTorch's sides."""
+    me = three_d.ThreeDRank(rank, args, device)
+    rows = replica_rows(args.batch_size, me.d, args.dp)
+    return (sgd_side(me.shards, me.gradients, args.lr), me.full, me.inputs[rows].to(device),
+            me.targets[rows].to(device))
+
+
+def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_fixed=True):
+    """PyTorch's composition on this rank, with SGD, as (step, state) in our layout."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel
+    d, p, t = (mesh[name].get_local_rank() for name in three_d.AXES)
+    first, last, m = p == 0, p == args.pp - 1, args.micro_batches
+    model = as_module([full[i] for i in stage_layers(args.num_layers, args.pp, p)], device)
+    parallelize_module(model, mesh["tp"], {str(i): ColwiseParallel(output_layouts=Replicate())
+                                           for i in range(0, len(model), 2)})
+    if dp_way == "FSDP2":
+        fully_shard(model, mesh=mesh["dp"])         # reduce-scatters the gradients, averaged over dp
+    if dp_way == "DDP":
+        model = DistributedDataParallel(model, device_mesh=mesh["dp"], find_unused_parameters=ddp_fixed)
+    params = list(model.parameters())               # ours to keep: after DDP's first forward it has none
+    scale_grads = dp_way != "DDP" or not ddp_fixed  # the schedule's division by m misses DDP's parameters
+    # Shapes given up front (static mode): inferring them sends pickled objects, which needs
+    # numpy. An activation between stages requires grad: its gradient is sent back.
+    example = inputs[:len(inputs) // m].clone().requires_grad_()     # [B/(dp m), D]
+    stage_module = PipelineStage(model, p, args.pp, device, group=mesh["pp"].get_group(),
+                                 input_args=example if p else example.detach(), output_args=example)
+    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule](
+        stage_module, m, loss_fn=F.mse_loss, scale_grads=scale_grads)
+    optimizer = torch.optim.SGD(params, lr=args.lr)
+
+    def step():
+        optimizer.zero_grad()
+        schedule.step(*[inputs] if first else [], **dict(target=targets) if last else {}, return_outputs=False)
+        if not scale_grads:
+            for q in params:
+                q.grad.div_(m)
+        if dp_way == "all-reduce":
+            for q in params:
+                dist.all_reduce(q.grad.to_local(), op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+        optimizer.step()
+
+    def our_layout(tensors):
+        """Each weight or gradient as our shard W_t [D, D/T]: the local part of a DTensor
+        sharded over tp is W_t^T; FSDP2's is cut over dp too, so gather it whole first."""
+        shards = []
+        for x in tensors:
+            if getattr(x, "device_mesh", None) is not None and x.device_mesh.ndim > 1:
+                x = x.full_tensor()[t * args.dim // args.tp:(t + 1) * args.dim // args.tp]
+            shards.append((x.to_local() if hasattr(x, "to_local") else x).T)
+        return shards
+    return step, lambda: (our_layout(params), our_layout([q.grad for q in params]))
+
+
+def ddp_as_composed(rank, world_size, args, path):
+    """DDP in the composition with its defaults (find_unused_parameters=False, the
+    schedule's scale_grads): rank 0 writes how its first step's gradients compare with
+    ours, then a second step runs, and fails on this torch."""
+    device = setup(rank, world_size)
+    quiet_dtensor_warnings()
+    mesh = torch_mesh(args, device)
+    (ours, ours_state), full, inputs, targets = our_3d_side(rank, args, device)
+    theirs, theirs_state = torch_3d_side(args, mesh, device, "DDP", full, inputs, targets, ddp_fixed=False)
+    sides = {"ours": (ours, ours_state), "DDP": (theirs, theirs_state)}
+    ours()
+    theirs()
+    norms = torch.tensor([sum(g.square().sum() for g in state()[1]).item() for state in (ours_state, theirs_state)],
+                         device=device)
+    dist.all_reduce(norms)                                     # squared norms of the whole model's gradients
+    if rank == 0:
+        with open(path, "w") as f:                             # text: torch.save can hang in a forked rank
+            f.write(str((norms[1] / norms[0]).sqrt().item()))
+    del ours, ours_state, theirs, theirs_state
+    sides["DDP"][0]()                                          # the second step
+    end_race(sides)
+
+
+def ddp_failure(args, world_size, launch):
+    """What goes wrong with DDP composed with its defaults: (first step's gradient ratio
+    to ours, or None; the second step's error, or None), and the line that says it."""
+    ratio, error = ddp_failure_figures(args, world_size, launch)
+    first = "no first step" if ratio is None else f"first step's gradients {ratio:.2f}x ours (m = {args.micro_batches})"
+    return f"{first}; second step: {error or 'it ran'}"
+
+
+def ddp_failure_figures(args, world_size, launch):
+    folder = tempfile.mkdtemp(prefix="parallel-ddp-")
+    path = os.path.join(folder, "ratio")
+    error = ratio = None
+    try:
+        try:
+            spawn(ddp_as_composed, world_size, args, path, **launch)
+        except RankFailed as e:
+            # The root cause: the first "SomethingError: ..." line of the failing rank's traceback
+            error = next((line for line in e.text.splitlines() if re.match(r"\w+(Error|Exception): \S", line)),
+                         str(e))
+        if os.path.exists(path):
+            with open(path) as f:
+                ratio = float(f.read())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return ratio, error
+
+
+def torch_mesh(args, device):
+    """PyTorch's DeviceMesh over our rank map: the grid [dp, pp, tp] of ranks."""
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh(device.type, three_d.rank_grid(args.dp, args.pp, args.tp, args.order),
+                      mesh_dim_names=three_d.AXES)
+
+
+def quiet_dtensor_warnings():
+    """Gathering an FSDP2 + TP weight whole (for the check, not timed) warns on every rank."""
+    import logging
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+# ----------------------------------------------------------------------------------
+# The pipeline bubble and the peak stash, measured for p = 2, 4 and m = 1..8
+# ----------------------------------------------------------------------------------
+
+def bubble_table(stages=(2, 4), micro_batches=range(1, 9), dim=1024, rows=64, steps=3,
+                 backend="auto", timeout_s=60.0):
+    """Both schedules for each p in stages and m in micro_batches: a list of dicts with
+    the measured bubble of the median step ("bubble", "step_ms") and each stage's peak
+    stash ("peak_stash"). One dim x dim layer per stage, rows rows per micro-batch."""
+    table = []
+    for p in stages:   # one run of p ranks measures every m and both schedules
+        table += spawn_returning(bubble_worker, p, list(micro_batches), dim, rows, steps,
+                                 backend=backend, timeout_s=timeout_s)
+    return table
+
+
+def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
+    device = setup(rank, num_stages)
+    dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
+    p, stage = num_stages, rank
+    w = init_weights(p, dim, seed=0)[stage].to(device)      # one layer per stage
+    table = []
+    for m in micro_batches:
+        x = torch.randn(m * rows, dim, generator=torch.Generator().manual_seed(m)).to(device).chunk(m)
+        for schedule in ("gpipe", "1f1b"):
+            layers = StageLayers([w], stage == 0, stage == p - 1, targets=x, n=m * rows * dim)   # any targets
+            actions = build_schedule(schedule, p, stage, m)
+            spans = []
+            for i in range(steps + 1):    # the first step opens the connections: not measured
+                events = []
+                dist.barrier()            # every stage starts the step at once
+                run_schedule(actions, layers, x, stage - 1, stage + 1, (rows, dim), events=events)
+                busy = torch.tensor([sum(t1 - t0 for _, _, t0, t1 in events), min(e[2] for e in events),
+                                     max(e[3] for e in events)], dtype=torch.float64, device=device)
+                everyone = [torch.empty_like(busy) for _ in range(p)]
+                dist.all_gather(everyone, busy)
+                if i:   # the step spans the first F's start to the last B's end, on any stage
+                    begin, end = min(e[1].item() for e in everyone), max(e[2].item() for e in everyone)
+                    spans.append((end - begin, sum(1 - e[0].item() / (end - begin) for e in everyone) / p))
+            peaks = torch.tensor([layers.peak_stash], device=device)
+            all_peaks = [torch.empty_like(peaks) for _ in range(p)]
+            dist.all_gather(all_peaks, peaks)
+            span, bubble = sorted(spans)[steps // 2]          # the median step, by its span
+            table.append({"p": p, "m": m, "schedule": schedule, "bubble": bubble, "step_ms": span * 1e3,
+                          "peak_stash": [int(x) for x in all_peaks]})
+    cleanup()
+    return table
+
+
+def print_bubble_table(table, dim, rows, steps):
+    print(f"pipeline bubble and stash: one {dim} x {dim} layer per stage, {rows} rows per micro-batch, "
+          f"the median step of {steps} after a warm-up step", flush=True)
+    print(f"{'p':>3}{'m':>3}{'theory':>9} |{'gpipe':>8}{'ms':>7}  {'stash':<12}|{'1f1b':>8}{'ms':>7}  stash")
+    cells = {(r["p"], r["m"], r["schedule"]): r for r in table}
+    for p, m in dict.fromkeys((r["p"], r["m"]) for r in table):
+        line = f"{p:>3}{m:>3}{(p - 1) / (m + p - 1):>9.1%} "
+        for schedule in ("gpipe", "1f1b"):
+            r = cells[p, m, schedule]
+            line += f"|{r['bubble']:>8.1%}{r['step_ms']:>7.1f}  {' '.join(map(str, r['peak_stash'])):<12}"
+        print(line)
+    cores, most = os.cpu_count() or 1, max(r["p"] for r in table)
+    print(textwrap.dedent("""\
+        theory: (p-1)/(m+p-1), for stages of equal time and free communication. measured: the mean over
+        stages of the share of the step (the first F's start to the last B's end, on any stage) that a stage
+        spent outside its F and B: besides the bubble, the transfers of activations and gradients and the
+        runner's Python between actions. ms: that step's span. stash: the most micro-batches whose
+        activations a stage held at once, stage 0 first; GPipe holds all m, 1F1B min(p-s, m)."""))
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    print(f"machine: {cores} CPU cores{load}.")
+    if most > cores:
+        print(f"note: {most} ranks shared {cores} CPU cores: a stage that waits for a core counts as idle,\n"
+              f"and one that loses its core inside F or B counts as busy.", flush=True)
+
+
+# ----------------------------------------------------------------------------------
+
+COMPARISONS = {"data_parallel": (data_parallel, versus_ddp), "tensor_parallel": (tensor_parallel, versus_colwise),
+               "pipeline_parallel": (pipeline_parallel, versus_pipelining), "three_d": (three_d, versus_torch_3d)}
+
+
+def main(argv):
+    what, rest = (argv[0], argv[1:]) if argv else ("", [])
+    if what == "collectives":
+        args = collectives.parse_args(rest)
+        spawn(bandwidth, args.world_size, backend=args.backend, timeout_s=args.timeout_s)
+        print_startup(startup_race(8, repeats=3), 8, repeats=3)
+    elif what in COMPARISONS:
+        script, versus = COMPARISONS[what]
+        args = script.parse_args(rest)
+        if args.steps < 5:
+            sys.exit(f"{what}: --steps {args.steps}: the bench reports the median of at least 5 timed steps")
+        print_race(versus(args))
+    elif what == "bubble-table":
+        sizes = dict(dim=1024, rows=64, steps=5)
+        print_bubble_table(bubble_table(**sizes), **sizes)
+    elif what == "count-comm":
+        import comm_count
+        comm_count.main(rest)
+    elif what == "machine":
+        print(machine())
+    else:
+        sys.exit(f"usage: python tests/bench.py {{collectives,{','.join(COMPARISONS)},bubble-table,count-comm,machine}}"
+                 f" [flags]")
+
+
+if __name__ == "__main__":
+    collectives.run_main(lambda: main(sys.argv[1:]))

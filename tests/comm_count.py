@@ -1,0 +1,292 @@
+"""The bytes each rank sends in one training step, counted as they are sent, beside the
+formula for them (make bench; the scripts keep the formulas as comments by their
+collectives).
+
+    python tests/bench.py count-comm three_d --p2p-shard
+
+"Bytes sent" by one rank follows the ring algorithm, as the bandwidth table's busbw
+does, so a count is exact and can be derived by hand. Over a group of n ranks:
+    all-reduce of N bytes            2(n-1)/n x N   (a reduce-scatter, then an all-gather)
+    all-gather producing N bytes      (n-1)/n x N   (its own piece, to each of n-1 others)
+    reduce-scatter of N input bytes   (n-1)/n x N
+    send of N bytes                   N
+A group of one sends nothing. Fractions keep the sums exact where n does not divide N.
+
+Each script's step runs here from its own blocks (dp_step, tp_step, run_schedule,
+ThreeDRank.gradients) inside CommCounter.step(), which swaps the torch.distributed
+functions they call for counting wrappers and puts the originals back afterwards.
+"""
+import contextlib
+import inspect
+import textwrap
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+
+import data_parallel
+import pipeline_parallel
+import tensor_parallel
+import three_d
+from collectives import cleanup, setup, spawn
+from data_parallel import GradientAverager, dp_step, init_weights, make_batch, replica_rows
+from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers
+from tensor_parallel import shard_columns, tp_step
+
+RING_COST = {  # dist function -> (kind, the argument that holds N, factor)
+    "all_reduce": ("all-reduce", "tensor", 2),
+    "all_gather_single": ("all-gather", "output_tensor", 1),
+    "all_gather_into_tensor": ("all-gather", "output_tensor", 1),
+    "reduce_scatter_single": ("reduce-scatter", "input", 1),
+    "reduce_scatter_tensor": ("reduce-scatter", "input", 1),
+}
+
+
+class CommCounter:
+    """Counts the bytes this rank sends inside `with counter.step():`, per (dimension, kind).
+
+    groups names this rank's group of each parallel dimension: {"tp": tp_group, "pp":
+    pp_group, "dp": dp_group} in 3D, {"dp": None} where the world is the one dimension.
+    A collective counts for the dimension of the group it runs on, a send for the
+    dimension whose group holds the peer. dist.isend stays as it is (P2POp accepts only
+    the real one): sends are counted where batch_isend_irecv posts them.
+    """
+
+    def __init__(self, groups):
+        self.groups = groups
+        self.counts = {}   # (dimension, kind) -> [calls, bytes], of the last step()
+
+    @contextlib.contextmanager
+    def step(self):
+        self.counts = {}
+        originals = {name: getattr(dist, name) for name in [*RING_COST, "send", "batch_isend_irecv"]}
+        for name, fn in originals.items():
+            setattr(dist, name, self._counting(name, fn))
+        try:
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+
+    def _counting(self, name, fn):
+        def counted(*args, **kwargs):
+            call = inspect.signature(fn).bind(*args, **kwargs).arguments
+            if name == "batch_isend_irecv":
+                for op in call["p2p_op_list"]:
+                    if op.op is dist.isend:          # the receives send nothing
+                        self._add(self._dimension(peer=op.peer), "send", nbytes(op.tensor))
+            elif name == "send":
+                self._add(self._dimension(peer=call["dst"]), "send", nbytes(call["tensor"]))
+            else:
+                kind, tensor, factor = RING_COST[name]
+                n = dist.get_world_size(call.get("group"))
+                self._add(self._dimension(group=call.get("group")), kind,
+                          Fraction(factor * (n - 1) * nbytes(call[tensor]), n))
+            return fn(*args, **kwargs)
+        return counted
+
+    def _add(self, dimension, kind, count):
+        entry = self.counts.setdefault((dimension, kind), [0, 0])
+        entry[0] += 1
+        entry[1] += count
+
+    def _dimension(self, group=None, peer=None):
+        """The name of the group a collective runs on, or of the group that holds a peer."""
+        world = dist.group.WORLD
+        for name, mine in self.groups.items():
+            mine = world if mine is None else mine
+            if peer is None and mine is (world if group is None else group):
+                return name
+            if peer is not None and peer in dist.get_process_group_ranks(mine):
+                return name
+        return "other"   # a group nobody named: the report shows it as unexpected
+
+
+def nbytes(tensor):
+    return tensor.numel() * tensor.element_size()
+
+
+# ---- the formulas, per rank and step ------------------------------------------------
+
+def dp_formula(param_bytes, dp_size):
+    """One all-reduce of all the gradients (--overlap: one per layer, the same bytes)."""
+    d = dp_size
+    return {("dp", "all-reduce"): (Fraction(2 * (d - 1) * param_bytes, d), f"2({d}-1)/{d} x {param_bytes} gradient bytes")}
+
+
+def tp_formula(num_layers, num_dx, act_bytes, num_micro_batches, tp_size):
+    """Per layer and micro-batch the forward's all-gather, (t-1)/t x A; per layer that needs
+    dx (num_dx: all but the model's first) the backward's all-reduce, 2(t-1)/t x A."""
+    t, m, A = tp_size, num_micro_batches, act_bytes
+    return {("tp", "all-gather"): (Fraction(num_layers * m * (t - 1) * A, t),
+                                   f"{num_layers} layers x {m} mb x ({t}-1)/{t} x {A}"),
+            ("tp", "all-reduce"): (Fraction(num_dx * m * 2 * (t - 1) * A, t),
+                                   f"{num_dx} layers x {m} mb x 2({t}-1)/{t} x {A}")}
+
+
+def pp_formula(stage, num_stages, act_bytes, num_micro_batches):
+    """Per micro-batch, the output activation to the next stage (unless last) and the
+    input's gradient to the previous one (unless first), act_bytes each."""
+    boundaries, m = (stage > 0) + (stage < num_stages - 1), num_micro_batches
+    return {("pp", "send"): (boundaries * m * act_bytes,
+                             f"{m} mb x {act_bytes} x {boundaries} (one per neighbouring stage)")}
+
+
+def three_d_formula(args, p, act_bytes, param_bytes):
+    """The blocks' formulas for one rank of stage p: tp for its stage's layers, pp for
+    its stage boundaries, dp for its shards (param_bytes)."""
+    m, t, layers = args.micro_batches, args.tp, args.num_layers // args.pp
+    formula = tp_formula(layers, layers - (p == 0), act_bytes, m, t)   # the model's first layer: no dx
+    formula.update(pp_formula(p, args.pp, act_bytes // t if args.p2p_shard else act_bytes, m))
+    formula.update(dp_formula(param_bytes, args.dp))
+    if args.p2p_shard:   # every tensor received from a neighbouring stage is all-gathered over tp
+        received = (p > 0) + (p < args.pp - 1)
+        gathered, how = formula[("tp", "all-gather")]
+        formula[("tp", "all-gather")] = (gathered + Fraction(received * m * (t - 1) * act_bytes, t),
+                                         f"{how} + {received} received x {m} mb x ({t}-1)/{t} x {act_bytes}")
+    return formula
+
+
+def megatron_comparison(num_layers, act_bytes, num_micro_batches, tp_size):
+    """One paragraph: the all-gather layer's TP bytes against Megatron's column-then-row pairs.
+
+    Per pair of layers and micro-batch, with A the bytes of one activation [b, D]:
+      all-gather layers: 2 all-gathers (forward) + 2 all-reduces of dx (backward)
+                         = 2 (t-1)/t A + 4 (t-1)/t A = 6 (t-1)/t A
+      Megatron:          the row layer's all-reduce of z (forward) + the column layer's
+                         all-reduce of dx (backward) = 4 (t-1)/t A
+    Over the model both skip the all-reduce of the model input's dx.
+    """
+    L, A, m, t = num_layers, act_bytes, num_micro_batches, tp_size
+    if t == 1 or L % 2:
+        return "Megatron comparison: needs --tp > 1 and an even number of layers (pairs)."
+    ours = Fraction(m * (t - 1) * A * (L + 2 * (L - 1)), t)                  # L all-gathers, L-1 all-reduces
+    megatron = Fraction(m * (t - 1) * A * 2 * (L // 2 + L // 2 - 1), t)      # L/2 forward, L/2-1 backward
+    return (f"Megatron's column-then-row pairs would move fewer bytes. Per pair of layers and micro-batch "
+            f"the all-gather layer sends 2 x (t-1)/t A in forward and 2 x 2(t-1)/t A in backward, 6(t-1)/t A, "
+            f"where Megatron sends one all-reduce of the activation each way, 4(t-1)/t A: 1.5 x. For this run "
+            f"(L={L}, t={t}, m={m}, A={A} bytes; neither all-reduces the model input's dx), per TP rank and "
+            f"step over the model's layers: {float(ours):.0f} bytes against {float(megatron):.0f}, "
+            f"{float(ours / megatron):.3f} x.")
+
+
+# ---- one counted step of each script -------------------------------------------------
+
+def count_dp(rank, world_size, args):
+    device = setup(rank, world_size)
+    weights = [w.to(device) for w in init_weights(args.num_layers, args.dim, args.seed)]
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    rows = replica_rows(args.batch_size, rank, world_size)
+    m, n = args.micro_batches, len(rows) * args.dim
+    counter = CommCounter({"dp": None})
+    averager = GradientAverager(None, overlap=args.overlap)
+    with counter.step():
+        dp_step(weights, inputs[rows].chunk(m), targets[rows].chunk(m), n, averager)
+    report(counter, dp_formula(sum(nbytes(w) for w in weights), world_size))
+    cleanup()
+
+
+def count_tp(rank, world_size, args):
+    device = setup(rank, world_size)
+    shards = [shard_columns(w, rank, world_size).to(device) for w in init_weights(args.num_layers, args.dim, args.seed)]
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    L, m = args.num_layers, args.micro_batches
+    counter = CommCounter({"tp": None})
+    with counter.step():
+        tp_step(shards, inputs.chunk(m), targets.chunk(m), args.batch_size * args.dim)
+    act_bytes = args.batch_size // m * args.dim * 4           # one micro-batch's [B/m, D], float32
+    report(counter, tp_formula(L, L - 1, act_bytes, m, world_size),
+           megatron_comparison(L, act_bytes, m, world_size))
+    cleanup()
+
+
+def count_pp(rank, world_size, args):
+    device = setup(rank, world_size)
+    dist.barrier()
+    stage, m = rank, args.micro_batches
+    full = init_weights(args.num_layers, args.dim, args.seed)
+    weights = [full[i].to(device) for i in stage_layers(args.num_layers, world_size, stage)]
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    layers = StageLayers(weights, stage == 0, stage == world_size - 1, targets.chunk(m), n=args.batch_size * args.dim)
+    counter = CommCounter({"pp": None})
+    with counter.step():
+        run_schedule(build_schedule(args.schedule, world_size, stage, m), layers, inputs.chunk(m), stage - 1,
+                     stage + 1, (args.batch_size // m, args.dim))
+    report(counter, pp_formula(stage, world_size, args.batch_size // m * args.dim * 4, m))
+    cleanup()
+
+
+def count_3d(rank, world_size, args):
+    device = setup(rank, world_size)
+    me = three_d.ThreeDRank(rank, args, device)
+    counter = CommCounter(me.groups)
+    with counter.step():
+        me.gradients()
+    act_bytes = me.buffer_shape[0] * args.dim * 4
+    report(counter, three_d_formula(args, me.p, act_bytes, sum(nbytes(w) for w in me.shards)),
+           megatron_comparison(args.num_layers, act_bytes, args.micro_batches, args.tp))
+    cleanup()
+
+
+def report(counter, formula, notes=""):
+    """On rank 0, every rank's counts from the last step() beside the formula. Every rank
+    calls this (it gathers); ranks whose lines are identical share one block."""
+    names = [*counter.groups, "other"]
+    lines = []
+    for key in sorted(set(counter.counts) | set(formula), key=lambda k: (names.index(k[0]), k[1])):
+        calls, counted = counter.counts.get(key, (0, 0))
+        expected, how = formula.get(key, (0, "not in the formula"))
+        verdict = "ok" if counted == expected else "DIFFERENT"
+        lines.append(f"    {key[0]} {key[1]:<15}{calls:>4} calls  counted {exact(counted):>10}  "
+                     f"formula {exact(expected):>10} = {how}  {verdict}")
+    everyone = gather_text("\n".join(lines))
+    if everyone is None:
+        return
+    blocks = {}   # lines -> the ranks that have exactly those
+    for rank, theirs in enumerate(everyone):
+        blocks.setdefault(theirs, []).append(rank)
+    print("count-comm: bytes each rank sent in one training step, counted and by formula\n"
+          "  (ring convention over n ranks: all-reduce of N bytes 2(n-1)/n x N, all-gather and reduce-scatter\n"
+          "  (n-1)/n x N, send N; the loss's all-reduce, --save and barriers are outside the count)")
+    for theirs, ranks in blocks.items():
+        print(f"  ranks {','.join(map(str, ranks))}:\n{theirs}")
+    if notes:
+        print(textwrap.fill(notes, 100, break_on_hyphens=False))
+    print(flush=True)
+
+
+def exact(count):
+    """An integer as it is; a fraction of a byte (n does not divide N) to 2 decimals."""
+    return str(count) if Fraction(count).denominator == 1 else f"{float(count):.2f}"
+
+
+def gather_text(text):
+    """Every rank's string, in rank order, on rank 0 (None elsewhere), as bytes in tensors:
+    torch's object collectives would need numpy."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(data)]))
+    padded = torch.zeros(max(int(s) for s in sizes), dtype=torch.uint8)
+    padded[:len(data)] = data
+    parts = [torch.empty_like(padded) for _ in sizes] if dist.get_rank() == 0 else None
+    dist.gather(padded, parts, dst=0)
+    return None if parts is None else [bytes(p[:int(s)].tolist()).decode() for p, s in zip(parts, sizes)]
+
+
+COUNTERS = {"data_parallel": (data_parallel, count_dp, lambda a: a.world_size),
+            "tensor_parallel": (tensor_parallel, count_tp, lambda a: a.world_size),
+            "pipeline_parallel": (pipeline_parallel, count_pp, lambda a: a.world_size),
+            "three_d": (three_d, count_3d, lambda a: a.dp * a.pp * a.tp)}
+
+
+def count(script_name, argv):
+    """One counted step of a script, with its own command line; rank 0 prints the report."""
+    script, worker, world_size = COUNTERS[script_name]
+    args = script.parse_args(argv)
+    spawn(worker, world_size(args), args, backend=args.backend, timeout_s=args.timeout_s)
+
+
+def main(argv):
+    if not argv or argv[0] not in COUNTERS:
+        raise SystemExit(f"usage: python tests/bench.py count-comm {{{','.join(COUNTERS)}}} [its flags]")
+    count(argv[0], argv[1:])

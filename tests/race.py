@@ -1,0 +1,208 @@
+"""The timing machinery of make bench: run sides of a comparison on the same ranks,
+check that they compute the same thing, and time them taking turns.
+
+A side is (step, state): step() runs one training step, state() returns (weights,
+grads) in our layout [D, D/T], or state is None for a side that is timed but not
+compared (the serial reference). Made for a shared, noisy machine: warm-up rounds
+first, then rounds in which every side runs once, so that a slow spell hits every side
+alike; a side's figure is the median over the rounds of its slowest rank's time.
+"""
+import gc
+import os
+import pickle
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from collectives import cleanup, pick_backend, spawn, under_torchrun  # noqa: E402
+from data_parallel import CHECK_TOLERANCE, GradientAverager, dp_step, init_weights, make_batch  # noqa: E402
+
+WARMUP = 2
+
+
+def spawn_returning(fn, world_size, *args, **launch):
+    """spawn(), and return what fn returned on rank 0. Under torchrun, what it returned on
+    this rank (a bench's results are all-reduced: the same on every rank)."""
+    if under_torchrun():
+        results = []
+        spawn(lambda rank, size, *more: results.append(fn(rank, size, *more)), world_size, *args, **launch)
+        return results[0]
+    folder = tempfile.mkdtemp(prefix="parallel-result-")
+    path = os.path.join(folder, "rank0.pickle")
+    try:
+        spawn(_save_rank0, world_size, fn, path, *args, **launch)
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _save_rank0(rank, world_size, fn, path, *args):
+    # pickle, not torch.save: in a forked child torch.save after the parent's torch.load
+    # once hung (a lock held at fork time); the results are plain numbers anyway
+    result = fn(rank, world_size, *args)
+    if rank == 0:
+        with open(path, "wb") as f:
+            pickle.dump(result, f)
+
+
+def race(sides, device, warmup=None, repeats=5):
+    """Time one call of each side, the sides taking turns; {name: seconds}. Every call
+    starts on all ranks at once (a barrier) and ends when the slowest rank is done. A
+    side may do nothing on some ranks (the serial reference runs on rank 0 alone)."""
+    warmup = WARMUP if warmup is None else warmup
+    times = torch.zeros(len(sides), repeats, dtype=torch.float64)
+    for i in range(warmup + repeats):
+        for j, run in enumerate(sides.values()):
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)   # NCCL calls return before the GPU is done
+            if i >= warmup:
+                times[j, i - warmup] = time.perf_counter() - start
+    times = times.to(device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return {name: statistics.median(row) for name, row in zip(sides, times.tolist())}
+
+
+def check_and_race(sides, device, steps):
+    """Step every side once from the same weights and compare its gradients with ours
+    (the first side); time `steps` more of each, taking turns; then compare the weights,
+    which every side has now stepped equally often.
+    Returns ({name: seconds}, {name: largest difference from ours, or None})."""
+    ours = next(iter(sides.values()))[1]
+    compared = {name: state for name, (_, state) in sides.items() if state is not None and state is not ours}
+    for step, _ in sides.values():
+        step()
+    diffs = dict.fromkeys(sides)
+    diffs.update({name: largest_difference(ours()[1], state()[1]) for name, state in compared.items()})
+    times = race({name: step for name, (step, _) in sides.items()}, device, repeats=steps)
+    for name, state in compared.items():
+        diffs[name] = max(diffs[name], largest_difference(ours()[0], state()[0]))
+    return times, diffs
+
+
+def largest_difference(ours, theirs):
+    """max |a - b| over two lists of tensors, over every rank."""
+    diff = torch.zeros((), device=ours[0].device)
+    for a, b in zip(ours, theirs):
+        diff = torch.maximum(diff, (a.detach() - b.detach()).abs().max())
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return diff.item()
+
+
+def end_race(sides):
+    """Free every side, then leave the group. In this order: a DDP freed after the group
+    is destroyed joins gloo's threads while holding the GIL, and can hang for good."""
+    sides.clear()
+    gc.collect()
+    cleanup()
+
+
+def print_race(result):
+    """The table: each side's step time, speed-up over serial and difference from ours,
+    then ours / theirs. Exit 1 if a side computed something else. Under torchrun, rank 0
+    prints it."""
+    if under_torchrun() and os.environ["RANK"] != "0":
+        return
+    times, diffs, world_size = result["times"], result["diffs"], result["world_size"]
+    serial = next(name for name in times if name.startswith("serial"))
+    cores = os.cpu_count()
+    ideal = world_size if pick_backend(world_size) == "nccl" else min(world_size, cores)
+    title, *more = result["title"].split("\n")
+    print(title)
+    for line in more:
+        print(textwrap.fill(line, 110, subsequent_indent="    ", break_on_hyphens=False))
+    print(f"  median of {result['steps']} steps after {WARMUP} warm-up, the sides taking turns; "
+          f"speed-up: serial / side, ideal {ideal}x ({world_size} ranks, {cores} cores)\n"
+          f"  difference: largest |ours - theirs| in the first step's gradients and in the weights after "
+          f"{WARMUP + result['steps'] + 1} steps")
+    print(f"  {'side':<50}{'step (ms)':>10}{'speed-up':>14}  difference")
+    for name, seconds in times.items():
+        diff, speedup = diffs[name], times[serial] / seconds
+        verdict = "-" if diff is None else f"{diff:.1e} {'same' if diff <= CHECK_TOLERANCE else 'DIFFERENT'}"
+        gain = "" if name == serial else f"{speedup:.2f}x {speedup / ideal:>4.0%}"
+        print(f"  {name:<50}{seconds * 1e3:>10.2f}{gain:>14}  {verdict}")
+    for ours, theirs in result["ratios"]:
+        print(f"  {ours} / {theirs}: {times[ours] / times[theirs]:.2f}x")
+    for note in result.get("notes", []):
+        print(textwrap.fill(note, 110, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False))
+    print(flush=True)
+    if any(diff is not None and diff > CHECK_TOLERANCE for diff in diffs.values()):
+        raise SystemExit("error: a side computed something other than ours; its time compares nothing")
+
+
+def machine():
+    """One line that names this machine, printed under every bench table."""
+    cpu = platform.processor() or "unknown CPU"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "none"
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return (f"machine: {cores} CPU cores ({cpu}), GPU: {gpus}, torch {torch.__version__}, "
+            f"Python {platform.python_version()}{load}")
+
+
+# ---- pieces every step's comparison uses ---------------------------------------------
+
+def as_module(weights, device):
+    """Our model as nn.Sequential(Linear, GELU, ...) for PyTorch's APIs (a copy).
+    nn.Linear computes x @ weight.T, so its weight is W^T."""
+    layers = []
+    for w in weights:
+        linear = torch.nn.Linear(*w.shape, bias=False, device=device)
+        with torch.no_grad():
+            linear.weight.copy_(w.T)                      # [out, in] = W^T
+        layers += [linear, torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def sgd_side(weights, compute_grads, lr):
+    """Our step with SGD, as (step, state): compute_grads() runs forward and backward and
+    returns the gradients; state() gives (weights, grads)."""
+    optimizer = torch.optim.SGD(weights, lr=lr)
+
+    def step():
+        for w, grad in zip(weights, compute_grads()):
+            w.grad = grad
+        optimizer.step()
+    return step, lambda: (weights, [w.grad for w in weights])
+
+
+def serial_side(args, device):
+    """Our step on the whole batch on rank 0 alone: a side that is not compared (None).
+    Every rank must call this: it makes rank 0's group of one."""
+    alone = dist.new_group([0])
+    if dist.get_rank() != 0:
+        return (lambda: None), None
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    weights = [w.to(device) for w in init_weights(args.num_layers, args.dim, args.seed)]
+    m, averager = args.micro_batches, GradientAverager(alone)
+    step = sgd_side(weights, lambda: dp_step(weights, inputs.chunk(m), targets.chunk(m), inputs.numel(),
+                                              averager)[0], args.lr)[0]
+    return step, None
+
+
+def mse_sum(n):
+    """PyTorch's side of our loss: each micro-batch's squared error / n, as mse_loss."""
+    return lambda out, y: F.mse_loss(out, y, reduction="sum") / n
+
+
+def bench_sizes(args, world_size):
+    backend = pick_backend(world_size, args.backend)
+    return (f"{world_size} ranks ({backend}{', 1 thread each' if backend == 'gloo' else ''}), "
+            f"L={args.num_layers} D={args.dim} B={args.batch_size} m={args.micro_batches}, SGD")
