@@ -5,9 +5,8 @@ launcher that every later step imports.
     python collectives.py --world-size 8
     torchrun --nproc-per-node 4 collectives.py   # the same script under torchrun
 
-Every rank prints its tensors before and after each collective, so each definition
-can be checked by eye. Rank r's values start at 10 r: the tens digit names the rank a
-number came from.
+Every rank prints its tensors before and after each collective, so each definition can
+be checked by eye; rank r's numbers start at 10 r, so the tens digit names their rank.
 
     all-reduce      every rank ends with the sum over ranks        [n] -> [n]
     reduce-scatter  rank r ends with piece r of the sum            [n] -> [n/ranks]
@@ -21,11 +20,11 @@ The gaps in the lecture that this step fills:
 - The lecture's debug mode replaces the collectives with no-ops, so a breakpoint sees
   values that no real run produces. Here, under a debugger, rank 0 runs inside the
   debugged process and the other ranks run beside it: every sum is real.
-- spawn/setup/cleanup at the bottom: the launcher, on one screen.
+- The launcher below (spawn, setup, cleanup) starts the ranks of every later step.
 
-What PyTorch gives you: these are torch.distributed's own collectives, and the
-launcher does what torch.multiprocessing.spawn and torchrun do. tests/bench.py times
-each collective and reports bus bandwidth as nccl-tests defines it (make bench).
+What PyTorch gives you: these are torch.distributed's collectives; the launcher does what
+torch.multiprocessing.spawn and torchrun do. tests/bench.py times each collective and
+reports bus bandwidth as nccl-tests defines it (make bench).
 """
 import argparse
 import contextlib
@@ -33,6 +32,7 @@ import ctypes
 import math
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -44,10 +44,10 @@ import warnings
 from datetime import timedelta
 from multiprocessing.connection import wait
 
-warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy; unneeded
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def all_reduce_is_reduce_scatter_then_all_gather(rank, world_size, device):
@@ -225,28 +225,35 @@ def ring_demo(rank, world_size, device):
 # rank; each rank calls setup(rank, world_size) first and cleanup() last.
 # ----------------------------------------------------------------------------------
 
-DEFAULT_TIMEOUT_S = 60.0   # how long a rank waits for a peer (PyTorch's 30 minutes look like a hang)
+DEFAULT_TIMEOUT_S = 60.0   # how long a rank waits for a peer (PyTorch's 30 min look like a hang)
 
 
 class RankFailed(RuntimeError):
-    """A rank raised, died or stalled: names the rank that failed first, with its traceback."""
+    """A rank raised, died or stalled: names the rank that failed first, with its traceback.
+    stopped holds the message of a Stop (below), which is not a crash."""
 
     def __init__(self, rank, text):
-        super().__init__(f"rank {rank} failed first: {text.strip().splitlines()[-1]}")
+        last = text.strip().splitlines()[-1]
+        super().__init__(f"rank {rank} failed first: {last}")
         self.rank, self.text = rank, text
+        self.stopped = last.split("Stop: ", 1)[1] if re.match(r"([\w.]+\.)?Stop: ", last) else None
+
+
+class Stop(Exception):
+    """A rank ends the run on purpose, with a message for the person (a failed --check)."""
 
 
 def spawn(fn, world_size, *args, backend="auto", timeout_s=DEFAULT_TIMEOUT_S):
     """Run fn(rank, world_size, *args) on world_size ranks; raise RankFailed if one fails.
 
-    Under torchrun this process is one rank already, and fn runs once, here. Otherwise
-    torch.multiprocessing starts the ranks with the variables torchrun would set, so
-    setup() reads one set: by fork on the CPU (torch is imported already: 8 ranks start
-    in well under a second), by spawn with CUDA, which does not survive a fork. They
-    meet at a file store in a fresh temporary folder, not at a TCP port: there is no
-    port to pick or to collide on, so runs side by side just work.
+    Under torchrun this process is one rank already: fn runs once, here. Otherwise
+    torch.multiprocessing starts the ranks with the variables torchrun would set: by
+    fork on the CPU (torch is imported already: 8 ranks start in well under a second),
+    by spawn with CUDA, which does not survive a fork. They meet at a file store in a
+    fresh temporary folder, not at a TCP port, so runs side by side never collide.
     """
-    env = {"PARALLEL_BACKEND": pick_backend(world_size, backend), "PARALLEL_TIMEOUT_S": str(timeout_s)}
+    env = {"PARALLEL_BACKEND": pick_backend(world_size, backend),
+           "PARALLEL_TIMEOUT_S": str(timeout_s)}
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
             raise SystemExit(f"error: torchrun started {os.environ['WORLD_SIZE']} ranks "
@@ -384,7 +391,8 @@ def _wait(children, failures):
                 os.unlink(error_file)
             elif process.exitcode:
                 code = process.exitcode
-                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else \
+                    f"exited with code {code}"
                 failures[rank] = (time.time(), how + "\n")
             deadline = deadline or (time.time() + 0.5 if failures else None)
     if not failures:
@@ -392,7 +400,8 @@ def _wait(children, failures):
     causes = [rank for rank, (_, text) in failures.items() if not _is_victim(text)]
     if not causes and running:   # only victims failed: they waited for a rank that never did
         waited_for = sorted(running.values())
-        return waited_for[0], f"stalled: {_ranks(failures)} timed out while {_ranks(waited_for)} still ran\n"
+        return waited_for[0], (f"stalled: {_ranks(failures)} timed out while "
+                               f"{_ranks(waited_for)} still ran\n")
     first = min(causes or failures, key=lambda rank: failures[rank][0])
     return first, failures[first][1]
 
@@ -405,7 +414,7 @@ def _is_victim(text):
     """A rank whose peer died or stalled fails with a closed connection or a timeout."""
     last = text.strip().splitlines()[-1].lower()
     return last.startswith("torch.distributed.dist") or any(
-        word in last for word in ("connection", "timed out", "timeout", "broken pipe", "reset by peer"))
+        word in last for word in ("connection", "timed out", "timeout", "broken pipe", "reset by"))
 
 
 def tour(rank, world_size, sections):
@@ -438,19 +447,15 @@ class Parser(argparse.ArgumentParser):
         super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
 
     def error(self, message):
-        if os.environ.get("RANK", "0") == "0":
+        if not (under_torchrun() and "MASTER_ADDR" in os.environ and os.environ["RANK"] != "0"):
             sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
 
 
 def positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
+    if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    return int(text)
 
 
 def positive_float(text):
@@ -473,26 +478,39 @@ def add_launch_args(parser):
 
 def check_launch_args(parser, args, world_size, flag="--world-size"):
     """The world size must be what torchrun started, and NCCL needs a GPU per rank."""
+    if args.timeout_s < 1:
+        parser.error(f"--timeout-s {args.timeout_s:g}: at least 1 s, or the ranks give up "
+                     f"before they meet")
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if under_torchrun() and missing and not dist.is_initialized():
+        parser.error(f"RANK, WORLD_SIZE and LOCAL_RANK are set, as torchrun sets them, but "
+                     f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+                     f"unset them, or start this under torchrun")
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world_size:
         parser.error(f"{flag}: this run needs {world_size} ranks but torchrun started "
                      f"WORLD_SIZE={os.environ['WORLD_SIZE']}")
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if args.backend == "nccl" and pick_backend(ranks_here) != "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        parser.error(f"{flag}: --backend nccl needs one GPU per rank: {ranks_here} ranks on this node, {gpus} GPUs")
+        parser.error(f"{flag}: --backend nccl needs one GPU per rank: {ranks_here} ranks on "
+                     f"this node, {gpus} GPUs")
 
 
 def run_main(main):
     """Run a script's main(): a failed rank becomes one line and exit 1; Ctrl-C one line
     and exit 130, SIGTERM 143. Under torchrun, record() puts the failing rank's traceback into
     torchrun's failure summary instead."""
-    if under_torchrun():
-        from torch.distributed.elastic.multiprocessing.errors import record
-        record(main)()
-        return
     try:
-        main()
+        if under_torchrun():
+            from torch.distributed.elastic.multiprocessing.errors import record
+            record(main)()
+        else:
+            main()
+    except Stop as e:        # this rank (under torchrun) or the one process stopped on purpose
+        sys.exit(f"error: {e}")
     except RankFailed as e:
+        if e.stopped:        # a rank stopped on purpose: its message is the whole story
+            sys.exit(f"error: {e.stopped}")
         sys.stderr.write(f"{e.text.rstrip()}\nerror: {e}\n")
         sys.exit(1)
     except KeyboardInterrupt as e:   # Ctrl-C, or SIGTERM during spawn()
@@ -526,7 +544,8 @@ def show(rank, when, **tensors):
     order, and all have printed before anyone goes on."""
     for turn in range(dist.get_world_size()):
         if turn == rank:
-            log(f"[rank {rank}]", f"{when:<6}", "  ".join(f"{name} = {fmt(v)}" for name, v in tensors.items()))
+            values = "  ".join(f"{name} = {fmt(v)}" for name, v in tensors.items())
+            log(f"[rank {rank}]", f"{when:<6}", values)
         dist.barrier()
 
 

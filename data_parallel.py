@@ -29,13 +29,13 @@ import math
 import os
 import warnings
 
-warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy; unneeded
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from collectives import (Parser, add_launch_args, check_launch_args, cleanup, log, positive_float,  # noqa: E402
-                         positive_int, run_main, setup, spawn)
+from collectives import (Parser, Stop, add_launch_args, check_launch_args, cleanup, log,
+                         positive_float, positive_int, run_main, setup, spawn)
 
 
 # ----------------------------------------------------------------------------------
@@ -52,7 +52,7 @@ def layer_backward(g, stash, w, need_dx=True):
     """Given g = dL/da, return (dx, dW) for a = gelu(x W). need_dx=False skips dx (None)
     where nobody needs it: the model's first layer, one matmul in three."""
     x, z = stash
-    dz = torch.ops.aten.gelu_backward(g, z)   # dz = g * gelu'(z)  [b, n], in one pass (see gelu_grad)
+    dz = torch.ops.aten.gelu_backward(g, z)   # dz = g * gelu'(z)  [b, n], fused: see gelu_grad
     dw = x.T @ dz                             # dW = x^T dz        [D, n]
     dx = dz @ w.T if need_dx else None        # dx = dz W^T        [b, D]
     return dx, dw
@@ -104,7 +104,8 @@ def make_batch(args):
     """Inputs X [B, D] and targets Y = teacher(X), a teacher of the same shape from its
     own seed: the loss can reach zero, and a falling loss means learning."""
     teacher = init_weights(args.num_layers, args.dim, args.seed + 1)
-    inputs = torch.randn(args.batch_size, args.dim, generator=torch.Generator().manual_seed(args.seed + 2))
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    inputs = torch.randn(args.batch_size, args.dim, generator=gen)
     targets, _ = model_forward(teacher, inputs)
     return inputs, targets
 
@@ -132,7 +133,8 @@ def serial_train(args):
         loss.backward()
         first_grads = first_grads or [w.grad.clone() for w in weights]
         optimizer.step()
-    return {"final_weights": [w.detach() for w in weights], "losses": losses, "first_grads": first_grads}
+    return {"final_weights": [w.detach() for w in weights], "losses": losses,
+            "first_grads": first_grads}
 
 
 # ----------------------------------------------------------------------------------
@@ -148,7 +150,8 @@ def replica_rows(batch_size, dp_rank, dp_size, step=None, seed=0):
     """
     rows = torch.arange(batch_size)
     if step is not None:
-        rows = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed * 100003 + step))
+        gen = torch.Generator().manual_seed(seed * 100003 + step)
+        rows = torch.randperm(batch_size, generator=gen)
     per_replica = batch_size // dp_size
     return rows[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
@@ -213,18 +216,18 @@ def dp_step(weights, xs, ys, n, averager):
 
 def dp_worker(rank, world_size, args):
     device = setup(rank, world_size)
-    dp_rank, dp_size = rank, world_size
+    dp_rank, dp_size, m = rank, world_size, args.micro_batches
     init = init_weights(args.num_layers, args.dim, args.seed)
     weights = [w.to(device, copy=True) for w in init]           # every replica holds every layer
     inputs, targets = (t.to(device) for t in make_batch(args))
     optimizer = make_optimizer(weights, args)
     averager = GradientAverager(group=None, overlap=args.overlap)
-    n = args.batch_size // dp_size * args.dim    # elements in this replica's slice: its mean divides by n
+    n = args.batch_size // dp_size * args.dim   # this replica's slice: its mean divides by n
     losses = []
     for step in range(args.steps):
-        rows = replica_rows(args.batch_size, dp_rank, dp_size, step if args.shuffle else None, args.seed)
-        xs = inputs[rows].chunk(args.micro_batches)   # m micro-batches of [B/(d m), D]
-        ys = targets[rows].chunk(args.micro_batches)
+        rows = replica_rows(args.batch_size, dp_rank, dp_size, step if args.shuffle else None,
+                            args.seed)
+        xs, ys = inputs[rows].chunk(m), targets[rows].chunk(m)   # m micro-batches of [B/(d m), D]
         grads, loss = dp_step(weights, xs, ys, n, averager)
         if step == 0:
             first_grads = [g.clone() for g in grads]
@@ -236,8 +239,10 @@ def dp_worker(rank, world_size, args):
             log(f"[rank {rank}]", f"step {step:3d}  loss {losses[-1]:.6f}")
     drift = replica_drift(weights)
     if rank == 0:
-        log(f"[rank {rank}]", f"replicas identical after training: {drift == 0.0} (largest difference {drift:g})")
-        finish_run(args, init, weights, losses, inputs, targets, first_grads, {"replica_max_diff": drift})
+        log(f"[rank {rank}]", f"replicas identical after training: {drift == 0.0} "
+                              f"(largest difference {drift:g})")
+        finish_run(args, init, weights, losses, inputs, targets, first_grads,
+                   {"replica_max_diff": drift})
     cleanup()
 
 
@@ -269,25 +274,75 @@ def main(argv=None):
 # Below: the command line every training script shares, and --save / --check.
 # ----------------------------------------------------------------------------------
 
-CHECK_TOLERANCE = 1e-4   # float32 summation order moves results by ~1e-7; a bug moves them far more
-
-
 def training_parser(description):
     p = Parser(description=description)
     p.add_argument("--num-layers", type=positive_int, default=8, help="layers L of the MLP")
     p.add_argument("--dim", type=positive_int, default=64, help="width D: every W is D x D")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="global batch B, over all replicas")
-    p.add_argument("--micro-batches", type=positive_int, default=2, help="micro-batches m per replica and step")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="global batch B")
+    p.add_argument("--micro-batches", type=positive_int, default=2, help="micro-batches m")
     p.add_argument("--steps", type=positive_int, default=30, help="optimizer steps")
     p.add_argument("--lr", type=positive_float, default=1e-2, help="learning rate")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw",
-                   help="sgd (plain) or adamw (PyTorch's defaults); sgd shows a gradient's scale errors")
-    p.add_argument("--seed", type=int, default=0, help="weights from seed, teacher from seed+1, inputs from seed+2")
-    p.add_argument("--save", metavar="PATH",
-                   help="torch.save config, init/final weights (full, layer order), inputs, targets, losses")
-    p.add_argument("--check", action="store_true", help="also train serially with autograd and compare")
+                   help="plain SGD, or AdamW with PyTorch's defaults (SGD shows scale errors)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="weights from seed, teacher from seed+1, inputs from seed+2")
+    p.add_argument("--save", metavar="PATH", help="torch.save config, init and final weights "
+                   "(full, layer order), inputs, targets, losses")
+    p.add_argument("--check", action="store_true", help="also train serially, with autograd")
     add_launch_args(p)
     return p
+
+
+def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None):
+    """The checks every training script shares, after its own: the seed, --lr and --save;
+    micro-batches that cut each replica's rows evenly; and the memory the ranks need."""
+    if not 0 <= args.seed < 2**32:   # torch overflows past 2**64; seed + 2 and --shuffle's too
+        parser.error(f"--seed {args.seed}: expected an integer from 0 to {2**32 - 1}")
+    if args.lr > 3.4e38:
+        parser.error(f"--lr {args.lr:g}: more than a float32 holds (3.4e38)")
+    if args.save is not None and not writable(args.save):
+        parser.error(f"--save {args.save!r}: cannot write there")
+    rows, m = args.batch_size // replicas, args.micro_batches
+    by = f"--batch-size {args.batch_size} / {replicas_flag} {replicas} = {rows}" if replicas_flag \
+        else rows
+    if m > rows:
+        parser.error(f"--micro-batches {m}: more micro-batches than rows per replica ({by})")
+    if args.batch_size % (replicas * m):
+        parser.error(f"--batch-size {args.batch_size} is not divisible by "
+                     f"{replicas_flag + ' x ' if replicas_flag else ''}--micro-batches "
+                     f"({replicas * m})")
+    # Each rank holds at most: the whole model and the teacher as drawn (2 L D^2 floats),
+    # its weights, gradients and AdamW's two states (4 L D^2), the batch (2 B D), and the
+    # stash of every layer's input and pre-activation for the whole batch (2 L B D).
+    L, D, B = args.num_layers, args.dim, args.batch_size
+    per_rank = 4 * (6 * L * D * D + 2 * B * D + 2 * L * B * D)
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if args.backend != "nccl" and memory and per_rank * ranks_here > memory:
+        total = per_rank * ranks_here
+        parser.error(f"--num-layers {L} --dim {D} --batch-size {B}: about {per_rank / 1e9:.1f} "
+                     f"GB per rank, {total / 1e9:.1f} GB for the {ranks_here} ranks on this "
+                     f"machine, which has {memory / 1e9:.1f} GB")
+
+
+def writable(path):
+    """Whether this process can write path. Tried, not asked: an immutable file refuses root."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab"):   # appends nothing: an existing file stays as it is
+            pass
+    except OSError:              # also: a folder, a missing folder, '' (no such file)
+        return False
+    if not existed:
+        os.remove(path)
+    return True
+
+
+def refuse_unused(parser, args, used, mode):
+    """A flag that this mode does not use is refused, not silently dropped."""
+    for name, value in vars(args).items():
+        if name not in used and value != parser.get_default(name):
+            parser.error(f"--{name.replace('_', '-')}: not used with {mode}")
 
 
 def check_divides(parser, value, flag, divisor, divisor_flag):
@@ -295,58 +350,87 @@ def check_divides(parser, value, flag, divisor, divisor_flag):
         parser.error(f"{flag} {value} is not divisible by {divisor_flag} ({divisor})")
 
 
-def check_training_args(parser, args):
-    """What every training script checks: a seed torch takes, a --save path it can write."""
-    if not 0 <= args.seed < 2**32:   # torch overflows past 2**64; keep seed + 2 and --shuffle's in range
-        parser.error(f"--seed {args.seed}: expected an integer from 0 to {2**32 - 1}")
-    if args.save:
-        folder = os.path.dirname(os.path.abspath(args.save))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.save):
-            parser.error(f"--save {args.save}: cannot write there")
-
-
 def parse_args(argv=None):
-    parser = training_parser("Data parallelism: replicas on slices of the batch, gradients averaged.")
+    parser = training_parser("Data parallelism: replicas on slices of the batch.")
     parser.add_argument("--world-size", type=positive_int, default=4, help="replicas d")
     parser.add_argument("--overlap", action="store_true",
                         help="start each layer's gradient all-reduce as soon as it is final")
     parser.add_argument("--shuffle", action="store_true",
-                        help="reshuffle which rows each replica gets, every step, from a shared seed")
+                        help="reshuffle each replica's rows every step, from a shared seed")
     args = parser.parse_args(argv)
-    check_divides(parser, args.batch_size, "--batch-size", args.world_size * args.micro_batches,
-                  "--world-size x --micro-batches")
-    check_training_args(parser, args)
+    check_training_args(parser, args, args.world_size, args.world_size, "--world-size")
     check_launch_args(parser, args, args.world_size)
     return args
 
 
 def gather_on_rank0(tensor):
-    """Every rank's tensor (one shape on all), stacked in rank order on rank 0: [world, ...];
-    None elsewhere. Tensors, not pickled objects: torch's object collectives need numpy."""
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    """Every rank's tensor (one shape on all), stacked in rank order on rank 0; None elsewhere.
+    Tensors, not pickled objects: torch's object collectives need numpy."""
+    rank0 = dist.get_rank() == 0
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if rank0 else None
     dist.gather(tensor.contiguous(), parts, dst=0)
-    return None if parts is None else torch.stack(parts)
+    return torch.stack(parts) if rank0 else None
 
 
-def finish_run(args, init, final, losses, inputs, targets, first_grads=None, extra=None):
-    """On one rank, with full weights: write --save, and run --check (exit 1 past the tolerance)."""
+def finish_run(args, init, final, losses, inputs, targets, first_grads, extra=None):
+    """On rank 0, with full matrices: write --save, then --check against serial training."""
     if args.save:
         torch.save({"config": vars(args), "init_weights": [w.detach().float().cpu() for w in init],
                     "final_weights": [w.detach().float().cpu() for w in final],
-                    "inputs": inputs.cpu(), "targets": targets.cpu(), "losses": list(losses), **(extra or {})},
-                   args.save)
+                    "inputs": inputs.cpu(),
+                    "targets": targets.cpu(), "losses": list(losses), **(extra or {})}, args.save)
         print(f"saved {args.save}", flush=True)
     print(f"loss {losses[0]:.6f} -> {losses[-1]:.6f} over {len(losses)} steps", flush=True)
+    not_finite = [step for step, loss in enumerate(losses) if not math.isfinite(loss)]
+    if not_finite:
+        print(f"the loss stopped being finite at step {not_finite[0]}: --lr {args.lr:g} is too "
+              f"large for this model; try a smaller one", flush=True)
     if args.check:
-        ref = serial_train(args)
-        loss_diff = max(abs(a - b) for a, b in zip(losses, ref["losses"]))
-        weight_diff = max((w.cpu() - r).abs().max().item() for w, r in zip(final, ref["final_weights"]))
-        worst = max(loss_diff, weight_diff)
-        verdict = "OK" if worst <= CHECK_TOLERANCE else "FAILED"
-        print(f"check against serial autograd training: largest difference {worst:.2e} (losses {loss_diff:.2e}, "
-              f"final weights {weight_diff:.2e}; tolerance {CHECK_TOLERANCE:g}) {verdict}", flush=True)
-        if verdict != "OK":
-            raise SystemExit(1)
+        check_against_serial(args, final, losses, first_grads)
+
+
+def check_against_serial(args, final, losses, first_grads):
+    """Compare with the same training in one process under autograd (serial_train).
+
+    - The first step's gradients, before any optimizer touches them, each layer's relative
+      to its largest: a gradient off by a constant fails here, whatever the optimizer.
+    - The loss at every step, and the final weights. An SGD step is lr x gradient, so the
+      weights agree to float32 summation order. AdamW divides each element's step by its
+      gradient's running size: an element whose gradient is near eps (1e-8) may take a
+      step of up to lr in one run and less in the other, so up to lr x steps apart.
+    """
+    ref = serial_train(args)
+    adamw = args.optimizer == "adamw"
+
+    def largest(differences):   # torch's max, not Python's: a nan anywhere is the answer
+        return torch.stack(list(differences)).max().item()
+    figures = [
+        ("first step's gradients",
+         largest((g.cpu() - r).abs().max() / r.abs().max().clamp_min(1e-30)
+                                           for g, r in zip(first_grads, ref["first_grads"])),
+         CHECK_TOLERANCE, "(of each layer's largest)"),
+        ("losses", largest((torch.tensor(losses) - torch.tensor(ref["losses"])).abs()),
+         CHECK_TOLERANCE, ""),
+        ("final weights",
+         largest((w.cpu() - r).abs().max() for w, r in zip(final, ref["final_weights"])),
+         args.lr * args.steps if adamw else CHECK_TOLERANCE,
+         "= lr x steps: AdamW's elements with gradients near eps" if adamw else ""),
+    ]
+    print(f"check against serial autograd training ({args.optimizer}):", flush=True)
+    for name, difference, tolerance, why in figures:
+        verdict = "ok" if difference <= tolerance else "FAILED"   # a nan is never <= anything
+        print(f"  {name:<23} largest difference {difference:.2e}   tolerance {tolerance:.0e} "
+              f"{why}  {verdict}",
+              flush=True)
+    if all(difference <= tolerance for _, difference, tolerance, _ in figures):
+        print("check OK", flush=True)
+    elif not all(map(math.isfinite, losses)):
+        raise Stop(f"check FAILED: the loss stopped being finite; try a smaller --lr than {args.lr:g}")
+    else:
+        raise Stop("check FAILED: this run differs from serial autograd training (see above)")
+
+
+CHECK_TOLERANCE = 1e-4   # float32 summation order moves results by ~1e-7; a bug moves them far more
 
 
 if __name__ == "__main__":

@@ -33,12 +33,12 @@ import time
 import warnings
 from typing import NamedTuple
 
-warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy; unneeded
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
+import torch
+import torch.distributed as dist
 
-from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn  # noqa: E402
-from data_parallel import (check_divides, check_training_args, finish_run, gather_on_rank0,  # noqa: E402
+from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
+from data_parallel import (check_divides, check_training_args, finish_run, gather_on_rank0,
                            init_weights, layer_backward, layer_forward, make_batch, make_optimizer,
                            mse_loss, training_parser)
 
@@ -53,7 +53,9 @@ class Action(NamedTuple):
     comms: tuple = ()    # for "comm": ((kind, mb), ...), posted together and waited for together
 
     def __str__(self):
-        return f"{self.op}{self.mb}" if self.op != "comm" else f"[{' '.join(f'{k}{mb}' for k, mb in self.comms)}]"
+        if self.op != "comm":
+            return f"{self.op}{self.mb}"
+        return "[" + " ".join(f"{kind}{mb}" for kind, mb in self.comms) + "]"
 
 
 def compute_order(schedule, num_stages, stage, num_micro_batches):
@@ -110,7 +112,7 @@ class StageLayers:
 
     def __init__(self, weights, first, last, targets=None, n=1):
         self.weights, self.first, self.last = weights, first, last
-        self.targets, self.n = targets, n            # targets: micro-batches of Y, on the last stage
+        self.targets, self.n = targets, n            # targets: micro-batches of Y (last stage)
         self.grads = [torch.zeros_like(w) for w in weights]
         self.stash = {}        # micro-batch -> its layers' (x, z), popped by its own backward
         self.loss_grad = {}    # micro-batch -> dL/da of the last layer (last stage only)
@@ -150,7 +152,8 @@ class StageLayers:
         return buffer
 
 
-def run_schedule(actions, layers, inputs, prev_rank, next_rank, buffer_shape, group=None, events=None):
+def run_schedule(actions, layers, inputs, prev_rank, next_rank, buffer_shape, group=None,
+                 events=None):
     """Execute one stage's action list on its StageLayers. inputs: the micro-batches (first
     stage only). events, if a list, receives (op, mb, start, end) of every F and B."""
     activations, grads = {}, {}     # received, waiting for their F / B
@@ -167,9 +170,11 @@ def run_schedule(actions, layers, inputs, prev_rank, next_rank, buffer_shape, gr
                     grads[mb] = torch.empty(buffer_shape, device=device)
                     ops.append(dist.P2POp(dist.irecv, grads[mb], next_rank, group))
                 elif kind == SEND_ACT:
-                    ops.append(dist.P2POp(dist.isend, layers.outgoing(outputs.pop(mb)), next_rank, group))
+                    out = layers.outgoing(outputs.pop(mb))
+                    ops.append(dist.P2POp(dist.isend, out, next_rank, group))
                 else:
-                    ops.append(dist.P2POp(dist.isend, layers.outgoing(input_grads.pop(mb)), prev_rank, group))
+                    out = layers.outgoing(input_grads.pop(mb))
+                    ops.append(dist.P2POp(dist.isend, out, prev_rank, group))
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             continue
@@ -206,9 +211,11 @@ def pp_worker(rank, world_size, args):
     stage, num_stages, m = rank, world_size, args.micro_batches
     first, last = stage == 0, stage == num_stages - 1
     full = init_weights(args.num_layers, args.dim, args.seed)
-    weights = [full[i].to(device, copy=True) for i in stage_layers(args.num_layers, num_stages, stage)]
+    layer_ids = stage_layers(args.num_layers, num_stages, stage)
+    weights = [full[i].to(device, copy=True) for i in layer_ids]
     inputs, targets = make_batch(args)
-    layers = StageLayers(weights, first, last, targets.to(device).chunk(m), n=args.batch_size * args.dim)
+    layers = StageLayers(weights, first, last, targets.to(device).chunk(m),
+                         n=args.batch_size * args.dim)
     optimizer = make_optimizer(weights, args)
     actions = build_schedule(args.schedule, num_stages, stage, m)
     micro_batches = inputs.to(device).chunk(m)                    # [B/m, D] each
@@ -216,8 +223,8 @@ def pp_worker(rank, world_size, args):
     for step in range(args.steps):
         layers.grads, layers.loss = [torch.zeros_like(w) for w in weights], 0.0
         events = [] if args.timeline and step == args.steps - 1 else None
-        run_schedule(actions, layers, micro_batches, stage - 1, stage + 1, (args.batch_size // m, args.dim),
-                     events=events)
+        run_schedule(actions, layers, micro_batches, stage - 1, stage + 1,
+                     (args.batch_size // m, args.dim), events=events)
         if step == 0:
             first_grads = gather_on_rank0(torch.stack(layers.grads))
         for w, grad in zip(weights, layers.grads):
@@ -242,24 +249,28 @@ def pp_worker(rank, world_size, args):
 
 
 def print_schedules(schedule, num_stages, num_micro_batches):
-    print(f"{schedule} for {num_stages} stages and {num_micro_batches} micro-batches, every stage's actions "
-          f"in order: F3 forward of micro-batch 3, B3 its backward; [ ] sends and receives posted together: "
-          f"a>3 send activation 3 on, >a3 receive it, <g3 send gradient 3 back, g<3 receive it", flush=True)
+    print(f"{schedule}, {num_stages} stages, {num_micro_batches} micro-batches: every stage's "
+          f"actions in order. F3 forward of micro-batch 3, B3 its backward; [ ] point-to-point\n"
+          f"posted together: a>3 send activation 3 on, >a3 receive it, <g3 send gradient 3 back, "
+          f"g<3 receive it", flush=True)
     for s in range(num_stages):
-        log(f"[stage {s}]", " ".join(map(str, build_schedule(schedule, num_stages, s, num_micro_batches))))
+        actions = build_schedule(schedule, num_stages, s, num_micro_batches)
+        log(f"[stage {s}]", " ".join(map(str, actions)))
 
 
 def show_timeline(events, peak_stash, num_stages, num_micro_batches, rank, device, width=96):
     """Rank 0 draws the last step: every stage's F and B on one time axis, and the bubble."""
-    rows = torch.tensor([["FB".index(op), mb, t0, t1] for op, mb, t0, t1 in events], dtype=torch.float64)
+    rows = torch.tensor([["FB".index(op), mb, t0, t1] for op, mb, t0, t1 in events],
+                        dtype=torch.float64)
     stages = gather_on_rank0(rows.to(device))                            # [p, 2m, 4]
     peaks = gather_on_rank0(torch.tensor([peak_stash], device=device))
     if rank != 0:
         return
     begin, end = stages[..., 2].min().item(), stages[..., 3].max().item()
     scale = width / (end - begin)
-    print(f"timeline of the last step, {(end - begin) * 1e3:.2f} ms across: F3 = forward of micro-batch 3, "
-          f"B3 = its backward (each as wide as its time, and at least its name), '.' = idle", flush=True)
+    print(f"timeline of the last step, {(end - begin) * 1e3:.2f} ms across: F3 = forward of "
+          f"micro-batch 3, B3 = its backward (as wide as its time, at least its name), '.' idle",
+          flush=True)
     idle = []
     for s, (evs, peak) in enumerate(zip(stages.tolist(), peaks.flatten().tolist())):
         line = ""
@@ -269,13 +280,14 @@ def show_timeline(events, peak_stash, num_stages, num_micro_batches, rank, devic
             b = max(a + len(label), round((t1 - begin) * scale))
             line += "." * (a - len(line)) + label.ljust(b - a, "-")
         idle.append(1 - sum(t1 - t0 for _, _, t0, t1 in evs) / (end - begin))
-        print(f"  stage {s} |{line.ljust(width, '.')}| idle {idle[-1]:5.1%}, peak stash {peak}", flush=True)
+        print(f"  stage {s} |{line.ljust(width, '.')}| idle {idle[-1]:5.1%}, peak stash {peak}",
+              flush=True)
     p, m, cores = num_stages, num_micro_batches, os.cpu_count()
     print(f"bubble: measured {sum(idle) / p:.1%} (the stages' mean idle share), "
           f"theory (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.1%}", flush=True)
     if device.type == "cpu" and p > cores:
-        print(f"note: {p} stages share {cores} CPU cores, so a stage often waits for a core, not for its "
-              f"neighbour: the measured bubble mostly shows that load", flush=True)
+        print(f"note: {p} stages share {cores} CPU cores, so a stage often waits for a core, not "
+              f"for its neighbour: the measured bubble mostly shows that load", flush=True)
 
 
 def main(argv=None):
@@ -288,16 +300,16 @@ def main(argv=None):
 # ----------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    parser = training_parser("Pipeline parallelism: GPipe and 1F1B over send/recv, backward by hand.")
-    parser.add_argument("--world-size", type=positive_int, default=4, help="pipeline stages p, one rank each")
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b", help="micro-batch schedule")
-    parser.add_argument("--timeline", action="store_true", help="draw the last step's F and B per stage")
+    parser = training_parser("Pipeline parallelism: GPipe and 1F1B, the backward by hand.")
+    parser.add_argument("--world-size", type=positive_int, default=4, help="stages p, a rank each")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    parser.add_argument("--timeline", action="store_true", help="draw the last step's F and B")
     args = parser.parse_args(argv)
     if args.world_size > args.num_layers:
-        parser.error(f"--world-size {args.world_size}: more stages than --num-layers ({args.num_layers})")
+        parser.error(f"--world-size {args.world_size}: more stages than --num-layers "
+                     f"({args.num_layers})")
     check_divides(parser, args.num_layers, "--num-layers", args.world_size, "--world-size")
-    check_divides(parser, args.batch_size, "--batch-size", args.micro_batches, "--micro-batches")
-    check_training_args(parser, args)
+    check_training_args(parser, args, args.world_size)
     check_launch_args(parser, args, args.world_size)
     return args
 

@@ -29,14 +29,14 @@ What PyTorch gives you: ColwiseParallel(output_layouts=Replicate()) on a DeviceM
 """
 import warnings
 
-warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy; unneeded
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
+import torch
+import torch.distributed as dist
 
-from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn  # noqa: E402
-from data_parallel import (check_divides, check_training_args, finish_run, init_weights,  # noqa: E402
+from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
+from data_parallel import (check_divides, check_training_args, finish_run, init_weights,
                            layer_backward, layer_forward, make_batch, make_optimizer, mse_loss,
-                           training_parser)
+                           refuse_unused, training_parser)
 
 
 def column_forward(x, w_t, group=None):
@@ -51,10 +51,10 @@ def column_backward(g, stash, w_t, group=None, need_dx=True):
     need_dx=False skips dx (None), and its all-reduce, where nobody needs it: the
     model's first layer."""
     tp_rank, cols = dist.get_rank(group), w_t.shape[1]
-    g_t = g[:, tp_rank * cols:(tp_rank + 1) * cols]         # the all-gather's backward: a slice  [b, D/T]
-    dx, dw_t = layer_backward(g_t, stash, w_t, need_dx)     # dW_t = x^T dz_t; dx: this rank's dz_t W_t^T
+    g_t = g[:, tp_rank * cols:(tp_rank + 1) * cols]       # the all-gather's backward: a slice
+    dx, dw_t = layer_backward(g_t, stash, w_t, need_dx)   # dW_t = x^T dz_t; dx = dz_t W_t^T here
     if need_dx and dist.get_world_size(group) > 1:
-        dist.all_reduce(dx, group=group)                    # dx = sum_t dz_t W_t^T: 2(T-1)/T x [b, D]
+        dist.all_reduce(dx, group=group)                  # dx = sum_t dz_t W_t^T: 2(T-1)/T x [b, D]
     return dx, dw_t
 
 
@@ -66,7 +66,7 @@ def all_gather_columns(a_t, group=None):
     if tp_size == 1:
         return a_t
     b, n = a_t.shape
-    stacked = torch.empty(tp_size * b, n, dtype=a_t.dtype, device=a_t.device)   # rank t: rows t b ..
+    stacked = torch.empty(tp_size * b, n, dtype=a_t.dtype, device=a_t.device)   # rank t: rows t b..
     dist.all_gather_single(stacked, a_t.contiguous(), group=group)
     return stacked.view(tp_size, b, n).permute(1, 0, 2).reshape(b, tp_size * n)   # [b, T n]
 
@@ -105,9 +105,9 @@ def tp_step(shards, xs, ys, n, group=None):
 def tp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     tp_rank, tp_size = rank, world_size
-    full = init_weights(args.num_layers, args.dim, args.seed)                # drawn whole, then sliced
+    full = init_weights(args.num_layers, args.dim, args.seed)              # drawn whole, then cut
     shards = [shard_columns(w, tp_rank, tp_size).to(device) for w in full]   # L x [D, D/T]
-    inputs, targets = (t.to(device) for t in make_batch(args))               # every rank: the whole batch
+    inputs, targets = (t.to(device) for t in make_batch(args))             # all of it, every rank
     optimizer = make_optimizer(shards, args)
     n, m = args.batch_size * args.dim, args.micro_batches
     losses = []
@@ -181,13 +181,18 @@ def embedding_worker(rank, world_size, vocab_size, dim):
     ref_out = reference(tokens.cpu())
     ref_out.backward(g.cpu())
     own = (d_table_t.abs().sum(1) > 0).nonzero().flatten().add(start).tolist()
+    same_out = torch.allclose(out.cpu(), ref_out)
+    same_grad = torch.allclose(d_table_t.cpu(), reference.weight.grad[start:end])
+    if rank == 0:
+        print(f"an embedding table [{vocab_size}, {dim}], its rows split over {tp_size} ranks",
+              flush=True)
     for turn in range(tp_size):
-        if turn == tp_rank:
-            log(f"[rank {rank}]", f"owns rows [{start}, {end}) of {vocab_size}; tokens {tokens.tolist()}")
-            log(f"[rank {rank}]", f"rows with a gradient here: {own}")
-            log(f"[rank {rank}]", f"forward matches nn.Embedding: {torch.allclose(out.cpu(), ref_out)}, "
-                f"gradient of my rows matches: {torch.allclose(d_table_t.cpu(), reference.weight.grad[start:end])}")
         dist.barrier()
+        if turn == tp_rank:
+            log(f"[rank {rank}]", f"owns rows [{start}, {end}); tokens {tokens.tolist()}")
+            log(f"[rank {rank}]", f"rows with a gradient here: {own}")
+            log(f"[rank {rank}]", f"forward matches nn.Embedding: {same_out}, "
+                f"gradient of my rows matches: {same_grad}")
     cleanup()
 
 
@@ -206,18 +211,22 @@ def main(argv=None):
 
 def parse_args(argv=None):
     parser = training_parser("Tensor parallelism: column-parallel layers with an all-gather.")
-    parser.add_argument("--world-size", type=positive_int, default=4, help="ranks T sharing each layer; divides --dim")
-    parser.add_argument("--embedding", action="store_true", help="show the vocab-parallel embedding instead")
-    parser.add_argument("--vocab-size", type=positive_int, default=10, help="rows of the embedding table")
+    parser.add_argument("--world-size", type=positive_int, default=4,
+                        help="ranks T sharing each layer; divides --dim")
+    parser.add_argument("--embedding", action="store_true",
+                        help="instead of training, the vocab-parallel embedding (--dim: its width)")
+    parser.add_argument("--vocab-size", type=positive_int, default=10, help="rows of the table")
     args = parser.parse_args(argv)
     check_launch_args(parser, args, args.world_size)
     if args.embedding:
+        used = {"embedding", "vocab_size", "dim", "world_size", "backend", "timeout_s"}
+        refuse_unused(parser, args, used, "--embedding")
         if args.vocab_size < args.world_size:
-            parser.error(f"--vocab-size {args.vocab_size} is smaller than --world-size {args.world_size}")
+            parser.error(f"--vocab-size {args.vocab_size} is smaller than --world-size "
+                         f"{args.world_size}")
         return args
     check_divides(parser, args.dim, "--dim", args.world_size, "--world-size")
-    check_divides(parser, args.batch_size, "--batch-size", args.micro_batches, "--micro-batches")
-    check_training_args(parser, args)
+    check_training_args(parser, args, args.world_size)
     return args
 
 

@@ -5,7 +5,7 @@
     python three_d.py --dp 1 --pp 4 --tp 2 --schedule gpipe --order tp-dp-pp
     python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
     torchrun --nproc-per-node 8 three_d.py              # one node; the README has two nodes
-    python three_d.py --ray                             # the ranks as Ray Train workers (make 3d-ray)
+    python three_d.py --ray                             # the ranks as Ray Train workers
 
 Nothing new is computed here: this file composes the blocks of steps 2-4.
 - Every layer is step 3's column-parallel layer, over the stage's TP group.
@@ -24,16 +24,16 @@ import os
 import warnings
 from datetime import timedelta
 
-warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy; unneeded
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
+import torch
+import torch.distributed as dist
 
-from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn  # noqa: E402
-from data_parallel import (GradientAverager, check_divides, check_training_args, finish_run,  # noqa: E402
+from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
+from data_parallel import (GradientAverager, check_divides, check_training_args, finish_run,
                            gather_on_rank0, global_loss, init_weights, make_batch, make_optimizer,
-                           replica_rows, training_parser)
-from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers  # noqa: E402
-from tensor_parallel import all_gather_columns, column_backward, column_forward, shard_columns  # noqa: E402
+                           refuse_unused, replica_rows, training_parser)
+from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers
+from tensor_parallel import all_gather_columns, column_backward, column_forward, shard_columns
 
 AXES = ("dp", "pp", "tp")
 
@@ -46,7 +46,8 @@ HARD_CODED_MAP_2x2x2 = {
 # It is rank = (d PP + p) TP + t: arange(8).view(dp, pp, tp), read along each axis.
 #   grid = arange(8).view(2, 2, 2) = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]      [dp, pp, tp]
 #   rank 6 = (1 * 2 + 1) * 2 + 0 sits at d=1, p=1, t=0, and grid[1, 1, 0] = 6. Its groups
-#   vary one coordinate: tp grid[1, 1, :] = [6, 7], pp grid[1, :, 0] = [4, 6], dp grid[:, 1, 0] = [2, 6].
+#   vary one coordinate: tp grid[1, 1, :] = [6, 7], pp grid[1, :, 0] = [4, 6],
+#   dp grid[:, 1, 0] = [2, 6].
 # Which axis varies fastest is a choice (--order, fastest first, as Megatron's order
 # string). TP is innermost in both orders offered: it talks at every layer, so its ranks
 # should share the fastest links, inside one node.
@@ -61,7 +62,7 @@ def rank_grid(dp, pp, tp, order="tp-pp-dp"):
     """The world as a tensor indexed [d, p, t] that holds each coordinate's rank."""
     slowest_first = order.split("-")[::-1]
     sizes = {"dp": dp, "pp": pp, "tp": tp}
-    grid = torch.arange(dp * pp * tp).view(*(sizes[a] for a in slowest_first))   # ranks laid out in order
+    grid = torch.arange(dp * pp * tp).view(*(sizes[a] for a in slowest_first))   # laid out in order
     return grid.permute(*(slowest_first.index(a) for a in AXES))                  # [dp, pp, tp]
 
 
@@ -71,7 +72,7 @@ def rank_groups(dp, pp, tp, order="tp-pp-dp"):
     grid = rank_grid(dp, pp, tp, order)
     groups = {}
     for axis, name in enumerate(AXES):
-        lines = grid.movedim(axis, -1).reshape(-1, grid.shape[axis])   # that axis last: one row per group
+        lines = grid.movedim(axis, -1).reshape(-1, grid.shape[axis])   # axis last: a row per group
         groups[name] = sorted(sorted(row) for row in lines.tolist())
     return groups
 
@@ -105,7 +106,8 @@ class TensorParallelStage(StageLayers):
     def outgoing(self, tensor):
         if not self.p2p_shard:
             return tensor
-        tp_rank, cols = dist.get_rank(self.tp_group), tensor.shape[1] // dist.get_world_size(self.tp_group)
+        tp_rank, tp_size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
+        cols = tensor.shape[1] // tp_size
         return tensor[:, tp_rank * cols:(tp_rank + 1) * cols].contiguous()     # [b, D/T]
 
     def incoming(self, buffer):
@@ -125,23 +127,25 @@ class ThreeDRank:
                        for name in ("tp", "pp", "dp")}
         self.d, self.p, self.t = d, p, t = coordinates(rank, groups)
         self.tag = f"[dp{d} pp{p} tp{t}]"
-        pp_ranks = dist.get_process_group_ranks(self.groups["pp"])       # the stages of this pipeline
-        dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
+        pp_ranks = dist.get_process_group_ranks(self.groups["pp"])   # the stages of this pipeline
+        dist.barrier()   # a collective on every rank before the first point-to-point (for NCCL)
         first, last = p == 0, p == args.pp - 1
 
         # The layers of stage p, each cut to TP rank t's columns. Every rank draws the
         # whole model to cut its shards from it (see init_weights for what that costs).
         self.full = init_weights(args.num_layers, args.dim, args.seed)
         self.layer_ids = stage_layers(args.num_layers, args.pp, p)
-        self.shards = [shard_columns(self.full[i], t, args.tp).to(device) for i in self.layer_ids]  # [D, D/T]
+        self.shards = [shard_columns(self.full[i], t, args.tp).to(device)   # [D, D/T] each
+                       for i in self.layer_ids]
 
         # This replica's slice of the batch, by its DP coordinate; the same on every TP rank.
         self.inputs, self.targets = make_batch(args)
         rows = replica_rows(args.batch_size, d, args.dp)
         m = args.micro_batches
         self.micro_inputs = self.inputs[rows].to(device).chunk(m)        # [B/(dp m), D] each
-        self.layers = TensorParallelStage(self.shards, first, last, self.targets[rows].to(device).chunk(m),
-                                          n=len(rows) * args.dim,        # the replica's mean divides by n
+        targets = self.targets[rows].to(device).chunk(m)
+        self.layers = TensorParallelStage(self.shards, first, last, targets,
+                                          n=len(rows) * args.dim,   # the replica's mean: / n
                                           tp_group=self.groups["tp"], p2p_shard=args.p2p_shard)
         self.buffer_shape = (len(rows) // m, args.dim // args.tp if args.p2p_shard else args.dim)
         self.actions = build_schedule(args.schedule, args.pp, p, m)
@@ -179,7 +183,8 @@ def three_d_worker(rank, world_size, args):
             if me.d == 0 and me.t == 0:
                 log(me.tag, f"step {step:3d}  loss {losses[-1]:.6f}")
     final = full_matrices(me.shards, args)
-    losses = torch.tensor(losses if last else [0.0] * args.steps, dtype=torch.float64, device=device)
+    losses = torch.tensor(losses if last else [0.0] * args.steps, dtype=torch.float64,
+                          device=device)
     dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
     if rank == 0:
         finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, first_grads)
@@ -190,12 +195,13 @@ def full_matrices(shards, args):
     """On rank 0, the L full [D, D] matrices put back together from replica 0's shards:
     stage p holds layers p L/pp .. (p+1) L/pp - 1, and TP rank t their columns t D/tp ..
     Every rank sends its [L/pp, D, D/tp]; None on the others."""
-    everyone = gather_on_rank0(torch.stack(shards))                          # [world, L/pp, D, D/tp]
+    everyone = gather_on_rank0(torch.stack(shards))                   # [world, L/pp, D, D/tp]
     if everyone is None:
         return None
     grid = rank_grid(args.dp, args.pp, args.tp, args.order)                   # [dp, pp, tp] -> rank
-    stages = [torch.cat([everyone[grid[0, p, t]] for t in range(args.tp)], dim=2) for p in range(args.pp)]
-    return list(torch.cat(stages))                                           # L x [D, D], layer order
+    stages = [torch.cat([everyone[grid[0, p, t]] for t in range(args.tp)], dim=2)
+              for p in range(args.pp)]
+    return list(torch.cat(stages))                                    # L x [D, D], layer order
 
 
 def show_rank_map(dp, pp, tp, order):
@@ -206,7 +212,8 @@ def show_rank_map(dp, pp, tp, order):
         f"{name + ' group':<{width[name]}}" for name in ("tp", "pp", "dp")))
     for rank in range(dp * pp * tp):
         mine = {name: next(g for g in groups[name] if rank in g) for name in AXES}
-        print(f"{rank:>5} " + " ".join(f"{c:>3}" for c in coordinates(rank, groups)) + "   " + "".join(
+        coords = " ".join(f"{c:>3}" for c in coordinates(rank, groups))
+        print(f"{rank:>5} {coords}   " + "".join(
             f"{str(mine[name]):<{width[name]}}" for name in ("tp", "pp", "dp")), flush=True)
 
 
@@ -217,7 +224,8 @@ def main(argv=None):
     elif args.ray:   # the same ranks, started by Ray instead of spawn (below)
         ray_launch(args)
     else:
-        spawn(three_d_worker, args.dp * args.pp * args.tp, args, backend=args.backend, timeout_s=args.timeout_s)
+        spawn(three_d_worker, args.dp * args.pp * args.tp, args, backend=args.backend,
+              timeout_s=args.timeout_s)
 
 
 # ----------------------------------------------------------------------------------
@@ -227,25 +235,26 @@ def main(argv=None):
 def parse_args(argv=None):
     parser = training_parser("3D parallelism: data x pipeline x tensor parallel on process groups.")
     parser.add_argument("--dp", type=positive_int, default=2, help="data-parallel replicas")
-    parser.add_argument("--pp", type=positive_int, default=2, help="pipeline stages; divides --num-layers")
-    parser.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel ranks per layer; divides --dim")
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b", help="pipeline schedule")
+    parser.add_argument("--pp", type=positive_int, default=2, help="stages; divides --num-layers")
+    parser.add_argument("--tp", type=positive_int, default=2, help="ranks per layer; divides --dim")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     parser.add_argument("--order", choices=["tp-pp-dp", "tp-dp-pp"], default="tp-pp-dp",
-                        help="nesting of the rank map, fastest-varying axis first (see rank_groups)")
+                        help="nesting of the rank map, fastest-varying axis first")
     parser.add_argument("--p2p-shard", action="store_true",
                         help="send 1/tp of each activation between stages and all-gather it there")
     parser.add_argument("--show-rank-map", action="store_true", help="print the rank map and exit")
     parser.add_argument("--ray", action="store_true",
-                        help="start the ranks as Ray Train workers, on the Ray cluster if one runs (needs ray[train])")
+                        help="start the ranks as Ray Train workers (needs ray[train])")
     args = parser.parse_args(argv)
     if args.show_rank_map:
+        used = {"show_rank_map", "dp", "pp", "tp", "order", "backend", "timeout_s"}
+        refuse_unused(parser, args, used, "--show-rank-map")
         return args
     check_divides(parser, args.dim, "--dim", args.tp, "--tp")
     if args.pp > args.num_layers:
         parser.error(f"--pp {args.pp}: more stages than --num-layers ({args.num_layers})")
     check_divides(parser, args.num_layers, "--num-layers", args.pp, "--pp")
-    check_divides(parser, args.batch_size, "--batch-size", args.dp * args.micro_batches, "--dp x --micro-batches")
-    check_training_args(parser, args)
+    check_training_args(parser, args, args.dp * args.pp * args.tp, args.dp, "--dp")
     check_launch_args(parser, args, args.dp * args.pp * args.tp, flag="--dp x --pp x --tp")
     if args.ray:
         import importlib.util
@@ -262,7 +271,8 @@ def parse_args(argv=None):
 def ray_train_func(config):
     """One Ray Train worker: this rank of the run that config["args"] describes."""
     args = config["args"]
-    spawn(three_d_worker, args.dp * args.pp * args.tp, args, backend=config["backend"], timeout_s=args.timeout_s)
+    spawn(three_d_worker, args.dp * args.pp * args.tp, args, backend=config["backend"],
+          timeout_s=args.timeout_s)
 
 
 def ray_launch(args):
@@ -271,12 +281,14 @@ def ray_launch(args):
     from ray.train.torch import TorchConfig, TorchTrainer
 
     world_size = args.dp * args.pp * args.tp
-    ray.init()   # joins the cluster of `ray start` (RAY_ADDRESS, or one on this machine), else starts one
+    ray.init()   # joins the cluster of `ray start` (RAY_ADDRESS, or one here), else starts one
     cluster = ray.cluster_resources()
-    use_gpu = args.backend == "nccl" or (args.backend == "auto" and cluster.get("GPU", 0) >= world_size)
+    gpus = cluster.get("GPU", 0)
+    use_gpu = args.backend == "nccl" or (args.backend == "auto" and gpus >= world_size)
     backend = "nccl" if use_gpu else "gloo"
     # A share of the cluster's CPUs per rank, at most one: 8 ranks fit on a 2-core laptop.
-    resources = {"CPU": min(1.0, cluster.get("CPU", 1) / world_size), **({"GPU": 1} if use_gpu else {})}
+    resources = {"CPU": min(1.0, cluster.get("CPU", 1) / world_size)}
+    resources.update({"GPU": 1} if use_gpu else {})
     if args.save:
         args.save = os.path.abspath(args.save)   # a worker may run in another directory
     TorchTrainer(ray_train_func, train_loop_config={"args": args, "backend": backend},

@@ -609,8 +609,15 @@ COMPARISONS = {"data_parallel": (data_parallel, versus_ddp), "tensor_parallel": 
                "pipeline_parallel": (pipeline_parallel, versus_pipelining), "three_d": (three_d, versus_torch_3d)}
 
 
+def refuse(message):
+    sys.stderr.write(f"tests/bench.py: error: {message}\n")
+    sys.exit(2)
+
+
 def main(argv):
     what, rest = (argv[0], argv[1:]) if argv else ("", [])
+    if what in ("bubble-table", "machine") and rest:
+        refuse(f"{what} takes no flags (the bubble table has its own sizes), got {' '.join(rest)}")
     if what == "collectives":
         args = collectives.parse_args(rest)
         spawn(bandwidth, args.world_size, backend=args.backend, timeout_s=args.timeout_s)
@@ -619,7 +626,11 @@ def main(argv):
         script, versus = COMPARISONS[what]
         args = script.parse_args(rest)
         if args.steps < 5:
-            sys.exit(f"{what}: --steps {args.steps}: the bench reports the median of at least 5 timed steps")
+            refuse(f"--steps {args.steps}: the bench reports the median of at least 5 timed steps")
+        for flag in ("check", "save", "timeline"):
+            if getattr(args, flag, None):
+                refuse(f"--{flag}: not used by the bench, which checks ours against PyTorch's API "
+                       f"and times both")
         print_race(versus(args))
     elif what == "bubble-table":
         sizes = dict(dim=1024, rows=64, steps=5)
@@ -630,8 +641,8 @@ def main(argv):
     elif what == "machine":
         print(machine())
     else:
-        sys.exit(f"usage: python tests/bench.py {{collectives,{','.join(COMPARISONS)},bubble-table,count-comm,machine}}"
-                 f" [flags]")
+        refuse(f"the first word names what to bench: collectives, {', '.join(COMPARISONS)}, "
+               f"bubble-table, count-comm or machine; got {what!r}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Helpers that several test files share."""
 import os
+import re
 
 import torch
 
@@ -22,3 +23,28 @@ def child_pids():
         with open(f"/proc/self/task/{task}/children") as f:
             pids.update(int(pid) for pid in f.read().split())
     return pids
+
+
+CHECK_LINE = re.compile(r"^  (.+?) +largest difference (\S+) +tolerance (\S+) .*?(ok|FAILED)$")
+
+
+def check_report(out):
+    """--check's report in a run's output: ({figure: (difference, tolerance, verdict)}, verdict).
+    Exactly one report, with its three figures, each within its tolerance if and only if ok."""
+    lines = out.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("check against serial autograd training (")]
+    assert len(heads) == 1, out
+    figures = {}
+    for line in lines[heads[0] + 1:heads[0] + 4]:
+        name, difference, tolerance, verdict = CHECK_LINE.match(line).groups()
+        figures[name] = (float(difference), float(tolerance), verdict)
+        assert (verdict == "ok") == (float(difference) <= float(tolerance)), line
+    assert sorted(figures) == ["final weights", "first step's gradients", "losses"], out
+    verdict = "OK" if "check OK" in lines[heads[0] + 4:heads[0] + 5] else "FAILED"
+    return figures, verdict
+
+
+def assert_check_passed(out, tolerance):
+    figures, verdict = check_report(out)
+    assert verdict == "OK", out
+    assert all(difference <= tolerance for difference, _, _ in figures.values()), figures

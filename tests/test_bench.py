@@ -78,3 +78,19 @@ def test_ddp_in_pytorchs_3d_composition_gets_gradients_m_times_too_large():
     ratio, error = bench.ddp_failure_figures(args, 8, dict(backend="gloo", timeout_s=30.0))
     assert ratio == pytest.approx(2.0, rel=1e-5)
     assert error is None
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["three_d", "--check"], "--check"),
+    (["pipeline_parallel", "--timeline"], "--timeline"),
+    (["data_parallel", "--steps", "3"], "--steps"),
+    (["bubble-table", "--dim", "5"], "bubble-table"),
+    (["machine", "--world-size", "2"], "machine"),
+    (["no-such-step"], "no-such-step"),
+])
+def test_the_bench_refuses_what_it_would_ignore(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exited:
+        bench.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and flag in err and "error" in err, err

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import data_parallel as dp
 from collectives import RankFailed
+from common import assert_check_passed, check_report
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -502,15 +503,12 @@ def test_check_passes_from_the_command_line(command_line_runs):
     proc = command_line_runs["check"]
     out, err = proc.communicate(timeout=55)
     assert proc.returncode == 0, err
-    lines = [line for line in out.splitlines() if line.startswith("check against serial autograd training")]
-    assert len(lines) == 1 and lines[0].endswith("OK")
-    worst = float(lines[0].split("largest difference ")[1].split()[0])
-    assert worst <= dp.CHECK_TOLERANCE
+    assert_check_passed(out, dp.CHECK_TOLERANCE)
 
 
 def test_check_fails_when_the_parallel_result_is_wrong(tmp_path, monkeypatch, capfd):
-    """Break the averaging (sum over replicas, no division): --check must exit non-zero,
-    which spawn reports as RankFailed from rank 0."""
+    """Break the averaging (sum over replicas, no division): --check must fail, every figure
+    of it, and say so as a failed check (a Stop), not as a crashed rank."""
     def finish_without_division(self):
         if self.dp_size > 1:                    # the all-reduce as usual, then no division by dp
             dist.all_reduce(self.flat, group=self.group)
@@ -518,9 +516,11 @@ def test_check_fails_when_the_parallel_result_is_wrong(tmp_path, monkeypatch, ca
     monkeypatch.setattr(dp.GradientAverager, "finish", finish_without_division)
     with pytest.raises(RankFailed) as failed:
         run_dp(tmp_path, monkeypatch, 2, batch_size=8, micro_batches=1, flags=("--check",))
-    assert failed.value.rank == 0 and "exited with code 1" in failed.value.text
-    out = capfd.readouterr().out
-    assert "check against serial autograd training" in out and "FAILED" in out
+    assert failed.value.rank == 0 and failed.value.stopped.startswith("check FAILED")
+    figures, verdict = check_report(capfd.readouterr().out)
+    assert verdict == "FAILED"
+    assert figures["first step's gradients"][0] == pytest.approx(1.0, rel=1e-3)   # twice the gradient
+    assert all(v == "FAILED" for _, _, v in figures.values()), figures
     # the run saved before checking: it is far from serial, as the check said
     saved = torch.load(tmp_path / "run.pt")
     ref = serial_for(saved["config"])
@@ -530,8 +530,7 @@ def test_check_fails_when_the_parallel_result_is_wrong(tmp_path, monkeypatch, ca
 
 def test_check_passes_in_process(tmp_path, monkeypatch, capfd):
     result = run_dp(tmp_path, monkeypatch, 2, batch_size=8, micro_batches=2, flags=("--check",))
-    out = capfd.readouterr().out
-    assert "check against serial autograd training" in out and " OK" in out
+    assert_check_passed(capfd.readouterr().out, dp.CHECK_TOLERANCE)
     assert_matches_serial(result)
 
 

@@ -71,6 +71,11 @@ TRAINING = [
     (["--backend", "mpi"], "--backend"),
     (["--dim"], "--dim"),                         # the value is missing
     (["--no-such-flag"], "--no-such-flag"),
+    (["--save", ""], "--save"),                   # an empty path
+    (["--save", "/proc/version"], "--save"),      # exists, and not even root can write it
+    (["--lr", "1e300"], "--lr"),                  # more than a float32 holds
+    (["--timeout-s", "0.001"], "--timeout-s"),    # the ranks would give up before they meet
+    (["--dim", "100000", "--batch-size", "100000"], "--dim"),   # terabytes: refused before any rank
 ] + ([(["--backend", "nccl"], "--backend")] if NO_GPU else [])
 
 # (argv, flag, WORLD_SIZE of a torchrun-like environment or None)
@@ -103,6 +108,7 @@ BAD = {
         (["--dim", "30"], "--dim"),                                     # 4 ranks
         (["--batch-size", "7"], "--batch-size"),
         (["--embedding", "--vocab-size", "3"], "--vocab-size"),
+        (["--embedding", "--steps", "3"], "--steps"),                    # the demo trains nothing
         (["--vocab-size", "0"], "--vocab-size"),
     ]] + [(["--world-size", "4"], "--world-size", 8)],
     "pipeline_parallel": [(argv, flag, None) for argv, flag in TRAINING + [
@@ -124,6 +130,8 @@ BAD = {
         (["--order", "dp-pp-tp"], "--order"),
         (["--p2p-shard=yes"], "--p2p-shard"),
         (["--world-size", "8"], "--world-size"),                        # three_d takes --dp --pp --tp
+        (["--micro-batches", "64"], "--micro-batches"),                 # 16 rows per replica
+        (["--show-rank-map", "--steps", "3"], "--steps"),               # the map trains nothing
     ]] + [([], "--dp x --pp x --tp", 4), (["--dp", "1", "--pp", "1", "--tp", "1"], "--dp x --pp x --tp", 2)],
 }
 
@@ -133,6 +141,19 @@ def torchrun_env(monkeypatch, world_size, rank=0):
     for name, value in dict(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size,
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=29500).items():
         monkeypatch.setenv(name, str(value))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_shows_every_default(script, capsys):
+    with pytest.raises(SystemExit) as exited:
+        SCRIPTS[script].parse_args(["--help"])
+    assert exited.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())   # argparse wraps lines
+    assert "(default: 60.0)" in out                   # --timeout-s, in every script
+    if script != "collectives":                       # the default run: L=8 D=64 B=32 m=2, 30 steps,
+        for default in ("(default: 8)", "(default: 64)", "(default: 32)", "(default: 2)",  # AdamW, lr 1e-2
+                        "(default: 30)", "(default: adamw)", "(default: 0.01)"):
+            assert default in out, (default, out)
 
 
 def test_every_script_has_at_least_15_bad_configurations():
@@ -164,6 +185,56 @@ def test_bad_input_exits_2_with_one_line_and_no_rank(script, argv, flag, world_s
     assert len(err.splitlines()) == 1 and err.endswith("\n"), err
     assert flag in err and "error" in err and "Traceback" not in err, err
     assert out == "" and multiprocessing.active_children() == []
+
+
+def test_the_memory_line_names_the_bytes_per_rank_and_the_machine(capsys):
+    with pytest.raises(SystemExit):
+        three_d.main(["--dim", "100000", "--batch-size", "100000"])
+    err = capsys.readouterr().err
+    # 4 bytes x (6 L D^2 + 2 B D + 2 L B D), L = 8: 2.6e12 bytes per rank, 8 ranks here
+    assert "about 2640.0 GB per rank, 21120.0 GB for the 8 ranks on this machine" in err, err
+    assert err.rstrip().endswith(" GB") and "--num-layers 8 --dim 100000 --batch-size 100000" in err
+
+
+def test_a_stale_torchrun_environment_is_one_line(monkeypatch, capsys):
+    """RANK, WORLD_SIZE and LOCAL_RANK left over in a shell, with no MASTER_ADDR: one line
+    that says what is set and what is missing, not PyTorch's traceback."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in dict(RANK="3", WORLD_SIZE="8", LOCAL_RANK="3").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        three_d.main([])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"{os.path.basename(sys.argv[0])}: error: RANK, WORLD_SIZE and LOCAL_RANK are "
+                                "set, as torchrun sets them, but MASTER_ADDR and MASTER_PORT are not: unset "
+                                "them, or start this under torchrun"], err
+
+
+@pytest.mark.deadline(60)
+def test_under_torchrun_a_bad_size_is_said_once():
+    # torchrun starts 2 ranks, the default layout needs 8: every rank exits 2, rank 0 alone
+    # says why; torchrun's own summary of the failure follows, which is torchrun's
+    code, out, err = finish(start([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                   "--nproc-per-node", "2", "three_d.py"], start_new_session=True), timeout=50)
+    assert code != 0
+    said = [line for line in err.splitlines() if "error: --dp x --pp x --tp" in line]
+    assert len(said) == 1 and "needs 8 ranks but torchrun started WORLD_SIZE=2" in said[0], err
+
+
+def test_a_loss_that_is_not_finite_is_named_and_fails_the_check_as_a_check():
+    code, out, err = finish(start([sys.executable, "data_parallel.py", "--world-size", "2", "--lr", "1000",
+                                   "--optimizer", "sgd", "--check", "--steps", "6", "--num-layers", "2",
+                                   "--dim", "8", "--batch-size", "8"], start_new_session=True))
+    assert code == 1
+    assert err.splitlines() == ["error: check FAILED: the loss stopped being finite; try a smaller --lr "
+                                "than 1000"], err
+    named = [line for line in out.splitlines() if line.startswith("the loss stopped being finite at step ")]
+    assert len(named) == 1 and "--lr 1000 is too large" in named[0], out
+    step = int(named[0].split("at step ")[1].split(":")[0])
+    assert f"step {step:3d}  loss nan" in out or f"step {step:3d}  loss inf" in out
+    assert f"step {step - 1:3d}  loss nan" not in out and f"step {step - 1:3d}  loss inf" not in out
 
 
 def start(argv, env=None, **kwargs):

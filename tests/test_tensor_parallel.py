@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import data_parallel as dp
 import tensor_parallel as tp
 from collectives import RankFailed, cleanup, setup, spawn
+from common import assert_check_passed, check_report
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -211,7 +212,8 @@ def test_embedding_demo_says_true_on_every_rank(capfd, world_size):
     tp.main(["--embedding", "--world-size", str(world_size)])
     out = capfd.readouterr().out
     verdicts = [line for line in out.splitlines() if "forward matches nn.Embedding" in line]
-    assert sorted(line.split("]")[0] for line in verdicts) == [f"[rank {r}" for r in range(world_size)]
+    assert [line.split("]")[0] for line in verdicts] == [f"[rank {r}" for r in range(world_size)]   # in order
+    assert out.splitlines()[0] == f"an embedding table [10, 64], its rows split over {world_size} ranks"
     assert all(line.endswith("nn.Embedding: True, gradient of my rows matches: True") for line in verdicts)
 
 
@@ -318,10 +320,7 @@ def test_check_passes_from_the_command_line():
     proc = subprocess.run([sys.executable, "tensor_parallel.py", "--world-size", "2", "--steps", "3", "--check"],
                           cwd=REPO, capture_output=True, text=True, timeout=55)
     assert proc.returncode == 0, proc.stderr
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("check against serial autograd training")]
-    assert len(lines) == 1 and lines[0].endswith("OK")
-    worst = float(lines[0].split("largest difference ")[1].split()[0])
-    assert worst <= dp.CHECK_TOLERANCE
+    assert_check_passed(proc.stdout, dp.CHECK_TOLERANCE)
 
 
 def test_check_fails_when_dx_is_not_all_reduced(tmp_path, monkeypatch, capfd):
@@ -335,9 +334,9 @@ def test_check_fails_when_dx_is_not_all_reduced(tmp_path, monkeypatch, capfd):
     monkeypatch.setattr(tp, "column_backward", column_backward_without_all_reduce)
     with pytest.raises(RankFailed) as failed:
         run_tp(tmp_path, monkeypatch, 2, flags=("--check",))
-    assert failed.value.rank == 0 and "exited with code 1" in failed.value.text
-    out = capfd.readouterr().out
-    assert "check against serial autograd training" in out and "FAILED" in out
+    assert failed.value.rank == 0 and failed.value.stopped.startswith("check FAILED")
+    figures, verdict = check_report(capfd.readouterr().out)
+    assert verdict == "FAILED" and figures["first step's gradients"][2] == "FAILED"
     saved = torch.load(tmp_path / "run.pt")   # saved before the check: really far from serial
     ref = dp.serial_train(argparse.Namespace(**saved["config"]))
     assert max((a - b).abs().max().item() for a, b in zip(saved["final_weights"], ref["final_weights"])) > 1e-3

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 import data_parallel as dp
 import three_d
-from common import assert_same_training
+from collectives import RankFailed
+from common import assert_same_training, check_report
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -270,6 +271,27 @@ def test_3d_matches_serial(tmp_path, sizes, options):
     assert_trained(result)
 
 
+@pytest.mark.parametrize("sizes", [dict(num_layers=2, dim=8, batch_size=8), dict()])
+def test_check_catches_a_doubled_weight_gradient_under_adamw(monkeypatch, capfd, sizes):
+    """AdamW's normalisation hides a gradient off by a constant: its final weights moved
+    only 2e-6 here once. --check compares the first step's gradients too, and fails at
+    any size, the smallest and the defaults (make 3d's)."""
+    real = three_d.column_backward
+
+    def doubled_dw(*args, **kwargs):
+        dx, dw_t = real(*args, **kwargs)
+        return dx, 2 * dw_t
+    monkeypatch.setattr(three_d, "column_backward", doubled_dw)
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
+    with pytest.raises(RankFailed) as failed:
+        three_d.main(["--check", "--optimizer", "adamw", *argv, *TIMEOUT])
+    assert failed.value.stopped == "check FAILED: this run differs from serial autograd training (see above)"
+    figures, verdict = check_report(capfd.readouterr().out)
+    assert verdict == "FAILED"
+    assert figures["first step's gradients"][0] == pytest.approx(1.0, rel=1e-3)   # 2 g - g, relative to g
+    assert figures["first step's gradients"][2] == "FAILED"
+
+
 def test_dp2_equals_dp1_so_the_gradient_is_averaged_once(tmp_path):
     """Two replicas on halves of the batch take the same step as one replica on all of it:
     the gradient is divided by dp once, not zero times or once per micro-batch. Order
@@ -318,7 +340,8 @@ def test_bad_input_exits_2_with_one_line(argv, flag, monkeypatch, capsys):
 
 def test_world_size_mismatch_under_torchrun_exits_2_before_any_rank(monkeypatch, capsys):
     started = no_ranks(monkeypatch)
-    for name, value in dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4").items():
+    for name, value in dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as exited:
         three_d.main(["--dp", "2", "--pp", "2", "--tp", "2", *TIMEOUT])
@@ -376,6 +399,8 @@ def test_make_3d_defaults_pass_check_and_learn(tmp_path):
     assert_same_training(result, ref)
     assert printed[-1] * 10 <= printed[0], printed
 
-    check = [line for line in lines if line.startswith("check against serial autograd")]
-    assert len(check) == 1 and check[0].endswith("OK")
-    assert float(check[0].split("largest difference ")[1].split()[0]) <= dp.CHECK_TOLERANCE
+    figures, verdict = check_report(proc.stdout)
+    assert verdict == "OK"
+    assert figures["first step's gradients"][0] <= dp.CHECK_TOLERANCE     # AdamW's own tolerance is
+    assert figures["losses"][0] <= dp.CHECK_TOLERANCE                     # lr x steps for the
+    assert figures["final weights"][1] == pytest.approx(0.01 * 30)        # final weights
