@@ -425,7 +425,8 @@ def check_against_serial(args, final, losses, first_grads):
     if all(difference <= tolerance for _, difference, tolerance, _ in figures):
         print("check OK", flush=True)
     elif not all(map(math.isfinite, losses)):
-        raise Stop(f"check FAILED: the loss stopped being finite; try a smaller --lr than {args.lr:g}")
+        raise Stop(f"check FAILED: the loss stopped being finite; try a smaller --lr than "
+                   f"{args.lr:g}")
     else:
         raise Stop("check FAILED: this run differs from serial autograd training (see above)")
 

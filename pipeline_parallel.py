@@ -118,16 +118,16 @@ class StageLayers:
         self.loss_grad = {}    # micro-batch -> dL/da of the last layer (last stage only)
         self.loss, self.peak_stash = 0.0, 0
 
-    def layer_forward(self, x, w):
-        return layer_forward(x, w)
+    def layer_forward(self, i, x):
+        return layer_forward(x, self.weights[i])
 
-    def layer_backward(self, g, stash, w, need_dx):
-        return layer_backward(g, stash, w, need_dx)
+    def layer_backward(self, i, g, stash, need_dx):
+        return layer_backward(g, stash, self.weights[i], need_dx)
 
     def forward(self, mb, x):
         stashes = []
-        for w in self.weights:
-            x, stash = self.layer_forward(x, w)
+        for i in range(len(self.weights)):
+            x, stash = self.layer_forward(i, x)
             stashes.append(stash)
         self.stash[mb] = stashes
         self.peak_stash = max(self.peak_stash, len(self.stash))
@@ -141,7 +141,7 @@ class StageLayers:
         stashes = self.stash.pop(mb)
         for i in reversed(range(len(self.weights))):
             need_dx = i > 0 or not self.first       # the model's input needs no gradient
-            g, dw = self.layer_backward(g, stashes[i], self.weights[i], need_dx)
+            g, dw = self.layer_backward(i, g, stashes[i], need_dx)
             self.grads[i] += dw                     # summed over micro-batches
         return g
 

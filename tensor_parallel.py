@@ -1,7 +1,8 @@
-"""Step 3: tensor parallelism. Every layer is split across the ranks by columns.
+"""Step 3: tensor parallelism. Every layer is split across the ranks.
 
     python tensor_parallel.py                           # 4 ranks share each layer
     python tensor_parallel.py --world-size 2 --check
+    python tensor_parallel.py --tp-style megatron       # Megatron's column-then-row pairs
     python tensor_parallel.py --embedding               # the vocab-parallel embedding
     torchrun --nproc-per-node 4 tensor_parallel.py
 
@@ -19,19 +20,19 @@ homework exercise"). Here is the backward, derived by hand:
                dx = sum_t dz_t W_t^T    each rank holds one term: all-reduce  [b, D]
 
 Bytes each rank sends per layer and micro-batch, A for one activation [b, D]: the
-all-gather (T-1)/T A forward, the all-reduce of dx 2(T-1)/T A backward.
+all-gather (T-1)/T A forward, the all-reduce of dx 2(T-1)/T A backward. Real systems
+(Megatron-LM, torchtitan) pair the layers instead and send a third less: see the
+second section. The last shows Megatron's vocabulary-parallel embedding.
 
-The same file shows Megatron's vocabulary-parallel embedding, which splits a table by
-rows instead: a masked lookup, then an all-reduce.
-
-What PyTorch gives you: ColwiseParallel(output_layouts=Replicate()) on a DeviceMesh
-(tests/bench.py races it against this).
+What PyTorch gives you: ColwiseParallel and RowwiseParallel on a DeviceMesh
+(tests/bench.py races them against this).
 """
 import warnings
 
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
 from data_parallel import (check_divides, check_training_args, finish_run, init_weights,
@@ -53,9 +54,16 @@ def column_backward(g, stash, w_t, group=None, need_dx=True):
     tp_rank, cols = dist.get_rank(group), w_t.shape[1]
     g_t = g[:, tp_rank * cols:(tp_rank + 1) * cols]       # the all-gather's backward: a slice
     dx, dw_t = layer_backward(g_t, stash, w_t, need_dx)   # dW_t = x^T dz_t; dx = dz_t W_t^T here
-    if need_dx and dist.get_world_size(group) > 1:
-        dist.all_reduce(dx, group=group)                  # dx = sum_t dz_t W_t^T: 2(T-1)/T x [b, D]
-    return dx, dw_t
+    return f_backward(dx, group) if need_dx else None, dw_t
+
+
+def f_backward(dx, group=None):
+    """Megatron's f, where x enters a column layer: the identity in forward (x, the same on
+    every rank, is every shard's input), an all-reduce in backward (dx sums every shard's
+    part, dz_t W_t^T)."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(dx, group=group)                  # 2(T-1)/T x [b, D]
+    return dx
 
 
 def all_gather_columns(a_t, group=None):
@@ -81,23 +89,103 @@ def shard_columns(w, tp_rank, tp_size):
 
 
 # ----------------------------------------------------------------------------------
-# Training with it
+# Megatron's pairs: a column layer whose output stays sharded, then a row layer
+# ----------------------------------------------------------------------------------
+#
+# The column layer (rank t holds W1[:, cols_t]) does not gather its output: GELU is
+# elementwise, so it runs on the shard, and the row layer (rank t holds W2[rows_t, :])
+# takes that shard as it is, since a W2 = sum_t a_t W2_t:
+#
+#   forward   x [b, D], the same on every rank               f: the identity
+#             a_t = gelu(x W1_t)                             [b, D/T], no communication
+#             z = sum_t a_t W2_t                             g: all-reduce  [b, D]
+#             a = gelu(z)                                    [b, D], the same on every rank
+#   backward  dz = g * gelu'(z)                              the same on every rank (g: identity)
+#             dW2_t = a_t^T dz  [D/T, D]    da_t = dz W2_t^T [b, D/T]: no communication
+#             dz_t = da_t * gelu'(x W1_t)   dW1_t = x^T dz_t [D, D/T]
+#             dx = sum_t dz_t W1_t^T                         f: all-reduce  [b, D]
+#
+# f and g are conjugates: where one sums the ranks' parts, the other has one value on
+# every rank and passes it on. Per pair and micro-batch each rank sends 2(T-1)/T A with
+# g in forward and 2(T-1)/T A with f in backward: 4(T-1)/T A, where two all-gather
+# layers send 2 x (T-1)/T A + 2 x 2(T-1)/T A = 6(T-1)/T A.
+
+def g_forward(z, group=None):
+    """Megatron's g, after a row layer's matmul: an all-reduce in forward (each rank holds
+    one term of z), the identity in backward (dz is the same on every rank)."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(z, group=group)                   # 2(T-1)/T x [b, D]
+    return z
+
+
+def row_forward(a_t, w_t, group=None):
+    """a_t [b, D/T], this rank's columns of the activation -> a [b, D], the same on every
+    rank. The backward is step 2's layer_backward, with no communication at all."""
+    z = g_forward(a_t @ w_t, group)         # z = sum_t a_t W_t      [b, D/T] @ [D/T, D]
+    return F.gelu(z), (a_t, z)
+
+
+def layer_kinds(num_layers, tp_style):
+    """Per layer: "gather" (the all-gather layer above) for every one, or Megatron's pairs
+    ("column", "row"), with an odd last layer a "gather" one."""
+    if tp_style == "all-gather":
+        return ["gather"] * num_layers
+    return ["column", "row"] * (num_layers // 2) + ["gather"] * (num_layers % 2)
+
+
+def tp_forward(kind, x, w_t, group=None):
+    if kind == "column":
+        return layer_forward(x, w_t)                      # a_t = gelu(x W_t): it stays sharded
+    if kind == "row":
+        return row_forward(x, w_t, group)
+    return column_forward(x, w_t, group)
+
+
+def tp_backward(kind, g, stash, w_t, group=None, need_dx=True):
+    if kind == "column":                                  # g: this rank's columns already
+        dx, dw_t = layer_backward(g, stash, w_t, need_dx)
+        return f_backward(dx, group) if need_dx else None, dw_t
+    if kind == "row":
+        return layer_backward(g, stash, w_t, need_dx)     # dW_t = a_t^T dz; da_t = dz W_t^T
+    return column_backward(g, stash, w_t, group, need_dx)
+
+
+def shard(w, kind, tp_rank, tp_size):
+    """Rank t's part of a full matrix, as a copy: its rows W[t D/T : (t+1) D/T, :] for a row
+    layer, else its columns."""
+    if kind == "row":
+        rows = w.shape[0] // tp_size
+        return w[tp_rank * rows:(tp_rank + 1) * rows].clone()
+    return shard_columns(w, tp_rank, tp_size)
+
+
+def unshard(w_t, kind, group=None):
+    """The full matrix back from every rank's part: rows stacked, or columns side by side."""
+    if kind != "row":
+        return all_gather_columns(w_t, group)
+    stacked = w_t.new_empty(dist.get_world_size(group) * w_t.shape[0], w_t.shape[1])
+    dist.all_gather_single(stacked, w_t.contiguous(), group=group)
+    return stacked
+
+
+# ----------------------------------------------------------------------------------
+# Training with them
 # ----------------------------------------------------------------------------------
 
-def tp_step(shards, xs, ys, n, group=None):
-    """One step's gradients from the column-parallel blocks: each micro-batch (xs, ys)
-    forward through every layer and back, dW_t summed over them. Returns (grads, loss)."""
+def tp_step(shards, kinds, xs, ys, n, group=None):
+    """One step's gradients: each micro-batch (xs, ys) forward through every layer and
+    back, dW_t summed over micro-batches. Returns (grads, loss)."""
     grads = [torch.zeros_like(w) for w in shards]
     loss = torch.zeros((), device=shards[0].device)
     for x, y in zip(xs, ys):
         stashes = []
-        for w_t in shards:
-            x, stash = column_forward(x, w_t, group)
+        for kind, w_t in zip(kinds, shards):
+            x, stash = tp_forward(kind, x, w_t, group)
             stashes.append(stash)
         mb_loss, g = mse_loss(x, y, n)       # the same on every rank: the output is replicated
         loss += mb_loss
         for i in reversed(range(len(shards))):
-            g, dw_t = column_backward(g, stashes[i], shards[i], group, need_dx=i > 0)
+            g, dw_t = tp_backward(kinds[i], g, stashes[i], shards[i], group, need_dx=i > 0)
             grads[i] += dw_t
     return grads, loss
 
@@ -105,23 +193,24 @@ def tp_step(shards, xs, ys, n, group=None):
 def tp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     tp_rank, tp_size = rank, world_size
+    kinds = layer_kinds(args.num_layers, args.tp_style)
     full = init_weights(args.num_layers, args.dim, args.seed)              # drawn whole, then cut
-    shards = [shard_columns(w, tp_rank, tp_size).to(device) for w in full]   # L x [D, D/T]
+    shards = [shard(w, k, tp_rank, tp_size).to(device) for w, k in zip(full, kinds)]   # [D, D/T]
     inputs, targets = (t.to(device) for t in make_batch(args))             # all of it, every rank
     optimizer = make_optimizer(shards, args)
     n, m = args.batch_size * args.dim, args.micro_batches
     losses = []
     for step in range(args.steps):
-        grads, loss = tp_step(shards, inputs.chunk(m), targets.chunk(m), n)
+        grads, loss = tp_step(shards, kinds, inputs.chunk(m), targets.chunk(m), n)
         if step == 0:   # full matrices, for --check
-            first_grads = [all_gather_columns(g) for g in grads]
+            first_grads = [unshard(g, k) for g, k in zip(grads, kinds)]
         for w_t, grad in zip(shards, grads):
             w_t.grad = grad
         optimizer.step()
         losses.append(loss.item())
         if rank == 0:
             log(f"[rank {rank}]", f"step {step:3d}  loss {losses[-1]:.6f}")
-    final = [all_gather_columns(w_t) for w_t in shards]   # the shards, side by side: full matrices
+    final = [unshard(w_t, k) for w_t, k in zip(shards, kinds)]   # the shards put back together
     if rank == 0:
         finish_run(args, full, final, losses, inputs, targets, first_grads)
     cleanup()
@@ -213,6 +302,8 @@ def parse_args(argv=None):
     parser = training_parser("Tensor parallelism: column-parallel layers with an all-gather.")
     parser.add_argument("--world-size", type=positive_int, default=4,
                         help="ranks T sharing each layer; divides --dim")
+    parser.add_argument("--tp-style", choices=["all-gather", "megatron"], default="all-gather",
+                        help="every layer column-parallel with an all-gather, or Megatron's pairs")
     parser.add_argument("--embedding", action="store_true",
                         help="instead of training, the vocab-parallel embedding (--dim: its width)")
     parser.add_argument("--vocab-size", type=positive_int, default=10, help="rows of the table")

@@ -33,7 +33,7 @@ from data_parallel import (GradientAverager, check_divides, check_training_args,
                            gather_on_rank0, global_loss, init_weights, make_batch, make_optimizer,
                            refuse_unused, replica_rows, training_parser)
 from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers
-from tensor_parallel import all_gather_columns, column_backward, column_forward, shard_columns
+from tensor_parallel import all_gather_columns, layer_kinds, shard, tp_backward, tp_forward
 
 AXES = ("dp", "pp", "tp")
 
@@ -87,21 +87,23 @@ def coordinates(rank, groups):
 # ----------------------------------------------------------------------------------
 
 class TensorParallelStage(StageLayers):
-    """A pipeline stage (step 4) whose layers are column-parallel over the TP group (step 3).
+    """A pipeline stage (step 4) whose layers are tensor-parallel over the TP group (step 3):
+    each of the kind that layer_kinds() gives it. The stage's output is the same on every
+    TP rank either way: an all-gather layer's, or a row layer's after its all-reduce.
 
     With p2p_shard (Megatron's scatter-gather), what crosses a stage boundary, the same
     on every TP rank, goes as each rank's 1/tp slice and is all-gathered on arrival:
     1/tp of the point-to-point bytes, for one all-gather more."""
 
-    def __init__(self, *args, tp_group, p2p_shard, **kwargs):
+    def __init__(self, *args, kinds, tp_group, p2p_shard, **kwargs):
         super().__init__(*args, **kwargs)
-        self.tp_group, self.p2p_shard = tp_group, p2p_shard
+        self.kinds, self.tp_group, self.p2p_shard = kinds, tp_group, p2p_shard
 
-    def layer_forward(self, x, w):
-        return column_forward(x, w, self.tp_group)
+    def layer_forward(self, i, x):
+        return tp_forward(self.kinds[i], x, self.weights[i], self.tp_group)
 
-    def layer_backward(self, g, stash, w, need_dx):
-        return column_backward(g, stash, w, self.tp_group, need_dx)
+    def layer_backward(self, i, g, stash, need_dx):
+        return tp_backward(self.kinds[i], g, stash, self.weights[i], self.tp_group, need_dx)
 
     def outgoing(self, tensor):
         if not self.p2p_shard:
@@ -131,12 +133,14 @@ class ThreeDRank:
         dist.barrier()   # a collective on every rank before the first point-to-point (for NCCL)
         first, last = p == 0, p == args.pp - 1
 
-        # The layers of stage p, each cut to TP rank t's columns. Every rank draws the
-        # whole model to cut its shards from it (see init_weights for what that costs).
+        # The layers of stage p, each cut to TP rank t's part: its columns, or its rows for a
+        # Megatron row layer. Every rank draws the whole model to cut its shards from it
+        # (init_weights says what that costs). Megatron's pairs stay inside a stage.
         self.full = init_weights(args.num_layers, args.dim, args.seed)
         self.layer_ids = stage_layers(args.num_layers, args.pp, p)
-        self.shards = [shard_columns(self.full[i], t, args.tp).to(device)   # [D, D/T] each
-                       for i in self.layer_ids]
+        self.kinds = layer_kinds(len(self.layer_ids), args.tp_style)
+        self.shards = [shard(self.full[i], kind, t, args.tp).to(device)   # [D, D/T] or [D/T, D]
+                       for i, kind in zip(self.layer_ids, self.kinds)]
 
         # This replica's slice of the batch, by its DP coordinate; the same on every TP rank.
         self.inputs, self.targets = make_batch(args)
@@ -146,7 +150,8 @@ class ThreeDRank:
         targets = self.targets[rows].to(device).chunk(m)
         self.layers = TensorParallelStage(self.shards, first, last, targets,
                                           n=len(rows) * args.dim,   # the replica's mean: / n
-                                          tp_group=self.groups["tp"], p2p_shard=args.p2p_shard)
+                                          kinds=self.kinds, tp_group=self.groups["tp"],
+                                          p2p_shard=args.p2p_shard)
         self.buffer_shape = (len(rows) // m, args.dim // args.tp if args.p2p_shard else args.dim)
         self.actions = build_schedule(args.schedule, args.pp, p, m)
         self.prev_rank = None if first else pp_ranks[p - 1]
@@ -174,7 +179,7 @@ def three_d_worker(rank, world_size, args):
     for step in range(args.steps):
         grads = me.gradients()
         if step == 0:
-            first_grads = full_matrices(grads, args)
+            first_grads = full_matrices(grads, me.kinds, args)
         for w, grad in zip(me.shards, grads):
             w.grad = grad
         optimizer.step()
@@ -182,7 +187,7 @@ def three_d_worker(rank, world_size, args):
             losses.append(global_loss(torch.tensor(me.layers.loss, device=device), me.groups["dp"]))
             if me.d == 0 and me.t == 0:
                 log(me.tag, f"step {step:3d}  loss {losses[-1]:.6f}")
-    final = full_matrices(me.shards, args)
+    final = full_matrices(me.shards, me.kinds, args)
     losses = torch.tensor(losses if last else [0.0] * args.steps, dtype=torch.float64,
                           device=device)
     dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
@@ -191,17 +196,23 @@ def three_d_worker(rank, world_size, args):
     cleanup()
 
 
-def full_matrices(shards, args):
+def full_matrices(shards, kinds, args):
     """On rank 0, the L full [D, D] matrices put back together from replica 0's shards:
-    stage p holds layers p L/pp .. (p+1) L/pp - 1, and TP rank t their columns t D/tp ..
-    Every rank sends its [L/pp, D, D/tp]; None on the others."""
-    everyone = gather_on_rank0(torch.stack(shards))                   # [world, L/pp, D, D/tp]
+    stage p holds layers p L/pp .. (p+1) L/pp - 1, TP rank t their columns t D/tp ..
+    (their rows, for a row layer). Every rank sends its shards flat, [L/pp, D D/tp]."""
+    everyone = gather_on_rank0(torch.stack([w.reshape(-1) for w in shards]))  # [world, L/pp, D D/T]
     if everyone is None:
         return None
-    grid = rank_grid(args.dp, args.pp, args.tp, args.order)                   # [dp, pp, tp] -> rank
-    stages = [torch.cat([everyone[grid[0, p, t]] for t in range(args.tp)], dim=2)
-              for p in range(args.pp)]
-    return list(torch.cat(stages))                                    # L x [D, D], layer order
+    grid, D = rank_grid(args.dp, args.pp, args.tp, args.order), args.dim   # [dp, pp, tp] -> rank
+    full = []
+    for p in range(args.pp):                         # in layer order; every stage has these kinds
+        for i, kind in enumerate(kinds):
+            parts = [everyone[grid[0, p, t], i] for t in range(args.tp)]
+            if kind == "row":   # rows stacked, or columns side by side
+                full.append(torch.cat([w.view(-1, D) for w in parts], dim=0))
+            else:
+                full.append(torch.cat([w.view(D, -1) for w in parts], dim=1))
+    return full
 
 
 def show_rank_map(dp, pp, tp, order):
@@ -240,6 +251,8 @@ def parse_args(argv=None):
     parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     parser.add_argument("--order", choices=["tp-pp-dp", "tp-dp-pp"], default="tp-pp-dp",
                         help="nesting of the rank map, fastest-varying axis first")
+    parser.add_argument("--tp-style", choices=["all-gather", "megatron"], default="all-gather",
+                        help="every layer column-parallel with an all-gather, or Megatron's pairs")
     parser.add_argument("--p2p-shard", action="store_true",
                         help="send 1/tp of each activation between stages and all-gather it there")
     parser.add_argument("--show-rank-map", action="store_true", help="print the rank map and exit")

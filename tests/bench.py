@@ -45,7 +45,7 @@ from data_parallel import GradientAverager, dp_step, init_weights, make_batch, r
 from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers  # noqa: E402
 from race import (as_module, bench_sizes, check_and_race, end_race, machine, mse_sum, print_race,  # noqa: E402
                   race, serial_side, sgd_side, spawn_returning)
-from tensor_parallel import shard_columns, tp_step  # noqa: E402
+from tensor_parallel import layer_kinds, shard, tp_step  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------
@@ -240,12 +240,17 @@ def ddp_side(model, xs, ys, n, lr, device):
 # Step 3 against ColwiseParallel on a DeviceMesh
 # ----------------------------------------------------------------------------------
 
+TORCH_TP = {"all-gather": "ColwiseParallel(output_layouts=Replicate())",
+            "megatron": "ColwiseParallel + RowwiseParallel"}
+
+
 def versus_colwise(args):
     import torch.distributed.tensor.parallel  # noqa: F401  (~2 s) once here, before the ranks fork
     times, diffs = spawn_returning(colwise_race, args.world_size, args, backend=args.backend,
                                    timeout_s=args.timeout_s)
-    return dict(title=f"tensor parallel vs torch.distributed.tensor.parallel: {bench_sizes(args, args.world_size)}",
-                times=times, diffs=diffs, ratios=[("ours", "ColwiseParallel(output_layouts=Replicate())")],
+    return dict(title=f"tensor parallel ({args.tp_style}) vs torch.distributed.tensor.parallel: "
+                      f"{bench_sizes(args, args.world_size)}",
+                times=times, diffs=diffs, ratios=[("ours", TORCH_TP[args.tp_style])],
                 world_size=args.world_size, steps=args.steps)
 
 
@@ -255,26 +260,28 @@ def colwise_race(rank, world_size, args):
     m, n = args.micro_batches, args.batch_size * args.dim
     xs, ys = inputs.chunk(m), targets.chunk(m)                   # the whole batch on every rank
     full = init_weights(args.num_layers, args.dim, args.seed)
-    shards = [shard_columns(w, rank, world_size).to(device) for w in full]
-    sides = {"ours": sgd_side(shards, lambda: tp_step(shards, xs, ys, n)[0], args.lr),
-             "ColwiseParallel(output_layouts=Replicate())": colwise_side(as_module(full, device), xs, ys, n,
-                                                                         args.lr),
+    kinds = layer_kinds(args.num_layers, args.tp_style)
+    shards = [shard(w, kind, rank, world_size).to(device) for w, kind in zip(full, kinds)]
+    sides = {"ours": sgd_side(shards, lambda: tp_step(shards, kinds, xs, ys, n)[0], args.lr),
+             TORCH_TP[args.tp_style]: colwise_side(as_module(full, device), kinds, xs, ys, n, args.lr),
              "serial: our step, whole batch, 1 rank": serial_side(args, device)}
     result = check_and_race(sides, device, args.steps)
     end_race(sides)
     return result
 
 
-def colwise_side(model, xs, ys, n, lr):
+def colwise_side(model, kinds, xs, ys, n, lr):
     """PyTorch's TP step with SGD, as (step, state): each nn.Linear made ColwiseParallel
-    over a mesh of every rank, its output all-gathered (Replicate) as ours is. The local
-    part of its DTensor weight is W_t^T."""
+    (output all-gathered, Replicate, for our all-gather layer; left sharded for Megatron's
+    column layer) or RowwiseParallel, over a mesh of every rank. nn.Linear holds W^T, so
+    the local part of a column layer's DTensor weight is W_t^T, and a row layer's W_t^T too."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     mesh = init_device_mesh(xs[0].device.type, (dist.get_world_size(),))
-    parallelize_module(model, mesh, {str(i): ColwiseParallel(output_layouts=Replicate())
-                                     for i in range(0, len(model), 2)})
+    plans = {"gather": ColwiseParallel(output_layouts=Replicate()), "column": ColwiseParallel(),
+             "row": RowwiseParallel()}
+    parallelize_module(model, mesh, {str(2 * i): plans[kind] for i, kind in enumerate(kinds)})
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
 
     def step():

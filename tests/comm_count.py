@@ -31,7 +31,7 @@ import three_d
 from collectives import cleanup, setup, spawn
 from data_parallel import GradientAverager, dp_step, init_weights, make_batch, replica_rows
 from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers
-from tensor_parallel import shard_columns, tp_step
+from tensor_parallel import layer_kinds, shard, tp_step
 
 RING_COST = {  # dist function -> (kind, the argument that holds N, factor)
     "all_reduce": ("all-reduce", "tensor", 2),
@@ -114,14 +114,19 @@ def dp_formula(param_bytes, dp_size):
     return {("dp", "all-reduce"): (Fraction(2 * (d - 1) * param_bytes, d), f"2({d}-1)/{d} x {param_bytes} gradient bytes")}
 
 
-def tp_formula(num_layers, num_dx, act_bytes, num_micro_batches, tp_size):
-    """Per layer and micro-batch the forward's all-gather, (t-1)/t x A; per layer that needs
-    dx (num_dx: all but the model's first) the backward's all-reduce, 2(t-1)/t x A."""
+def tp_formula(kinds, first_stage, act_bytes, num_micro_batches, tp_size):
+    """Per layer and micro-batch, A = act_bytes of one activation [b, D]:
+      all-gather layer: its output's all-gather, (t-1)/t A; the all-reduce of dx, 2(t-1)/t A
+      Megatron's column layer: f's all-reduce of dx, 2(t-1)/t A
+      Megatron's row layer: g's all-reduce of z, 2(t-1)/t A
+    The model's first layer (on the first stage) needs no dx: no all-reduce for it."""
     t, m, A = tp_size, num_micro_batches, act_bytes
-    return {("tp", "all-gather"): (Fraction(num_layers * m * (t - 1) * A, t),
-                                   f"{num_layers} layers x {m} mb x ({t}-1)/{t} x {A}"),
-            ("tp", "all-reduce"): (Fraction(num_dx * m * 2 * (t - 1) * A, t),
-                                   f"{num_dx} layers x {m} mb x 2({t}-1)/{t} x {A}")}
+    gathers = kinds.count("gather")
+    reduces = len(kinds) - first_stage   # one per layer, of dx or z, but the model's first
+    return {("tp", "all-gather"): (Fraction(gathers * m * (t - 1) * A, t),
+                                   f"{gathers} all-gather layers x {m} mb x ({t}-1)/{t} x {A}"),
+            ("tp", "all-reduce"): (Fraction(reduces * m * 2 * (t - 1) * A, t),
+                                   f"{reduces} dx or z x {m} mb x 2({t}-1)/{t} x {A}")}
 
 
 def pp_formula(stage, num_stages, act_bytes, num_micro_batches):
@@ -136,7 +141,7 @@ def three_d_formula(args, p, act_bytes, param_bytes):
     """The blocks' formulas for one rank of stage p: tp for its stage's layers, pp for
     its stage boundaries, dp for its shards (param_bytes)."""
     m, t, layers = args.micro_batches, args.tp, args.num_layers // args.pp
-    formula = tp_formula(layers, layers - (p == 0), act_bytes, m, t)   # the model's first layer: no dx
+    formula = tp_formula(layer_kinds(layers, args.tp_style), p == 0, act_bytes, m, t)
     formula.update(pp_formula(p, args.pp, act_bytes // t if args.p2p_shard else act_bytes, m))
     formula.update(dp_formula(param_bytes, args.dp))
     if args.p2p_shard:   # every tensor received from a neighbouring stage is all-gathered over tp
@@ -147,27 +152,32 @@ def three_d_formula(args, p, act_bytes, param_bytes):
     return formula
 
 
+def style_bytes(num_layers, tp_style, act_bytes, num_micro_batches, tp_size):
+    """A TP rank's bytes per step over the model's layers, by the formula, in one style."""
+    formula = tp_formula(layer_kinds(num_layers, tp_style), True, act_bytes, num_micro_batches, tp_size)
+    return sum(count for count, _ in formula.values())
+
+
 def megatron_comparison(num_layers, act_bytes, num_micro_batches, tp_size):
-    """One paragraph: the all-gather layer's TP bytes against Megatron's column-then-row pairs.
+    """One paragraph: the two TP styles' bytes, for this run's sizes.
 
     Per pair of layers and micro-batch, with A the bytes of one activation [b, D]:
       all-gather layers: 2 all-gathers (forward) + 2 all-reduces of dx (backward)
                          = 2 (t-1)/t A + 4 (t-1)/t A = 6 (t-1)/t A
-      Megatron:          the row layer's all-reduce of z (forward) + the column layer's
-                         all-reduce of dx (backward) = 4 (t-1)/t A
-    Over the model both skip the all-reduce of the model input's dx.
+      Megatron:          g's all-reduce of z (forward) + f's all-reduce of dx (backward)
+                         = 4 (t-1)/t A: exactly 2/3
+    Over the model neither all-reduces the model input's dx, 2(t-1)/t A less for both:
+    for an even L, (2L - 2) / (3L - 2) of the all-gather style's bytes.
     """
     L, A, m, t = num_layers, act_bytes, num_micro_batches, tp_size
-    if t == 1 or L % 2:
-        return "Megatron comparison: needs --tp > 1 and an even number of layers (pairs)."
-    ours = Fraction(m * (t - 1) * A * (L + 2 * (L - 1)), t)                  # L all-gathers, L-1 all-reduces
-    megatron = Fraction(m * (t - 1) * A * 2 * (L // 2 + L // 2 - 1), t)      # L/2 forward, L/2-1 backward
-    return (f"Megatron's column-then-row pairs would move fewer bytes. Per pair of layers and micro-batch "
-            f"the all-gather layer sends 2 x (t-1)/t A in forward and 2 x 2(t-1)/t A in backward, 6(t-1)/t A, "
-            f"where Megatron sends one all-reduce of the activation each way, 4(t-1)/t A: 1.5 x. For this run "
-            f"(L={L}, t={t}, m={m}, A={A} bytes; neither all-reduces the model input's dx), per TP rank and "
-            f"step over the model's layers: {float(ours):.0f} bytes against {float(megatron):.0f}, "
-            f"{float(ours / megatron):.3f} x.")
+    if t == 1:
+        return "Megatron comparison: with --tp 1 neither style sends anything."
+    gather, megatron = (style_bytes(L, style, A, m, t) for style in ("all-gather", "megatron"))
+    return (f"TP bytes per rank and step over the model's {L} layers (t={t}, m={m}, A={A} bytes), by the "
+            f"formulas above: all-gather layers {float(gather):.0f}, Megatron's pairs {float(megatron):.0f}, "
+            f"{float(megatron / gather):.3f} of it. Per pair of layers and micro-batch Megatron sends "
+            f"4(t-1)/t A where two all-gather layers send 6(t-1)/t A: 2/3. Over the model neither "
+            f"all-reduces the input's dx, 2(t-1)/t A less for both: (2L-2)/(3L-2) for an even L.")
 
 
 # ---- one counted step of each script -------------------------------------------------
@@ -188,14 +198,16 @@ def count_dp(rank, world_size, args):
 
 def count_tp(rank, world_size, args):
     device = setup(rank, world_size)
-    shards = [shard_columns(w, rank, world_size).to(device) for w in init_weights(args.num_layers, args.dim, args.seed)]
+    kinds = layer_kinds(args.num_layers, args.tp_style)
+    full = init_weights(args.num_layers, args.dim, args.seed)
+    shards = [shard(w, kind, rank, world_size).to(device) for w, kind in zip(full, kinds)]
     inputs, targets = (t.to(device) for t in make_batch(args))
     L, m = args.num_layers, args.micro_batches
     counter = CommCounter({"tp": None})
     with counter.step():
-        tp_step(shards, inputs.chunk(m), targets.chunk(m), args.batch_size * args.dim)
+        tp_step(shards, kinds, inputs.chunk(m), targets.chunk(m), args.batch_size * args.dim)
     act_bytes = args.batch_size // m * args.dim * 4           # one micro-batch's [B/m, D], float32
-    report(counter, tp_formula(L, L - 1, act_bytes, m, world_size),
+    report(counter, tp_formula(kinds, True, act_bytes, m, world_size),
            megatron_comparison(L, act_bytes, m, world_size))
     cleanup()
 

@@ -3,12 +3,12 @@
     python tests/faults.py RANK CALL {raise,kill,stall} [three_d.py flags]
     torchrun --standalone --nproc-per-node 2 tests/faults.py 1 2 raise --dp 2 --pp 1 --tp 1
 
-Every rank calls three_d's column_forward once per layer and micro-batch, in the middle
-of the pipeline schedule. fail_at() wraps it: on rank RANK its CALL-th call raises,
-kills its own process with SIGKILL (no traceback, no report), or sleeps for a minute
-inside the step (a stalled rank). Run as a script, this then runs three_d.py's command
-line; the in-process tests monkeypatch fail_at() into three_d instead, and the ranks
-that spawn forks inherit it.
+Every rank of three_d.py calls tensor_parallel.column_forward once per layer and
+micro-batch, in the middle of the pipeline schedule. fail_at() wraps it: on rank RANK its
+CALL-th call raises, kills its own process with SIGKILL (no traceback, no report), or
+sleeps for a minute inside the step (a stalled rank). Run as a script, this then runs
+three_d.py's command line; the in-process tests monkeypatch fail_at() into
+tensor_parallel instead, and the ranks that spawn forks inherit it.
 """
 import itertools
 import os
@@ -18,6 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import tensor_parallel  # noqa: E402
 import three_d  # noqa: E402
 
 
@@ -33,9 +34,9 @@ ACTIONS = {
 
 
 def fail_at(rank, call, action):
-    """three_d.column_forward, but rank `rank` runs the action (a name in ACTIONS, or a
+    """tensor_parallel.column_forward, but rank `rank` runs the action (a name in ACTIONS, or a
     function) at its call-th call."""
-    real = three_d.column_forward
+    real = tensor_parallel.column_forward
     act = ACTIONS[action] if isinstance(action, str) else action
     calls = itertools.count(1)
 
@@ -48,6 +49,6 @@ def fail_at(rank, call, action):
 
 if __name__ == "__main__":
     rank, call, action = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    three_d.column_forward = fail_at(rank, call, action)
+    tensor_parallel.column_forward = fail_at(rank, call, action)
     sys.argv = ["three_d.py", *sys.argv[4:]]
     three_d.run_main(three_d.main)

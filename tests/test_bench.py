@@ -22,8 +22,8 @@ def no_warm_up(monkeypatch):
 
 def tiny(**sizes):
     # one timed step; lr 0.1: a step moves the weights visibly, so a wrong gradient shows in them too
-    return SimpleNamespace(num_layers=4, dim=8, batch_size=8, micro_batches=2, steps=1, seed=0, lr=0.1,
-                           backend="gloo", timeout_s=30.0, **sizes)
+    return SimpleNamespace(**{**dict(num_layers=4, dim=8, batch_size=8, micro_batches=2, steps=1, seed=0, lr=0.1,
+                                      backend="gloo", timeout_s=30.0), **sizes})
 
 
 def assert_same(result, compared):
@@ -39,8 +39,14 @@ def test_data_parallel_equals_ddp():
 
 
 def test_tensor_parallel_equals_colwise_parallel():
-    result = bench.versus_colwise(tiny(world_size=2))
+    result = bench.versus_colwise(tiny(world_size=2, tp_style="all-gather"))
     assert_same(result, ["ColwiseParallel(output_layouts=Replicate())"])
+
+
+@pytest.mark.parametrize("num_layers", [4, 3])   # pairs; pairs and an all-gather layer
+def test_megatron_pairs_equal_colwise_then_rowwise_parallel(num_layers):
+    result = bench.versus_colwise(tiny(world_size=2, tp_style="megatron", num_layers=num_layers))
+    assert_same(result, ["ColwiseParallel + RowwiseParallel"])
 
 
 def test_pipeline_equals_pipelining_gpipe_and_1f1b():
@@ -49,7 +55,8 @@ def test_pipeline_equals_pipelining_gpipe_and_1f1b():
 
 
 def test_three_d_equals_pytorch_composition():
-    result = bench.versus_torch_3d(tiny(dp=2, pp=2, tp=2, schedule="1f1b", order="tp-pp-dp", p2p_shard=False))
+    result = bench.versus_torch_3d(tiny(dp=2, pp=2, tp=2, schedule="1f1b", order="tp-pp-dp", p2p_shard=False,
+                                        tp_style="all-gather"))
     assert_same(result, [f"torch 3D, dp by {way}" for way in bench.DP_WAYS])
 
 
@@ -74,7 +81,7 @@ def test_ddp_in_pytorchs_3d_composition_gets_gradients_m_times_too_large():
     its defaults) on this torch: the first step's gradients are exactly m times ours, as
     the schedule's division by m finds no parameters in DDP's module after TP. With the
     stages' shapes given up front (static mode), the second step runs."""
-    args = tiny(dp=2, pp=2, tp=2, schedule="1f1b", order="tp-pp-dp", p2p_shard=False)
+    args = tiny(dp=2, pp=2, tp=2, schedule="1f1b", order="tp-pp-dp", p2p_shard=False, tp_style="all-gather")
     ratio, error = bench.ddp_failure_figures(args, 8, dict(backend="gloo", timeout_s=30.0))
     assert ratio == pytest.approx(2.0, rel=1e-5)
     assert error is None

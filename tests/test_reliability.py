@@ -109,6 +109,8 @@ BAD = {
         (["--batch-size", "7"], "--batch-size"),
         (["--embedding", "--vocab-size", "3"], "--vocab-size"),
         (["--embedding", "--steps", "3"], "--steps"),                    # the demo trains nothing
+        (["--tp-style", "rowwise"], "--tp-style"),
+        (["--embedding", "--tp-style", "megatron"], "--tp-style"),      # the demo has no layers
         (["--vocab-size", "0"], "--vocab-size"),
     ]] + [(["--world-size", "4"], "--world-size", 8)],
     "pipeline_parallel": [(argv, flag, None) for argv, flag in TRAINING + [
@@ -131,6 +133,7 @@ BAD = {
         (["--p2p-shard=yes"], "--p2p-shard"),
         (["--world-size", "8"], "--world-size"),                        # three_d takes --dp --pp --tp
         (["--micro-batches", "64"], "--micro-batches"),                 # 16 rows per replica
+        (["--tp-style", "pairs"], "--tp-style"),
         (["--show-rank-map", "--steps", "3"], "--steps"),               # the map trains nothing
     ]] + [([], "--dp x --pp x --tp", 4), (["--dp", "1", "--pp", "1", "--tp", "1"], "--dp x --pp x --tp", 2)],
 }
@@ -300,7 +303,7 @@ SMALL = ["--dp", "2", "--pp", "2", "--tp", "2", "--num-layers", "4", "--dim", "1
     (6, "kill", "killed by SIGKILL"),
 ])
 def test_a_rank_that_dies_mid_step_is_named_and_every_rank_ends(rank, action, why, monkeypatch):
-    monkeypatch.setattr(three_d, "column_forward", fail_at(rank, 6, action))
+    monkeypatch.setattr(tensor_parallel, "column_forward", fail_at(rank, 6, action))
     before = child_pids()
     start_time = time.monotonic()
     with pytest.raises(RankFailed) as failed:
@@ -360,7 +363,7 @@ def test_under_torchrun_the_failure_summary_carries_the_traceback():
 def test_a_stalled_rank_ends_the_run_at_the_timeout(monkeypatch):
     # Rank 1 sleeps for a minute inside step 1; its TP peer waits in the all-gather and
     # the next stage waits on a receive. --timeout-s 3 ends the run in seconds.
-    monkeypatch.setattr(three_d, "column_forward", fail_at(1, 6, "stall"))
+    monkeypatch.setattr(tensor_parallel, "column_forward", fail_at(1, 6, "stall"))
     start_time = time.monotonic()
     with pytest.raises(RankFailed) as failed:
         three_d.main(["--dp", "1", "--pp", "2", "--tp", "2", "--num-layers", "4", "--dim", "16", "--batch-size", "8",
@@ -495,7 +498,7 @@ def test_the_same_run_twice_gives_bitwise_the_same_weights(tmp_path, monkeypatch
     # rank computes in a fixed order: arrival order must not change a single bit.
     argv = ["--dp", "2", "--pp", "2", "--tp", "2", "--schedule", "1f1b", *SHORT]
     three_d.main([*argv, "--save", str(tmp_path / "first.pt")])
-    monkeypatch.setattr(three_d, "column_forward", fail_at(3, 2, lambda: time.sleep(0.3)))
+    monkeypatch.setattr(tensor_parallel, "column_forward", fail_at(3, 2, lambda: time.sleep(0.3)))
     three_d.main([*argv, "--save", str(tmp_path / "second.pt")])
     first, second = torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt")
     assert first["losses"] == second["losses"]

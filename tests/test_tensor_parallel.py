@@ -137,6 +137,81 @@ def test_column_layer_matches_autograd(tmp_path, world_size):
 
 
 # ----------------------------------------------------------------------------------
+# Megatron's pair, piece by piece: the column layer (sharded output), f, the row layer, g
+# ----------------------------------------------------------------------------------
+
+def _pair_worker(rank, world_size, cases, folder):
+    """A column layer then a row layer, on this rank's columns of W1 and rows of W2:
+    forward, backward, and what each piece holds, saved for the parent."""
+    setup(rank, world_size)
+    results = []
+    for x, w1, w2, g in cases:
+        w1_t, w2_t = tp.shard(w1, "column", rank, world_size), tp.shard(w2, "row", rank, world_size)
+        a_t, stash1 = tp.tp_forward("column", x, w1_t)              # [b, D/T], not gathered
+        a, stash2 = tp.tp_forward("row", a_t, w2_t)                 # [b, D], after g's all-reduce
+        da_t, dw2_t = tp.tp_backward("row", g, stash2, w2_t)        # no communication
+        dx, dw1_t = tp.tp_backward("column", da_t, stash1, w1_t)    # f's all-reduce of dx
+        none, dw1_again = tp.tp_backward("column", da_t, stash1, w1_t, need_dx=False)
+        results.append(dict(w1_t=w1_t, w2_t=w2_t, a_t=a_t, a=a, z=stash2[1], da_t=da_t, dw2_t=dw2_t, dx=dx,
+                            dw1_t=dw1_t, none=none, dw1_again=dw1_again))
+    torch.save(results, folder / f"rank{rank}.pt")
+    cleanup()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_megatron_pair_matches_autograd_piece_by_piece(tmp_path, world_size):
+    gen = torch.Generator().manual_seed(4)
+    cases = []
+    for b, d in [(5, 8), (3, 16)]:
+        x = torch.randn(b, d, generator=gen) * 2.0
+        w1, w2 = (torch.randn(d, d, generator=gen) * (2.0 / d) ** 0.5 for _ in range(2))
+        cases.append((x, w1, w2, torch.randn(b, d, generator=gen)))
+    spawn(_pair_worker, world_size, cases, tmp_path)
+    ranks = _load_ranks(tmp_path, world_size)
+    for i, (x, w1, w2, g) in enumerate(cases):
+        d = x.shape[1]
+        xr, w1r, w2r = (t.clone().requires_grad_() for t in (x, w1, w2))
+        h = F.gelu(xr @ w1r)
+        h.retain_grad()
+        z = h @ w2r
+        a = F.gelu(z)
+        a.backward(g)
+        for t, mine in enumerate(r[i] for r in ranks):
+            cols = _cols(t, world_size, d)
+            # the shards: W1's columns t, W2's rows t
+            assert torch.equal(mine["w1_t"], w1[:, cols]) and torch.equal(mine["w2_t"], w2[cols])
+            # column forward: this rank's columns of gelu(x W1), not gathered
+            torch.testing.assert_close(mine["a_t"], h.detach()[:, cols], atol=ATOL, rtol=RTOL)
+            # row forward: g's all-reduce adds every rank's a_t W2_t into the full z, on every rank
+            torch.testing.assert_close(mine["z"], z.detach(), atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(mine["a"], a.detach(), atol=ATOL, rtol=RTOL)
+            # row backward: dW2_t = a_t^T dz, rows t of dW2; da_t = dz W2_t^T, columns t of dh
+            torch.testing.assert_close(mine["dw2_t"], w2r.grad[cols], atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(mine["da_t"], h.grad[:, cols], atol=ATOL, rtol=RTOL)
+            # column backward: dW1_t = x^T dz_t, columns t of dW1; f's all-reduce gives the full dx
+            torch.testing.assert_close(mine["dw1_t"], w1r.grad[:, cols], atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(mine["dx"], xr.grad, atol=ATOL, rtol=RTOL)
+            assert mine["none"] is None and torch.equal(mine["dw1_again"], mine["dw1_t"])
+
+
+def test_f_and_g_are_conjugate_all_reduces(tmp_path):
+    """f: the identity forward, the sum over ranks backward; g: the sum forward, the
+    identity backward. Checked on 3 ranks with values whose sum is exact."""
+    spawn(_f_and_g_worker, 3, tmp_path)
+    for rank in range(3):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(got["f_backward"], torch.full((2, 2), 0.0 + 1 + 2))
+        assert torch.equal(got["g_forward"], torch.full((2, 2), 10.0 + 11 + 12))
+
+
+def _f_and_g_worker(rank, world_size, folder):
+    setup(rank, world_size)
+    torch.save({"f_backward": tp.f_backward(torch.full((2, 2), float(rank))),
+                "g_forward": tp.g_forward(torch.full((2, 2), 10.0 + rank))}, folder / f"rank{rank}.pt")
+    cleanup()
+
+
+# ----------------------------------------------------------------------------------
 # 5. The vocab-parallel embedding against nn.Embedding
 # ----------------------------------------------------------------------------------
 
@@ -275,18 +350,22 @@ def assert_save_contract(result):
 
 
 def assert_shards_are_slices(result):
-    """Rank t's shards are columns t D/T .. of the one full matrix, before and after training."""
+    """Rank t's shards are columns t D/T .. of the one full matrix (rows t D/T .. for a
+    Megatron row layer, every second layer), before and after training."""
     cfg = result["config"]
-    world_size, D = cfg["world_size"], cfg["dim"]
-    init = dp.init_weights(cfg["num_layers"], D, cfg["seed"])
+    world_size, D, L = cfg["world_size"], cfg["dim"], cfg["num_layers"]
+    init = dp.init_weights(L, D, cfg["seed"])
+    rows = [cfg.get("tp_style") == "megatron" and layer % 2 == 1 and layer < L - L % 2 for layer in range(L)]
     for t, (first, last) in enumerate(zip(result["init_shards"], result["final_shards"])):
-        cols = _cols(t, world_size, D)
+        part = _cols(t, world_size, D)
         for layer, (w0, w1) in enumerate(zip(first, last)):
-            assert w0.shape == w1.shape == (D, D // world_size)
-            assert torch.equal(w0, init[layer][:, cols])
-            assert torch.equal(w1, result["final_weights"][layer][:, cols])   # gathered in rank order
-    for layer in range(cfg["num_layers"]):
-        assert torch.equal(torch.cat([s[layer] for s in result["init_shards"]], dim=1), init[layer])
+            want = (lambda w: w[part]) if rows[layer] else (lambda w: w[:, part])
+            assert w0.shape == w1.shape == ((D // world_size, D) if rows[layer] else (D, D // world_size))
+            assert torch.equal(w0, want(init[layer]))
+            assert torch.equal(w1, want(result["final_weights"][layer]))   # gathered in rank order
+    for layer in range(L):
+        whole = torch.cat([s[layer] for s in result["init_shards"]], dim=0 if rows[layer] else 1)
+        assert torch.equal(whole, init[layer])
 
 
 def assert_matches_serial(result):
@@ -300,13 +379,26 @@ def assert_matches_serial(result):
     assert result["losses"][-1] < result["losses"][0]
 
 
-@pytest.mark.parametrize("world_size,micro_batches,optimizer", [
-    (1, 1, "sgd"), (2, 2, "sgd"), (3, 3, "sgd"), (4, 1, "sgd"), (2, 1, "adamw"), (4, 2, "adamw")])
-def test_tp_training_matches_serial(tmp_path, monkeypatch, world_size, micro_batches, optimizer):
-    result = run_tp(tmp_path, monkeypatch, world_size, micro_batches, optimizer)
+@pytest.mark.parametrize("world_size,micro_batches,optimizer,style", [
+    (1, 1, "sgd", "all-gather"), (2, 2, "sgd", "all-gather"), (3, 3, "sgd", "all-gather"),
+    (4, 1, "sgd", "all-gather"), (2, 1, "adamw", "all-gather"), (4, 2, "adamw", "all-gather"),
+    (1, 1, "sgd", "megatron"), (2, 2, "sgd", "megatron"), (4, 1, "sgd", "megatron"),
+    (2, 3, "adamw", "megatron"), (4, 2, "adamw", "megatron")])
+def test_tp_training_matches_serial(tmp_path, monkeypatch, world_size, micro_batches, optimizer, style):
+    result = run_tp(tmp_path, monkeypatch, world_size, micro_batches, optimizer, flags=("--tp-style", style))
     cfg = result["config"]
     assert (cfg["world_size"], cfg["micro_batches"], cfg["optimizer"]) == (world_size, micro_batches, optimizer)
+    assert cfg["tp_style"] == style
     assert_save_contract(result)
+    assert_shards_are_slices(result)
+    assert_matches_serial(result)
+
+
+@pytest.mark.parametrize("num_layers", [3, 5])
+def test_megatron_with_an_odd_layer_count_ends_with_an_all_gather_layer(tmp_path, monkeypatch, num_layers):
+    assert tp.layer_kinds(num_layers, "megatron") == ["column", "row"] * (num_layers // 2) + ["gather"]
+    monkeypatch.setitem(SMALL, "num_layers", num_layers)
+    result = run_tp(tmp_path, monkeypatch, 2, 2, flags=("--tp-style", "megatron"))
     assert_shards_are_slices(result)
     assert_matches_serial(result)
 

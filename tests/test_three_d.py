@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import data_parallel as dp
+import tensor_parallel
 import three_d
 from collectives import RankFailed
 from common import assert_same_training, check_report
@@ -200,10 +201,11 @@ def test_show_rank_map_prints_the_table_and_starts_no_rank(sizes, order, monkeyp
 # ----------------------------------------------------------------------------------
 
 def run_3d(tmp_path, dp_size, pp_size, tp_size, schedule="1f1b", order="tp-pp-dp", p2p_shard=False,
-           micro_batches=2, dim=16, num_layers=8, batch_size=16, steps=2, optimizer="sgd", lr=0.1, seed=3):
+           micro_batches=2, dim=16, num_layers=8, batch_size=16, steps=2, optimizer="sgd", lr=0.1, seed=3,
+           tp_style="all-gather"):
     """three_d.main in-process (ranks forked from here); return the --save dict."""
     save = tmp_path / "run.pt"
-    three_d.main(["--dp", str(dp_size), "--pp", str(pp_size), "--tp", str(tp_size),
+    three_d.main(["--dp", str(dp_size), "--pp", str(pp_size), "--tp", str(tp_size), "--tp-style", tp_style,
                   "--schedule", schedule, "--order", order, *(["--p2p-shard"] if p2p_shard else []),
                   "--micro-batches", str(micro_batches), "--dim", str(dim), "--num-layers", str(num_layers),
                   "--batch-size", str(batch_size), "--steps", str(steps), "--optimizer", optimizer,
@@ -219,7 +221,7 @@ def assert_follows_the_contract(result):
     """--save: every flag, L full D x D float32 weights in layer order, the global batch,
     one loss per step; the initial weights are init_weights' own."""
     config = result["config"]
-    for flag in ("dp", "pp", "tp", "schedule", "order", "p2p_shard", "num_layers", "dim", "batch_size",
+    for flag in ("dp", "pp", "tp", "tp_style", "schedule", "order", "p2p_shard", "num_layers", "dim", "batch_size",
                  "micro_batches", "steps", "lr", "optimizer", "seed", "save", "check"):
         assert flag in config, flag
     L, D, B = config["num_layers"], config["dim"], config["batch_size"]
@@ -256,6 +258,15 @@ CASES = [
     ((8, 1, 1), dict(schedule="gpipe", order="tp-dp-pp", micro_batches=1)),
     ((1, 1, 8), dict(schedule="1f1b", order="tp-dp-pp", dim=32, optimizer="adamw", lr=0.01)),
     ((1, 8, 1), dict(schedule="1f1b", micro_batches=4, steps=3)),   # m < pp: 1F1B's warm-up cut to m
+    # Megatron's pairs: 2x2x2, 1x2x4 and 2x1x4 over both schedules, both orders, with and
+    # without --p2p-shard; AdamW; and 3 layers a stage, a pair and an all-gather layer each
+    ((2, 2, 2), dict(tp_style="megatron", schedule="1f1b", order="tp-pp-dp")),
+    ((2, 2, 2), dict(tp_style="megatron", schedule="gpipe", order="tp-dp-pp", p2p_shard=True)),
+    ((1, 2, 4), dict(tp_style="megatron", schedule="gpipe", order="tp-pp-dp", p2p_shard=True)),
+    ((1, 2, 4), dict(tp_style="megatron", schedule="1f1b", order="tp-dp-pp")),
+    ((2, 1, 4), dict(tp_style="megatron", schedule="1f1b", order="tp-dp-pp", p2p_shard=True)),
+    ((2, 1, 4), dict(tp_style="megatron", schedule="gpipe", optimizer="adamw", lr=0.01)),
+    ((1, 2, 2), dict(tp_style="megatron", num_layers=6, micro_batches=4)),
 ]
 
 
@@ -276,12 +287,12 @@ def test_check_catches_a_doubled_weight_gradient_under_adamw(monkeypatch, capfd,
     """AdamW's normalisation hides a gradient off by a constant: its final weights moved
     only 2e-6 here once. --check compares the first step's gradients too, and fails at
     any size, the smallest and the defaults (make 3d's)."""
-    real = three_d.column_backward
+    real = tensor_parallel.column_backward
 
     def doubled_dw(*args, **kwargs):
         dx, dw_t = real(*args, **kwargs)
         return dx, 2 * dw_t
-    monkeypatch.setattr(three_d, "column_backward", doubled_dw)
+    monkeypatch.setattr(tensor_parallel, "column_backward", doubled_dw)
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
     with pytest.raises(RankFailed) as failed:
         three_d.main(["--check", "--optimizer", "adamw", *argv, *TIMEOUT])
@@ -324,6 +335,7 @@ def test_dp2_equals_dp1_so_the_gradient_is_averaged_once(tmp_path):
     (["--batch-size", "12", "--dp", "2", "--micro-batches", "4"], "--batch-size"),
     (["--order", "foo"], "--order"),
     (["--schedule", "bar"], "--schedule"),
+    (["--tp-style", "rowwise"], "--tp-style"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, flag, monkeypatch, capsys):
     started = no_ranks(monkeypatch)
