@@ -156,94 +156,242 @@ def replica_rows(batch_size, dp_rank, dp_size, step=None, seed=0):
     return rows[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
 
-class GradientAverager:
-    """Averages gradients over the data-parallel group, once per step.
+class DataParallel:
+    """One replica's weights, gradients and optimizer, over the data-parallel group of d
+    replicas, with ZeRO's stages: each replica keeps 1/d of more and more of the state.
 
-    zeros(weights) hands out this step's gradients: views into one flat buffer, kept
-    from step to step, as DDP's buckets are. ready(grad) is called when a gradient is
-    final; with overlap its all-reduce starts right then and runs during the rest of the
-    backward. finish() waits for those, or else sends the whole flat buffer at once
-    (one call pays the fixed latency once, not L times), then divides by d: the sum
-    over the replicas of their mean-loss gradients, / d, is the global mean's gradient.
+        --zero 0   every replica holds everything; one all-reduce     16 P bytes per replica
+        --zero 1   the optimizer state: reduce-scatter, then all-gather  8 P + 8 P/d
+        --zero 2   the gradients too, reduce-scattered once final        4 P + 12 P/d
+        --zero 3   the weights too, all-gathered layer by layer          16 P/d, + a layer
+
+    (P bytes of float32 weights: 4 for the weights, 4 for the gradients, 8 for AdamW's two
+    states.) An all-reduce is a reduce-scatter and then an all-gather, (d-1)/d of the bytes
+    each: stages 1 and 2 send what stage 0 sends, 2(d-1)/d x P, split around the optimizer
+    step. Stage 3 gathers each weight for every micro-batch's forward and backward and
+    reduce-scatters its gradient: 3(d-1)/d x P per micro-batch. Each weight, flattened and
+    padded to d x S elements, splits into d shards of S; replica r owns [r S, (r+1) S).
     """
 
-    def __init__(self, group, overlap=False):
-        self.group, self.overlap = group, overlap
-        self.dp_size = dist.get_world_size(group)
-        self.flat, self.views, self.pending = None, None, []
+    def __init__(self, weights, group, args, overlap=False):
+        self.group, self.zero, self.overlap = group, args.zero, overlap
+        self.d, self.r = dist.get_world_size(group), dist.get_rank(group)
+        self.shapes = [w.shape for w in weights]
+        self.sizes = [-(-w.numel() // self.d) for w in weights]           # S = ceil(numel / d)
+        self.full = weights if self.zero == 0 else [self.padded(w, i) for i, w in enumerate(weights)]
+        self.shards = [] if self.zero == 0 else [self.own(f, i) for i, f in enumerate(self.full)]
+        if self.zero == 3:                      # the shards alone: weight(i) gathers the rest
+            self.shards, self.full = [shard.clone() for shard in self.shards], None
+        self.optimizer = make_optimizer(self.shards or weights, args)    # AdamW state: 1/d or all
+        self.gathered, self.pending, self.peak = {}, [], 0
 
-    def zeros(self, weights):
-        if self.flat is None:
-            sizes = [w.numel() for w in weights]
-            self.flat = torch.empty(sum(sizes), dtype=weights[0].dtype, device=weights[0].device)
-            self.views = [piece.view_as(w) for piece, w in zip(self.flat.split(sizes), weights)]
-        self.flat.zero_()
-        return self.views
+    def weight(self, i):
+        """Layer i's full weight, for its forward or backward. Stage 3 all-gathers it now,
+        (d-1)/d of its bytes in, and release(i) lets it go."""
+        if self.zero == 0:
+            return self.full[i]
+        if self.zero < 3:
+            return self.unpadded(self.full[i], i)
+        self.gathered[i] = self.shards[i].new_empty(self.d * self.sizes[i])
+        dist.all_gather_single(self.gathered[i], self.shards[i], group=self.group)
+        self.peak = max(self.peak, sum(self.held().values()))
+        return self.unpadded(self.gathered[i], i)
 
-    def ready(self, grad):
-        if self.overlap and self.dp_size > 1:
-            self.pending.append(dist.all_reduce(grad, group=self.group, async_op=True))
+    def release(self, i):
+        self.gathered.pop(i, None)              # the stash keeps x and z, never W
 
-    def finish(self):
-        if self.dp_size == 1:
+    def zero_grads(self, num_micro_batches):
+        """This step's gradients, zeroed: full while the stage keeps them, and the shards."""
+        device, numels = self.full_or_shard_device(), [shape.numel() for shape in self.shapes]
+        if self.zero == 0:   # one flat buffer, as DDP's buckets: one all-reduce sends it all
+            self.flat = torch.zeros(sum(numels), device=device)
+            self.grads = [g.view(shape) for g, shape in zip(self.flat.split(numels), self.shapes)]
+        else:                # stage 1 reduces into its own part of the full gradient, in place
+            self.grads = [torch.zeros(self.d * S, device=device) if self.zero < 3 else None
+                          for S in self.sizes]
+            self.grad_shards = [self.own(g, i) if self.zero == 1 else torch.zeros(S, device=device)
+                                for i, (g, S) in enumerate(zip(self.grads, self.sizes))]
+        self.left = [num_micro_batches] * len(self.shapes)   # micro-batches until final
+
+    def add_grad(self, i, dw):
+        """Layer i's dW of one micro-batch. Stage 3 reduce-scatters it at once; the others sum
+        it, and once it is final stage 2 reduce-scatters it and lets the full gradient go,
+        and with overlap stages 0 and 1 start sending it while the backward goes on."""
+        self.left[i] -= 1
+        if self.zero == 3:
+            self.reduce_scatter(self.padded(dw, i), i)
             return
-        for work in self.pending:     # --overlap: one all-reduce per layer, already under way
-            work.wait()
-        if not self.overlap:          # one all-reduce of every gradient: 2(d-1)/d x P bytes
-            dist.all_reduce(self.flat, group=self.group)
+        grad = self.grads[i] if self.zero == 0 else self.unpadded(self.grads[i], i)
+        grad += dw
+        if self.left[i] == 0 and self.zero == 0 and self.overlap:
+            self.pending.append((dist.all_reduce(grad, group=self.group, async_op=True), None, i))
+        elif self.left[i] == 0 and (self.zero == 2 or self.overlap):
+            self.reduce_scatter(self.grads[i], i)
+
+    def reduce_scatter(self, grad, i):
+        """grad [d S], summed over the replicas: this replica's shard [S] into grad_shards[i]."""
+        piece = self.grad_shards[i].new_empty(self.sizes[i])
+        work = dist.reduce_scatter_single(piece, grad, group=self.group, async_op=self.overlap)
+        self.pending.append((work, piece, i))
+        if not self.overlap:
+            self.wait()
+
+    def wait(self):
+        for work, piece, i in self.pending:
+            if work is not None:
+                work.wait()
+            if piece is None:                   # an all-reduce: nothing more to do
+                continue
+            if self.zero == 1:
+                self.grad_shards[i].copy_(piece)   # its own part of the full gradient
+            else:
+                self.grad_shards[i] += piece       # stage 3: summed over micro-batches
+            if self.zero == 2:
+                self.grads[i] = None               # only the shard stays
         self.pending = []
-        self.flat.div_(self.dp_size)
+
+    def average(self):
+        """What is left of the step's gradient exchange, then / d: the sum over the replicas
+        of their mean-loss gradients, / d, is the gradient of the global mean."""
+        if self.zero == 0 and not self.overlap and self.d > 1:
+            dist.all_reduce(self.flat, group=self.group)       # everything at once: 2(d-1)/d x P
+        if self.zero == 1 and not self.overlap:
+            for i, grad in enumerate(self.grads):
+                self.reduce_scatter(grad, i)                   # (d-1)/d x P
+        self.wait()
+        for grad in (self.grads if self.zero == 0 else self.grad_shards):
+            grad.div_(self.d)
+
+    def step(self):
+        """The optimizer steps what this replica owns. Stages 1 and 2 then all-gather every
+        replica's updated shard into the full weights: (d-1)/d x P."""
+        for w, grad in zip(self.shards or self.full, self.grad_shards if self.zero else self.grads):
+            w.grad = grad
+        self.optimizer.step()
+        if self.zero in (1, 2):
+            for i, full in enumerate(self.full):
+                dist.all_gather_single(full, self.shards[i].clone(), group=self.group)
+
+    def padded(self, tensor, i):
+        """tensor flat, with zeros after it up to d S elements: a view where no zero is needed."""
+        flat, extra = tensor.reshape(-1), self.d * self.sizes[i] - tensor.numel()
+        return torch.cat([flat, flat.new_zeros(extra)]) if extra else flat
+
+    def unpadded(self, flat, i):
+        return flat[:self.shapes[i].numel()].view(self.shapes[i])
+
+    def own(self, flat, i):
+        return flat[self.r * self.sizes[i]:(self.r + 1) * self.sizes[i]]   # a view: [S]
+
+    def full_or_shard_device(self):
+        return (self.full or self.shards)[0].device
+
+    def full_grads(self):
+        """The averaged gradients as full matrices (for --check); stages 1-3 gather them."""
+        return self.grads if self.zero == 0 else [self.gather(g, i) for i, g in enumerate(self.grad_shards)]
+
+    def full_weights(self):
+        return [self.gather(shard, i) if self.zero == 3 else self.weight(i) for i, shard in
+                enumerate(self.shards or self.full)]
+
+    def gather(self, shard, i):
+        full = shard.new_empty(self.d * self.sizes[i])
+        dist.all_gather_single(full, shard.contiguous(), group=self.group)
+        return self.unpadded(full, i)
+
+    def held(self):
+        """The bytes this replica holds now, of weights, gradients and optimizer state."""
+        weights = self.full if self.zero < 3 else [*self.shards, *self.gathered.values()]
+        grads = [self.flat] if self.zero == 0 else [g for g in self.grads if g is not None]
+        grads += self.grad_shards if self.zero > 1 else []   # stage 1's are parts of the full ones
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+        return {name: sum(t.numel() * t.element_size() for t in tensors)
+                for name, tensors in (("weights", weights), ("gradients", grads), ("optimizer state", state))}
 
 
-def dp_step(weights, xs, ys, n, averager):
-    """One replica's gradients for a step: every micro-batch (xs, ys) forward and back
-    through the hand-derived blocks, dW summed over them, then averaged over the
-    replicas. Returns (grads, this replica's loss)."""
-    grads = averager.zeros(weights)
-    loss = torch.zeros((), device=weights[0].device)
-    for mb, (x, y) in enumerate(zip(xs, ys)):
-        out, stashes = model_forward(weights, x)
-        mb_loss, g = mse_loss(out, y, n)
+def dp_step(replica, xs, ys, n):
+    """One replica's step: every micro-batch (xs, ys) forward and back through the hand-derived
+    blocks, dW summed over them and averaged over the replicas. Returns this replica's loss."""
+    L = len(replica.shapes)
+    replica.zero_grads(len(xs))
+    loss = torch.zeros((), device=replica.full_or_shard_device())
+    for x, y in zip(xs, ys):
+        stashes = []
+        for i in range(L):
+            x, stash = layer_forward(x, replica.weight(i))   # stage 3: gathered for this forward
+            replica.release(i)
+            stashes.append(stash)
+        mb_loss, g = mse_loss(x, y, n)
         loss += mb_loss
-        for i in reversed(range(len(weights))):
-            g, dw = layer_backward(g, stashes[i], weights[i], need_dx=i > 0)
-            grads[i] += dw                    # summed over micro-batches
-            if mb == len(xs) - 1:
-                averager.ready(grads[i])      # layer i's gradient is final now
-    averager.finish()
-    return grads, loss
+        for i in reversed(range(L)):
+            w = replica.weight(i) if i > 0 else None          # layer 0 needs no W: it makes no dx
+            g, dw = layer_backward(g, stashes[i], w, need_dx=i > 0)
+            replica.release(i)
+            replica.add_grad(i, dw)                           # summed over micro-batches
+    replica.average()
+    return loss
 
 
 def dp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     dp_rank, dp_size, m = rank, world_size, args.micro_batches
     init = init_weights(args.num_layers, args.dim, args.seed)
-    weights = [w.to(device, copy=True) for w in init]           # every replica holds every layer
+    replica = DataParallel([w.to(device, copy=True) for w in init], None, args, args.overlap)
     inputs, targets = (t.to(device) for t in make_batch(args))
-    optimizer = make_optimizer(weights, args)
-    averager = GradientAverager(group=None, overlap=args.overlap)
     n = args.batch_size // dp_size * args.dim   # this replica's slice: its mean divides by n
     losses = []
     for step in range(args.steps):
         rows = replica_rows(args.batch_size, dp_rank, dp_size, step if args.shuffle else None,
                             args.seed)
         xs, ys = inputs[rows].chunk(m), targets[rows].chunk(m)   # m micro-batches of [B/(d m), D]
-        grads, loss = dp_step(weights, xs, ys, n, averager)
+        loss = dp_step(replica, xs, ys, n)
         if step == 0:
-            first_grads = [g.clone() for g in grads]
-        for w, grad in zip(weights, grads):
-            w.grad = grad
-        optimizer.step()
+            first_grads = [g.clone() for g in replica.full_grads()]
+        replica.step()
         losses.append(global_loss(loss, None))
         if rank == 0:
             log(f"[rank {rank}]", f"step {step:3d}  loss {losses[-1]:.6f}")
+    weights = replica.full_weights()
     drift = replica_drift(weights)
+    memory = replica.held()
     if rank == 0:
         log(f"[rank {rank}]", f"replicas identical after training: {drift == 0.0} "
                               f"(largest difference {drift:g})")
+        padded = sum(dp_size * S for S in replica.sizes) if args.zero else args.num_layers * args.dim ** 2
+        show_memory(memory, replica.peak, args, dp_size, padded, replica.sizes[0] * dp_size)
         finish_run(args, init, weights, losses, inputs, targets, first_grads,
                    {"replica_max_diff": drift})
     cleanup()
+
+
+def zero_formula(zero, num_params, dp_size, optimizer="adamw"):
+    """Bytes of weights, gradients and optimizer state one replica holds in fp32 for P
+    parameters: 4 + 4 + 8 a parameter with AdamW (SGD keeps no state). Stage 1 splits the
+    optimizer state over the d replicas, stage 2 the gradients too, stage 3 the weights too."""
+    def bytes_(per_parameter, split_from):
+        return per_parameter * num_params / (dp_size if zero >= split_from else 1)
+    return {"weights": bytes_(4, 3), "gradients": bytes_(4, 2),
+            "optimizer state": bytes_(8 if optimizer == "adamw" else 0, 1)}
+
+
+def show_memory(held, peak, args, dp_size, num_params, layer_params):
+    """What one replica holds at the end of a step, beside ZeRO's formulas."""
+    zero, P, d = args.zero, num_params, dp_size
+    want = zero_formula(zero, P, d, args.optimizer)
+    names = {0: ("4P", "4P", "8P"), 1: ("4P", "4P", "8P/d"), 2: ("4P", "4P/d", "8P/d"),
+             3: ("4P/d", "4P/d", "8P/d")}[zero]
+    print(f"memory of one replica at the end of a step, --zero {zero}, d={d}: P = {P} parameters "
+          f"(each layer padded to a multiple of d), fp32: 4 + 4 + 8 bytes a parameter with AdamW "
+          f"(SGD keeps no state)")
+    for (kind, got), name in zip(held.items(), names):
+        print(f"  {kind:<16}{got:>12} bytes   formula {name:<5}= {want[kind]:>12.0f}")
+    total = {0: "16P", 1: "8P + 8P/d", 2: "4P + 12P/d", 3: "16P/d"}[zero]
+    print(f"  {'total':<16}{sum(held.values()):>12} bytes   formula {total} = {sum(want.values()):.0f}")
+    if zero == 3:
+        print(f"  largest at any moment of the step: {peak} bytes = 16P/d + one gathered layer "
+              f"({4 * layer_params} bytes)")
+    print("  (bf16 weights and gradients with fp32 master weights and Adam, 2 + 2 + 12 bytes a "
+          "parameter: 16P, 4P + 12P/d, 2P + 14P/d, 16P/d)", flush=True)
 
 
 def global_loss(loss, group):
@@ -293,6 +441,12 @@ def training_parser(description):
     return p
 
 
+def add_zero_arg(parser):
+    parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                        help="ZeRO stage over the data-parallel group: 1 shards the optimizer "
+                             "state, 2 the gradients too, 3 the weights too (FSDP)")
+
+
 def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None):
     """The checks every training script shares, after its own: the seed, --lr and --save;
     micro-batches that cut each replica's rows evenly; and the memory the ranks need."""
@@ -312,10 +466,12 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
                      f"{replicas_flag + ' x ' if replicas_flag else ''}--micro-batches "
                      f"({replicas * m})")
     # Each rank holds at most: the whole model and the teacher as drawn (2 L D^2 floats),
-    # its weights, gradients and AdamW's two states (4 L D^2), the batch (2 B D), and the
-    # stash of every layer's input and pre-activation for the whole batch (2 L B D).
+    # its weights, gradients and AdamW's two states (16 bytes a parameter, or ZeRO's share
+    # of them), the batch (2 B D), and the stash of every layer's input and pre-activation
+    # for the whole batch (2 L B D).
     L, D, B = args.num_layers, args.dim, args.batch_size
-    per_rank = 4 * (6 * L * D * D + 2 * B * D + 2 * L * B * D)
+    state = sum(zero_formula(getattr(args, "zero", 0), L * D * D, replicas).values())
+    per_rank = 4 * (2 * L * D * D + 2 * B * D + 2 * L * B * D) + state
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if args.backend != "nccl" and memory and per_rank * ranks_here > memory:
@@ -357,6 +513,7 @@ def parse_args(argv=None):
                         help="start each layer's gradient all-reduce as soon as it is final")
     parser.add_argument("--shuffle", action="store_true",
                         help="reshuffle each replica's rows every step, from a shared seed")
+    add_zero_arg(parser)
     args = parser.parse_args(argv)
     check_training_args(parser, args, args.world_size, args.world_size, "--world-size")
     check_launch_args(parser, args, args.world_size)

@@ -111,7 +111,7 @@ class StageLayers:
     over micro-batches. 3D's subclass makes each layer column-parallel (step 3)."""
 
     def __init__(self, weights, first, last, targets=None, n=1):
-        self.weights, self.first, self.last = weights, first, last
+        self.weights, self.num_layers, self.first, self.last = weights, len(weights), first, last
         self.targets, self.n = targets, n            # targets: micro-batches of Y (last stage)
         self.grads = [torch.zeros_like(w) for w in weights]
         self.stash = {}        # micro-batch -> its layers' (x, z), popped by its own backward
@@ -124,9 +124,12 @@ class StageLayers:
     def layer_backward(self, i, g, stash, need_dx):
         return layer_backward(g, stash, self.weights[i], need_dx)
 
+    def add_grad(self, i, dw):
+        self.grads[i] += dw                     # summed over micro-batches
+
     def forward(self, mb, x):
         stashes = []
-        for i in range(len(self.weights)):
+        for i in range(self.num_layers):
             x, stash = self.layer_forward(i, x)
             stashes.append(stash)
         self.stash[mb] = stashes
@@ -139,10 +142,10 @@ class StageLayers:
     def backward(self, mb, g):
         g = self.loss_grad.pop(mb) if self.last else g
         stashes = self.stash.pop(mb)
-        for i in reversed(range(len(self.weights))):
+        for i in reversed(range(self.num_layers)):
             need_dx = i > 0 or not self.first       # the model's input needs no gradient
             g, dw = self.layer_backward(i, g, stashes[i], need_dx)
-            self.grads[i] += dw                     # summed over micro-batches
+            self.add_grad(i, dw)
         return g
 
     def outgoing(self, tensor):   # what crosses to a neighbouring stage, and what arrives:
@@ -158,7 +161,7 @@ def run_schedule(actions, layers, inputs, prev_rank, next_rank, buffer_shape, gr
     stage only). events, if a list, receives (op, mb, start, end) of every F and B."""
     activations, grads = {}, {}     # received, waiting for their F / B
     outputs, input_grads = {}, {}   # computed, waiting to be sent
-    device = layers.weights[0].device
+    device = inputs[0].device
     for action in actions:
         if action.op == "comm":
             ops = []

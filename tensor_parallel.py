@@ -51,7 +51,7 @@ def column_backward(g, stash, w_t, group=None, need_dx=True):
 
     need_dx=False skips dx (None), and its all-reduce, where nobody needs it: the
     model's first layer."""
-    tp_rank, cols = dist.get_rank(group), w_t.shape[1]
+    tp_rank, cols = dist.get_rank(group), stash[1].shape[1]   # z_t [b, D/T]
     g_t = g[:, tp_rank * cols:(tp_rank + 1) * cols]       # the all-gather's backward: a slice
     dx, dw_t = layer_backward(g_t, stash, w_t, need_dx)   # dW_t = x^T dz_t; dx = dz_t W_t^T here
     return f_backward(dx, group) if need_dx else None, dw_t

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
-from data_parallel import (GradientAverager, check_divides, check_training_args, finish_run,
-                           gather_on_rank0, global_loss, init_weights, make_batch, make_optimizer,
-                           refuse_unused, replica_rows, training_parser)
+from data_parallel import (DataParallel, add_zero_arg, check_divides, check_training_args,
+                           finish_run, gather_on_rank0, global_loss, init_weights, make_batch,
+                           refuse_unused, replica_rows, show_memory, training_parser)
 from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers
 from tensor_parallel import all_gather_columns, layer_kinds, shard, tp_backward, tp_forward
 
@@ -91,19 +91,30 @@ class TensorParallelStage(StageLayers):
     each of the kind that layer_kinds() gives it. The stage's output is the same on every
     TP rank either way: an all-gather layer's, or a row layer's after its all-reduce.
 
-    With p2p_shard (Megatron's scatter-gather), what crosses a stage boundary, the same
-    on every TP rank, goes as each rank's 1/tp slice and is all-gathered on arrival:
-    1/tp of the point-to-point bytes, for one all-gather more."""
+    Its weights and gradients are the replica's (step 2's DataParallel, over the DP group):
+    with --zero 3 each weight is all-gathered over dp when a layer needs it, and the TP
+    shard stays a TP shard. With p2p_shard (Megatron's scatter-gather), what crosses a
+    stage boundary, the same on every TP rank, goes as each rank's 1/tp slice and is
+    all-gathered on arrival: 1/tp of the point-to-point bytes, for one all-gather more."""
 
-    def __init__(self, *args, kinds, tp_group, p2p_shard, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, replica, first, last, targets, n, kinds, tp_group, p2p_shard):
+        super().__init__([], first, last, targets, n)
+        self.replica, self.num_layers = replica, len(kinds)
         self.kinds, self.tp_group, self.p2p_shard = kinds, tp_group, p2p_shard
 
     def layer_forward(self, i, x):
-        return tp_forward(self.kinds[i], x, self.weights[i], self.tp_group)
+        out = tp_forward(self.kinds[i], x, self.replica.weight(i), self.tp_group)
+        self.replica.release(i)
+        return out
 
     def layer_backward(self, i, g, stash, need_dx):
-        return tp_backward(self.kinds[i], g, stash, self.weights[i], self.tp_group, need_dx)
+        w = self.replica.weight(i) if need_dx else None   # no dx (the model's first layer): no W
+        out = tp_backward(self.kinds[i], g, stash, w, self.tp_group, need_dx)
+        self.replica.release(i)
+        return out
+
+    def add_grad(self, i, dw):
+        self.replica.add_grad(i, dw)
 
     def outgoing(self, tensor):
         if not self.p2p_shard:
@@ -139,8 +150,9 @@ class ThreeDRank:
         self.full = init_weights(args.num_layers, args.dim, args.seed)
         self.layer_ids = stage_layers(args.num_layers, args.pp, p)
         self.kinds = layer_kinds(len(self.layer_ids), args.tp_style)
-        self.shards = [shard(self.full[i], kind, t, args.tp).to(device)   # [D, D/T] or [D/T, D]
-                       for i, kind in zip(self.layer_ids, self.kinds)]
+        shards = [shard(self.full[i], kind, t, args.tp).to(device)   # [D, D/T] or [D/T, D]
+                  for i, kind in zip(self.layer_ids, self.kinds)]
+        self.replica = DataParallel(shards, self.groups["dp"], args)   # with --zero, 1/dp of them
 
         # This replica's slice of the batch, by its DP coordinate; the same on every TP rank.
         self.inputs, self.targets = make_batch(args)
@@ -148,7 +160,7 @@ class ThreeDRank:
         m = args.micro_batches
         self.micro_inputs = self.inputs[rows].to(device).chunk(m)        # [B/(dp m), D] each
         targets = self.targets[rows].to(device).chunk(m)
-        self.layers = TensorParallelStage(self.shards, first, last, targets,
+        self.layers = TensorParallelStage(self.replica, first, last, targets,
                                           n=len(rows) * args.dim,   # the replica's mean: / n
                                           kinds=self.kinds, tp_group=self.groups["tp"],
                                           p2p_shard=args.p2p_shard)
@@ -156,16 +168,15 @@ class ThreeDRank:
         self.actions = build_schedule(args.schedule, args.pp, p, m)
         self.prev_rank = None if first else pp_ranks[p - 1]
         self.next_rank = None if last else pp_ranks[p + 1]
-        self.averager = GradientAverager(self.groups["dp"])
 
     def gradients(self):
         """Every micro-batch forward and backward through the pipeline, then the gradients
-        averaged over the replicas, once. Returns them, one per shard."""
-        self.layers.grads, self.layers.loss = self.averager.zeros(self.shards), 0.0
+        averaged over the replicas, once (reduce-scattered, with --zero)."""
+        self.replica.zero_grads(len(self.micro_inputs))
+        self.layers.loss = 0.0
         run_schedule(self.actions, self.layers, self.micro_inputs, self.prev_rank, self.next_rank,
                      self.buffer_shape)
-        self.averager.finish()
-        return self.layers.grads
+        self.replica.average()
 
 
 def three_d_worker(rank, world_size, args):
@@ -174,24 +185,24 @@ def three_d_worker(rank, world_size, args):
     if rank == 0:
         show_rank_map(args.dp, args.pp, args.tp, args.order)
     last = me.p == args.pp - 1
-    optimizer = make_optimizer(me.shards, args)
     losses = []
     for step in range(args.steps):
-        grads = me.gradients()
+        me.gradients()
         if step == 0:
-            first_grads = full_matrices(grads, me.kinds, args)
-        for w, grad in zip(me.shards, grads):
-            w.grad = grad
-        optimizer.step()
+            first_grads = full_matrices(me.replica.full_grads(), me.kinds, args)
+        me.replica.step()                     # each rank's optimizer steps its own shards
         if last:   # the last stage knows the loss: the replicas' mean losses, averaged
             losses.append(global_loss(torch.tensor(me.layers.loss, device=device), me.groups["dp"]))
             if me.d == 0 and me.t == 0:
                 log(me.tag, f"step {step:3d}  loss {losses[-1]:.6f}")
-    final = full_matrices(me.shards, me.kinds, args)
+    final = full_matrices(me.replica.full_weights(), me.kinds, args)
     losses = torch.tensor(losses if last else [0.0] * args.steps, dtype=torch.float64,
                           device=device)
     dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
     if rank == 0:
+        if args.zero:   # rank 0's share: its TP shards of stage 0's layers, over its DP group
+            params = sum(args.dp * S for S in me.replica.sizes)
+            show_memory(me.replica.held(), me.replica.peak, args, args.dp, params, me.replica.sizes[0] * args.dp)
         finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, first_grads)
     cleanup()
 
@@ -255,6 +266,7 @@ def parse_args(argv=None):
                         help="every layer column-parallel with an all-gather, or Megatron's pairs")
     parser.add_argument("--p2p-shard", action="store_true",
                         help="send 1/tp of each activation between stages and all-gather it there")
+    add_zero_arg(parser)
     parser.add_argument("--show-rank-map", action="store_true", help="print the rank map and exit")
     parser.add_argument("--ray", action="store_true",
                         help="start the ranks as Ray Train workers (needs ray[train])")

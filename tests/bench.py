@@ -41,10 +41,10 @@ import pipeline_parallel  # noqa: E402
 import tensor_parallel  # noqa: E402
 import three_d  # noqa: E402
 from collectives import RankFailed, cleanup, ring_all_reduce, setup, spawn, under_torchrun  # noqa: E402
-from data_parallel import GradientAverager, dp_step, init_weights, make_batch, replica_rows  # noqa: E402
+from data_parallel import init_weights, make_batch, replica_rows  # noqa: E402
 from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers  # noqa: E402
-from race import (as_module, bench_sizes, check_and_race, end_race, machine, mse_sum, print_race,  # noqa: E402
-                  race, serial_side, sgd_side, spawn_returning)
+from race import (as_module, bench_sizes, check_and_race, dp_side, end_race, machine, mse_sum,  # noqa: E402
+                  print_race, race, serial_side, sgd, sgd_side, spawn_returning)
 from tensor_parallel import layer_kinds, shard, tp_step  # noqa: E402
 
 
@@ -189,11 +189,20 @@ def print_startup(times, world_size, repeats):
 # Step 2 against DistributedDataParallel
 # ----------------------------------------------------------------------------------
 
+TORCH_ZERO = {1: "ZeroRedundancyOptimizer + DDP", 2: "FSDP2, reshard_after_forward=False",
+              3: "FSDP2 (fully_shard)"}
+
+
 def versus_ddp(args):
+    """Ours against DDP; with --zero N, ours with ZeRO-N against PyTorch's own sharding."""
+    if args.zero:
+        import torch.distributed.fsdp  # noqa: F401  (~2 s) once here, before the ranks fork
     times, diffs = spawn_returning(ddp_race, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
-    return dict(title=f"data parallel vs DistributedDataParallel: {bench_sizes(args, args.world_size)}",
-                times=times, diffs=diffs, ratios=[("ours", "DDP"), ("ours --overlap", "DDP")],
-                world_size=args.world_size, steps=args.steps)
+    theirs = TORCH_ZERO[args.zero] if args.zero else "DDP"
+    ratios = [(f"ours --zero {args.zero}", theirs)] if args.zero else [("ours", "DDP"), ("ours --overlap", "DDP")]
+    return dict(title=f"data parallel{f' with ZeRO-{args.zero}' if args.zero else ''} vs {theirs}: "
+                      f"{bench_sizes(args, args.world_size)}",
+                times=times, diffs=diffs, ratios=ratios, world_size=args.world_size, steps=args.steps)
 
 
 def ddp_race(rank, world_size, args):
@@ -204,15 +213,53 @@ def ddp_race(rank, world_size, args):
     xs, ys = inputs[rows].chunk(m), targets[rows].chunk(m)       # [B/(d m), D] each
     n = len(rows) * args.dim                                      # this replica's mean divides by n
     init = init_weights(args.num_layers, args.dim, args.seed)
-    sides = {}
-    for name, overlap in (("ours", False), ("ours --overlap", True)):
-        weights, averager = [w.to(device, copy=True) for w in init], GradientAverager(None, overlap)
-        sides[name] = sgd_side(weights, lambda w=weights, a=averager: dp_step(w, xs, ys, n, a)[0], args.lr)
-    sides["DDP"] = ddp_side(as_module(init, device), xs, ys, n, args.lr, device)
+
+    def ours(zero=0, overlap=False):
+        return dp_side([w.to(device, copy=True) for w in init], None, args, xs, ys, n, zero, overlap)
+    if args.zero:
+        sides = {f"ours --zero {args.zero}": ours(args.zero),
+                 TORCH_ZERO[args.zero]: zero_side(args.zero, as_module(init, device), xs, ys, n, args.lr, device)}
+    else:
+        sides = {"ours": ours(), "ours --overlap": ours(overlap=True),
+                 "DDP": ddp_side(as_module(init, device), xs, ys, n, args.lr, device)}
     sides["serial: our step, whole batch, 1 rank"] = serial_side(args, device)
     result = check_and_race(sides, device, args.steps)
     end_race(sides)
     return result
+
+
+def zero_side(zero, model, xs, ys, n, lr, device):
+    """PyTorch's own sharded data parallelism with SGD, as (step, state) in our layout.
+    ZeRO-1: ZeroRedundancyOptimizer (each rank steps 1/d of the parameters, then broadcasts
+    them) over DDP's all-reduced gradients. ZeRO-2 and 3: FSDP2's fully_shard, which
+    reduce-scatters the gradients and gathers the weights, layer by layer; ZeRO-2 keeps
+    the weights gathered after the forward (reshard_after_forward=False)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+    linears = model[::2]
+    if zero == 1:
+        wrapped = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=lr)
+    else:
+        for linear in linears:
+            fully_shard(linear, reshard_after_forward=zero == 3)
+        wrapped = fully_shard(model, reshard_after_forward=zero == 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def step():
+        optimizer.zero_grad()
+        for mb, (x, y) in enumerate(zip(xs, ys)):
+            if zero == 1 and mb < len(xs) - 1:
+                with wrapped.no_sync():
+                    mse_sum(n)(wrapped(x), y).backward()
+            else:
+                mse_sum(n)(wrapped(x), y).backward()
+        optimizer.step()
+
+    def whole(tensor):   # FSDP2's are DTensors, cut over the ranks: gathered whole
+        return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return step, lambda: ([whole(lin.weight).T for lin in linears], [whole(lin.weight.grad).T for lin in linears])
 
 
 def ddp_side(model, xs, ys, n, lr, device):
@@ -415,11 +462,15 @@ def torch_3d_race(rank, world_size, args):
 
 
 def our_3d_side(rank, args, device):
-    """Our 3D step with SGD as (step, state); and the full weights and this replica's
-    batch, for PyTorch's sides."""
-    me = three_d.ThreeDRank(rank, args, device)
+    """Our 3D step with SGD as (step, state) in our layout (this rank's shards); and the
+    full weights and this replica's batch, for PyTorch's sides."""
+    me = three_d.ThreeDRank(rank, sgd(args, zero=0), device)
     rows = replica_rows(args.batch_size, me.d, args.dp)
-    return (sgd_side(me.shards, me.gradients, args.lr), me.full, me.inputs[rows].to(device),
+
+    def step():
+        me.gradients()
+        me.replica.step()
+    return ((step, lambda: (me.replica.full, me.replica.grads)), me.full, me.inputs[rows].to(device),
             me.targets[rows].to(device))
 
 

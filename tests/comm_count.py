@@ -29,7 +29,7 @@ import pipeline_parallel
 import tensor_parallel
 import three_d
 from collectives import cleanup, setup, spawn
-from data_parallel import GradientAverager, dp_step, init_weights, make_batch, replica_rows
+from data_parallel import DataParallel, dp_step, init_weights, make_batch, replica_rows
 from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers
 from tensor_parallel import layer_kinds, shard, tp_step
 
@@ -108,10 +108,27 @@ def nbytes(tensor):
 
 # ---- the formulas, per rank and step ------------------------------------------------
 
-def dp_formula(param_bytes, dp_size):
-    """One all-reduce of all the gradients (--overlap: one per layer, the same bytes)."""
-    d = dp_size
-    return {("dp", "all-reduce"): (Fraction(2 * (d - 1) * param_bytes, d), f"2({d}-1)/{d} x {param_bytes} gradient bytes")}
+def dp_formula(layer_bytes, dp_size, zero=0, num_micro_batches=1):
+    """Over the data-parallel group, P = the layers' bytes, each padded to a multiple of d:
+      ZeRO 0: one all-reduce of every gradient (--overlap: one per layer, the same bytes)
+      ZeRO 1, 2: a reduce-scatter of the gradients, then an all-gather of the weights, each
+              (d-1)/d x P: together one all-reduce's bytes
+      ZeRO 3: per micro-batch, an all-gather of every weight for the forward and of every
+              weight but the first layer's for the backward (it computes no dx), and a
+              reduce-scatter of every gradient: 3(d-1)/d x P per micro-batch, less one layer"""
+    d, m = dp_size, num_micro_batches
+    padded = [-(-size // (4 * d)) * 4 * d for size in layer_bytes]
+    P = sum(padded)
+    if zero == 0:
+        return {("dp", "all-reduce"): (Fraction(2 * (d - 1) * sum(layer_bytes), d),
+                                       f"2({d}-1)/{d} x {sum(layer_bytes)} gradient bytes")}
+    if zero in (1, 2):
+        return {("dp", "reduce-scatter"): (Fraction((d - 1) * P, d), f"({d}-1)/{d} x {P} gradient bytes"),
+                ("dp", "all-gather"): (Fraction((d - 1) * P, d), f"({d}-1)/{d} x {P} weight bytes")}
+    gathered = 2 * P - padded[0]
+    return {("dp", "reduce-scatter"): (Fraction(m * (d - 1) * P, d), f"{m} mb x ({d}-1)/{d} x {P}"),
+            ("dp", "all-gather"): (Fraction(m * (d - 1) * gathered, d),
+                                   f"{m} mb x ({d}-1)/{d} x (2 x {P} - {padded[0]}, the first layer's)")}
 
 
 def tp_formula(kinds, first_stage, act_bytes, num_micro_batches, tp_size):
@@ -137,13 +154,19 @@ def pp_formula(stage, num_stages, act_bytes, num_micro_batches):
                              f"{m} mb x {act_bytes} x {boundaries} (one per neighbouring stage)")}
 
 
-def three_d_formula(args, p, act_bytes, param_bytes):
+def three_d_formula(args, p, act_bytes, layer_bytes):
     """The blocks' formulas for one rank of stage p: tp for its stage's layers, pp for
     its stage boundaries, dp for its shards (param_bytes)."""
     m, t, layers = args.micro_batches, args.tp, args.num_layers // args.pp
     formula = tp_formula(layer_kinds(layers, args.tp_style), p == 0, act_bytes, m, t)
     formula.update(pp_formula(p, args.pp, act_bytes // t if args.p2p_shard else act_bytes, m))
-    formula.update(dp_formula(param_bytes, args.dp))
+    dp = dp_formula(layer_bytes, args.dp, args.zero, m)
+    if args.zero == 3 and p > 0:   # only the model's first layer skips its backward's gather
+        gathered, how = dp[("dp", "all-gather")]
+        first = -(-layer_bytes[0] // (4 * args.dp)) * 4 * args.dp
+        dp[("dp", "all-gather")] = (gathered + Fraction(m * (args.dp - 1) * first, args.dp), f"{how} + {m} mb x "
+                                    f"({args.dp}-1)/{args.dp} x {first}: this stage's first layer needs its W")
+    formula.update(dp)
     if args.p2p_shard:   # every tensor received from a neighbouring stage is all-gathered over tp
         received = (p > 0) + (p < args.pp - 1)
         gathered, how = formula[("tp", "all-gather")]
@@ -185,14 +208,16 @@ def megatron_comparison(num_layers, act_bytes, num_micro_batches, tp_size):
 def count_dp(rank, world_size, args):
     device = setup(rank, world_size)
     weights = [w.to(device) for w in init_weights(args.num_layers, args.dim, args.seed)]
+    layer_bytes = [nbytes(w) for w in weights]
     inputs, targets = (t.to(device) for t in make_batch(args))
     rows = replica_rows(args.batch_size, rank, world_size)
     m, n = args.micro_batches, len(rows) * args.dim
     counter = CommCounter({"dp": None})
-    averager = GradientAverager(None, overlap=args.overlap)
+    replica = DataParallel(weights, None, args, args.overlap)
     with counter.step():
-        dp_step(weights, inputs[rows].chunk(m), targets[rows].chunk(m), n, averager)
-    report(counter, dp_formula(sum(nbytes(w) for w in weights), world_size))
+        dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m), n)
+        replica.step()
+    report(counter, dp_formula(layer_bytes, world_size, args.zero, m))
     cleanup()
 
 
@@ -232,10 +257,12 @@ def count_3d(rank, world_size, args):
     device = setup(rank, world_size)
     me = three_d.ThreeDRank(rank, args, device)
     counter = CommCounter(me.groups)
+    layer_bytes = [shape.numel() * 4 for shape in me.replica.shapes]
     with counter.step():
         me.gradients()
+        me.replica.step()
     act_bytes = me.buffer_shape[0] * args.dim * 4
-    report(counter, three_d_formula(args, me.p, act_bytes, sum(nbytes(w) for w in me.shards)),
+    report(counter, three_d_formula(args, me.p, act_bytes, layer_bytes),
            megatron_comparison(args.num_layers, act_bytes, args.micro_batches, args.tp))
     cleanup()
 

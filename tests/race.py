@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from collectives import cleanup, pick_backend, spawn, under_torchrun  # noqa: E402
-from data_parallel import CHECK_TOLERANCE, GradientAverager, dp_step, init_weights, make_batch  # noqa: E402
+from data_parallel import CHECK_TOLERANCE, DataParallel, dp_step, init_weights, make_batch  # noqa: E402
 
 WARMUP = 2
 
@@ -183,6 +183,22 @@ def sgd_side(weights, compute_grads, lr):
     return step, lambda: (weights, [w.grad for w in weights])
 
 
+def dp_side(weights, group, args, xs, ys, n, zero=0, overlap=False):
+    """Our data-parallel step (step 2's DataParallel, with SGD), as (step, state); state gives
+    the full weights and gradients, gathered from the shards under ZeRO."""
+    replica = DataParallel(weights, group, sgd(args, zero=zero), overlap)
+
+    def step():
+        dp_step(replica, xs, ys, n)
+        replica.step()
+    return step, lambda: (replica.full_weights(), replica.full_grads())
+
+
+def sgd(args, **more):
+    """args for our side of a race: SGD, as every side takes."""
+    return type(args)(**{**vars(args), "optimizer": "sgd", **more})
+
+
 def serial_side(args, device):
     """Our step on the whole batch on rank 0 alone: a side that is not compared (None).
     Every rank must call this: it makes rank 0's group of one."""
@@ -191,10 +207,8 @@ def serial_side(args, device):
         return (lambda: None), None
     inputs, targets = (t.to(device) for t in make_batch(args))
     weights = [w.to(device) for w in init_weights(args.num_layers, args.dim, args.seed)]
-    m, averager = args.micro_batches, GradientAverager(alone)
-    step = sgd_side(weights, lambda: dp_step(weights, inputs.chunk(m), targets.chunk(m), inputs.numel(),
-                                              averager)[0], args.lr)[0]
-    return step, None
+    m = args.micro_batches
+    return dp_side(weights, alone, args, inputs.chunk(m), targets.chunk(m), inputs.numel())[0], None
 
 
 def mse_sum(n):

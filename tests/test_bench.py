@@ -34,8 +34,16 @@ def assert_same(result, compared):
 
 
 def test_data_parallel_equals_ddp():
-    result = bench.versus_ddp(tiny(world_size=2))
+    result = bench.versus_ddp(tiny(world_size=2, zero=0))
     assert_same(result, ["ours --overlap", "DDP"])
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_equals_pytorchs_own_sharding(zero):
+    """ZeRO-1 against ZeroRedundancyOptimizer over DDP, ZeRO-2 and 3 against FSDP2; on 3
+    ranks, so that the shards are padded (d does not divide D x D = 64)."""
+    result = bench.versus_ddp(tiny(world_size=3, batch_size=12, zero=zero))
+    assert_same(result, [bench.TORCH_ZERO[zero]])
 
 
 def test_tensor_parallel_equals_colwise_parallel():
@@ -63,13 +71,13 @@ def test_three_d_equals_pytorch_composition():
 def test_a_wrong_gradient_is_caught_and_its_table_refused(monkeypatch, capsys):
     """The check is not vacuous: double our averaged gradients and DDP no longer matches,
     and print_race exits instead of reporting a time for different work."""
-    finish = data_parallel.GradientAverager.finish
+    average = data_parallel.DataParallel.average
 
-    def finish_twice_too_large(self):
-        finish(self)
+    def average_twice_too_large(self):
+        average(self)
         self.flat.mul_(2)
-    monkeypatch.setattr(data_parallel.GradientAverager, "finish", finish_twice_too_large)
-    result = bench.versus_ddp(tiny(world_size=2))
+    monkeypatch.setattr(data_parallel.DataParallel, "average", average_twice_too_large)
+    result = bench.versus_ddp(tiny(world_size=2, zero=0))
     assert result["diffs"]["DDP"] > 1e-3 and result["diffs"]["ours --overlap"] <= TOLERANCE
     with pytest.raises(SystemExit):
         race.print_race(result)

@@ -87,6 +87,27 @@ def comparison(L, m, t, act):
             f"{float(megatron / gather):.3f} of it")
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_data_parallel_with_zero(capfd, zero):
+    """3 replicas, D = 8: each layer's 64 parameters padded to 66, 264 bytes. ZeRO-1 and 2:
+    one reduce-scatter and one all-gather a layer; ZeRO-3: per micro-batch an all-gather
+    a layer for the forward and one for each backward but the first layer's, and a
+    reduce-scatter a layer."""
+    d, L, D, B, m = 3, 3, 8, 12, 2
+    comm_count.count("data_parallel", ["--world-size", str(d), "--num-layers", str(L), "--dim", str(D),
+                                       "--batch-size", str(B), "--micro-batches", str(m), "--zero", str(zero),
+                                       *COMMON])
+    layer = 66 * F32
+    each = Fraction((d - 1) * layer, d)    # (d-1)/d of a layer's padded bytes
+    assert each.denominator == 1
+    if zero < 3:
+        want = {("dp", "reduce-scatter"): (L, L * each), ("dp", "all-gather"): (L, L * each)}
+    else:
+        want = {("dp", "reduce-scatter"): (m * L, m * L * each), ("dp", "all-gather"): (m * (2 * L - 1),
+                                                                                          m * (2 * L - 1) * each)}
+    assert_counts(capfd, d, lambda rank: want)
+
+
 @pytest.mark.parametrize("style, L", [("all-gather", 3), ("megatron", 4), ("megatron", 3)])
 def test_tensor_parallel(capfd, style, L):
     t, D, B, m = 4, 8, 12, 3

@@ -8,6 +8,7 @@
 - --check passes on a correct run and fails on a broken one; bad flags exit 2.
 """
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -413,6 +414,53 @@ def test_dp_overlap_and_shuffle_match_serial(tmp_path, monkeypatch, flags):
     assert_replicas_identical(result)
 
 
+# ZeRO: (world size, stage, micro-batches, optimizer, --overlap). Every stage at world
+# sizes 1 to 4; 3 replicas of D = 16 pad every layer (256 = 3 x 85 + 1); both optimizers;
+# micro-batches 1 to 4; --overlap, which starts reduce-scatters during the backward.
+ZERO_CASES = [(1, 1, 1, "sgd", False), (1, 3, 2, "adamw", False),
+              (2, 1, 2, "sgd", False), (2, 2, 4, "adamw", True), (2, 3, 1, "sgd", True),
+              (3, 1, 2, "adamw", True), (3, 2, 1, "sgd", False), (3, 3, 4, "adamw", False),
+              (4, 1, 1, "adamw", False), (4, 2, 2, "sgd", False), (4, 3, 2, "sgd", False),
+              (4, 3, 1, "adamw", True)]
+
+
+@pytest.mark.parametrize("world_size,zero,micro_batches,optimizer,overlap", ZERO_CASES)
+def test_zero_matches_serial(tmp_path, monkeypatch, world_size, zero, micro_batches, optimizer, overlap):
+    result = run_dp(tmp_path, monkeypatch, world_size, batch_size=4 * world_size * micro_batches,
+                    micro_batches=micro_batches, optimizer=optimizer,
+                    flags=("--zero", str(zero), *(["--overlap"] if overlap else [])))
+    assert (result["config"]["zero"], result["config"]["overlap"]) == (zero, overlap)
+    assert all(w.shape == (SMALL["dim"], SMALL["dim"]) for w in result["final_weights"])   # full, gathered
+    assert_matches_serial(result)
+    assert_replicas_identical(result)
+
+
+MEMORY_ROW = re.compile(r"^  (weights|gradients|optimizer state|total)\s+(\d+) bytes\s+formula (.+?)\s*= +([\d.]+)$")
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_memory_each_replica_holds_is_the_formula(tmp_path, monkeypatch, capfd, zero, optimizer):
+    """What one replica holds at the end of a step, counted from its tensors, is ZeRO's
+    formula: 16P, 8P + 8P/d, 4P + 12P/d, 16P/d bytes with AdamW (4 + 4 + 0 with SGD). With 3
+    replicas and D = 16 every layer is padded from 256 to 3 x 86 = 258 parameters."""
+    run_dp(tmp_path, monkeypatch, 3, batch_size=12, micro_batches=2, optimizer=optimizer,
+           flags=("--zero", str(zero)))
+    out = capfd.readouterr().out
+    rows = {m[1]: (int(m[2]), m[3], float(m[4])) for m in map(MEMORY_ROW.match, out.splitlines()) if m}
+    L, d = SMALL["num_layers"], 3
+    P = L * (258 if zero else 256)
+    adam = 8 if optimizer == "adamw" else 0
+    want = {0: (4 * P, 4 * P, adam * P), 1: (4 * P, 4 * P, adam * P / d), 2: (4 * P, 4 * P / d, adam * P / d),
+            3: (4 * P / d, 4 * P / d, adam * P / d)}[zero]
+    assert [rows[k][0] for k in ("weights", "gradients", "optimizer state")] == list(want)
+    assert rows["total"][0] == sum(want) and rows["total"][2] == sum(want)
+    assert all(rows[k][0] == rows[k][2] for k in rows), rows
+    if zero == 3:   # at its largest: the shards, and the one layer gathered for its forward
+        peak = re.search(r"largest at any moment of the step: (\d+) bytes", out)
+        assert int(peak[1]) == sum(want) + 4 * 258
+
+
 def test_gradient_scale_micro_batches_and_replicas(tmp_path, monkeypatch):
     """Summed over micro-batches, averaged over replicas once: m=4 equals m=1, dp=2 equals dp=1.
     Averaging per micro-batch, or overwriting instead of accumulating, changes the step size."""
@@ -509,11 +557,11 @@ def test_check_passes_from_the_command_line(command_line_runs):
 def test_check_fails_when_the_parallel_result_is_wrong(tmp_path, monkeypatch, capfd):
     """Break the averaging (sum over replicas, no division): --check must fail, every figure
     of it, and say so as a failed check (a Stop), not as a crashed rank."""
-    def finish_without_division(self):
-        if self.dp_size > 1:                    # the all-reduce as usual, then no division by dp
+    def average_without_division(self):
+        if self.d > 1:                          # the all-reduce as usual, then no division by dp
             dist.all_reduce(self.flat, group=self.group)
 
-    monkeypatch.setattr(dp.GradientAverager, "finish", finish_without_division)
+    monkeypatch.setattr(dp.DataParallel, "average", average_without_division)
     with pytest.raises(RankFailed) as failed:
         run_dp(tmp_path, monkeypatch, 2, batch_size=8, micro_batches=1, flags=("--check",))
     assert failed.value.rank == 0 and failed.value.stopped.startswith("check FAILED")
@@ -551,6 +599,8 @@ def test_check_passes_in_process(tmp_path, monkeypatch, capfd):
     (["--micro-batches", "0"], "--micro-batches"),
     (["--save", "{tmp}/no/such/dir/run.pt"], "--save"),
     (["--save", "{tmp}"], "--save"),
+    (["--zero", "4"], "--zero"),
+    (["--zero", "-1"], "--zero"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, flag, tmp_path, monkeypatch, capsys):
     started = []

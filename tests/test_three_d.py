@@ -202,10 +202,11 @@ def test_show_rank_map_prints_the_table_and_starts_no_rank(sizes, order, monkeyp
 
 def run_3d(tmp_path, dp_size, pp_size, tp_size, schedule="1f1b", order="tp-pp-dp", p2p_shard=False,
            micro_batches=2, dim=16, num_layers=8, batch_size=16, steps=2, optimizer="sgd", lr=0.1, seed=3,
-           tp_style="all-gather"):
+           tp_style="all-gather", zero=0):
     """three_d.main in-process (ranks forked from here); return the --save dict."""
     save = tmp_path / "run.pt"
     three_d.main(["--dp", str(dp_size), "--pp", str(pp_size), "--tp", str(tp_size), "--tp-style", tp_style,
+                  "--zero", str(zero),
                   "--schedule", schedule, "--order", order, *(["--p2p-shard"] if p2p_shard else []),
                   "--micro-batches", str(micro_batches), "--dim", str(dim), "--num-layers", str(num_layers),
                   "--batch-size", str(batch_size), "--steps", str(steps), "--optimizer", optimizer,
@@ -267,6 +268,13 @@ CASES = [
     ((2, 1, 4), dict(tp_style="megatron", schedule="1f1b", order="tp-dp-pp", p2p_shard=True)),
     ((2, 1, 4), dict(tp_style="megatron", schedule="gpipe", optimizer="adamw", lr=0.01)),
     ((1, 2, 2), dict(tp_style="megatron", num_layers=6, micro_batches=4)),
+    # ZeRO over each dp group, on the TP shards of each stage: every stage at 2x2x2 and 4x2x1
+    ((2, 2, 2), dict(zero=1, optimizer="adamw", lr=0.01)),
+    ((2, 2, 2), dict(zero=2, schedule="gpipe", order="tp-dp-pp", tp_style="megatron")),
+    ((2, 2, 2), dict(zero=3, p2p_shard=True, optimizer="adamw", lr=0.01)),
+    ((4, 2, 1), dict(zero=1, micro_batches=1, order="tp-dp-pp")),
+    ((4, 2, 1), dict(zero=2, micro_batches=1, optimizer="adamw", lr=0.01)),
+    ((4, 2, 1), dict(zero=3, micro_batches=1, schedule="gpipe")),
 ]
 
 
@@ -336,6 +344,7 @@ def test_dp2_equals_dp1_so_the_gradient_is_averaged_once(tmp_path):
     (["--order", "foo"], "--order"),
     (["--schedule", "bar"], "--schedule"),
     (["--tp-style", "rowwise"], "--tp-style"),
+    (["--zero", "4"], "--zero"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, flag, monkeypatch, capsys):
     started = no_ranks(monkeypatch)
