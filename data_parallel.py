@@ -178,7 +178,7 @@ class DataParallel:
         self.d, self.r = dist.get_world_size(group), dist.get_rank(group)
         self.shapes = [w.shape for w in weights]
         self.sizes = [-(-w.numel() // self.d) for w in weights]           # S = ceil(numel / d)
-        self.full = weights if self.zero == 0 else [self.padded(w, i) for i, w in enumerate(weights)]
+        self.full = [self.padded(w, i) for i, w in enumerate(weights)] if self.zero else weights
         self.shards = [] if self.zero == 0 else [self.own(f, i) for i, f in enumerate(self.full)]
         if self.zero == 3:                      # the shards alone: weight(i) gathers the rest
             self.shards, self.full = [shard.clone() for shard in self.shards], None
@@ -288,7 +288,9 @@ class DataParallel:
 
     def full_grads(self):
         """The averaged gradients as full matrices (for --check); stages 1-3 gather them."""
-        return self.grads if self.zero == 0 else [self.gather(g, i) for i, g in enumerate(self.grad_shards)]
+        if self.zero == 0:
+            return self.grads
+        return [self.gather(g, i) for i, g in enumerate(self.grad_shards)]
 
     def full_weights(self):
         return [self.gather(shard, i) if self.zero == 3 else self.weight(i) for i, shard in
@@ -304,9 +306,10 @@ class DataParallel:
         weights = self.full if self.zero < 3 else [*self.shards, *self.gathered.values()]
         grads = [self.flat] if self.zero == 0 else [g for g in self.grads if g is not None]
         grads += self.grad_shards if self.zero > 1 else []   # stage 1's are parts of the full ones
-        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
-        return {name: sum(t.numel() * t.element_size() for t in tensors)
-                for name, tensors in (("weights", weights), ("gradients", grads), ("optimizer state", state))}
+        state = [t for per_weight in self.optimizer.state.values() for t in per_weight.values()
+                 if torch.is_tensor(t) and t.dim()]      # AdamW's two moments (not its step count)
+        held = {"weights": weights, "gradients": grads, "optimizer state": state}
+        return {name: sum(t.numel() * t.element_size() for t in ts) for name, ts in held.items()}
 
 
 def dp_step(replica, xs, ys, n):
@@ -353,12 +356,10 @@ def dp_worker(rank, world_size, args):
             log(f"[rank {rank}]", f"step {step:3d}  loss {losses[-1]:.6f}")
     weights = replica.full_weights()
     drift = replica_drift(weights)
-    memory = replica.held()
     if rank == 0:
         log(f"[rank {rank}]", f"replicas identical after training: {drift == 0.0} "
                               f"(largest difference {drift:g})")
-        padded = sum(dp_size * S for S in replica.sizes) if args.zero else args.num_layers * args.dim ** 2
-        show_memory(memory, replica.peak, args, dp_size, padded, replica.sizes[0] * dp_size)
+        show_memory(replica, args)
         finish_run(args, init, weights, losses, inputs, targets, first_grads,
                    {"replica_max_diff": drift})
     cleanup()
@@ -374,9 +375,10 @@ def zero_formula(zero, num_params, dp_size, optimizer="adamw"):
             "optimizer state": bytes_(8 if optimizer == "adamw" else 0, 1)}
 
 
-def show_memory(held, peak, args, dp_size, num_params, layer_params):
+def show_memory(replica, args):
     """What one replica holds at the end of a step, beside ZeRO's formulas."""
-    zero, P, d = args.zero, num_params, dp_size
+    held, zero, d = replica.held(), args.zero, replica.d
+    P = sum(d * S for S in replica.sizes) if zero else sum(s.numel() for s in replica.shapes)
     want = zero_formula(zero, P, d, args.optimizer)
     names = {0: ("4P", "4P", "8P"), 1: ("4P", "4P", "8P/d"), 2: ("4P", "4P/d", "8P/d"),
              3: ("4P/d", "4P/d", "8P/d")}[zero]
@@ -386,10 +388,11 @@ def show_memory(held, peak, args, dp_size, num_params, layer_params):
     for (kind, got), name in zip(held.items(), names):
         print(f"  {kind:<16}{got:>12} bytes   formula {name:<5}= {want[kind]:>12.0f}")
     total = {0: "16P", 1: "8P + 8P/d", 2: "4P + 12P/d", 3: "16P/d"}[zero]
-    print(f"  {'total':<16}{sum(held.values()):>12} bytes   formula {total} = {sum(want.values()):.0f}")
+    print(f"  {'total':<16}{sum(held.values()):>12} bytes   formula {total} = "
+          f"{sum(want.values()):.0f}")
     if zero == 3:
-        print(f"  largest at any moment of the step: {peak} bytes = 16P/d + one gathered layer "
-              f"({4 * layer_params} bytes)")
+        print(f"  largest at any moment of the step: {replica.peak} bytes = 16P/d + one gathered "
+              f"layer ({4 * d * replica.sizes[0]} bytes)")
     print("  (bf16 weights and gradients with fp32 master weights and Adam, 2 + 2 + 12 bytes a "
           "parameter: 16P, 4P + 12P/d, 2P + 14P/d, 16P/d)", flush=True)
 

@@ -201,8 +201,7 @@ def three_d_worker(rank, world_size, args):
     dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
     if rank == 0:
         if args.zero:   # rank 0's share: its TP shards of stage 0's layers, over its DP group
-            params = sum(args.dp * S for S in me.replica.sizes)
-            show_memory(me.replica.held(), me.replica.peak, args, args.dp, params, me.replica.sizes[0] * args.dp)
+            show_memory(me.replica, args)
         finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, first_grads)
     cleanup()
 
