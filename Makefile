@@ -57,20 +57,35 @@ test-ray: ray-deps
 # bench (tests/bench.py): each step against PyTorch's own API for it and against serial,
 # at a compute-heavy size (D=1024) and where communication dominates (the defaults, D=64);
 # the collectives' bandwidth, start-up, the pipeline bubble, and the bytes each rank sends
+BIG = --num-layers 4 --dim 1024 --batch-size 2048 --steps 5
 bench: deps
 	$(PYTHON) tests/bench.py collectives
-	$(PYTHON) tests/bench.py data_parallel --world-size 2 --num-layers 4 --dim 1024 --batch-size 2048 --steps 5
+	$(PYTHON) tests/bench.py data_parallel --world-size 2 $(BIG)
 	$(PYTHON) tests/bench.py data_parallel --world-size 2
-	$(PYTHON) tests/bench.py tensor_parallel --world-size 2 --num-layers 4 --dim 1024 --batch-size 2048 --steps 5
+	$(PYTHON) tests/bench.py data_parallel --world-size 2 --zero 1 $(BIG)
+	$(PYTHON) tests/bench.py data_parallel --world-size 2 --zero 1
+	$(PYTHON) tests/bench.py data_parallel --world-size 2 --zero 3 $(BIG)
+	$(PYTHON) tests/bench.py data_parallel --world-size 2 --zero 3
+	$(PYTHON) tests/bench.py tensor_parallel --world-size 2 $(BIG)
 	$(PYTHON) tests/bench.py tensor_parallel --world-size 2
-	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --num-layers 4 --dim 1024 --batch-size 2048 --micro-batches 8 --steps 5
+	$(PYTHON) tests/bench.py tensor_parallel --world-size 2 --tp-style megatron $(BIG)
+	$(PYTHON) tests/bench.py tensor_parallel --world-size 2 --tp-style megatron
+	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 8 $(BIG)
 	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 4
+	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 8 --schedule zb-h1 $(BIG)
+	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 4 --schedule zb-h1
+	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 8 --schedule interleaved $(BIG)
+	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 4 --schedule interleaved
 	$(PYTHON) tests/bench.py three_d --dp 2 --pp 2 --tp 2 --steps 10
 	$(PYTHON) tests/bench.py three_d --dp 2 --pp 2 --tp 2 --dim 512 --batch-size 256 --steps 5
 	$(PYTHON) tests/bench.py bubble-table
 	$(PYTHON) tests/bench.py count-comm data_parallel
+	$(PYTHON) tests/bench.py count-comm data_parallel --zero 1
+	$(PYTHON) tests/bench.py count-comm data_parallel --zero 3
 	$(PYTHON) tests/bench.py count-comm tensor_parallel
+	$(PYTHON) tests/bench.py count-comm tensor_parallel --tp-style megatron
 	$(PYTHON) tests/bench.py count-comm pipeline_parallel
+	$(PYTHON) tests/bench.py count-comm pipeline_parallel --schedule interleaved --micro-batches 4
 	$(PYTHON) tests/bench.py count-comm three_d
-	$(PYTHON) tests/bench.py count-comm three_d --p2p-shard
+	$(PYTHON) tests/bench.py count-comm three_d --p2p-shard --tp-style megatron --zero 3
 	$(PYTHON) tests/bench.py machine

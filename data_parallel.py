@@ -51,11 +51,17 @@ def layer_forward(x, w):
 def layer_backward(g, stash, w, need_dx=True):
     """Given g = dL/da, return (dx, dW) for a = gelu(x W). need_dx=False skips dx (None)
     where nobody needs it: the model's first layer, one matmul in three."""
+    dx, (x, dz) = input_backward(g, stash, w, need_dx)
+    return dx, x.T @ dz                       # dW = x^T dz        [D, n]
+
+
+def input_backward(g, stash, w, need_dx=True):
+    """The half of the backward that the layer below waits for: dx. Returns dx and what
+    the other half, dW = x^T dz, needs (step 4's zero-bubble schedule runs it later)."""
     x, z = stash
     dz = torch.ops.aten.gelu_backward(g, z)   # dz = g * gelu'(z)  [b, n], fused: see gelu_grad
-    dw = x.T @ dz                             # dW = x^T dz        [D, n]
     dx = dz @ w.T if need_dx else None        # dx = dz W^T        [b, D]
-    return dx, dw
+    return dx, (x, dz)
 
 
 def gelu_grad(z):

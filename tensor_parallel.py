@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
 from data_parallel import (check_divides, check_training_args, finish_run, init_weights,
-                           layer_backward, layer_forward, make_batch, make_optimizer, mse_loss,
-                           refuse_unused, training_parser)
+                           input_backward, layer_backward, layer_forward, make_batch,
+                           make_optimizer, mse_loss, refuse_unused, training_parser)
 
 
 def column_forward(x, w_t, group=None):
@@ -51,10 +51,15 @@ def column_backward(g, stash, w_t, group=None, need_dx=True):
 
     need_dx=False skips dx (None), and its all-reduce, where nobody needs it: the
     model's first layer."""
-    tp_rank, cols = dist.get_rank(group), stash[1].shape[1]   # z_t [b, D/T]
-    g_t = g[:, tp_rank * cols:(tp_rank + 1) * cols]       # the all-gather's backward: a slice
+    g_t = own_columns(g, stash, group)                    # the all-gather's backward: a slice
     dx, dw_t = layer_backward(g_t, stash, w_t, need_dx)   # dW_t = x^T dz_t; dx = dz_t W_t^T here
     return f_backward(dx, group) if need_dx else None, dw_t
+
+
+def own_columns(g, stash, group=None):
+    """g [b, D] -> this rank's columns of it, [b, D/T], as wide as its z_t."""
+    tp_rank, cols = dist.get_rank(group), stash[1].shape[1]
+    return g[:, tp_rank * cols:(tp_rank + 1) * cols]
 
 
 def f_backward(dx, group=None):
@@ -142,12 +147,20 @@ def tp_forward(kind, x, w_t, group=None):
 
 
 def tp_backward(kind, g, stash, w_t, group=None, need_dx=True):
-    if kind == "column":                                  # g: this rank's columns already
-        dx, dw_t = layer_backward(g, stash, w_t, need_dx)
-        return f_backward(dx, group) if need_dx else None, dw_t
-    if kind == "row":
-        return layer_backward(g, stash, w_t, need_dx)     # dW_t = a_t^T dz; da_t = dz W_t^T
-    return column_backward(g, stash, w_t, group, need_dx)
+    if kind == "gather":
+        return column_backward(g, stash, w_t, group, need_dx)
+    dx, (x, dz) = tp_input_backward(kind, g, stash, w_t, group, need_dx)
+    return dx, x.T @ dz                                   # dW_t = x^T dz_t, or a_t^T dz
+
+
+def tp_input_backward(kind, g, stash, w_t, group=None, need_dx=True):
+    """The backward but for dW: dx, and the (x, dz) that dW = x^T dz needs."""
+    if kind == "gather":
+        g = own_columns(g, stash, group)                  # the all-gather's backward: a slice
+    dx, x_dz = input_backward(g, stash, w_t, need_dx)     # a row layer: da_t = dz W_t^T, no more
+    if kind != "row" and need_dx:
+        dx = f_backward(dx, group)                        # dx = sum_t dz_t W_t^T
+    return dx, x_dz
 
 
 def shard(w, kind, tp_rank, tp_size):

@@ -32,8 +32,9 @@ from collectives import check_launch_args, cleanup, log, positive_int, run_main,
 from data_parallel import (DataParallel, add_zero_arg, check_divides, check_training_args,
                            finish_run, gather_on_rank0, global_loss, init_weights, make_batch,
                            refuse_unused, replica_rows, show_memory, training_parser)
-from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers
-from tensor_parallel import all_gather_columns, layer_kinds, shard, tp_backward, tp_forward
+from pipeline_parallel import (StageLayers, add_schedule_args, build_schedule, check_schedule_args,
+                               run_schedule, stage_layers)
+from tensor_parallel import all_gather_columns, layer_kinds, shard, tp_forward, tp_input_backward
 
 AXES = ("dp", "pp", "tp")
 
@@ -97,24 +98,24 @@ class TensorParallelStage(StageLayers):
     stage boundary, the same on every TP rank, goes as each rank's 1/tp slice and is
     all-gathered on arrival: 1/tp of the point-to-point bytes, for one all-gather more."""
 
-    def __init__(self, replica, first, last, targets, n, kinds, tp_group, p2p_shard):
+    def __init__(self, replica, offset, first, last, targets, n, kinds, tp_group, p2p_shard):
         super().__init__([], first, last, targets, n)
-        self.replica, self.num_layers = replica, len(kinds)
-        self.kinds, self.tp_group, self.p2p_shard = kinds, tp_group, p2p_shard
+        self.replica, self.offset, self.num_layers = replica, offset, len(kinds)   # its layers in
+        self.kinds, self.tp_group, self.p2p_shard = kinds, tp_group, p2p_shard     # the replica's
 
     def layer_forward(self, i, x):
-        out = tp_forward(self.kinds[i], x, self.replica.weight(i), self.tp_group)
-        self.replica.release(i)
+        out = tp_forward(self.kinds[i], x, self.replica.weight(self.offset + i), self.tp_group)
+        self.replica.release(self.offset + i)
         return out
 
-    def layer_backward(self, i, g, stash, need_dx):
-        w = self.replica.weight(i) if need_dx else None   # no dx (the model's first layer): no W
-        out = tp_backward(self.kinds[i], g, stash, w, self.tp_group, need_dx)
-        self.replica.release(i)
+    def input_backward(self, i, g, stash, need_dx):
+        w = self.replica.weight(self.offset + i) if need_dx else None   # no dx, no W needed
+        out = tp_input_backward(self.kinds[i], g, stash, w, self.tp_group, need_dx)
+        self.replica.release(self.offset + i)
         return out
 
     def add_grad(self, i, dw):
-        self.replica.add_grad(i, dw)
+        self.replica.add_grad(self.offset + i, dw)
 
     def outgoing(self, tensor):
         if not self.p2p_shard:
@@ -142,16 +143,17 @@ class ThreeDRank:
         self.tag = f"[dp{d} pp{p} tp{t}]"
         pp_ranks = dist.get_process_group_ranks(self.groups["pp"])   # the stages of this pipeline
         dist.barrier()   # a collective on every rank before the first point-to-point (for NCCL)
-        first, last = p == 0, p == args.pp - 1
 
-        # The layers of stage p, each cut to TP rank t's part: its columns, or its rows for a
-        # Megatron row layer. Every rank draws the whole model to cut its shards from it
-        # (init_weights says what that costs). Megatron's pairs stay inside a stage.
-        self.full = init_weights(args.num_layers, args.dim, args.seed)
-        self.layer_ids = stage_layers(args.num_layers, args.pp, p)
-        self.kinds = layer_kinds(len(self.layer_ids), args.tp_style)
+        # The layers of stage p (of each of its chunks, interleaved), each cut to TP rank t's
+        # part: its columns, or its rows for a Megatron row layer. Every rank draws the whole
+        # model to cut its shards (init_weights says what that costs). Megatron's pairs stay
+        # inside a chunk.
+        self.full, v = init_weights(args.num_layers, args.dim, args.seed), args.virtual_stages
+        per_chunk = args.num_layers // (args.pp * v)
+        self.kinds = layer_kinds(per_chunk, args.tp_style)             # the same in every chunk
         shards = [shard(self.full[i], kind, t, args.tp).to(device)   # [D, D/T] or [D/T, D]
-                  for i, kind in zip(self.layer_ids, self.kinds)]
+                  for c in range(v) for i, kind in zip(stage_layers(args.num_layers, args.pp, p, v, c),
+                                                       self.kinds)]
         self.replica = DataParallel(shards, self.groups["dp"], args)   # with --zero, 1/dp of them
 
         # This replica's slice of the batch, by its DP coordinate; the same on every TP rank.
@@ -160,21 +162,23 @@ class ThreeDRank:
         m = args.micro_batches
         self.micro_inputs = self.inputs[rows].to(device).chunk(m)        # [B/(dp m), D] each
         targets = self.targets[rows].to(device).chunk(m)
-        self.layers = TensorParallelStage(self.replica, first, last, targets,
-                                          n=len(rows) * args.dim,   # the replica's mean: / n
-                                          kinds=self.kinds, tp_group=self.groups["tp"],
-                                          p2p_shard=args.p2p_shard)
+        self.chunks = [TensorParallelStage(self.replica, c * per_chunk, c * args.pp + p == 0,
+                                           c * args.pp + p == v * args.pp - 1, targets,
+                                           n=len(rows) * args.dim,   # the replica's mean: / n
+                                           kinds=self.kinds, tp_group=self.groups["tp"],
+                                           p2p_shard=args.p2p_shard) for c in range(v)]
         self.buffer_shape = (len(rows) // m, args.dim // args.tp if args.p2p_shard else args.dim)
-        self.actions = build_schedule(args.schedule, args.pp, p, m)
-        self.prev_rank = None if first else pp_ranks[p - 1]
-        self.next_rank = None if last else pp_ranks[p + 1]
+        self.actions = build_schedule(args.schedule, args.pp, p, m, v)
+        self.prev_rank = pp_ranks[(p - 1) % args.pp]    # interleaved, the last stage's chunk c
+        self.next_rank = pp_ranks[(p + 1) % args.pp]    # sends to the first stage's chunk c+1
 
     def gradients(self):
         """Every micro-batch forward and backward through the pipeline, then the gradients
         averaged over the replicas, once (reduce-scattered, with --zero)."""
         self.replica.zero_grads(len(self.micro_inputs))
-        self.layers.loss = 0.0
-        run_schedule(self.actions, self.layers, self.micro_inputs, self.prev_rank, self.next_rank,
+        for chunk in self.chunks:
+            chunk.loss = 0.0
+        run_schedule(self.actions, self.chunks, self.micro_inputs, self.prev_rank, self.next_rank,
                      self.buffer_shape)
         self.replica.average()
 
@@ -192,7 +196,7 @@ def three_d_worker(rank, world_size, args):
             first_grads = full_matrices(me.replica.full_grads(), me.kinds, args)
         me.replica.step()                     # each rank's optimizer steps its own shards
         if last:   # the last stage knows the loss: the replicas' mean losses, averaged
-            losses.append(global_loss(torch.tensor(me.layers.loss, device=device), me.groups["dp"]))
+            losses.append(global_loss(torch.tensor(me.chunks[-1].loss, device=device), me.groups["dp"]))
             if me.d == 0 and me.t == 0:
                 log(me.tag, f"step {step:3d}  loss {losses[-1]:.6f}")
     final = full_matrices(me.replica.full_weights(), me.kinds, args)
@@ -208,20 +212,22 @@ def three_d_worker(rank, world_size, args):
 
 def full_matrices(shards, kinds, args):
     """On rank 0, the L full [D, D] matrices put back together from replica 0's shards:
-    stage p holds layers p L/pp .. (p+1) L/pp - 1, TP rank t their columns t D/tp ..
-    (their rows, for a row layer). Every rank sends its shards flat, [L/pp, D D/tp]."""
+    stage p holds layers p L/pp .. (p+1) L/pp - 1 (interleaved, chunk c holds those of
+    virtual stage c pp + p), TP rank t their columns t D/tp .. (their rows, for a row
+    layer). Every rank sends its shards flat, [L/pp, D D/tp]."""
     everyone = gather_on_rank0(torch.stack([w.reshape(-1) for w in shards]))  # [world, L/pp, D D/T]
     if everyone is None:
         return None
     grid, D = rank_grid(args.dp, args.pp, args.tp, args.order), args.dim   # [dp, pp, tp] -> rank
     full = []
-    for p in range(args.pp):                         # in layer order; every stage has these kinds
-        for i, kind in enumerate(kinds):
-            parts = [everyone[grid[0, p, t], i] for t in range(args.tp)]
-            if kind == "row":   # rows stacked, or columns side by side
-                full.append(torch.cat([w.view(-1, D) for w in parts], dim=0))
-            else:
-                full.append(torch.cat([w.view(D, -1) for w in parts], dim=1))
+    for c in range(args.virtual_stages):             # in layer order: virtual stage c pp + p
+        for p in range(args.pp):
+            for i, kind in enumerate(kinds):
+                parts = [everyone[grid[0, p, t], c * len(kinds) + i] for t in range(args.tp)]
+                if kind == "row":   # rows stacked, or columns side by side
+                    full.append(torch.cat([w.view(-1, D) for w in parts], dim=0))
+                else:
+                    full.append(torch.cat([w.view(D, -1) for w in parts], dim=1))
     return full
 
 
@@ -258,7 +264,7 @@ def parse_args(argv=None):
     parser.add_argument("--dp", type=positive_int, default=2, help="data-parallel replicas")
     parser.add_argument("--pp", type=positive_int, default=2, help="stages; divides --num-layers")
     parser.add_argument("--tp", type=positive_int, default=2, help="ranks per layer; divides --dim")
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    add_schedule_args(parser)
     parser.add_argument("--order", choices=["tp-pp-dp", "tp-dp-pp"], default="tp-pp-dp",
                         help="nesting of the rank map, fastest-varying axis first")
     parser.add_argument("--tp-style", choices=["all-gather", "megatron"], default="all-gather",
@@ -278,6 +284,7 @@ def parse_args(argv=None):
     if args.pp > args.num_layers:
         parser.error(f"--pp {args.pp}: more stages than --num-layers ({args.num_layers})")
     check_divides(parser, args.num_layers, "--num-layers", args.pp, "--pp")
+    check_schedule_args(parser, args, args.pp, "--pp")
     check_training_args(parser, args, args.dp * args.pp * args.tp, args.dp, "--dp")
     check_launch_args(parser, args, args.dp * args.pp * args.tp, flag="--dp x --pp x --tp")
     if args.ray:

@@ -345,73 +345,91 @@ def colwise_side(model, kinds, xs, ys, n, lr):
 # Step 4 against torch.distributed.pipelining
 # ----------------------------------------------------------------------------------
 
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble",
+                   "interleaved": "ScheduleInterleaved1F1B"}
+
+
 def versus_pipelining(args):
+    """GPipe and 1F1B (--schedule gpipe or 1f1b: both), or ZB-H1, or interleaved, each
+    against torch.distributed.pipelining's schedule for it."""
     import torch.distributed.pipelining  # noqa: F401  (~3 s) once here, before the ranks fork
     times, diffs = spawn_returning(pipelining_race, args.world_size, args, backend=args.backend,
                                    timeout_s=args.timeout_s)
-    ratios = [(f"ours {s}", f"torch {c}") for s, c in (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"))
-              if f"ours {s}" in times]
-    notes = [] if len(ratios) == 2 else [f"1F1B skipped: PyTorch's needs --micro-batches >= stages ({args.world_size})"]
-    return dict(title=f"pipeline parallel vs torch.distributed.pipelining: {bench_sizes(args, args.world_size)}",
+    ratios = [(f"ours {s}", f"torch {TORCH_SCHEDULES[s]}") for s in TORCH_SCHEDULES if f"ours {s}" in times]
+    notes = [] if ratios else ["no PyTorch schedule ran: see above"]
+    if args.schedule in ("gpipe", "1f1b") and len(ratios) == 1:
+        notes = [f"1F1B skipped: PyTorch's needs --micro-batches >= stages ({args.world_size})"]
+    return dict(title=f"pipeline parallel vs torch.distributed.pipelining: {bench_sizes(args, args.world_size)}"
+                      + (f", v={args.virtual_stages}" if args.schedule == "interleaved" else ""),
                 times=times, diffs=diffs, ratios=ratios, notes=notes, world_size=args.world_size, steps=args.steps)
 
 
 def pipelining_race(rank, world_size, args):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    import torch.distributed.pipelining as pipelining
     device = setup(rank, world_size)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     full = init_weights(args.num_layers, args.dim, args.seed)
-    layer_ids = stage_layers(args.num_layers, world_size, rank)
     inputs, targets = (t.to(device) for t in make_batch(args))
-    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-    if args.micro_batches < world_size:
-        del schedules["1f1b"]          # PyTorch's 1F1B needs at least as many micro-batches as stages
+    schedules = ["gpipe", "1f1b"] if args.schedule in ("gpipe", "1f1b") else [args.schedule]
+    if args.micro_batches < world_size and "1f1b" in schedules:
+        schedules.remove("1f1b")       # PyTorch's 1F1B needs at least as many micro-batches as stages
+    v = args.virtual_stages
     sides = {}
-    for name, schedule_class in schedules.items():
-        weights = [full[i].to(device, copy=True) for i in layer_ids]
-        sides[f"ours {name}"] = pp_side(weights, name, rank, world_size, inputs, targets, args)
-        sides[f"torch {schedule_class.__name__}"] = pipelining_side(
-            as_module([full[i] for i in layer_ids], device), schedule_class, rank, world_size, inputs, targets, args)
+    for name in schedules:
+        chunk_layers = [stage_layers(args.num_layers, world_size, rank, v, c) for c in range(v)]
+        sides[f"ours {name}"] = pp_side(full, chunk_layers, name, rank, world_size, inputs, targets, args)
+        sides[f"torch {TORCH_SCHEDULES[name]}"] = pipelining_side(
+            [as_module([full[i] for i in layers], device) for layers in chunk_layers],
+            getattr(pipelining, TORCH_SCHEDULES[name]), rank, world_size, inputs, targets, args)
     sides["serial: our step, whole batch, 1 rank"] = serial_side(args, device)
     result = check_and_race(sides, device, args.steps)
     end_race(sides)
     return result
 
 
-def pp_side(weights, schedule, stage, num_stages, inputs, targets, args):
-    """Our stage with one schedule and SGD, as (step, state)."""
-    m = args.micro_batches
-    layers = StageLayers(weights, stage == 0, stage == num_stages - 1, targets.chunk(m), n=args.batch_size * args.dim)
-    actions = build_schedule(schedule, num_stages, stage, m)
+def pp_side(full, chunk_layers, schedule, stage, num_stages, inputs, targets, args):
+    """Our stage (its chunks' layers) with one schedule and SGD, as (step, state)."""
+    m, p, v = args.micro_batches, num_stages, len(chunk_layers)
+    chunks = [StageLayers([full[i].to(inputs.device, copy=True) for i in layers], c * p + stage == 0,
+                          c * p + stage == v * p - 1, targets.chunk(m), n=args.batch_size * args.dim)
+              for c, layers in enumerate(chunk_layers)]
+    weights = [w for chunk in chunks for w in chunk.weights]
+    actions = build_schedule(schedule, p, stage, m, v)
 
     def gradients():
-        layers.grads, layers.loss = [torch.zeros_like(w) for w in weights], 0.0
-        run_schedule(actions, layers, inputs.chunk(m), stage - 1, stage + 1, (args.batch_size // m, args.dim))
-        return layers.grads
+        for chunk in chunks:
+            chunk.grads, chunk.loss = [torch.zeros_like(w) for w in chunk.weights], 0.0
+        run_schedule(actions, chunks, inputs.chunk(m), (stage - 1) % p, (stage + 1) % p,
+                     (args.batch_size // m, args.dim))
+        return [g for chunk in chunks for g in chunk.grads]
     return sgd_side(weights, gradients, args.lr)
 
 
-def pipelining_side(module, schedule_class, stage, num_stages, inputs, targets, args):
-    """PyTorch's stage (this rank's layers as a module) with a schedule of the same stage
-    and micro-batch counts, and SGD, as (step, state). Each micro-batch's loss is its mean
-    squared error, and the schedule divides the gradients by m (scale_grads): with equal
-    micro-batches, the gradient of the mean over the batch, as ours."""
+def pipelining_side(modules, schedule_class, rank, num_stages, inputs, targets, args):
+    """PyTorch's stages (this rank's chunks of layers, each a module; chunk c is stage
+    c p + rank) with a schedule of the same stage and micro-batch counts, and SGD, as
+    (step, state). Each micro-batch's loss is its mean squared error, and the schedule
+    divides the gradients by m (scale_grads): with equal micro-batches, the gradient of
+    the mean over the batch, as ours."""
     from torch.distributed.pipelining import PipelineStage
     # Shapes given up front (static mode): inferring them sends pickled objects, which needs
     # numpy. An activation between stages requires grad: its gradient is sent back.
     example = inputs[:args.batch_size // args.micro_batches].clone().requires_grad_()   # [B/m, D]
-    stage_module = PipelineStage(module, stage, num_stages, inputs.device,
-                                 input_args=example if stage else example.detach(), output_args=example)
-    schedule = schedule_class(stage_module, args.micro_batches, loss_fn=F.mse_loss)
-    first, last = stage == 0, stage == num_stages - 1
-    params = list(module.parameters())                 # nn.Linear weights: W^T
+    v = len(modules)
+    stages = [PipelineStage(module, c * num_stages + rank, v * num_stages, inputs.device,
+                            input_args=example if c * num_stages + rank else example.detach(), output_args=example)
+              for c, module in enumerate(modules)]
+    single = schedule_class.__name__ in ("ScheduleGPipe", "Schedule1F1B")
+    schedule = schedule_class(stages[0] if single else stages, args.micro_batches, loss_fn=F.mse_loss)
+    first, last = rank == 0, rank == num_stages - 1
+    params = [q for module in modules for q in module.parameters()]      # nn.Linear weights: W^T
     optimizer = torch.optim.SGD(params, lr=args.lr)
 
     def step():
         optimizer.zero_grad()
         schedule.step(*[inputs] if first else [], **dict(target=targets) if last else {}, return_outputs=False)
         optimizer.step()
-    return step, lambda: ([p.T for p in params], [p.grad.T for p in params])
+    return step, lambda: ([q.T for q in params], [q.grad.T for q in params])
 
 
 # ----------------------------------------------------------------------------------
@@ -591,13 +609,14 @@ def quiet_dtensor_warnings():
 # The pipeline bubble and the peak stash, measured for p = 2, 4 and m = 1..8
 # ----------------------------------------------------------------------------------
 
-def bubble_table(stages=(2, 4), micro_batches=range(1, 9), dim=1024, rows=64, steps=3,
-                 backend="auto", timeout_s=60.0):
-    """Both schedules for each p in stages and m in micro_batches: a list of dicts with
-    the measured bubble of the median step ("bubble", "step_ms") and each stage's peak
-    stash ("peak_stash"). One dim x dim layer per stage, rows rows per micro-batch."""
+def bubble_table(stages=(2, 4), micro_batches=(4, 8), dim=1024, rows=64, steps=3, backend="auto",
+                 timeout_s=60.0):
+    """Every schedule for each p in stages and m in micro_batches: a list of dicts with the
+    measured bubble of the median step ("bubble", "step_ms"), the mean time of one F, B and
+    W ("times"), and each stage's peak stash ("peak_stash"). Each stage holds two dim x dim
+    layers (interleaved: two chunks of one); rows rows per micro-batch."""
     table = []
-    for p in stages:   # one run of p ranks measures every m and both schedules
+    for p in stages:   # one run of p ranks measures every m and every schedule
         table += spawn_returning(bubble_worker, p, list(micro_batches), dim, rows, steps,
                                  backend=backend, timeout_s=timeout_s)
     return table
@@ -607,58 +626,75 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
     device = setup(rank, num_stages)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     p, stage = num_stages, rank
-    w = init_weights(p, dim, seed=0)[stage].to(device)      # one layer per stage
+    w = init_weights(2 * p, dim, seed=0)                   # two layers per stage
     table = []
     for m in micro_batches:
         x = torch.randn(m * rows, dim, generator=torch.Generator().manual_seed(m)).to(device).chunk(m)
-        for schedule in ("gpipe", "1f1b"):
-            layers = StageLayers([w], stage == 0, stage == p - 1, targets=x, n=m * rows * dim)   # any targets
-            actions = build_schedule(schedule, p, stage, m)
-            spans = []
+        for schedule in ("gpipe", "1f1b", "zb-h1", "interleaved"):
+            v = 2 if schedule == "interleaved" else 1
+            chunks = [StageLayers([w[i].to(device) for i in stage_layers(2 * p, p, stage, v, c)], c * p + stage == 0,
+                                  c * p + stage == v * p - 1, targets=x, n=m * rows * dim) for c in range(v)]
+            actions = build_schedule(schedule, p, stage, m, v)
+            spans, times = [], []
             for i in range(steps + 1):    # the first step opens the connections: not measured
                 events = []
                 dist.barrier()            # every stage starts the step at once
-                run_schedule(actions, layers, x, stage - 1, stage + 1, (rows, dim), events=events)
-                busy = torch.tensor([sum(t1 - t0 for _, _, t0, t1 in events), min(e[2] for e in events),
-                                     max(e[3] for e in events)], dtype=torch.float64, device=device)
+                peak = run_schedule(actions, chunks, x, (stage - 1) % p, (stage + 1) % p, (rows, dim), events=events)
+                busy = torch.tensor([sum(e[4] - e[3] for e in events), min(e[3] for e in events),
+                                     max(e[4] for e in events)], dtype=torch.float64, device=device)
                 everyone = [torch.empty_like(busy) for _ in range(p)]
                 dist.all_gather(everyone, busy)
-                if i:   # the step spans the first F's start to the last B's end, on any stage
+                if i:   # the step spans the first F's start to the last B's or W's end, on any stage
                     begin, end = min(e[1].item() for e in everyone), max(e[2].item() for e in everyone)
                     spans.append((end - begin, sum(1 - e[0].item() / (end - begin) for e in everyone) / p))
-            peaks = torch.tensor([layers.peak_stash], device=device)
-            all_peaks = [torch.empty_like(peaks) for _ in range(p)]
-            dist.all_gather(all_peaks, peaks)
+                    times += [(op, end - start) for op, _, _, start, end in events]
+            peaks = [torch.empty(1, dtype=torch.long, device=device) for _ in range(p)]
+            dist.all_gather(peaks, torch.tensor([peak], device=device))
+            per_op = torch.tensor([statistics.mean(t for op, t in times if op == kind) if kind in
+                                   {op for op, _ in times} else 0.0 for kind in "FBW"], dtype=torch.float64,
+                                  device=device)
+            dist.all_reduce(per_op)       # the mean over the stages of one F, B and W
             span, bubble = sorted(spans)[steps // 2]          # the median step, by its span
             table.append({"p": p, "m": m, "schedule": schedule, "bubble": bubble, "step_ms": span * 1e3,
-                          "peak_stash": [int(x) for x in all_peaks]})
+                          "times": (per_op / p).tolist(), "peak_stash": [int(x) for x in peaks]})
     cleanup()
     return table
 
 
+def peak_bound(schedule, p, s, m, v=2):
+    """The most micro-batches a stage can hold under each schedule (tests check it exactly)."""
+    return {"gpipe": m, "1f1b": min(p - s, m), "zb-h1": min(p, m),
+            "interleaved": min(pipeline_parallel.warmup_forwards("interleaved", p, s, m, v) + 1, v * m)}[schedule]
+
+
 def print_bubble_table(table, dim, rows, steps):
-    print(f"pipeline bubble and stash: one {dim} x {dim} layer per stage, {rows} rows per micro-batch, "
-          f"the median step of {steps} after a warm-up step", flush=True)
-    print(f"{'p':>3}{'m':>3}{'theory':>9} |{'gpipe':>8}{'ms':>7}  {'stash':<12}|{'1f1b':>8}{'ms':>7}  stash")
-    cells = {(r["p"], r["m"], r["schedule"]): r for r in table}
-    for p, m in dict.fromkeys((r["p"], r["m"]) for r in table):
-        line = f"{p:>3}{m:>3}{(p - 1) / (m + p - 1):>9.1%} "
-        for schedule in ("gpipe", "1f1b"):
-            r = cells[p, m, schedule]
-            line += f"|{r['bubble']:>8.1%}{r['step_ms']:>7.1f}  {' '.join(map(str, r['peak_stash'])):<12}"
-        print(line)
+    print(f"pipeline bubble and stash: two {dim} x {dim} layers per stage (interleaved: two chunks of one), "
+          f"{rows} rows per micro-batch, the median step of {steps} after a warm-up step")
+    print(f"{'p':>3}{'m':>3}  {'schedule':<12}{'theory':>8}{'measured':>10}{'ms':>8}   stash per stage, bound")
+    for r in table:
+        p, m, schedule = r["p"], r["m"], r["schedule"]
+        t_f, t_b, t_w = r["times"]
+        theory = pipeline_parallel.bubble_theory(schedule, p, m, 2 if schedule == "interleaved" else 1,
+                                                 (t_f, t_b, t_w) if schedule == "zb-h1" else (1, 1, 1))
+        bound = [peak_bound(schedule, p, s, m) for s in range(p)]
+        extra = f"   T_F {t_f * 1e3:.2f} T_B {t_b * 1e3:.2f} T_W {t_w * 1e3:.2f} ms" if schedule == "zb-h1" else ""
+        print(f"{p:>3}{m:>3}  {schedule:<12}{theory:>8.1%}{r['bubble']:>10.1%}{r['step_ms']:>8.1f}   "
+              f"{' '.join(map(str, r['peak_stash']))}, {' '.join(map(str, bound))}{extra}")
     cores, most = os.cpu_count() or 1, max(r["p"] for r in table)
     print(textwrap.dedent("""\
-        theory: (p-1)/(m+p-1), for stages of equal time and free communication. measured: the mean over
-        stages of the share of the step (the first F's start to the last B's end, on any stage) that a stage
-        spent outside its F and B: besides the bubble, the transfers of activations and gradients and the
-        runner's Python between actions. ms: that step's span. stash: the most micro-batches whose
-        activations a stage held at once, stage 0 first; GPipe holds all m, 1F1B min(p-s, m)."""))
+        theory, for stages of equal speed and free communication: (p-1)/(m+p-1) for GPipe and 1F1B,
+        (p-1)/(vm+p-1) for interleaved (v=2), and for ZB-H1 (p-1)(T_F+T_B-T_W)/(m(T_F+T_B+T_W)+(p-1)(T_F+T_B-T_W))
+        with the measured times of one F, B (dx alone) and W (dW). measured: the mean over stages of the share
+        of the step (the first F's start to the last B's or W's end, on any stage) that a stage spent outside
+        its F, B and W: besides the bubble, the transfers and the runner's Python between actions.
+        stash: the most micro-batches whose activations a stage held at once (interleaved: micro-batches times
+        chunks, each half a stage's layers), stage 0 first; then the bound the schedule promises."""))
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     print(f"machine: {cores} CPU cores{load}.")
     if most > cores:
         print(f"note: {most} ranks shared {cores} CPU cores: a stage that waits for a core counts as idle,\n"
-              f"and one that loses its core inside F or B counts as busy.", flush=True)
+              f"and one that loses its core inside F or B counts as busy. There, the figure measures the load.",
+              flush=True)
 
 
 # ----------------------------------------------------------------------------------

@@ -146,20 +146,24 @@ def tp_formula(kinds, first_stage, act_bytes, num_micro_batches, tp_size):
                                    f"{reduces} dx or z x {m} mb x 2({t}-1)/{t} x {A}")}
 
 
-def pp_formula(stage, num_stages, act_bytes, num_micro_batches):
-    """Per micro-batch, the output activation to the next stage (unless last) and the
-    input's gradient to the previous one (unless first), act_bytes each."""
-    boundaries, m = (stage > 0) + (stage < num_stages - 1), num_micro_batches
+def pp_formula(stage, num_stages, act_bytes, num_micro_batches, num_chunks=1):
+    """Per micro-batch and chunk (virtual stage c p + s), the output activation to the next
+    virtual stage (unless last) and the input's gradient to the previous (unless first),
+    act_bytes each: interleaving sends v times the messages of one chunk per stage."""
+    p, v, m = num_stages, num_chunks, num_micro_batches
+    virtual = [c * p + stage for c in range(v)]
+    boundaries = sum((j > 0) + (j < p * v - 1) for j in virtual)
     return {("pp", "send"): (boundaries * m * act_bytes,
-                             f"{m} mb x {act_bytes} x {boundaries} (one per neighbouring stage)")}
+                             f"{m} mb x {act_bytes} x {boundaries} (one per neighbouring virtual stage)")}
 
 
 def three_d_formula(args, p, act_bytes, layer_bytes):
     """The blocks' formulas for one rank of stage p: tp for its stage's layers, pp for
     its stage boundaries, dp for its shards (param_bytes)."""
-    m, t, layers = args.micro_batches, args.tp, args.num_layers // args.pp
-    formula = tp_formula(layer_kinds(layers, args.tp_style), p == 0, act_bytes, m, t)
-    formula.update(pp_formula(p, args.pp, act_bytes // t if args.p2p_shard else act_bytes, m))
+    m, t, v = args.micro_batches, args.tp, args.virtual_stages
+    kinds = layer_kinds(args.num_layers // (args.pp * v), args.tp_style) * v   # Megatron pairs per chunk
+    formula = tp_formula(kinds, p == 0, act_bytes, m, t)
+    formula.update(pp_formula(p, args.pp, act_bytes // t if args.p2p_shard else act_bytes, m, args.virtual_stages))
     dp = dp_formula(layer_bytes, args.dp, args.zero, m)
     if args.zero == 3 and p > 0:   # only the model's first layer skips its backward's gather
         gathered, how = dp[("dp", "all-gather")]
@@ -168,7 +172,8 @@ def three_d_formula(args, p, act_bytes, layer_bytes):
                                     f"({args.dp}-1)/{args.dp} x {first}: this stage's first layer needs its W")
     formula.update(dp)
     if args.p2p_shard:   # every tensor received from a neighbouring stage is all-gathered over tp
-        received = (p > 0) + (p < args.pp - 1)
+        v = args.virtual_stages
+        received = sum((j > 0) + (j < args.pp * v - 1) for j in (c * args.pp + p for c in range(v)))
         gathered, how = formula[("tp", "all-gather")]
         formula[("tp", "all-gather")] = (gathered + Fraction(received * m * (t - 1) * act_bytes, t),
                                          f"{how} + {received} received x {m} mb x ({t}-1)/{t} x {act_bytes}")
@@ -240,16 +245,17 @@ def count_tp(rank, world_size, args):
 def count_pp(rank, world_size, args):
     device = setup(rank, world_size)
     dist.barrier()
-    stage, m = rank, args.micro_batches
+    p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
     full = init_weights(args.num_layers, args.dim, args.seed)
-    weights = [full[i].to(device) for i in stage_layers(args.num_layers, world_size, stage)]
     inputs, targets = (t.to(device) for t in make_batch(args))
-    layers = StageLayers(weights, stage == 0, stage == world_size - 1, targets.chunk(m), n=args.batch_size * args.dim)
+    chunks = [StageLayers([full[i].to(device) for i in stage_layers(args.num_layers, p, stage, v, c)],
+                          c * p + stage == 0, c * p + stage == v * p - 1, targets.chunk(m), n=args.batch_size * args.dim)
+              for c in range(v)]
     counter = CommCounter({"pp": None})
     with counter.step():
-        run_schedule(build_schedule(args.schedule, world_size, stage, m), layers, inputs.chunk(m), stage - 1,
-                     stage + 1, (args.batch_size // m, args.dim))
-    report(counter, pp_formula(stage, world_size, args.batch_size // m * args.dim * 4, m))
+        run_schedule(build_schedule(args.schedule, p, stage, m, v), chunks, inputs.chunk(m), (stage - 1) % p,
+                     (stage + 1) % p, (args.batch_size // m, args.dim))
+    report(counter, pp_formula(stage, p, args.batch_size // m * args.dim * 4, m, v))
     cleanup()
 
 

@@ -58,13 +58,20 @@ def test_megatron_pairs_equal_colwise_then_rowwise_parallel(num_layers):
 
 
 def test_pipeline_equals_pipelining_gpipe_and_1f1b():
-    result = bench.versus_pipelining(tiny(world_size=2))
+    result = bench.versus_pipelining(tiny(world_size=2, schedule="1f1b", virtual_stages=1))
     assert_same(result, ["torch ScheduleGPipe", "ours 1f1b", "torch Schedule1F1B"])
+
+
+@pytest.mark.parametrize("schedule, virtual, torch_schedule", [
+    ("zb-h1", 1, "ScheduleInterleavedZeroBubble"), ("interleaved", 2, "ScheduleInterleaved1F1B")])
+def test_zero_bubble_and_interleaved_equal_pytorchs(schedule, virtual, torch_schedule):
+    result = bench.versus_pipelining(tiny(world_size=2, schedule=schedule, virtual_stages=virtual))
+    assert_same(result, [f"torch {torch_schedule}"])
 
 
 def test_three_d_equals_pytorch_composition():
     result = bench.versus_torch_3d(tiny(dp=2, pp=2, tp=2, schedule="1f1b", order="tp-pp-dp", p2p_shard=False,
-                                        tp_style="all-gather"))
+                                        tp_style="all-gather", zero=0, virtual_stages=1))
     assert_same(result, [f"torch 3D, dp by {way}" for way in bench.DP_WAYS])
 
 
@@ -89,7 +96,8 @@ def test_ddp_in_pytorchs_3d_composition_gets_gradients_m_times_too_large():
     its defaults) on this torch: the first step's gradients are exactly m times ours, as
     the schedule's division by m finds no parameters in DDP's module after TP. With the
     stages' shapes given up front (static mode), the second step runs."""
-    args = tiny(dp=2, pp=2, tp=2, schedule="1f1b", order="tp-pp-dp", p2p_shard=False, tp_style="all-gather")
+    args = tiny(dp=2, pp=2, tp=2, schedule="1f1b", order="tp-pp-dp", p2p_shard=False, tp_style="all-gather",
+                zero=0, virtual_stages=1)
     ratio, error = bench.ddp_failure_figures(args, 8, dict(backend="gloo", timeout_s=30.0))
     assert ratio == pytest.approx(2.0, rel=1e-5)
     assert error is None

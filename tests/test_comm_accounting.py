@@ -125,15 +125,19 @@ def test_tensor_parallel(capfd, style, L):
         assert "0.600 of it" in out
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipeline_parallel(capfd, schedule):
-    p, L, D, B, m = 3, 3, 8, 8, 4
+@pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_pipeline_parallel(capfd, schedule, virtual):
+    p, L, D, B, m = 3, 6, 8, 12, 3
     comm_count.count("pipeline_parallel", ["--world-size", str(p), "--num-layers", str(L), "--dim", str(D),
-                            "--batch-size", str(B), "--micro-batches", str(m), "--schedule", schedule, *COMMON])
+                                           "--batch-size", str(B), "--micro-batches", str(m), "--schedule", schedule,
+                                           *(["--virtual-stages", str(virtual)] if virtual > 1 else []), *COMMON])
     act = B // m * D * F32
 
     def expected(s):
-        sends = m * ((s > 0) + (s < p - 1))   # an activation forward and a gradient back per micro-batch
+        # per micro-batch, an activation forward and a gradient back at every virtual stage
+        # c p + s that has a neighbour that way: interleaving, v times as many messages
+        virtual_stages = [c * p + s for c in range(virtual)]
+        sends = m * sum((j < p * virtual - 1) + (j > 0) for j in virtual_stages)
         return {("pp", "send"): (sends, sends * act)}
     assert_counts(capfd, p, expected)
 

@@ -1,11 +1,14 @@
 """Tests for pipeline_parallel.py: every number is compared with a single-process reference.
 
-1. Schedules without processes, for every p in 1..8, m in 1..16 and both schedules:
-   one F and one B per micro-batch, B after F; 1F1B's warm-up and in-flight bound;
-   sends pair in order with the neighbour's receives; and a simulator that runs the
-   lists under NCCL's rule (a send completes only when its receive is posted) finds
-   no deadlock, while it does find one in the unfused 1F1B lists.
-2. Pipeline training (in-process main(), ranks forked) against data_parallel.serial_train.
+1. Schedules without processes: GPipe, 1F1B and ZB-H1 for every p in 1..8 and m in
+   1..16, interleaved for p in 2..8, v in 2..3 and every whole number of rounds up to 16:
+   each micro-batch's F, B (and W) on every chunk, in order; each schedule's warm-up and
+   its bound on the micro-batches a stage holds; on every directed link the k-th send
+   meets the k-th receive and they agree; a simulator that runs the lists under NCCL's
+   rule (a send completes only when its receive is posted) finds no deadlock, while it
+   does find one in the unfused 1F1B lists and in interleaved lists batched as 1F1B's.
+2. Pipeline training (in-process main(), ranks forked) against data_parallel.serial_train,
+   for every schedule; a stash taken for the wrong micro-batch or chunk is caught.
 3. StageLayers + run_schedule driven directly: each micro-batch's stash is popped by its own
    backward, the stash never holds more than the schedule says, dW equals autograd's.
 4. dW accumulates over micro-batches: m = 4 trains exactly like m = 1.
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 
 import data_parallel as dp
 import pipeline_parallel as pp
-from collectives import cleanup, setup, spawn
+from collectives import RankFailed, cleanup, setup, spawn
 from common import assert_check_passed, assert_same_training, check_report
 from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action
 
@@ -39,31 +42,29 @@ ATOL = 1e-5
 RTOL = 1e-5
 TIMEOUT = ["--timeout-s", "10"]   # a deadlocked rank fails in 10 s, inside the test's deadline
 
-SCHEDULES = ["gpipe", "1f1b"]
-GRID = [(schedule, p, m) for schedule in SCHEDULES for p in range(1, 9) for m in range(1, 17)]
+SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved"]
+GRID = [(schedule, p, m, 1) for schedule in SCHEDULES[:3] for p in range(1, 9) for m in range(1, 17)] + \
+       [("interleaved", p, m, v) for p in range(2, 9) for v in (2, 3) for m in range(p, 17, p)]
 
 
-def all_stages(schedule, p, m):
-    return [pp.build_schedule(schedule, p, s, m) for s in range(p)]
+def all_stages(schedule, p, m, v=1):
+    return [pp.build_schedule(schedule, p, s, m, v) for s in range(p)]
 
 
 def compute_of(actions):
-    return [(a.op, a.mb) for a in actions if a.op != "comm"]
-
-
-def comm_sequence(actions, kind):
-    """The micro-batches of one point-to-point kind, in the order the stage posts them."""
-    return [mb for a in actions if a.op == "comm" for k, mb in a.comms if k == kind]
+    return [(a.op, a.mb, a.chunk) for a in actions if a.op != "comm"]
 
 
 def in_flight_trace(actions):
-    """Micro-batches whose F is done and whose B is not, after each compute action."""
+    """How many (micro-batch, chunk) a stage holds after each compute action: from its F
+    until its W (ZB-H1) or its B (the others)."""
+    last_op = "W" if any(a.op == "W" for a in actions) else "B"
     live, trace = set(), []
-    for op, mb in compute_of(actions):
+    for op, mb, chunk in compute_of(actions):
         if op == "F":
-            live.add(mb)
-        else:
-            live.discard(mb)
+            live.add((mb, chunk))
+        elif op == last_op:
+            live.discard((mb, chunk))
         trace.append(len(live))
     return trace
 
@@ -72,108 +73,139 @@ def in_flight_trace(actions):
 # 1. Schedules as data, checked without processes
 # ----------------------------------------------------------------------------------
 
-def test_every_micro_batch_has_one_forward_then_one_backward():
-    for schedule, p, m in GRID:
-        for s, actions in enumerate(all_stages(schedule, p, m)):
-            where = f"{schedule} p={p} m={m} stage {s}"
+def test_every_micro_batch_has_its_forward_then_backward_then_w():
+    for schedule, p, m, v in GRID:
+        for s, actions in enumerate(all_stages(schedule, p, m, v)):
+            where = f"{schedule} p={p} m={m} v={v} stage {s}"
             order = compute_of(actions)
-            assert len(order) == 2 * m, where
+            chunks = list(range(v)) if schedule == "interleaved" else [None]
+            ops = ["F", "B", "W"] if schedule == "zb-h1" else ["F", "B"]
+            assert len(order) == len(ops) * m * v, where
             for mb in range(m):
-                assert order.count(("F", mb)) == 1 and order.count(("B", mb)) == 1, where
-                assert order.index(("F", mb)) < order.index(("B", mb)), where
-            # F and B each go through the micro-batches in order
-            assert [mb for op, mb in order if op == "F"] == list(range(m)), where
-            assert [mb for op, mb in order if op == "B"] == list(range(m)), where
+                for c in chunks:
+                    at = [order.index((op, mb, c)) for op in ops]
+                    assert all(order.count((op, mb, c)) == 1 for op in ops), where
+                    assert at == sorted(at), where        # F before B, B before W
+                # a micro-batch goes forward through the chunks in order, backward in reverse
+                f = [order.index(("F", mb, c)) for c in chunks]
+                b = [order.index(("B", mb, c)) for c in chunks]
+                assert f == sorted(f) and b == sorted(b, reverse=True), where
             # the comm actions only add point-to-point: the compute order is compute_order's
-            assert order == pp.compute_order(schedule, p, s, m), where
+            assert order == pp.compute_order(schedule, p, s, m, v), where
             for a, b in zip(actions, actions[1:]):   # fused: never two batches back to back
                 assert not (a.op == "comm" and b.op == "comm"), where
             assert all(a.comms for a in actions if a.op == "comm"), where
-            assert all(a.op in ("F", "B", "comm") for a in actions), where
 
 
-def test_1f1b_warmup_and_in_flight_bound():
-    for schedule, p, m in GRID:
-        for s, actions in enumerate(all_stages(schedule, p, m)):
-            where = f"{schedule} p={p} m={m} stage {s}"
-            order, trace = compute_of(actions), in_flight_trace(actions)
+def test_warmup_and_the_bound_on_micro_batches_held():
+    for schedule, p, m, v in GRID:
+        for s, actions in enumerate(all_stages(schedule, p, m, v)):
+            where = f"{schedule} p={p} m={m} v={v} stage {s}"
+            order, held = compute_of(actions), max(in_flight_trace(actions))
+            warmup = pp.warmup_forwards(schedule, p, s, m, v)
+            assert [op for op, _, _ in order[:warmup]] == ["F"] * warmup, where
+            if warmup < m * v:   # the steady state opens with one forward, then one backward
+                assert [op for op, _, _ in order[warmup:warmup + 2]] == ["F", "B"], where
             if schedule == "gpipe":
-                assert order[:m] == [("F", mb) for mb in range(m)], where
-                assert max(trace) == m, where
-                continue
-            warmup = min(p - s - 1, m)
-            assert [op for op, _ in order[:warmup]] == ["F"] * warmup, where
-            if warmup < m:   # the steady state opens with one forward, then one backward
-                assert [op for op, _ in order[warmup:warmup + 2]] == ["F", "B"], where
-                # ... and alternates until the forwards run out; then it only drains
-                steady = [op for op, _ in order[warmup:warmup + 2 * (m - warmup)]]
-                assert steady == ["F", "B"] * (m - warmup), where
-                assert all(op == "B" for op, _ in order[warmup + 2 * (m - warmup):]), where
-            assert max(trace) <= p - s, where
-            assert max(trace) == min(p - s, m), where
-    # the in-flight bound is what separates 1F1B from GPipe once m > p
+                assert held == m, where
+            elif schedule == "1f1b":
+                assert held == min(p - s, m), where
+                assert warmup == min(p - s - 1, m)
+            elif schedule == "zb-h1":
+                # 1F1B's order of F and B, and stage s holds back s of its W passes:
+                # it holds what 1F1B's first stage does, min(p, m), on every stage
+                assert [a for a in order if a[0] != "W"] == pp.compute_order("1f1b", p, s, m), where
+                assert held == min(p, m), where
+                bs = [a[1] for a in order if a[0] == "B"]
+                ws_after = [sum(1 for a in order[:order.index(("W", mb, None))] if a[0] == "B") for mb in bs]
+                assert all(w == min(j + 1 + s, m) for j, w in enumerate(ws_after)), where
+            else:   # interleaved: Megatron's warm-up, then one forward per backward
+                want = m * v if m == p else min((v - 1) * p + 2 * (p - s - 1), m * v)
+                assert warmup == want and held == min(warmup + 1, m * v), where
+    # what the bound separates: 1F1B holds p - s, GPipe all m
     assert max(in_flight_trace(pp.build_schedule("1f1b", 4, 0, 16))) == 4
     assert max(in_flight_trace(pp.build_schedule("gpipe", 4, 0, 16))) == 16
 
 
-def test_every_send_pairs_with_a_receive_on_the_neighbour():
-    for schedule, p, m in GRID:
-        stages = all_stages(schedule, p, m)
-        where = f"{schedule} p={p} m={m}"
-        assert comm_sequence(stages[0], RECV_ACT) == [] and comm_sequence(stages[0], SEND_GRAD) == [], where
-        assert comm_sequence(stages[-1], RECV_GRAD) == [] and comm_sequence(stages[-1], SEND_ACT) == [], where
-        for s in range(p - 1):
-            sent = comm_sequence(stages[s], SEND_ACT)
-            assert sent == comm_sequence(stages[s + 1], RECV_ACT), f"{where} activations {s}->{s + 1}"
-            assert sorted(sent) == list(range(m)), where
-            back = comm_sequence(stages[s + 1], SEND_GRAD)
-            assert back == comm_sequence(stages[s], RECV_GRAD), f"{where} gradients {s + 1}->{s}"
-            assert sorted(back) == list(range(m)), where
+def links(stages):
+    """{(src, dst): ([what src sends, in its order], [what dst receives, in its order])}, each
+    item (kind of tensor, micro-batch, virtual stage sending, virtual stage receiving)."""
+    p, out = len(stages), {}
+    for s, actions in enumerate(stages):
+        for a in actions:
+            for kind, mb, chunk in (a.comms if a.op == "comm" else ()):
+                virtual = (chunk or 0) * p + s
+                step = {SEND_ACT: 1, SEND_GRAD: -1, RECV_ACT: -1, RECV_GRAD: 1}[kind]
+                tensor = "act" if kind in (SEND_ACT, RECV_ACT) else "grad"
+                if kind in (SEND_ACT, SEND_GRAD):
+                    out.setdefault((s, (s + step) % p), ([], []))[0].append((tensor, mb, virtual, virtual + step))
+                else:
+                    out.setdefault(((s + step) % p, s), ([], []))[1].append((tensor, mb, virtual + step, virtual))
+    return out
+
+
+def test_every_send_meets_its_receive_in_order_on_every_link():
+    """NCCL matches the k-th send on a link with the k-th receive (it has no tags), so what
+    the two ends expect must agree, item by item, in order."""
+    for schedule, p, m, v in GRID:
+        stages = all_stages(schedule, p, m, v)
+        where = f"{schedule} p={p} m={m} v={v}"
+        got = links(stages)
+        for (src, dst), (sent, received) in got.items():
+            assert sent == received, f"{where} link {src}->{dst}"
+        every = sorted(item for sent, _ in got.values() for item in sent)
+        want = sorted((t, mb, j, j + (1 if t == "act" else -1)) for mb in range(m) for j in range(p * v)
+                      for t in ("act", "grad") if 0 <= j + (1 if t == "act" else -1) < p * v)
+        assert every == want, where     # every activation forward and every gradient back, once
         if p == 1:
             assert all(a.op != "comm" for a in stages[0]), where
 
 
 def test_communication_sits_next_to_its_computation():
-    """A receive comes before the F or B that reads it, a send after the F or B that
-    produced it: the runner pops outputs[mb] / fills activations[mb] in that order."""
-    for schedule, p, m in GRID:
-        for s, actions in enumerate(all_stages(schedule, p, m)):
-            where = f"{schedule} p={p} m={m} stage {s}"
-            at = {}
+    """A receive is in the last batch before the F or B that reads it, a send in the first
+    batch after the F or B that produced it: the runner fills and pops in that order."""
+    for schedule, p, m, v in GRID:
+        for s, actions in enumerate(all_stages(schedule, p, m, v)):
+            where = f"{schedule} p={p} m={m} v={v} stage {s}"
+            batch_of = {key: i for i, a in enumerate(actions) if a.op == "comm" for key in a.comms}
+            batches = [i for i, a in enumerate(actions) if a.op == "comm"]
             for i, a in enumerate(actions):
-                for key in (a.comms if a.op == "comm" else [(a.op, a.mb)]):
-                    at[key] = i
-            for mb in range(m):
-                if s > 0:
-                    assert at[RECV_ACT, mb] < at["F", mb] < at[SEND_GRAD, mb], where
-                    assert at[SEND_GRAD, mb] == at["B", mb] + 1, where    # sent right after
-                if s < p - 1:
-                    assert at["F", mb] < at[SEND_ACT, mb] <= at[RECV_GRAD, mb] < at["B", mb], where
-                    assert at[SEND_ACT, mb] == at["F", mb] + 1, where
-                    assert at[RECV_GRAD, mb] == at["B", mb] - 1, where    # received right before
-
-
-# Each point-to-point op and the op that completes it on the neighbour: (offset, kind).
-COUNTERPART = {SEND_ACT: (+1, RECV_ACT), RECV_ACT: (-1, SEND_ACT),
-               SEND_GRAD: (-1, RECV_GRAD), RECV_GRAD: (+1, SEND_GRAD)}
+                if a.op not in ("F", "B"):
+                    continue
+                before = max((b for b in batches if b < i), default=None)
+                after = min((b for b in batches if b > i), default=None)
+                recv = (RECV_ACT if a.op == "F" else RECV_GRAD, a.mb, a.chunk)
+                send = (SEND_ACT if a.op == "F" else SEND_GRAD, a.mb, a.chunk)
+                if recv in batch_of:
+                    assert batch_of[recv] == before, where
+                if send in batch_of:
+                    assert batch_of[send] == after, where
 
 
 def simulate(stages):
     """Run every stage's action list under NCCL's rule; return {stage: stuck action}.
 
-    Compute actions always proceed. A "comm" action posts all its ops at once and
-    completes only when every op's counterpart is posted too: in the neighbour's
-    current comm action, or completed already. Nothing is buffered: a send waits for
-    its receive, as a receive waits for its send. Empty result: every stage finished.
-    """
+    Compute actions always proceed. A "comm" action posts all its ops at once and completes
+    only when every op's counterpart, the op at the same place on the same directed link,
+    is posted too: in the peer's current comm action, or one it completed. Nothing is
+    buffered: a send waits for its receive, as a receive waits for its send. Empty result:
+    every stage finished."""
     p = len(stages)
-    pc = [0] * p
-    done = [set() for _ in range(p)]
+    place = {}     # (stage, action index, op) -> (link, end, position on the link)
+    count = {}
+    for s, actions in enumerate(stages):
+        for i, a in enumerate(actions):
+            for kind, mb, chunk in (a.comms if a.op == "comm" else ()):
+                step = {SEND_ACT: 1, SEND_GRAD: -1, RECV_ACT: -1, RECV_GRAD: 1}[kind]
+                end = "send" if kind in (SEND_ACT, SEND_GRAD) else "recv"
+                link = (s, (s + step) % p) if end == "send" else ((s + step) % p, s)
+                k = count[link, end] = count.get((link, end), -1) + 1
+                place[s, i, (kind, mb, chunk)] = (link, end, k)
+    pc, done = [0] * p, set()
 
     def posted(s):
-        if pc[s] < len(stages[s]) and stages[s][pc[s]].op == "comm":
-            return set(stages[s][pc[s]].comms)
-        return set()
+        a = stages[s][pc[s]] if pc[s] < len(stages[s]) else None
+        return {place[s, pc[s], op] for op in a.comms} if a is not None and a.op == "comm" else set()
 
     progress = True
     while progress:
@@ -182,20 +214,32 @@ def simulate(stages):
             while pc[s] < len(stages[s]):
                 action = stages[s][pc[s]]
                 if action.op == "comm":
-                    for kind, mb in action.comms:
-                        offset, other = COUNTERPART[kind]
-                        peer = s + offset
-                        if not (0 <= peer < p and ((other, mb) in posted(peer) or (other, mb) in done[peer])):
-                            break
-                    else:
-                        done[s].update(action.comms)
-                        pc[s] += 1
-                        progress = True
-                        continue
-                    break      # blocked: the next stage gets its turn
-                pc[s] += 1     # F or B
+                    wanted = []
+                    for op in action.comms:
+                        link, end, k = place[s, pc[s], op]
+                        wanted.append(((link, "recv" if end == "send" else "send", k),
+                                       link[1] if end == "send" else link[0]))
+                    if not all(want in done or want in posted(peer) for want, peer in wanted):
+                        break      # blocked: the next stage gets its turn
+                    done |= posted(s)
+                pc[s] += 1
                 progress = True
     return {s: stages[s][pc[s]] for s in range(p) if pc[s] < len(stages[s])}
+
+
+def batched_per_gap(schedule, p, s, m, v=1):
+    """The same compute order with one batch between every two computations: 1F1B's
+    batching, which interleaved does not use (see build_schedule)."""
+    virtual, last = (lambda c: (c or 0) * p + s), p * v - 1
+    actions, pending = [], []
+    for op, mb, chunk in pp.compute_order(schedule, p, s, m, v):
+        pending += [(RECV_ACT, mb, chunk)] if op == "F" and virtual(chunk) > 0 else []
+        pending += [(RECV_GRAD, mb, chunk)] if op == "B" and virtual(chunk) < last else []
+        actions += [Action("comm", comms=tuple(pending))] if pending else []
+        pending = [(SEND_ACT, mb, chunk)] if op == "F" and virtual(chunk) < last else []
+        pending += [(SEND_GRAD, mb, chunk)] if op == "B" and virtual(chunk) > 0 else []
+        actions.append(Action(op, mb, chunk))
+    return actions + ([Action("comm", comms=tuple(pending))] if pending else [])
 
 
 def unfused(actions, sends_first=True):
@@ -211,26 +255,31 @@ def unfused(actions, sends_first=True):
 
 
 def test_fused_schedules_never_deadlock_under_nccls_rule():
-    for schedule, p, m in GRID:
-        stuck = simulate(all_stages(schedule, p, m))
-        assert stuck == {}, f"{schedule} p={p} m={m}: deadlock at {stuck}"
+    for schedule, p, m, v in GRID:
+        stuck = simulate(all_stages(schedule, p, m, v))
+        assert stuck == {}, f"{schedule} p={p} m={m} v={v}: deadlock at {stuck}"
 
 
-def test_simulator_finds_the_deadlock_that_fusion_removes():
+def test_simulator_finds_the_deadlocks_that_the_batching_removes():
     """Unfused 1F1B at p=2, m=2: stage 0 sends activation 1 and waits for its receive;
     stage 1 sends gradient 0 and waits for its receive. Each waits on the other."""
     fused = all_stages("1f1b", 2, 2)
     assert simulate(fused) == {}
     stuck = simulate([unfused(a) for a in fused])
-    assert stuck == {0: Action("comm", comms=((SEND_ACT, 1),)), 1: Action("comm", comms=((SEND_GRAD, 0),))}
+    assert stuck == {0: Action("comm", comms=((SEND_ACT, 1, None),)), 1: Action("comm", comms=((SEND_GRAD, 0, None),))}
     # receives first deadlocks as well: only posting the pair together fixes it
     assert set(simulate([unfused(a, sends_first=False) for a in fused])) == {0, 1}
     # and the simulator is not against unfused lists as such: GPipe's never face each other
     assert simulate([unfused(a) for a in all_stages("gpipe", 2, 2)]) == {}
     # a receive that nobody answers is a deadlock too
     broken = [list(a) for a in fused]
-    broken[1] = [a for a in broken[1] if a.comms != ((RECV_ACT, 0),)]
+    broken[1] = [a for a in broken[1] if a.comms != ((RECV_ACT, 0, None),)]
     assert simulate(broken) != {}
+    # interleaved with 1F1B's batching (one batch between every F and B) deadlocks once
+    # there is more than one round: Megatron's batching, one per (F, B) pair, does not
+    for p, m, v in [(2, 4, 2), (4, 8, 2), (3, 9, 3)]:
+        assert simulate([batched_per_gap("interleaved", p, s, m, v) for s in range(p)]) != {}
+        assert simulate(all_stages("interleaved", p, m, v)) == {}
 
 
 def test_stage_layers_partition_the_model_in_order():
@@ -296,32 +345,100 @@ def test_pp_adamw_matches_serial(tmp_path):
     assert_matches_serial(result)
 
 
+# ZB-H1 at p = 2, 4, 8 from m = 1 up; interleaved at p = 2, 4, 8 with v = 2 and 3, from
+# one round up (L = 24 divides into every p x v chunks; at D = 32 the signal lives through
+# them, and the weights move); SGD and AdamW.
+@pytest.mark.parametrize("schedule,world_size,micro_batches,virtual,optimizer", [
+    ("zb-h1", 2, 1, None, "adamw"), ("zb-h1", 2, 3, None, "sgd"), ("zb-h1", 4, 2, None, "sgd"),
+    ("zb-h1", 4, 6, None, "sgd"), ("zb-h1", 8, 8, None, "adamw"), ("zb-h1", 8, 3, None, "sgd"),
+    ("interleaved", 2, 2, 2, "sgd"), ("interleaved", 2, 6, 3, "adamw"), ("interleaved", 4, 4, 3, "sgd"),
+    ("interleaved", 4, 8, 2, "adamw"), ("interleaved", 8, 8, 3, "sgd"), ("interleaved", 8, 16, 3, "sgd"),
+])
+def test_zero_bubble_and_interleaved_match_serial(tmp_path, schedule, world_size, micro_batches, virtual,
+                                                  optimizer):
+    result = run_pp(tmp_path, world_size, micro_batches, schedule, num_layers=24, dim=32, steps=2,
+                    batch_size=8 * micro_batches,
+                    optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 0.01,
+                    flags=("--virtual-stages", str(virtual)) if virtual else ())
+    assert result["config"]["schedule"] == schedule and result["config"]["virtual_stages"] == (virtual or 1)
+    assert_matches_serial(result)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_stash_taken_for_the_wrong_micro_batch_or_chunk_is_caught(tmp_path, monkeypatch, schedule):
+    """B(mb) must take micro-batch mb's stash, of its own chunk, and W(mb) its (x, dz).
+
+    Per chunk, every schedule here runs its backwards and its W passes in micro-batch
+    order, so the stash B needs is always the oldest of its chunk's: popping the oldest
+    would be no bug. Two bugs are: popping the newest, the wrong micro-batch in every
+    schedule that holds two at once; and, interleaved, one stash for all of a stage's
+    chunks, where chunk a's micro-batch 0 and chunk b's take the same place."""
+    real_backward = pp.StageLayers.backward
+
+    def backward(self, mb, g, defer_w=False):   # B(mb) runs on the newest stash, and the newest
+        newest = next(reversed(self.stash))       # micro-batch gets mb's: nothing lost, all wrong
+        self.stash[mb], self.stash[newest] = self.stash[newest], self.stash[mb]
+        return real_backward(self, mb, g, defer_w)
+    monkeypatch.setattr(pp.StageLayers, "backward", backward)
+    flags = ("--virtual-stages", "2") if schedule == "interleaved" else ()
+    result = run_pp(tmp_path, 2, 4, schedule, num_layers=8, dim=8, steps=2, flags=flags)
+    assert_wrong(result)
+    if schedule == "interleaved":   # the right micro-batch, but one stash for both chunks: chunk
+        monkeypatch.setattr(pp.StageLayers, "backward", real_backward)   # b's F(0) takes chunk a's
+        shared, real_init = {}, pp.StageLayers.__init__                   # place, and B(0) of chunk
+                                                                          # a finds nothing
+        def one_stash_for_all_chunks(self, *args, **kwargs):
+            real_init(self, *args, **kwargs)
+            self.stash = shared
+        monkeypatch.setattr(pp.StageLayers, "__init__", one_stash_for_all_chunks)
+        with pytest.raises(RankFailed, match="KeyError: 0"):
+            run_pp(tmp_path, 2, 4, schedule, num_layers=8, dim=8, steps=2, flags=flags)
+
+
+def assert_wrong(result):
+    """Far from serial training: correct runs stay within ATOL, float32's summation order."""
+    ref = dp.serial_train(argparse.Namespace(**result["config"]))
+    worst = max((a - b).abs().max().item() for a, b in zip(result["final_weights"], ref["final_weights"]))
+    assert worst > 30 * ATOL, worst
+
+
 # ----------------------------------------------------------------------------------
 # 3. StageLayers and run_schedule, driven directly
 # ----------------------------------------------------------------------------------
 
 class TracedStage(pp.StageLayers):
-    """StageLayers that record which micro-batches its stash holds around every F and B."""
+    """StageLayers that record which micro-batches they hold (a stash for B, or what W
+    needs) around every F, B and W."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.trace = []
 
+    def holding(self):
+        return {("stash", mb) for mb in self.stash} | {("for W", mb) for mb in self.for_w}
+
     def forward(self, mb, x):
-        before = set(self.stash)
+        before = self.holding()
         out = super().forward(mb, x)
-        self.trace.append(("F", mb, before, set(self.stash)))
+        self.trace.append(("F", mb, before, self.holding()))
         return out
 
-    def backward(self, mb, g):
-        before = set(self.stash)
-        dx = super().backward(mb, g)
-        self.trace.append(("B", mb, before, set(self.stash)))
+    def backward(self, mb, g, defer_w=False):
+        before, self.in_b = self.holding(), True
+        dx = super().backward(mb, g, defer_w)
+        self.trace.append(("B", mb, before, self.holding()))
+        self.in_b = False
         return dx
+
+    def weight_grads(self, mb):
+        before = self.holding()
+        super().weight_grads(mb)
+        if not getattr(self, "in_b", False):   # a W of its own, not B's own second half
+            self.trace.append(("W", mb, before, self.holding()))
 
 
 DIRECT = {"dim": 12, "rows": 3, "layers_per_stage": 2, "seed": 5}
-DIRECT_CASES = [(schedule, m) for schedule in SCHEDULES for m in (1, 3, 6)]   # p = 4: m < p, m > p
+DIRECT_CASES = [(schedule, m) for schedule in SCHEDULES[:3] for m in (1, 3, 6)]   # p = 4: m < p, m > p
 
 
 def direct_batch(num_layers, batch_size):
@@ -347,10 +464,10 @@ def direct_worker(rank, world_size, out_dir):
         for _ in range(2):   # two steps on one StageLayers: nothing may be left over from the first
             layers.grads = [torch.zeros_like(w) for w in weights]
             layers.loss, layers.trace = 0.0, []
-            pp.run_schedule(actions, layers, inputs.chunk(m), rank - 1, rank + 1, (batch_size // m, D))
+            peak = pp.run_schedule(actions, [layers], inputs.chunk(m), rank - 1, rank + 1, (batch_size // m, D))
             steps.append({"grads": [g.clone() for g in layers.grads], "loss": layers.loss,
-                          "stash_left": len(layers.stash), "loss_grad_left": len(layers.loss_grad),
-                          "peak_stash": layers.peak_stash, "trace": layers.trace})
+                          "stash_left": layers.held(), "loss_grad_left": len(layers.loss_grad),
+                          "peak_stash": peak, "trace": layers.trace})
         results[schedule, m] = steps
     torch.save(results, out_dir / f"rank{rank}.pt")
     cleanup()
@@ -378,15 +495,21 @@ def test_stage_stash_is_popped_by_its_own_backward_and_dw_is_autograds(tmp_path)
             where = f"{schedule} m={m} stage {s}"
             for step in results[schedule, m]:
                 assert step["stash_left"] == 0 and step["loss_grad_left"] == 0, where
-                peak = min(world_size - s, m) if schedule == "1f1b" else m
+                peak = {"gpipe": m, "1f1b": min(world_size - s, m), "zb-h1": min(world_size, m)}[schedule]
                 assert step["peak_stash"] == peak, where
-                # F(mb) adds exactly mb; B(mb) removes exactly mb, which was there
+                # F(mb) stashes exactly mb; B(mb) takes exactly mb's stash, which was there, and
+                # (ZB-H1) keeps what W needs; W(mb) takes exactly that
                 sizes = []
                 for op, mb, before, after in step["trace"]:
                     if op == "F":
-                        assert mb not in before and after == before | {mb}, where
+                        assert ("stash", mb) not in before and after == before | {("stash", mb)}, where
+                    elif op == "B" and schedule == "zb-h1":
+                        assert ("stash", mb) in before, where
+                        assert after == before - {("stash", mb)} | {("for W", mb)}, where
+                    elif op == "B":
+                        assert ("stash", mb) in before and after == before - {("stash", mb)}, where
                     else:
-                        assert mb in before and after == before - {mb}, where
+                        assert ("for W", mb) in before and after == before - {("for W", mb)}, where
                     sizes.append(len(after))
                 assert sizes == in_flight_trace(pp.build_schedule(schedule, world_size, s, m)), where
                 # dW summed over the micro-batches is autograd's gradient of the mean loss
@@ -408,8 +531,10 @@ def test_stage_stash_is_popped_by_its_own_backward_and_dw_is_autograds(tmp_path)
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_dw_accumulates_over_micro_batches(tmp_path, schedule):
-    """m = 4 steps exactly like m = 1: dW summed (not overwritten, not averaged again)."""
-    one = run_pp(tmp_path, 2, 1, schedule, num_layers=4, batch_size=8)
+    """m = 4 steps exactly like m = 1 (interleaved: 2, one round of 2 stages): dW summed,
+    not overwritten, not averaged again."""
+    few = 2 if schedule == "interleaved" else 1
+    one = run_pp(tmp_path, 2, few, schedule, num_layers=4, batch_size=8)
     four = run_pp(tmp_path, 2, 4, schedule, num_layers=4, batch_size=8)
     assert_trained(one)
     assert_same_training(four, one)
@@ -428,45 +553,55 @@ def test_1f1b_does_not_deadlock_with_messages_past_gloos_buffer(tmp_path):
 # ----------------------------------------------------------------------------------
 
 ROW = re.compile(r"^  stage (\d+) \|([^|]*)\| idle\s+([\d.]+)%, peak stash (\d+)$")
-BUBBLE = re.compile(r"^bubble: measured ([\d.]+)% .*theory \(p-1\)/\(m\+p-1\) = ([\d.]+)%$")
-LABEL = re.compile(r"([FB])(\d+)-*")
+BUBBLE = re.compile(r"^bubble: measured ([\d.]+)% .*theory (\S+) = ([\d.]+)%$")
+LABEL = re.compile(r"([FBW])(\d+)([a-h]?)-*")
+THEORY = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "zb-h1": "(p-1)/(3m+p-1)",
+          "interleaved": "(p-1)/(vm+p-1)"}
 
 
-@pytest.mark.parametrize("schedule,world_size,micro_batches", [("1f1b", 3, 4), ("gpipe", 4, 2)])
-def test_timeline_rows_bubble_and_peak_stash(tmp_path, capfd, schedule, world_size, micro_batches):
-    result = run_pp(tmp_path, world_size, micro_batches, schedule, num_layers=world_size, steps=2,
-                    flags=("--timeline",))
+@pytest.mark.parametrize("schedule,world_size,micro_batches,virtual", [
+    ("1f1b", 3, 4, 1), ("gpipe", 4, 2, 1), ("zb-h1", 3, 4, 1), ("interleaved", 2, 4, 2)])
+def test_timeline_rows_bubble_and_peak_stash(tmp_path, capfd, schedule, world_size, micro_batches, virtual):
+    result = run_pp(tmp_path, world_size, micro_batches, schedule, num_layers=world_size * virtual, steps=2,
+                    flags=("--timeline", *(["--virtual-stages", str(virtual)] if virtual > 1 else [])))
     assert_matches_serial(result)     # drawing the timeline does not change training
     lines = capfd.readouterr().out.splitlines()
     rows = [ROW.match(line) for line in lines if ROW.match(line)]
-    assert [int(r.group(1)) for r in rows] == list(range(world_size))     # one row per stage, in order
+    p, m, v = world_size, micro_batches, virtual
+    assert [int(r.group(1)) for r in rows] == list(range(p))     # one row per stage, in order
     for s, row in enumerate(rows):
-        # every F and B of the stage, in its schedule's order, each labelled in full
+        # every F, B and W of the stage, in its schedule's order, each labelled in full, with
+        # its chunk when interleaved
         drawing = row.group(2)
-        assert len(drawing) >= 96 and set(drawing) <= set("FB0123456789-.")
-        labels = [(op, int(mb)) for op, mb in LABEL.findall(drawing.replace(".", " "))]
-        assert labels == pp.compute_order(schedule, world_size, s, micro_batches)
+        assert len(drawing) >= 96 and set(drawing) <= set("FBW0123456789ab-.")
+        labels = [(op, int(mb), "ab".index(c) if c else None) for op, mb, c in LABEL.findall(drawing)]
+        assert labels == pp.compute_order(schedule, p, s, m, v)
         assert 0.0 <= float(row.group(3)) <= 100.0
-        expected_peak = min(world_size - s, micro_batches) if schedule == "1f1b" else micro_batches
-        assert int(row.group(4)) == expected_peak
+        assert int(row.group(4)) == max(in_flight_trace(pp.build_schedule(schedule, p, s, m, v)))
     bubbles = [BUBBLE.match(line) for line in lines if BUBBLE.match(line)]
     assert len(bubbles) == 1
-    p, m = world_size, micro_batches
-    assert float(bubbles[0].group(2)) == pytest.approx(100 * (p - 1) / (m + p - 1), abs=0.05)
+    assert bubbles[0].group(2) == THEORY[schedule]
+    assert float(bubbles[0].group(3)) == pytest.approx(100 * pp.bubble_theory(schedule, p, m, v), abs=0.05)
+    assert float(bubbles[0].group(3)) == pytest.approx(100 * {"zb-h1": (p - 1) / (3 * m + p - 1)}.get(
+        schedule, (p - 1) / (v * m + p - 1)), abs=0.05)
     # the measured bubble is the mean of the rows' idle shares
     idle = [float(r.group(3)) for r in rows]
     assert float(bubbles[0].group(1)) == pytest.approx(sum(idle) / p, abs=0.1)
     # a legend for the picture and for the schedules; the load named when stages outnumber cores
     assert any(line.startswith("timeline of the last step") and "F3 = forward of micro-batch 3" in line
-               and "B3 = its backward" in line for line in lines)
+               and "B3 = its backward" in line and "W3 = its dW" in line for line in lines)
     assert any("a>3 send activation 3 on, >a3 receive it, <g3 send gradient 3 back, g<3 receive it" in line
                for line in lines)
     noted = any(line.startswith(f"note: {p} stages share ") for line in lines)
     assert noted == (p > os.cpu_count())
-    # the printed schedule of every stage is the one built from the same flags
+    # the printed schedule of every stage is the one built from the same flags; interleaved,
+    # with each stage's layers by chunk, once
     for s in range(p):
-        text = " ".join(map(str, pp.build_schedule(schedule, p, s, m)))
+        text = " ".join(map(str, pp.build_schedule(schedule, p, s, m, v)))
         assert f"[stage {s}] {text}" in lines
+        if v > 1:
+            owns = ", ".join(f"{'ab'[c]} {list(pp.stage_layers(p * v, p, s, v, c))}" for c in range(v))
+            assert lines.count(f"[stage {s}] layers {owns}") == 1
 
 
 # ----------------------------------------------------------------------------------

@@ -119,6 +119,11 @@ BAD = {
         (["--num-layers", "2"], "--world-size"),                        # more stages than layers
         (["--batch-size", "10", "--micro-batches", "4"], "--batch-size"),
         (["--schedule", "zb"], "--schedule"),
+        (["--virtual-stages", "2"], "--virtual-stages"),                # only interleaved has chunks
+        (["--schedule", "interleaved", "--micro-batches", "2"], "--micro-batches"),   # whole rounds of 4
+        (["--schedule", "interleaved", "--virtual-stages", "3"], "--virtual-stages"),  # 12 chunks, 8 layers
+        (["--schedule", "interleaved", "--world-size", "1", "--micro-batches", "1"], "--world-size"),
+        (["--schedule", "interleaved", "--virtual-stages", "0"], "--virtual-stages"),
     ]] + [(["--world-size", "4"], "--world-size", 3)],
     "three_d": [(argv, flag, None) for argv, flag in TRAINING + [
         (["--dp", "0"], "--dp"),
@@ -134,6 +139,8 @@ BAD = {
         (["--world-size", "8"], "--world-size"),                        # three_d takes --dp --pp --tp
         (["--micro-batches", "64"], "--micro-batches"),                 # 16 rows per replica
         (["--tp-style", "pairs"], "--tp-style"),
+        (["--schedule", "interleaved", "--pp", "1", "--micro-batches", "2"], "--pp"),
+        (["--schedule", "interleaved", "--num-layers", "6"], "--num-layers"),  # 6 layers, 2 x 2 chunks
         (["--show-rank-map", "--steps", "3"], "--steps"),               # the map trains nothing
     ]] + [([], "--dp x --pp x --tp", 4), (["--dp", "1", "--pp", "1", "--tp", "1"], "--dp x --pp x --tp", 2)],
 }

@@ -418,12 +418,7 @@ def test_check_passes_from_the_command_line():
 def test_check_fails_when_dx_is_not_all_reduced(tmp_path, monkeypatch, capfd):
     """Skip the all-reduce of dx everywhere: each rank backpropagates only its own term,
     training goes wrong, and --check must say FAILED and exit 1 (spawn: RankFailed)."""
-    def column_backward_without_all_reduce(g, stash, w_t, group=None, need_dx=True):
-        cols = w_t.shape[1]
-        g_t = g[:, dist.get_rank(group) * cols:(dist.get_rank(group) + 1) * cols]
-        return dp.layer_backward(g_t, stash, w_t, need_dx)   # dx: this rank's term only
-
-    monkeypatch.setattr(tp, "column_backward", column_backward_without_all_reduce)
+    monkeypatch.setattr(tp, "f_backward", lambda dx, group=None: dx)   # dx: this rank's term only
     with pytest.raises(RankFailed) as failed:
         run_tp(tmp_path, monkeypatch, 2, flags=("--check",))
     assert failed.value.rank == 0 and failed.value.stopped.startswith("check FAILED")

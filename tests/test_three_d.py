@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 import data_parallel as dp
-import tensor_parallel
 import three_d
 from collectives import RankFailed
 from common import assert_same_training, check_report
@@ -275,6 +274,15 @@ CASES = [
     ((4, 2, 1), dict(zero=1, micro_batches=1, order="tp-dp-pp")),
     ((4, 2, 1), dict(zero=2, micro_batches=1, optimizer="adamw", lr=0.01)),
     ((4, 2, 1), dict(zero=3, micro_batches=1, schedule="gpipe")),
+    # ZB-H1 and interleaved at 2x2x2 and 1x4x2, both orders, with and without --p2p-shard
+    ((2, 2, 2), dict(schedule="zb-h1", order="tp-pp-dp")),
+    ((2, 2, 2), dict(schedule="zb-h1", order="tp-dp-pp", p2p_shard=True, optimizer="adamw", lr=0.01)),
+    ((1, 4, 2), dict(schedule="zb-h1", order="tp-dp-pp", micro_batches=4)),
+    ((1, 4, 2), dict(schedule="zb-h1", p2p_shard=True, micro_batches=4, zero=3)),
+    ((2, 2, 2), dict(schedule="interleaved", order="tp-pp-dp", p2p_shard=True)),
+    ((2, 2, 2), dict(schedule="interleaved", order="tp-dp-pp", tp_style="megatron", optimizer="adamw", lr=0.01)),
+    ((1, 4, 2), dict(schedule="interleaved", order="tp-dp-pp", p2p_shard=True, micro_batches=4)),
+    ((1, 4, 2), dict(schedule="interleaved", micro_batches=8, batch_size=32, zero=2)),
 ]
 
 
@@ -295,12 +303,8 @@ def test_check_catches_a_doubled_weight_gradient_under_adamw(monkeypatch, capfd,
     """AdamW's normalisation hides a gradient off by a constant: its final weights moved
     only 2e-6 here once. --check compares the first step's gradients too, and fails at
     any size, the smallest and the defaults (make 3d's)."""
-    real = tensor_parallel.column_backward
-
-    def doubled_dw(*args, **kwargs):
-        dx, dw_t = real(*args, **kwargs)
-        return dx, 2 * dw_t
-    monkeypatch.setattr(tensor_parallel, "column_backward", doubled_dw)
+    real = three_d.TensorParallelStage.add_grad
+    monkeypatch.setattr(three_d.TensorParallelStage, "add_grad", lambda self, i, dw: real(self, i, 2 * dw))
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
     with pytest.raises(RankFailed) as failed:
         three_d.main(["--check", "--optimizer", "adamw", *argv, *TIMEOUT])
