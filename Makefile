@@ -6,7 +6,7 @@
 # Bring your own environment instead with PYTHON=...: what it lacks is installed there.
 PYTHON ?= .venv/bin/python
 
-.PHONY: deps ray-deps collectives dp tp pp 3d 3d-ray test test-multinode test-ray bench
+.PHONY: deps ray-deps collectives dp tp pp 3d 3d-ray test test-multinode test-slurm test-ray bench
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -45,11 +45,18 @@ ray-deps: deps
 	$(PYTHON) three_d.py --ray --dp 2 --pp 2 --tp 2 --check
 
 test: deps
-	$(PYTHON) -m pytest -q -m "not multinode and not ray" tests
+	$(PYTHON) -m pytest -q -m "not multinode and not slurm and not ray" tests
 
 # Two nodes in network namespaces, as root (about a minute)
 test-multinode: deps
 	$(PYTHON) -m pytest -q -m multinode tests
+
+# A Slurm cluster of two nodes in network namespaces, as root: the README's sbatch script
+# for real (about three minutes; installs Slurm and munge from the system's packages if missing)
+test-slurm: deps
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null || \
+	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge)
+	$(PYTHON) -m pytest -q -m slurm tests
 
 test-ray: ray-deps
 	$(PYTHON) -m pytest -q -m ray tests

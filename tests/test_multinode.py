@@ -19,7 +19,6 @@ What it takes on CPU nodes (the README's two-node section has the same commands)
 """
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import time
 import pytest
 import torch
 
+import netns
 import three_d
 
 pytestmark = pytest.mark.multinode
@@ -40,47 +40,14 @@ ARGS = ["--dp", "2", "--pp", "2", "--tp", "2", "--num-layers", "4", "--dim", "16
         "--timeout-s", "20"]
 
 
-def sh(*argv):
-    return subprocess.run(argv, capture_output=True, text=True)
-
-
 @pytest.fixture
 def two_nodes():
     """Two network namespaces joined by a veth pair; yields [(namespace, interface), ...]."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None:
-        pytest.skip("needs iproute2's ip (apt-get install -y iproute2)")
-    tag = f"t3d{os.getpid() % 100000}"   # unique per test session: two sessions can run at once
-    nodes = [(f"{tag}n{i}", f"{tag}v{i}") for i in range(2)]
-    made = []
-
-    def run(*argv):
-        done = sh(*argv)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
-
     try:
-        for ns, _ in nodes:
-            done = sh("ip", "netns", "add", ns)
-            if done.returncode:
-                pytest.skip(f"cannot create a network namespace here: {done.stderr.strip()}")
-            made.append(ns)
-        run("ip", "link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1])
-        for (ns, dev), addr in zip(nodes, ADDRS):
-            run("ip", "link", "set", dev, "netns", ns)
-            run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            run("ip", "-n", ns, "link", "set", dev, "up")
-            run("ip", "-n", ns, "link", "set", "lo", "up")
-        yield nodes
-    finally:
-        for ns in made:   # end whatever still runs in it, then delete it (and the veth with it)
-            for pid in sh("ip", "netns", "pids", ns).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            sh("ip", "netns", "del", ns)
+        with netns.two_hosts(f"t3d{os.getpid() % 100000}", ADDRS) as nodes:   # one tag per session
+            yield nodes
+    except netns.Unavailable as why:
+        pytest.skip(str(why))
 
 
 class Node:
