@@ -73,6 +73,7 @@ bench: deps
 	$(PYTHON) tests/bench.py data_parallel --world-size 2 --zero 1
 	$(PYTHON) tests/bench.py data_parallel --world-size 2 --zero 3 $(BIG)
 	$(PYTHON) tests/bench.py data_parallel --world-size 2 --zero 3
+	$(PYTHON) tests/bench.py memory --world-size 4
 	$(PYTHON) tests/bench.py tensor_parallel --world-size 2 $(BIG)
 	$(PYTHON) tests/bench.py tensor_parallel --world-size 2
 	$(PYTHON) tests/bench.py tensor_parallel --world-size 2 --tp-style megatron $(BIG)

@@ -182,7 +182,7 @@ class DataParallel:
     def __init__(self, weights, group, args, overlap=False):
         self.group, self.zero, self.overlap = group, args.zero, overlap
         self.d, self.r = dist.get_world_size(group), dist.get_rank(group)
-        self.shapes = [w.shape for w in weights]
+        self.shapes, self.device = [w.shape for w in weights], weights[0].device
         self.sizes = [-(-w.numel() // self.d) for w in weights]           # S = ceil(numel / d)
         self.full = [self.padded(w, i) for i, w in enumerate(weights)] if self.zero else weights
         self.shards = [] if self.zero == 0 else [self.own(f, i) for i, f in enumerate(self.full)]
@@ -208,7 +208,7 @@ class DataParallel:
 
     def zero_grads(self, num_micro_batches):
         """This step's gradients, zeroed: full while the stage keeps them, and the shards."""
-        device, numels = self.full_or_shard_device(), [shape.numel() for shape in self.shapes]
+        device, numels = self.device, [shape.numel() for shape in self.shapes]
         if self.zero == 0:   # one flat buffer, as DDP's buckets: one all-reduce sends it all
             self.flat = torch.zeros(sum(numels), device=device)
             self.grads = [g.view(shape) for g, shape in zip(self.flat.split(numels), self.shapes)]
@@ -218,6 +218,7 @@ class DataParallel:
             self.grad_shards = [self.own(g, i) if self.zero == 1 else torch.zeros(S, device=device)
                                 for i, (g, S) in enumerate(zip(self.grads, self.sizes))]
         self.left = [num_micro_batches] * len(self.shapes)   # micro-batches until final
+        self.peak = 0                                          # stage 3's largest, this step
 
     def add_grad(self, i, dw):
         """Layer i's dW of one micro-batch. Stage 3 reduce-scatters it at once; the others sum
@@ -289,9 +290,6 @@ class DataParallel:
     def own(self, flat, i):
         return flat[self.r * self.sizes[i]:(self.r + 1) * self.sizes[i]]   # a view: [S]
 
-    def full_or_shard_device(self):
-        return (self.full or self.shards)[0].device
-
     def full_grads(self):
         """The averaged gradients as full matrices (for --check); stages 1-3 gather them."""
         if self.zero == 0:
@@ -323,7 +321,7 @@ def dp_step(replica, xs, ys, n):
     blocks, dW summed over them and averaged over the replicas. Returns this replica's loss."""
     L = len(replica.shapes)
     replica.zero_grads(len(xs))
-    loss = torch.zeros((), device=replica.full_or_shard_device())
+    loss = torch.zeros((), device=replica.device)
     for x, y in zip(xs, ys):
         stashes = []
         for i in range(L):
@@ -388,19 +386,20 @@ def show_memory(replica, args):
     want = zero_formula(zero, P, d, args.optimizer)
     names = {0: ("4P", "4P", "8P"), 1: ("4P", "4P", "8P/d"), 2: ("4P", "4P/d", "8P/d"),
              3: ("4P/d", "4P/d", "8P/d")}[zero]
-    print(f"memory of one replica at the end of a step, --zero {zero}, d={d}: P = {P} parameters "
-          f"(each layer padded to a multiple of d), fp32: 4 + 4 + 8 bytes a parameter with AdamW "
-          f"(SGD keeps no state)")
-    for (kind, got), name in zip(held.items(), names):
-        print(f"  {kind:<16}{got:>12} bytes   formula {name:<5}= {want[kind]:>12.0f}")
+    print(f"memory of one replica at the end of a step, --zero {zero}, d={d}, P = {P} parameters\n"
+          f"(each layer padded to a multiple of d), fp32: 4 + 4 + 8 bytes a parameter with AdamW, "
+          f"SGD keeps no state")
     total = {0: "16P", 1: "8P + 8P/d", 2: "4P + 12P/d", 3: "16P/d"}[zero]
-    print(f"  {'total':<16}{sum(held.values()):>12} bytes   formula {total} = "
-          f"{sum(want.values()):.0f}")
+    for kind, got, name, formula in [*zip(held, held.values(), names, want.values()),
+                                     ("total", sum(held.values()), total, sum(want.values()))]:
+        print(f"  {kind:<16}{got:>12} bytes   formula {name:<11}= {formula:>12.0f}")
     if zero == 3:
-        print(f"  largest at any moment of the step: {replica.peak} bytes = 16P/d + one gathered "
-              f"layer ({4 * d * replica.sizes[0]} bytes)")
-    print("  (bf16 weights and gradients with fp32 master weights and Adam, 2 + 2 + 12 bytes a "
-          "parameter: 16P, 4P + 12P/d, 2P + 14P/d, 16P/d)", flush=True)
+        first = args.steps == 1 and args.optimizer == "adamw"
+        print(f"  largest at any moment of the last step: {replica.peak} bytes, what it held then\n"
+              f"  and one gathered layer ({4 * d * replica.sizes[0]} bytes)"
+              + (": AdamW's state comes with the first optimizer step, after" if first else ""))
+    print("bf16 weights and gradients with fp32 master weights and Adam, 2 + 2 + 12 bytes a "
+          "parameter:\n  16P, 4P + 12P/d, 2P + 14P/d and 16P/d at stages 0 to 3", flush=True)
 
 
 def global_loss(loss, group):

@@ -236,12 +236,12 @@ def show_rank_map(dp, pp, tp, order):
     width = {name: max(len(str(groups[name][0])) + 2, 10) for name in AXES}
     print(f"rank map: dp={dp} pp={pp} tp={tp}, order {order} (fastest first)")
     print(f"{'rank':>5} {'dp':>3} {'pp':>3} {'tp':>3}   " + "".join(
-        f"{name + ' group':<{width[name]}}" for name in ("tp", "pp", "dp")))
+        f"{name + ' group':<{width[name]}}" for name in ("tp", "pp", "dp")).rstrip())
     for rank in range(dp * pp * tp):
         mine = {name: next(g for g in groups[name] if rank in g) for name in AXES}
         coords = " ".join(f"{c:>3}" for c in coordinates(rank, groups))
         print(f"{rank:>5} {coords}   " + "".join(
-            f"{str(mine[name]):<{width[name]}}" for name in ("tp", "pp", "dp")), flush=True)
+            f"{str(mine[name]):<{width[name]}}" for name in ("tp", "pp", "dp")).rstrip(), flush=True)
 
 
 def main(argv=None):

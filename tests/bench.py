@@ -7,7 +7,8 @@ figures that are not the lecture. The scripts never import this; it imports them
     python tests/bench.py tensor_parallel [its flags]    # against ColwiseParallel(output_layouts=Replicate())
     python tests/bench.py pipeline_parallel [its flags]  # against ScheduleGPipe and Schedule1F1B
     python tests/bench.py three_d [its flags]            # against PyTorch's own 3D composition
-    python tests/bench.py bubble-table                   # pipeline bubble and stash, p = 2, 4 and m = 1..8
+    python tests/bench.py memory [data_parallel's flags] # ZeRO's memory table, stages 0 to 3
+    python tests/bench.py bubble-table                   # pipeline bubble and stash, p = 2, 4 and m = 4, 8
     python tests/bench.py count-comm SCRIPT [its flags]  # bytes sent per step, counted, beside the formula
     python tests/bench.py machine                        # one line naming this machine
 
@@ -283,6 +284,27 @@ def ddp_side(model, xs, ys, n, lr, device):
     return step, lambda: ([lin.weight.T for lin in linears], [lin.weight.grad.T for lin in linears])
 
 
+def memory_table(args):
+    """ZeRO's memory table for stages 0 to 3 in turn: what one replica holds after a step,
+    counted from its tensors, beside the formulas (data_parallel.show_memory)."""
+    for zero in range(4):
+        args.zero = zero
+        spawn(memory_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+
+
+def memory_worker(rank, world_size, args):
+    device = setup(rank, world_size)
+    init = init_weights(args.num_layers, args.dim, args.seed)
+    replica = data_parallel.DataParallel([w.to(device, copy=True) for w in init], None, args)
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    rows, m = replica_rows(args.batch_size, rank, world_size), args.micro_batches
+    for _ in range(2):   # AdamW's state is made in the first step: the second holds it throughout
+        data_parallel.dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m), len(rows) * args.dim)
+        replica.step()
+    if rank == 0:
+        data_parallel.show_memory(replica, args)
+    cleanup()
+
 # ----------------------------------------------------------------------------------
 # Step 3 against ColwiseParallel on a DeviceMesh
 # ----------------------------------------------------------------------------------
@@ -441,9 +463,9 @@ def pipelining_side(modules, schedule_class, rank, num_stages, inputs, targets, 
 # across dp: a manual all-reduce of the gradients, FSDP2 (fully_shard), or DDP. DDP with
 # its defaults goes wrong in this composition on torch 2.13 (gloo): its first step's
 # gradients are m times too large (after TP, DDP's module lists no parameters, so the
-# schedule's division by m finds none), and its second step fails (ddp_as_composed;
-# README "PyTorch's own 3D composition"). DDP runs here with find_unused_parameters=True,
-# scale_grads=False, and the division by m done by hand, on our own references.
+# schedule's division by m finds none; ddp_as_composed, README "PyTorch's own 3D
+# composition"). DDP runs here with scale_grads=False and the division by m done by hand,
+# on our own references to the parameters.
 
 DP_WAYS = ("all-reduce", "FSDP2", "DDP")
 
@@ -457,11 +479,11 @@ def versus_torch_3d(args):
     times, diffs = spawn_returning(torch_3d_race, world_size, args, **launch)
     failure = "not run under torchrun (its failure would end the ranks)" if under_torchrun() else \
         ddp_failure(args, world_size, launch)
-    notes = [f"DDP with its defaults (find_unused_parameters=False) and the schedule's (scale_grads=True): {failure}"]
+    notes = [f"DDP with the schedule's default scale_grads=True: {failure}"]
     return dict(title=f"3D (dp={args.dp} pp={args.pp} tp={args.tp}, {args.schedule}) vs serial and PyTorch's own "
                       f"composition: {bench_sizes(args, world_size)}\n  torch 3D is DeviceMesh (dp, pp, tp), "
                       f"torch.distributed.pipelining over pp, ColwiseParallel over tp, and across dp: "
-                      f"{', '.join(DP_WAYS)} (DDP: find_unused_parameters=True, scale_grads=False, / m by hand)",
+                      f"{', '.join(DP_WAYS)} (DDP: scale_grads=False, / m by hand)",
                 times=times, diffs=diffs, world_size=world_size, steps=args.steps, notes=notes,
                 ratios=[("ours", name) for name in times if name.startswith("torch")])
 
@@ -492,7 +514,7 @@ def our_3d_side(rank, args, device):
             me.targets[rows].to(device))
 
 
-def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_fixed=True):
+def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_divide_by_hand=True):
     """PyTorch's composition on this rank, with SGD, as (step, state) in our layout."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -507,9 +529,9 @@ def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_fixed=T
     if dp_way == "FSDP2":
         fully_shard(model, mesh=mesh["dp"])         # reduce-scatters the gradients, averaged over dp
     if dp_way == "DDP":
-        model = DistributedDataParallel(model, device_mesh=mesh["dp"], find_unused_parameters=ddp_fixed)
+        model = DistributedDataParallel(model, device_mesh=mesh["dp"])
     params = list(model.parameters())               # ours to keep: after DDP's first forward it has none
-    scale_grads = dp_way != "DDP" or not ddp_fixed  # the schedule's division by m misses DDP's parameters
+    scale_grads = dp_way != "DDP" or not ddp_divide_by_hand  # the schedule's division by m misses DDP's parameters
     # Shapes given up front (static mode): inferring them sends pickled objects, which needs
     # numpy. An activation between stages requires grad: its gradient is sent back.
     example = inputs[:len(inputs) // m].clone().requires_grad_()     # [B/(dp m), D]
@@ -543,14 +565,14 @@ def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_fixed=T
 
 
 def ddp_as_composed(rank, world_size, args, path):
-    """DDP in the composition with its defaults (find_unused_parameters=False, the
-    schedule's scale_grads): rank 0 writes how its first step's gradients compare with
-    ours, then a second step runs, and fails on this torch."""
+    """DDP in the composition with the schedule's default scale_grads: rank 0 writes how
+    its first step's gradients compare with ours, then a second step runs (it failed in
+    DDP's bucket rebuild while the stages inferred their shapes at run time)."""
     device = setup(rank, world_size)
     quiet_dtensor_warnings()
     mesh = torch_mesh(args, device)
     (ours, ours_state), full, inputs, targets = our_3d_side(rank, args, device)
-    theirs, theirs_state = torch_3d_side(args, mesh, device, "DDP", full, inputs, targets, ddp_fixed=False)
+    theirs, theirs_state = torch_3d_side(args, mesh, device, "DDP", full, inputs, targets, ddp_divide_by_hand=False)
     sides = {"ours": (ours, ours_state), "DDP": (theirs, theirs_state)}
     ours()
     theirs()
@@ -726,6 +748,12 @@ def main(argv):
                 refuse(f"--{flag}: not used by the bench, which checks ours against PyTorch's API "
                        f"and times both")
         print_race(versus(args))
+    elif what == "memory":
+        args = data_parallel.parse_args(rest)
+        if args.zero or args.save or args.check or args.overlap or args.shuffle:
+            refuse("memory runs --zero 0 to 3 in turn, for one step each: it takes the sizes, "
+                   "--optimizer and the launch flags")
+        memory_table(args)
     elif what == "bubble-table":
         sizes = dict(dim=1024, rows=64, steps=5)
         print_bubble_table(bubble_table(**sizes), **sizes)
@@ -736,7 +764,7 @@ def main(argv):
         print(machine())
     else:
         refuse(f"the first word names what to bench: collectives, {', '.join(COMPARISONS)}, "
-               f"bubble-table, count-comm or machine; got {what!r}")
+               f"memory, bubble-table, count-comm or machine; got {what!r}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ PyTorch's own API for it (DDP, ColwiseParallel, torch.distributed.pipelining, an
 compare nothing. No time is asserted. And the DDP failure in PyTorch's 3D composition
 that the README describes, pinned.
 """
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -117,3 +118,19 @@ def test_the_bench_refuses_what_it_would_ignore(argv, flag, capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and flag in err and "error" in err, err
+
+
+def test_the_memory_table_holds_the_formulas_at_every_stage(capfd):
+    """make bench's memory table: stages 0 to 3 in turn, each row counted from the tensors
+    equal to its formula; with 3 replicas and D = 16 each layer pads 256 to 258 parameters.
+    Stage 3's largest moment, in its second step, is 16P/d and one gathered layer."""
+    bench.main(["memory", "--world-size", "3", "--num-layers", "2", "--dim", "16", "--batch-size", "12",
+                "--timeout-s", "30"])
+    out = capfd.readouterr().out
+    rows = re.findall(r"^  (weights|gradients|optimizer state|total) +(\d+) bytes +formula .+?= +(\d+)$",
+                      out, re.MULTILINE)
+    assert len(rows) == 16 and all(int(got) == int(want) for _, got, want in rows), rows
+    totals = [int(got) for kind, got, _ in rows if kind == "total"]
+    assert totals == [16 * 2 * 256, 8 * 2 * 258 + 8 * 2 * 86, 4 * 2 * 258 + 12 * 2 * 86, 16 * 2 * 86]
+    peak = re.search(r"largest at any moment of the last step: (\d+) bytes", out)
+    assert int(peak[1]) == totals[3] + 4 * 258

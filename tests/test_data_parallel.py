@@ -457,7 +457,7 @@ def test_memory_each_replica_holds_is_the_formula(tmp_path, monkeypatch, capfd, 
     assert rows["total"][0] == sum(want) and rows["total"][2] == sum(want)
     assert all(rows[k][0] == rows[k][2] for k in rows), rows
     if zero == 3:   # at its largest: the shards, and the one layer gathered for its forward
-        peak = re.search(r"largest at any moment of the step: (\d+) bytes", out)
+        peak = re.search(r"largest at any moment of the last step: (\d+) bytes", out)
         assert int(peak[1]) == sum(want) + 4 * 258
 
 
