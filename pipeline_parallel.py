@@ -274,9 +274,9 @@ def pp_worker(rank, world_size, args):
     inputs, targets = make_batch(args)
     chunks = []      # this stage's layers: one chunk, or v when interleaved
     for c in range(v):
-        weights = [full[i].to(device, copy=True) for i in stage_layers(args.num_layers, p, stage, v, c)]
-        virtual = c * p + stage
-        chunks.append(StageLayers(weights, virtual == 0, virtual == v * p - 1, targets.to(device).chunk(m),
+        layers, virtual = stage_layers(args.num_layers, p, stage, v, c), c * p + stage
+        chunks.append(StageLayers([full[i].to(device, copy=True) for i in layers], virtual == 0,
+                                  virtual == v * p - 1, targets.to(device).chunk(m),
                                   n=args.batch_size * args.dim))
     optimizer = make_optimizer([w for chunk in chunks for w in chunk.weights], args)
     actions = build_schedule(args.schedule, p, stage, m, v)
@@ -316,14 +316,15 @@ def in_layer_order(tensors, args, num_stages):
     if everyone is None:
         return None
     v, per_chunk = args.virtual_stages, args.num_layers // (num_stages * args.virtual_stages)
-    return [everyone[s, c * per_chunk + i] for c in range(v) for s in range(num_stages) for i in range(per_chunk)]
+    return [everyone[s, c * per_chunk + i]
+            for c in range(v) for s in range(num_stages) for i in range(per_chunk)]
 
 
 def bubble_theory(schedule, num_stages, num_micro_batches, num_chunks=1, times=(1, 1, 1)):
     """The idle share of a step, for stages of equal speed and free communication. times:
     (T_F, T_B, T_W) of one micro-batch; B is the whole backward except in ZB-H1."""
     p, m, v = num_stages, num_micro_batches, num_chunks
-    if schedule == "zb-h1":   # the bubble shrinks from (p-1)(T_F + T_B + T_W) to (p-1)(T_F + T_B - T_W)
+    if schedule == "zb-h1":   # the bubble: (p-1)(T_F + T_B + T_W) shrinks to (p-1)(T_F + T_B - T_W)
         t_f, t_b, t_w = times
         return (p - 1) * (t_f + t_b - t_w) / (m * (t_f + t_b + t_w) + (p - 1) * (t_f + t_b - t_w))
     return (p - 1) / (v * m + p - 1)
@@ -340,7 +341,8 @@ def print_schedules(schedule, num_stages, num_micro_batches, num_chunks, num_lay
               f"{num_layers // (p * v)} layers:", flush=True)
     for s in range(p):
         if v > 1:
-            owns = ", ".join(f"{'abcdefgh'[c]} {list(stage_layers(num_layers, p, s, v, c))}" for c in range(v))
+            owns = ", ".join(f"{'abcdefgh'[c]} {list(stage_layers(num_layers, p, s, v, c))}"
+                             for c in range(v))
             log(f"[stage {s}]", f"layers {owns}")
         log(f"[stage {s}]", " ".join(map(str, build_schedule(schedule, p, s, m, v))))
 
@@ -355,9 +357,10 @@ def show_timeline(events, peak, args, num_stages, rank, device, width=96):
         return
     begin, end = stages[..., 3].min().item(), stages[..., 4].max().item()
     scale, v = width / (end - begin), args.virtual_stages
+    chunk_names = ", a/b: the chunk" if v > 1 else ""
     print(f"timeline of the last step, {(end - begin) * 1e3:.2f} ms across: F3 = forward of micro-"
-          f"batch 3, B3 = its backward, W3 = its dW{', a/b: the chunk' if v > 1 else ''} (as wide as "
-          f"its time, at least its name), '.' idle", flush=True)
+          f"batch 3, B3 = its backward, W3 = its dW{chunk_names} (as wide as its time, at least "
+          f"its name), '.' idle", flush=True)
     idle = []
     for s, (evs, held) in enumerate(zip(stages.tolist(), peaks.flatten().tolist())):
         line = ""
@@ -370,7 +373,8 @@ def show_timeline(events, peak, args, num_stages, rank, device, width=96):
         print(f"  stage {s} |{line.ljust(width, '.')}| idle {idle[-1]:5.1%}, peak stash {held}",
               flush=True)
     p, m, cores = num_stages, args.micro_batches, os.cpu_count()
-    theory = {"zb-h1": "(p-1)/(3m+p-1)", "interleaved": "(p-1)/(vm+p-1)"}.get(args.schedule, "(p-1)/(m+p-1)")
+    theory = {"zb-h1": "(p-1)/(3m+p-1)", "interleaved": "(p-1)/(vm+p-1)"}.get(args.schedule,
+                                                                             "(p-1)/(m+p-1)")
     print(f"bubble: measured {sum(idle) / p:.1%} (the stages' mean idle share), theory {theory} = "
           f"{bubble_theory(args.schedule, p, m, v):.1%}", flush=True)
     if device.type == "cpu" and p > cores:
@@ -388,7 +392,8 @@ def main(argv=None):
 # ----------------------------------------------------------------------------------
 
 def add_schedule_args(parser):
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb-h1", "interleaved"], default="1f1b")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb-h1", "interleaved"],
+                        default="1f1b")
     parser.add_argument("--virtual-stages", type=positive_int, default=None,
                         help="chunks v per stage, for --schedule interleaved (default 2)")
 
@@ -398,20 +403,22 @@ def check_schedule_args(parser, args, num_stages, stages_flag):
     the other schedules take one chunk."""
     if args.schedule != "interleaved":
         if args.virtual_stages not in (None, 1):
-            parser.error(f"--virtual-stages {args.virtual_stages}: only --schedule interleaved has chunks")
+            parser.error(f"--virtual-stages {args.virtual_stages}: only --schedule interleaved "
+                         f"has chunks")
         args.virtual_stages = 1
         return
     args.virtual_stages = args.virtual_stages or 2
     if num_stages == 1:
-        parser.error(f"--schedule interleaved: needs {stages_flag} of 2 or more (one stage's chunks "
-                     f"would only pass activations to themselves)")
+        parser.error(f"--schedule interleaved: needs {stages_flag} of 2 or more (one stage's "
+                     f"chunks would only pass activations to themselves)")
     virtual = num_stages * args.virtual_stages
     if virtual > args.num_layers:
         parser.error(f"--virtual-stages {args.virtual_stages}: {stages_flag} x --virtual-stages = "
                      f"{virtual} chunks for {args.num_layers} layers")
-    check_divides(parser, args.num_layers, "--num-layers", virtual, f"{stages_flag} x --virtual-stages")
-    check_divides(parser, args.micro_batches, "--micro-batches", num_stages, f"{stages_flag} (interleaved, "
-                  f"as Megatron asks: whole rounds)")
+    check_divides(parser, args.num_layers, "--num-layers", virtual,
+                  f"{stages_flag} x --virtual-stages")
+    check_divides(parser, args.micro_batches, "--micro-batches", num_stages,
+                  f"{stages_flag} (interleaved, as Megatron asks: whole rounds)")
 
 
 def parse_args(argv=None):

@@ -152,8 +152,8 @@ class ThreeDRank:
         per_chunk = args.num_layers // (args.pp * v)
         self.kinds = layer_kinds(per_chunk, args.tp_style)             # the same in every chunk
         shards = [shard(self.full[i], kind, t, args.tp).to(device)   # [D, D/T] or [D/T, D]
-                  for c in range(v) for i, kind in zip(stage_layers(args.num_layers, args.pp, p, v, c),
-                                                       self.kinds)]
+                  for c in range(v)
+                  for i, kind in zip(stage_layers(args.num_layers, args.pp, p, v, c), self.kinds)]
         self.replica = DataParallel(shards, self.groups["dp"], args)   # with --zero, 1/dp of them
 
         # This replica's slice of the batch, by its DP coordinate; the same on every TP rank.
@@ -196,7 +196,8 @@ def three_d_worker(rank, world_size, args):
             first_grads = full_matrices(me.replica.full_grads(), me.kinds, args)
         me.replica.step()                     # each rank's optimizer steps its own shards
         if last:   # the last stage knows the loss: the replicas' mean losses, averaged
-            losses.append(global_loss(torch.tensor(me.chunks[-1].loss, device=device), me.groups["dp"]))
+            loss = torch.tensor(me.chunks[-1].loss, device=device)
+            losses.append(global_loss(loss, me.groups["dp"]))
             if me.d == 0 and me.t == 0:
                 log(me.tag, f"step {step:3d}  loss {losses[-1]:.6f}")
     final = full_matrices(me.replica.full_weights(), me.kinds, args)
@@ -240,8 +241,8 @@ def show_rank_map(dp, pp, tp, order):
     for rank in range(dp * pp * tp):
         mine = {name: next(g for g in groups[name] if rank in g) for name in AXES}
         coords = " ".join(f"{c:>3}" for c in coordinates(rank, groups))
-        print(f"{rank:>5} {coords}   " + "".join(
-            f"{str(mine[name]):<{width[name]}}" for name in ("tp", "pp", "dp")).rstrip(), flush=True)
+        cells = "".join(f"{str(mine[name]):<{width[name]}}" for name in ("tp", "pp", "dp"))
+        print(f"{rank:>5} {coords}   {cells}".rstrip(), flush=True)
 
 
 def main(argv=None):
