@@ -2,6 +2,7 @@
 
     python data_parallel.py                          # 4 replicas on the CPU
     python data_parallel.py --world-size 2 --micro-batches 4 --overlap --check
+    python data_parallel.py --zero 3 --check         # ZeRO-3: each replica keeps 1/4 of all
     torchrun --nproc-per-node 4 data_parallel.py
 
 The model is an MLP of L layers, trained with mean squared error to imitate a teacher
@@ -20,10 +21,15 @@ bytes each for P bytes of gradients, and divide by d: every replica takes the sa
 
 The gaps in the lecture that this step fills: the backward itself, checked against
 autograd in the tests; micro-batches, whose gradients add up before the one all-reduce
-of a step; and --overlap, which starts each layer's all-reduce as soon as that
-gradient is final, as DDP does, so that it runs while the layers below compute theirs.
+of a step; --overlap, which starts each layer's all-reduce as soon as that gradient is
+final, as DDP does, so that it runs while the layers below compute theirs; and ZeRO
+(--zero 1, 2, 3), which splits that all-reduce into step 1's reduce-scatter and
+all-gather, so that each replica keeps only 1/d of the optimizer state, the gradients
+and the weights, for the all-reduce's bytes (stages 1 and 2) or 1.5 times them for
+each micro-batch (stage 3: the weights are gathered for its forward and its backward).
 
-What PyTorch gives you: DistributedDataParallel (tests/bench.py races it against this).
+What PyTorch gives you: DistributedDataParallel; for ZeRO, ZeroRedundancyOptimizer and
+FSDP2's fully_shard (tests/bench.py races them against this).
 """
 import math
 import os

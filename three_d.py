@@ -8,11 +8,13 @@
     python three_d.py --ray                             # the ranks as Ray Train workers
 
 Nothing new is computed here: this file composes the blocks of steps 2-4.
-- Every layer is step 3's column-parallel layer, over the stage's TP group.
-- The stages run step 4's schedules and runner; the rank with TP coordinate t sends to
-  the next stage's rank with the same t.
-- After every micro-batch, each shard's gradient is averaged over its DP group by
-  step 2's averager, once, and the optimizer steps.
+- Every layer is one of step 3's tensor-parallel layers over the stage's TP group: the
+  column layer with its all-gather, or Megatron's column-then-row pairs (--tp-style).
+- The stages run step 4's schedules and runner (interleaved: several chunks a stage);
+  the rank with TP coordinate t sends to the next stage's rank with the same t.
+- After the last micro-batch, each shard's gradient is averaged over its DP group by
+  step 2's DataParallel, once (with --zero, sharded over the replicas), and the
+  optimizer steps.
 What is new is the rank map: which ranks form each group. From-scratch 3D code often
 hard-codes it for 8 ranks (and a rank-group utility often used with it puts 6 of 8
 ranks in the wrong groups); rank_groups() derives it for any sizes and nesting order.
