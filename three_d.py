@@ -36,7 +36,8 @@ from data_parallel import (DataParallel, add_zero_arg, check_divides, check_trai
                            refuse_unused, replica_rows, show_memory, training_parser)
 from pipeline_parallel import (StageLayers, add_schedule_args, build_schedule, check_schedule_args,
                                run_schedule, stage_layers)
-from tensor_parallel import all_gather_columns, layer_kinds, shard, tp_forward, tp_input_backward
+from tensor_parallel import (all_gather_columns, layer_kinds, shard, shard_columns, tp_forward,
+                             tp_input_backward)
 
 AXES = ("dp", "pp", "tp")
 
@@ -123,8 +124,7 @@ class TensorParallelStage(StageLayers):
         if not self.p2p_shard:
             return tensor
         tp_rank, tp_size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
-        cols = tensor.shape[1] // tp_size
-        return tensor[:, tp_rank * cols:(tp_rank + 1) * cols].contiguous()     # [b, D/T]
+        return shard_columns(tensor, tp_rank, tp_size)                          # [b, D/T]
 
     def incoming(self, buffer):
         return all_gather_columns(buffer, self.tp_group) if self.p2p_shard else buffer   # [b, D]

@@ -29,7 +29,7 @@ import pipeline_parallel
 import tensor_parallel
 import three_d
 from collectives import cleanup, setup, spawn
-from data_parallel import DataParallel, dp_step, init_weights, make_batch, replica_rows
+from data_parallel import DataParallel, dp_step, gather_on_rank0, init_weights, make_batch, replica_rows
 from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers
 from tensor_parallel import layer_kinds, shard, tp_step
 
@@ -313,8 +313,7 @@ def gather_text(text):
     dist.all_gather(sizes, torch.tensor([len(data)]))
     padded = torch.zeros(max(int(s) for s in sizes), dtype=torch.uint8)
     padded[:len(data)] = data
-    parts = [torch.empty_like(padded) for _ in sizes] if dist.get_rank() == 0 else None
-    dist.gather(padded, parts, dst=0)
+    parts = gather_on_rank0(padded)                                  # [ranks, longest]
     return None if parts is None else [bytes(p[:int(s)].tolist()).decode() for p, s in zip(parts, sizes)]
 
 
