@@ -20,34 +20,35 @@ The gaps in the lecture that this step fills:
 - The lecture's debug mode replaces the collectives with no-ops, so a breakpoint sees
   values that no real run produces. Here, under a debugger, rank 0 runs inside the
   debugged process and the other ranks run beside it: every sum is real.
-- The launcher below (spawn, setup, cleanup) starts the ranks of every later step.
 
-What PyTorch gives you: these are torch.distributed's collectives; the launcher does what
-torch.multiprocessing.spawn and torchrun do. tests/bench.py times each collective and
-reports bus bandwidth as nccl-tests defines it (make bench).
+The launcher is below the fold: spawn(fn, world_size, *args) runs fn(rank, world_size,
+*args) on every rank and names the one that failed first; setup(rank, world_size) joins
+the process group and returns the rank's device; cleanup() leaves it.
+
+What PyTorch gives you: torch.distributed's collectives; torch.multiprocessing.spawn and
+torchrun. tests/bench.py times each collective, bus bandwidth as nccl-tests defines it.
 """
-import argparse
-import contextlib
-import ctypes
-import math
-import os
-import pickle
-import re
-import shutil
-import signal
-import sys
-import tempfile
-import threading
-import time
-import traceback
 import warnings
-from datetime import timedelta
-from multiprocessing.connection import wait
-
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    spawn(tour, args.world_size, [
+        all_reduce_is_reduce_scatter_then_all_gather,   # all-reduce = reduce-scatter + all-gather
+        one_root_and_every_rank,                        # broadcast, scatter, gather, reduce
+        point_to_point,                                 # send/recv, isend/irecv
+        ring_demo,                                      # all-reduce from send/recv, around a ring
+    ], backend=args.backend, timeout_s=args.timeout_s)
+
+
+def tour(rank, world_size, sections):   # this step's worker: join, run each section, leave
+    device = setup(rank, world_size)
+    for section in sections:
+        section(rank, world_size, device)
+    cleanup()
 
 
 def all_reduce_is_reduce_scatter_then_all_gather(rank, world_size, device):
@@ -145,18 +146,11 @@ def point_to_point(rank, world_size, device):
     show(rank, "after", sending=x, received=received)
 
 
-# ----------------------------------------------------------------------------------
-# The ring all-reduce: the lecture's "NCCL uses a ring", from send/recv alone
-# ----------------------------------------------------------------------------------
-
 def ring_all_reduce(tensor, group=None):
-    """Sum `tensor` over the ranks of `group`, in place, like dist.all_reduce: built from
-    point-to-point sends alone, as a reduce-scatter around a ring, then an all-gather.
-
-    Rank r of the n ranks only ever sends to r+1 and receives from r-1. It sends n-1
-    chunks of 1/n of the tensor in each phase: 2(n-1)/n of the tensor in all, the least
-    that any all-reduce can send per rank, whatever n is.
-    """
+    """The lecture's "NCCL uses a ring": sum `tensor` over the ranks of `group` in place, as
+    dist.all_reduce does, from send/recv alone: a reduce-scatter around a ring, then an all-gather.
+    Rank r of the n ranks only ever sends to r+1 and receives from r-1: n-1 chunks of 1/n
+    of the tensor in each phase, 2(n-1)/n in all, the least any all-reduce can send."""
     group = dist.group.WORLD if group is None else group
     r = dist.get_rank(group)   # rank within the group
     if r < 0:                  # this rank is not in the group: like dist.all_reduce, do nothing
@@ -194,12 +188,8 @@ def ring_all_reduce(tensor, group=None):
 
 
 def exchange(to_send, to_recv, right, left, group):
-    """One ring step: send to the right and receive from the left, posted together.
-
-    A send waits for its receive (NCCL always, gloo too, see point_to_point): if every
-    rank sent first, all would wait forever. batch_isend_irecv posts both halves at once
-    (one NCCL group call), so each send meets its receive.
-    """
+    """One ring step, posted together: a send waits for its receive (see point_to_point), and
+    batch_isend_irecv posts both at once (one NCCL group call), so each meets its match."""
     ops = [dist.P2POp(dist.isend, to_send, right, group),
            dist.P2POp(dist.irecv, to_recv, left, group)]
     for work in dist.batch_isend_irecv(ops):
@@ -220,23 +210,27 @@ def ring_demo(rank, world_size, device):
         log(f"[rank {rank}]", "ring_all_reduce == dist.all_reduce: yes")
 
 
-# ----------------------------------------------------------------------------------
-# The launcher: spawn(fn, world_size, *args) runs fn(rank, world_size, *args) on every
-# rank; each rank calls setup(rank, world_size) first and cleanup() last.
-# ----------------------------------------------------------------------------------
+# Below the fold: the launcher (spawn, setup, cleanup and the process management behind
+# them), the command line that every script shares, and this step's printing. ----------
+import argparse, ctypes, glob, logging, math, os, pickle, re, shutil  # noqa: E401, E402
+import signal, sys, tempfile, threading, time  # noqa: E401, E402
+from datetime import timedelta  # noqa: E402
+from unittest import mock  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 DEFAULT_TIMEOUT_S = 60.0   # how long a rank waits for a peer (PyTorch's 30 min look like a hang)
+RANK_BYTES = 50e6          # one forked CPU rank at the defaults, measured: its share of the pages
+logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)   # we say who failed
 
 
 class RankFailed(RuntimeError):
-    """A rank raised, died or stalled: names the rank that failed first, with its traceback.
-    stopped holds the message of a Stop (below), which is not a crash."""
+    """The rank that raised, died or stalled first, with its traceback (stopped: a Stop's)."""
 
     def __init__(self, rank, text):
         last = text.strip().splitlines()[-1]
         super().__init__(f"rank {rank} failed first: {last}")
         self.rank, self.text = rank, text
-        self.stopped = last.split("Stop: ", 1)[1] if re.match(r"([\w.]+\.)?Stop: ", last) else None
+        self.stopped = (re.match(r"(?:[\w.]+\.)?Stop: (.*)", last) or [None, None])[1]
 
 
 class Stop(Exception):
@@ -244,71 +238,84 @@ class Stop(Exception):
 
 
 def spawn(fn, world_size, *args, backend="auto", timeout_s=DEFAULT_TIMEOUT_S):
-    """Run fn(rank, world_size, *args) on world_size ranks; raise RankFailed if one fails.
-
-    Under torchrun this process is one rank already: fn runs once, here. Otherwise
-    torch.multiprocessing starts the ranks with the variables torchrun would set: by
-    fork on the CPU (torch is imported already: 8 ranks start in well under a second),
-    by spawn with CUDA, which does not survive a fork. They meet at a file store in a
-    fresh temporary folder, not at a TCP port, so runs side by side never collide.
-    """
-    env = {"PARALLEL_BACKEND": pick_backend(world_size, backend),
+    """Run fn(rank, world_size, *args) on every rank; raise RankFailed if one fails. Under
+    torchrun, fn runs here as this one rank. Otherwise ranks start by fork on the CPU (8 in
+    under a second), by spawn with CUDA, and meet at a file store in a fresh folder: no port."""
+    env = {"PARALLEL_BACKEND": pick_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                                            backend),
            "PARALLEL_TIMEOUT_S": str(timeout_s)}
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
             raise SystemExit(f"error: torchrun started {os.environ['WORLD_SIZE']} ranks "
                              f"but this run needs {world_size}")
-        with environment(env):
+        with mock.patch.dict(os.environ, env):
             return fn(int(os.environ["RANK"]), world_size, *args)
-    folder = tempfile.mkdtemp(prefix="parallel-")
+    for old in glob.glob(os.path.join(tempfile.gettempdir(), "parallel-[0-9]*-*")):
+        try:
+            os.kill(int(os.path.basename(old).split("-")[1]), 0)   # does its launcher run?
+        except ProcessLookupError:      # no: it was killed by SIGKILL, which cleans nothing
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError:                 # another user's
+            pass
+    folder = tempfile.mkdtemp(prefix=f"parallel-{os.getpid()}-")
     env.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                PARALLEL_STORE=os.path.join(folder, "store"))
     here = int(sys.gettrace() is not None)   # 1 under a debugger: rank 0 runs in this process
-    main_thread = threading.current_thread() is threading.main_thread()
-    on_sigterm = signal.signal(signal.SIGTERM, _interrupted) if main_thread else None
-    children = []
+    method = "spawn" if env["PARALLEL_BACKEND"] == "nccl" else "fork"
+    if method == "fork":   # every rank's first optimizer step imports it (~1 s): once, here
+        import torch._dynamo  # noqa: F401
+
+    def interrupt(signum, frame):   # `kill PID`, or a closing terminal: as Ctrl-C does
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    saved = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)
+             if threading.current_thread() is threading.main_thread()}
+    context = None   # the child ranks, started by torch.multiprocessing
     try:
-        with environment(env):
-            method = "spawn" if env["PARALLEL_BACKEND"] == "nccl" else "fork"
-            if method == "fork":   # every rank's first optimizer step imports it (~1 s): once, here
-                import torch._dynamo  # noqa: F401
+        with mock.patch.dict(os.environ, env):
             context = mp.start_processes(_child, (here, os.getpid(), fn, world_size, args),
                                          nprocs=world_size - here, join=False, start_method=method)
-            children = context.processes
-            failures = _run_rank_0_here(fn, world_size, args) if here else {}
-        culprit = _wait(dict(enumerate(zip(children, context.error_files), start=here)), failures)
-    finally:   # end the ranks still running: SIGTERM, then SIGKILL, which a stopped rank needs
-        for process in children:
-            process.terminate()
-        for process in children:
-            process.join(2)
+        if here:   # rank 0 in the debugger: its exception, if any, stops the debugger here
+            with mock.patch.dict(os.environ, {**env, "RANK": "0", "LOCAL_RANK": "0"}):
+                fn(0, world_size, *args)
+        try:       # after the first failure, the others have half a second to end on their own
+            while not context.join(grace_period=0.5):
+                pass
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            raise RankFailed(*_culprit(context, e.error_index, here)) from None
+    finally:       # what still runs ends here: a stopped rank needs SIGKILL
+        for process in context.processes if context else []:
             process.kill()
+        for process in context.processes if context else []:
+            process.join()
         shutil.rmtree(folder, ignore_errors=True)
-        if main_thread:
-            signal.signal(signal.SIGTERM, on_sigterm)
-    if culprit:
-        raise RankFailed(*culprit)
+        for s, handler in saved.items():
+            signal.signal(s, handler)
 
 
 def setup(rank, world_size):
     """Join the process group; return this rank's device: cuda:LOCAL_RANK, or the CPU.
-
-    Reads what spawn() above, or torchrun, put in the environment. LOCAL_RANK picks the
-    GPU on this node; RANK is the global rank, and the two differ on a second node.
-    """
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    backend = os.environ.get("PARALLEL_BACKEND") or pick_backend(local_world_size)
+    LOCAL_RANK picks the GPU on this node; RANK, the global rank, differs on a second node."""
+    backend = os.environ.get("PARALLEL_BACKEND") or pick_backend(world_size)
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)    # the ranks share a few cores: one thread each
-    if not dist.is_initialized():   # (Ray Train joins the group before our function runs)
-        store = os.environ.get("PARALLEL_STORE")   # None under torchrun: MASTER_ADDR:MASTER_PORT
-        timeout = timedelta(seconds=float(os.environ.get("PARALLEL_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+    if dist.is_initialized():       # (Ray Train joins the group before our function runs)
+        return device
+    store = os.environ.get("PARALLEL_STORE")   # None under torchrun: MASTER_ADDR:MASTER_PORT
+    timeout = timedelta(seconds=float(os.environ.get("PARALLEL_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+    try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 store=store and dist.FileStore(store, world_size))
+    except (RuntimeError, ValueError) as e:    # DistStoreError, DistNetworkError, ...
+        if store:
+            raise
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise Stop(f"RANK {rank} of WORLD_SIZE {world_size} met no peers at MASTER_ADDR:"
+                   f"MASTER_PORT = {where} ({str(e).splitlines()[0][:100]}); if these are left "
+                   f"over from another run, unset RANK, WORLD_SIZE and LOCAL_RANK") from None
     return device
 
 
@@ -316,140 +323,97 @@ def cleanup():
     dist.destroy_process_group()
 
 
-def under_torchrun():
-    """torchrun (and Slurm or Ray around it) starts each rank with these variables set."""
+def under_torchrun():   # torchrun (and Slurm or Ray around it) start each rank with these
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def pick_backend(local_world_size, requested="auto"):
-    """NCCL when every rank on this node has its own GPU; otherwise gloo on the CPU."""
-    if requested != "auto":
-        return requested
+def pick_backend(local_world_size, requested="auto"):   # NCCL if every rank has a GPU, or gloo
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return "nccl" if gpus >= local_world_size else "gloo"
-
-
-def log(tag, *values):
-    """One line with a rank tag in front, written at once: ranks' lines never interleave."""
-    sys.stdout.write(" ".join(str(v) for v in (tag, *values)) + "\n")
-    sys.stdout.flush()
-
-
-@contextlib.contextmanager
-def environment(values):
-    """os.environ with `values` added, and put back as it was afterwards."""
-    saved = dict(os.environ)
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    return requested if requested != "auto" else "nccl" if gpus >= local_world_size else "gloo"
 
 
 def _child(index, here, parent, fn, world_size, args):
-    """A child rank. If fn raises, torch.multiprocessing writes its traceback to a file."""
-    # When the parent dies, even by SIGKILL, the kernel kills this rank (1 = PR_SET_PDEATHSIG).
-    # torch sets SIGINT for this, which a background job ignores: its ranks would live on.
-    if sys.platform == "linux":
+    # A child rank. If fn raises, torch.multiprocessing writes its traceback to a file.
+    if sys.platform == "linux":   # when the parent dies, even by SIGKILL, so does this rank:
+        # 1 = PR_SET_PDEATHSIG. torch sets SIGINT, which a background job's ranks ignore.
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     if os.getppid() != parent:   # it died before that line
         sys.exit(1)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # the parent's handler is not ours,
-    sys.settrace(None)                              # nor a debugger's tracer
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):   # Ctrl-C: end without a word;
+        signal.signal(s, signal.SIG_DFL)
+    sys.settrace(None)           # the parent's handlers are not ours, nor a debugger's tracer
     os.environ.update(RANK=str(index + here), LOCAL_RANK=str(index + here))
     fn(index + here, world_size, *args)
 
 
-def _interrupted(signum, frame):
-    """SIGTERM (`kill PID`) stops spawn() as Ctrl-C does: the ranks are ended on the way out."""
-    raise KeyboardInterrupt("SIGTERM")
+def _culprit(context, first, here):
+    """(rank, text) of the rank to blame. A rank whose peer died or stalled fails too, with a
+    closed connection or a timeout: a victim, blamed only if no rank failed otherwise."""
+    failures, ended = {}, []   # ended: still running when we ended them, a stalled rank too
+    for index, (process, error_file) in enumerate(zip(context.processes, context.error_files)):
+        rank, code = index + here, process.exitcode
+        if os.path.exists(error_file):   # fn raised: its traceback
+            with open(error_file, "rb") as f:
+                failures[rank] = (os.path.getmtime(error_file), pickle.load(f))
+        elif code and (index == first or code > 0):   # a signal, or sys.exit("why")
+            failures[rank] = (0.0 if index == first else time.time(), f"exited with code {code}"
+                              if code > 0 else f"killed by {signal.Signals(-code).name}")
+        elif code:
+            ended.append(rank)
+    victim = re.compile(r"^torch.distributed.dist|connection|timed out|timeout|broken pipe|reset")
+    causes = [rank for rank, (_, text) in failures.items()
+              if not victim.search(text.strip().splitlines()[-1].lower())]
+    if not causes and ended:   # only victims failed: they waited for a rank that never did
+        ranks = [f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, sorted(rs)))}" for rs in
+                 (failures, ended)]
+        return ended[0], f"stalled: {ranks[0]} timed out while {ranks[1]} still ran"
+    rank = min(causes or failures, key=lambda rank: failures[rank][0])
+    return rank, failures[rank][1]
 
 
-def _run_rank_0_here(fn, world_size, args):
-    with environment({"RANK": "0", "LOCAL_RANK": "0"}):
-        try:
-            fn(0, world_size, *args)
-            return {}
-        except Exception:   # noqa: BLE001  reported as any other rank's failure is
-            return {0: (time.time(), traceback.format_exc())}
+def run_main(main):
+    """A failed rank: one line and exit 1; Ctrl-C 130, SIGTERM 143, SIGHUP 129. Under torchrun,
+    record() puts the failing rank's traceback into torchrun's failure summary instead."""
+    try:
+        if under_torchrun():
+            from torch.distributed.elastic.multiprocessing.errors import record
+            record(main)()
+        else:
+            main()
+    except Stop as e:        # this rank (under torchrun) or the one process stopped on purpose
+        sys.exit(f"error: {e}")
+    except RankFailed as e:
+        if e.stopped:        # a rank stopped on purpose: its message is the whole story
+            sys.exit(f"error: {e.stopped}")
+        sys.stderr.write(f"{e.text.rstrip()}\nerror: {e}\n")
+        sys.exit(1)
+    except KeyboardInterrupt as e:   # Ctrl-C, or SIGTERM or SIGHUP during spawn()
+        how = e.args[0] if e.args else "Ctrl-C"
+        sys.stderr.write(f"error: interrupted ({how}): every rank was stopped\n")
+        sys.exit(128 + {"SIGTERM": 15, "SIGHUP": 1}.get(how, 2))
 
-
-def _wait(children, failures):
-    """Wait for every child rank. After the first failure give the others half a second
-    (a victim's error follows its peer's), then return the culprit: (rank, text)."""
-    running = {process.sentinel: rank for rank, (process, _) in children.items()}
-    deadline = time.time() + 0.5 if failures else None
-    while running and (deadline is None or time.time() < deadline):
-        for sentinel in wait(list(running), deadline and deadline - time.time()):
-            rank = running.pop(sentinel)
-            process, error_file = children[rank]
-            process.join()
-            if process.exitcode and os.path.exists(error_file):   # fn raised: its traceback
-                with open(error_file, "rb") as f:
-                    failures[rank] = (os.path.getmtime(error_file), pickle.load(f))
-                os.unlink(error_file)
-            elif process.exitcode:
-                code = process.exitcode
-                how = f"killed by {signal.Signals(-code).name}" if code < 0 else \
-                    f"exited with code {code}"
-                failures[rank] = (time.time(), how + "\n")
-            deadline = deadline or (time.time() + 0.5 if failures else None)
-    if not failures:
-        return None
-    causes = [rank for rank, (_, text) in failures.items() if not _is_victim(text)]
-    if not causes and running:   # only victims failed: they waited for a rank that never did
-        waited_for = sorted(running.values())
-        return waited_for[0], (f"stalled: {_ranks(failures)} timed out while "
-                               f"{_ranks(waited_for)} still ran\n")
-    first = min(causes or failures, key=lambda rank: failures[rank][0])
-    return first, failures[first][1]
-
-
-def _ranks(ranks):
-    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, sorted(ranks)))}"
-
-
-def _is_victim(text):
-    """A rank whose peer died or stalled fails with a closed connection or a timeout."""
-    last = text.strip().splitlines()[-1].lower()
-    return last.startswith("torch.distributed.dist") or any(
-        word in last for word in ("connection", "timed out", "timeout", "broken pipe", "reset by"))
-
-
-def tour(rank, world_size, sections):
-    """This step's worker: join the group, run each section, leave."""
-    device = setup(rank, world_size)
-    for section in sections:
-        section(rank, world_size, device)
-    cleanup()
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    spawn(tour, args.world_size, [
-        all_reduce_is_reduce_scatter_then_all_gather,   # all-reduce = reduce-scatter + all-gather
-        one_root_and_every_rank,                        # broadcast, scatter, gather, reduce
-        point_to_point,                                 # send/recv, isend/irecv
-        ring_demo,                                      # all-reduce from send/recv, around a ring
-    ], backend=args.backend, timeout_s=args.timeout_s)
-
-
-# ----------------------------------------------------------------------------------
-# Below: the command line every script shares, and this step's printing.
-# ----------------------------------------------------------------------------------
 
 class Parser(argparse.ArgumentParser):
     """argparse with the defaults in --help, and an error as one line on stderr, exit 2.
     Under torchrun every rank parses the same flags: rank 0 alone says what is wrong."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs):   # with the flags every script shares for starting its ranks
         super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+        self.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                          help="auto: NCCL when every rank has its own GPU, else gloo on the CPU")
+        self.add_argument("--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S,
+                          help="how long a rank waits for a peer before the run fails")
 
     def error(self, message):
         if not (under_torchrun() and "MASTER_ADDR" in os.environ and os.environ["RANK"] != "0"):
             sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
+
+    def refuse(self, rules):
+        """The door: (broken, message) pairs; the first broken ends the run before any rank."""
+        for broken, message in rules:
+            if broken:
+                self.error(message)
 
 
 def positive_int(text):
@@ -468,62 +432,36 @@ def positive_float(text):
     return value
 
 
-def add_launch_args(parser):
-    """The flags every script shares for starting its ranks."""
-    parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                        help="auto: NCCL when every rank has its own GPU, else gloo on the CPU")
-    parser.add_argument("--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S,
-                        help="how long a rank waits for a peer before the run fails")
-
-
-def check_launch_args(parser, args, world_size, flag="--world-size"):
-    """The world size must be what torchrun started, and NCCL needs a GPU per rank."""
-    if args.timeout_s < 1:
-        parser.error(f"--timeout-s {args.timeout_s:g}: at least 1 s, or the ranks give up "
-                     f"before they meet")
+def check_launch_args(parser, args, world_size, flag="--world-size", tensor_bytes=0, sizes=""):
+    """The timeout, torchrun's variables, a GPU per rank for NCCL, the memory of this
+    machine's ranks (processes of RANK_BYTES, holding tensor_bytes each)."""
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if under_torchrun() and missing and not dist.is_initialized():
-        parser.error(f"RANK, WORLD_SIZE and LOCAL_RANK are set, as torchrun sets them, but "
-                     f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
-                     f"unset them, or start this under torchrun")
-    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world_size:
-        parser.error(f"{flag}: this run needs {world_size} ranks but torchrun started "
-                     f"WORLD_SIZE={os.environ['WORLD_SIZE']}")
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if args.backend == "nccl" and pick_backend(ranks_here) != "nccl":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        parser.error(f"{flag}: --backend nccl needs one GPU per rank: {ranks_here} ranks on "
-                     f"this node, {gpus} GPUs")
-
-
-def run_main(main):
-    """Run a script's main(): a failed rank becomes one line and exit 1; Ctrl-C one line
-    and exit 130, SIGTERM 143. Under torchrun, record() puts the failing rank's traceback into
-    torchrun's failure summary instead."""
-    try:
-        if under_torchrun():
-            from torch.distributed.elastic.multiprocessing.errors import record
-            record(main)()
-        else:
-            main()
-    except Stop as e:        # this rank (under torchrun) or the one process stopped on purpose
-        sys.exit(f"error: {e}")
-    except RankFailed as e:
-        if e.stopped:        # a rank stopped on purpose: its message is the whole story
-            sys.exit(f"error: {e.stopped}")
-        sys.stderr.write(f"{e.text.rstrip()}\nerror: {e}\n")
-        sys.exit(1)
-    except KeyboardInterrupt as e:   # Ctrl-C, or SIGTERM during spawn()
-        how = e.args[0] if e.args else "Ctrl-C"
-        sys.stderr.write(f"error: interrupted ({how}): every rank was stopped\n")
-        sys.exit(143 if how == "SIGTERM" else 130)
+    ranks, per_rank = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), RANK_BYTES + tensor_bytes
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    parser.refuse([
+        (args.timeout_s < 1, f"--timeout-s {args.timeout_s:g}: at least 1 s, or the ranks give "
+                             f"up before they meet"),
+        (args.timeout_s > 1e6, f"--timeout-s {args.timeout_s:g}: at most 1e6 s (11 days)"),
+        (under_torchrun() and missing and not dist.is_initialized(),
+         f"RANK, WORLD_SIZE and LOCAL_RANK are set, as torchrun sets them, but "
+         f"{' and '.join(missing)} {'are' if len(missing) > 1 else 'is'} not: unset them, or "
+         f"start this under torchrun"),
+        (under_torchrun() and os.environ["WORLD_SIZE"] != str(world_size),
+         f"{flag}: this run needs {world_size} ranks but torchrun started "
+         f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}"),
+        (args.backend == "nccl" and gpus < ranks, f"{flag}: --backend nccl needs one GPU per "
+                                                  f"rank: {ranks} ranks on this node, {gpus} GPUs"),
+        (gpus < ranks and per_rank * ranks > memory,
+         f"{sizes or f'{flag} {world_size}'}: about {per_rank / 1e9:.1f} GB per rank, "
+         f"{per_rank * ranks / 1e9:.1f} GB for the {ranks} ranks on this machine, which has "
+         f"{memory / 1e9:.1f} GB")])
 
 
 def parse_args(argv=None):
     parser = Parser(description="Step 1: every collective on every rank.")
     parser.add_argument("--world-size", type=positive_int, default=None,
-                        help="number of ranks (default: 4, or WORLD_SIZE under torchrun)")
-    add_launch_args(parser)
+                        help="number of ranks: 4, or WORLD_SIZE under torchrun")
     args = parser.parse_args(argv)
     if args.world_size is None:
         args.world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 4
@@ -531,11 +469,14 @@ def parse_args(argv=None):
     return args
 
 
-def heading(rank, title):
-    """Start a section: every rank has finished the previous one before the title prints."""
+def log(tag, *values):   # one line with a rank tag in front, written at once: never interleaved
+    sys.stdout.write(" ".join(str(v) for v in (tag, *values)) + "\n")
+    sys.stdout.flush()
+
+
+def heading(rank, title):   # a section starts once every rank has finished the one before
     dist.barrier()
-    if rank == 0:
-        print(f"\n== {title}", flush=True)
+    print(f"\n== {title}", flush=True) if rank == 0 else None
     dist.barrier()
 
 
@@ -549,12 +490,11 @@ def show(rank, when, **tensors):
         dist.barrier()
 
 
-def fmt(value):
+def fmt(value):   # [10 11], or a table as one bracket per row, on one line: [[0 1] [2 3]]
     if not isinstance(value, torch.Tensor):
         return str(value)
-    if value.dim() > 1:   # a table: one bracket per row, on one line
-        return "[" + " ".join(fmt(row) for row in value) + "]"
-    return "[" + " ".join(f"{v:g}" for v in value.tolist()) + "]"
+    return "[" + " ".join(fmt(row) if value.dim() > 1 else f"{row:g}" for row in
+                          (value if value.dim() > 1 else value.tolist())) + "]"
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives import (Parser, Stop, add_launch_args, check_launch_args, cleanup, log,
+from collectives import (Parser, Stop, check_launch_args, cleanup, log,
                          positive_float, positive_int, run_main, setup, spawn)
 
 
@@ -451,7 +451,6 @@ def training_parser(description):
     p.add_argument("--save", metavar="PATH", help="torch.save config, init and final weights "
                    "(full, layer order), inputs, targets, losses")
     p.add_argument("--check", action="store_true", help="also train serially, with autograd")
-    add_launch_args(p)
     return p
 
 

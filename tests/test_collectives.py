@@ -294,7 +294,7 @@ def test_under_torchrun_spawn_runs_this_rank_in_process(monkeypatch, capsys):
         spawn(record_rank, 2)
     # At the door: every rank exits 2, and rank 0 alone says why, in one line (not 4 times)
     parser = C.Parser(prog="collectives.py")
-    C.add_launch_args(parser)
+
     for rank, lines in ((3, 0), (0, 1)):
         monkeypatch.setenv("RANK", str(rank))
         with pytest.raises(SystemExit) as exited:
