@@ -15,38 +15,29 @@ these same lines across ranks:
                dx = dz W^T      [b, D]: the g of the layer below
     loss       L = sum (a - y)^2 / n      dL/da = 2 (a - y) / n
 
-Data parallelism: each of the d replicas holds every weight and trains on its own
-slice of the batch. The replicas sum their gradients with one all-reduce, 2(d-1)/d x P
-bytes each for P bytes of gradients, and divide by d: every replica takes the same step.
+Data parallelism: each of the d replicas holds every weight and trains on its own slice
+of the batch. The replicas sum their gradients with an all-reduce, 2(d-1)/d x P bytes
+each for P bytes of gradients, and divide by d: every replica takes the same step.
 
 The gaps in the lecture that this step fills: the backward itself, checked against
-autograd in the tests; micro-batches, whose gradients add up before the one all-reduce
-of a step; --overlap, which starts each layer's all-reduce as soon as that gradient is
-final, as DDP does, so that it runs while the layers below compute theirs; and ZeRO
-(--zero 1, 2, 3), which splits that all-reduce into step 1's reduce-scatter and
-all-gather, so that each replica keeps only 1/d of the optimizer state, the gradients
-and the weights, for the all-reduce's bytes (stages 1 and 2) or 1.5 times them for
-each micro-batch (stage 3: the weights are gathered for its forward and its backward).
+autograd in the tests; micro-batches, whose gradients add up before the one exchange of
+a step; buckets and --overlap, as DDP's; and ZeRO (--zero 1, 2, 3), three classes, each
+the one before with one change, that keep 1/d of the optimizer state, then of the
+gradients too, then of the weights too.
 
 What PyTorch gives you: DistributedDataParallel; for ZeRO, ZeroRedundancyOptimizer and
 FSDP2's fully_shard (tests/bench.py races them against this).
 """
+import itertools
 import math
-import os
 import warnings
-
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives import (Parser, Stop, check_launch_args, cleanup, log,
-                         positive_float, positive_int, run_main, setup, spawn)
+from collectives import cleanup, log, run_main, setup, spawn
 
-
-# ----------------------------------------------------------------------------------
-# The model and its hand-derived backward
-# ----------------------------------------------------------------------------------
 
 def layer_forward(x, w):
     """a = gelu(x W). Returns a and what its backward needs: (x, z)."""
@@ -71,27 +62,21 @@ def input_backward(g, stash, w, need_dx=True):
 
 
 def gelu_grad(z):
-    """gelu'(z) for the exact GELU, gelu(z) = z Phi(z):  Phi(z) + z phi(z).
-
-    The formula, for the reader and the tests. The step runs PyTorch's fused kernel for
-    the same product g * gelu'(z), which reads z once instead of six times."""
-    cdf = 0.5 * (1 + torch.erf(z / math.sqrt(2)))                  # Phi(z)
-    pdf = torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)         # phi(z)
-    return cdf + z * pdf
+    """gelu'(z) = Phi(z) + z phi(z) for the exact GELU z Phi(z). The step runs PyTorch's fused
+    kernel for g * gelu'(z), which reads z once; this is the formula, for the tests."""
+    return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-z * z / 2) / math.sqrt(
+        2 * math.pi)
 
 
 def mse_loss(a, y, n):
-    """This piece's squared error divided by n, and its gradient dL/da = 2 (a - y) / n.
-
-    n is the element count of the batch whose mean we want (for a replica: its slice),
-    so the pieces' losses and gradients add up to the mean's. The one place where the
-    loss is scaled."""
+    """This piece's squared error / n, and its gradient dL/da = 2 (a - y) / n. n counts the
+    elements of the batch whose mean we want (a replica's slice), so the pieces add up to
+    the mean's: the one place where the loss is scaled."""
     diff = a - y
     return diff.square().sum() / n, diff * (2.0 / n)
 
 
-def model_forward(weights, x):
-    """Every layer in turn; returns the output and one stash per layer."""
+def model_forward(weights, x):      # every layer in turn: the output and each layer's stash
     stashes = []
     for w in weights:
         x, stash = layer_forward(x, w)
@@ -99,42 +84,310 @@ def model_forward(weights, x):
     return x, stashes
 
 
-def init_weights(num_layers, dim, seed):
-    """L full D x D matrices, drawn in layer order from one generator.
+def replica_rows(batch_size, dp_rank, dp_size, step=None, seed=0):
+    """The rows that replica dp_rank trains on: by its data-parallel rank, never the global
+    rank (in 3D they differ). With a step, from a permutation that every rank draws alike."""
+    rows = torch.arange(batch_size)
+    if step is not None:
+        rows = torch.randperm(batch_size, generator=torch.Generator().manual_seed(
+            seed * 100003 + step))
+    per_replica = batch_size // dp_size
+    return rows[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
-    Every rank draws all of them alike and keeps its own part, so the shards of a layer
-    are pieces of one matrix. (At scale that costs every rank the whole model for a
-    moment; real systems draw each shard from its own seeded generator, or build the
-    model on the "meta" device and initialise only their shards.) The sqrt(2/D) scale
-    keeps the signal alive through many GELU layers; 1/sqrt(D) nearly silences it.
-    """
+
+def make_buckets(numels, bucket_mb, breaks=()):
+    """Consecutive layers whose fp32 gradients fit in bucket_mb (0: a layer each). Why: a
+    collective costs a fixed time plus its bytes over the bandwidth; for small tensors the
+    fixed time is most of it (tests/bench.py's collectives table). Cut from the last layer,
+    whose gradient is final first; as DDP's, the first holds 1 MB at most, to start early.
+    None crosses a break (3D: where a pipeline chunk begins)."""
+    buckets, cap, size = [[]], min(bucket_mb, 1.0) * 2**20, 0
+    for i in reversed(range(len(numels))):
+        if buckets[-1] and (size + 4 * numels[i] > cap or i + 1 in breaks):
+            buckets, cap, size = buckets + [[]], bucket_mb * 2**20, 0
+        buckets[-1].insert(0, i)
+        size += 4 * numels[i]
+    return buckets[::-1]
+
+
+class DataParallel:
+    """One replica of d over `group`, ZeRO's stage 0: it holds every weight, gradient and
+    optimizer state (16 P bytes for P parameters, fp32 with AdamW: 4 + 4 + 8). The step
+    reads each weight from weights_in(order) and hands back each micro-batch's dW with
+    add_grad(); a bucket's gradient is one flat buffer, all-reduced once final: 2(d-1)/d x P
+    in all. average() ends the exchange and step() steps the optimizer."""
+
+    def __init__(self, weights, group, args, overlap=False, breaks=()):
+        self.group, self.overlap, self.device = group, overlap, weights[0].device
+        self.d, self.r = dist.get_world_size(group), dist.get_rank(group)
+        self.shapes = [w.shape for w in weights]
+        self.buckets = make_buckets([s.numel() for s in self.shapes],
+                                    getattr(args, "bucket_mb", 25.0), breaks)
+        self.bucket_of = {i: b for b, layers in enumerate(self.buckets) for i in layers}
+        self.offset = {i: sum(self.shapes[j].numel() for j in layers[:k])   # in its bucket
+                       for layers in self.buckets for k, i in enumerate(layers)}
+        self.lengths = [sum(self.shapes[i].numel() for i in layers) for layers in self.buckets]
+        self.keep_weights(weights)
+        self.optimizer = make_optimizer(self.params, args)
+        self.grad_buckets, self.pending, self.peak = [None] * len(self.buckets), [], 0
+
+    def keep_weights(self, weights):            # what the optimizer steps: every weight
+        self.weights = self.params = weights
+
+    def weights_in(self, order, need=None):     # (i, W_i) for the layers in order
+        return ((i, self.weights[i]) for i in order)
+
+    def view(self, flat, i):                    # layer i's part of its bucket's flat buffer
+        return flat[self.offset[i]:self.offset[i] + self.shapes[i].numel()].view(self.shapes[i])
+
+    def zero_grads(self, num_micro_batches):    # and how many dW each bucket waits for
+        for bucket in self.grad_buckets:
+            bucket.zero_() if bucket is not None else None
+        self.left = [num_micro_batches * len(layers) for layers in self.buckets]
+        self.unsent, self.peak = [], 0
+
+    def add_grad(self, i, dw):
+        """Layer i's dW of one micro-batch, summed into its bucket (made as the first comes)."""
+        b = self.bucket_of[i]
+        if self.grad_buckets[b] is None:
+            self.grad_buckets[b] = torch.zeros(self.lengths[b], device=self.device)
+        self.view(self.grad_buckets[b], i).add_(dw)
+        self.left[b] -= 1
+        if self.left[b] == 0:
+            self.final(b)
+
+    def final(self, b):
+        """Bucket b's gradient is final: with --overlap its exchange starts now, and runs while
+        the backward of the layers below goes on; else it waits for average()."""
+        self.exchange(b) if self.overlap else self.unsent.append(b)
+
+    def exchange(self, b):                      # the sum over the replicas, in place
+        work = dist.all_reduce(self.grad_buckets[b], group=self.group, async_op=self.overlap) \
+            if self.d > 1 else None
+        self.pending.append((b, work, None))
+
+    def average(self):
+        """The rest of the exchange, then / d: the replicas' mean-loss gradients, summed and
+        divided by d, are the gradient of the global mean."""
+        for b in self.unsent:
+            self.exchange(b)
+        self.wait()
+        for grad in self.grads():
+            grad.div_(self.d)
+
+    def wait(self):
+        for b, work, piece in self.pending:
+            work.wait() if work is not None else None
+            self.received(b, piece)
+        self.pending = []
+
+    def received(self, b, piece):               # an all-reduce leaves nothing to do
+        pass
+
+    def grads(self):                            # the gradients of self.params
+        return [self.view(self.grad_buckets[self.bucket_of[i]], i) for i in range(len(self.shapes))]
+
+    def step(self):
+        for param, grad in zip(self.params, self.grads()):
+            param.grad = grad
+        self.optimizer.step()
+
+
+class ZeRO1(DataParallel):
+    """Stage 1 = stage 0, but the optimizer steps only this replica's 1/d of each bucket, so
+    it keeps 1/d of the state (8 P + 8 P/d bytes), and the all-reduce splits around the step
+    into its two halves: a reduce-scatter of the gradients, then an all-gather of the updated
+    weights, (d-1)/d x P each. Each bucket's weights are one flat buffer, padded with zeros
+    to d S elements; replica r owns [r S, (r+1) S)."""
+
+    def keep_weights(self, weights):
+        unpadded, self.lengths = self.lengths, [-(-n // self.d) * self.d for n in self.lengths]
+        self.flat = [torch.cat([*(weights[i].reshape(-1) for i in layers),
+                                weights[0].new_zeros(length - n)])
+                     for layers, length, n in zip(self.buckets, self.lengths, unpadded)]
+        self.weights = [self.view(self.flat[self.bucket_of[i]], i) for i in range(len(weights))]
+        self.params = [self.own(flat) for flat in self.flat]      # views [S]: the optimizer's
+
+    def own(self, flat):                        # this replica's 1/d of a bucket: a view [S]
+        size = flat.numel() // self.d
+        return flat[self.r * size:(self.r + 1) * size]
+
+    def exchange(self, b):                      # only this replica's part of the sum
+        grad = self.grad_buckets[b]
+        piece = grad.new_empty(grad.numel() // self.d)
+        work = dist.reduce_scatter_single(piece, grad, group=self.group, async_op=self.overlap)
+        self.pending.append((b, work, piece))
+
+    def received(self, b, piece):
+        self.own(self.grad_buckets[b]).copy_(piece)
+
+    def grads(self):
+        return [self.own(grad) for grad in self.grad_buckets]
+
+    def step(self):
+        super().step()
+        for flat, part in zip(self.flat, self.params):
+            dist.all_gather_single(flat, part.clone(), group=self.group)
+
+
+class ZeRO2(ZeRO1):
+    """Stage 2 = stage 1, but a bucket is reduce-scattered as soon as it is final, overlap or
+    not, and the full bucket let go: a replica keeps 1/d of the gradients (4 P + 12 P/d)."""
+
+    def final(self, b):
+        self.exchange(b)
+
+    def received(self, b, piece):
+        self.grad_shards[b], self.grad_buckets[b] = piece, None
+
+    def zero_grads(self, num_micro_batches):
+        self.grad_shards = [None] * len(self.buckets)
+        super().zero_grads(num_micro_batches)
+
+    def grads(self):
+        return self.grad_shards
+
+
+class ZeRO3(ZeRO2):
+    """Stage 3 (FSDP) = stage 2, but a replica keeps only its 1/d of the weights too (16 P/d):
+    a bucket is FSDP's unit, all-gathered for its layers' forward and again for their
+    backward, and let go after. Its gradient is reduce-scattered after every micro-batch
+    and summed into the shard: 3(d-1)/d x P per micro-batch."""
+
+    def keep_weights(self, weights):
+        super().keep_weights(weights)
+        self.params, self.flat, self.weights = [p.clone() for p in self.params], None, None
+        self.gathered = {}                      # unit -> its full weights, while in use
+
+    def weights_in(self, order, need=lambda i: True):
+        """(i, W_i), or (i, None) where a layer needs no W. As a unit begins, the next unit's
+        all-gather starts, to run meanwhile: at most two units are held at once."""
+        runs = [(b, list(ls)) for b, ls in itertools.groupby(order, self.bucket_of.get)]
+        works = [None] * len(runs)
+        for k, (b, layers) in enumerate(runs):
+            for j in (k, k + 1):                # this unit (if not started), and the next
+                if j < len(runs) and works[j] is None and any(map(need, runs[j][1])):
+                    works[j] = self.gather(runs[j][0])
+            works[k].wait() if works[k] else None
+            for i in layers:
+                yield i, self.view(self.gathered[b], i) if works[k] and need(i) else None
+            self.gathered.pop(b, None)          # let the unit go
+
+    def gather(self, b):                        # (d-1)/d of the unit's bytes come in
+        self.gathered[b] = self.params[b].new_empty(self.lengths[b])
+        work = dist.all_gather_single(self.gathered[b], self.params[b], group=self.group,
+                                      async_op=True)
+        self.peak = max(self.peak, sum(held(self).values()))
+        return work
+
+    def zero_grads(self, num_micro_batches):
+        super().zero_grads(1)                   # a micro-batch's dW, then the exchange
+        self.grad_shards = [p.new_zeros(p.shape) for p in self.params]
+
+    def final(self, b):
+        self.exchange(b)
+        self.grad_buckets[b], self.left[b] = None, len(self.buckets[b])   # for the next one's
+        self.wait() if not self.overlap else None
+
+    def received(self, b, piece):
+        self.grad_shards[b] += piece            # summed over the micro-batches
+
+    def step(self):
+        DataParallel.step(self)                 # nothing to gather: each keeps its shard
+
+
+def make_replica(weights, group, args, overlap=False, breaks=()):
+    """This rank's replica over the data-parallel group, by --zero."""
+    stage = [DataParallel, ZeRO1, ZeRO2, ZeRO3][getattr(args, "zero", 0)]   # step 4: no ZeRO
+    return stage(weights, group, args, overlap, breaks)
+
+
+def dp_step(replica, xs, ys, n):
+    """One replica's step: every micro-batch (xs, ys) forward and back through the hand-derived
+    blocks, dW summed over them and averaged over the replicas. Returns this replica's loss."""
+    L = len(replica.shapes)
+    replica.zero_grads(len(xs))
+    loss = torch.zeros((), device=replica.device)
+    for x, y in zip(xs, ys):
+        stashes = []
+        for i, w in replica.weights_in(range(L)):              # ZeRO-3: gathered unit by unit
+            x, stash = layer_forward(x, w)
+            stashes.append(stash)
+        mb_loss, g = mse_loss(x, y, n)
+        loss += mb_loss
+        for i, w in replica.weights_in(reversed(range(L)), need=lambda i: i > 0):
+            g, dw = layer_backward(g, stashes[i], w, need_dx=i > 0)   # layer 0 makes no dx
+            replica.add_grad(i, dw)                           # summed over micro-batches
+    replica.average()
+    return loss
+
+
+def dp_worker(rank, world_size, args):
+    device = setup(rank, world_size)
+    dp_rank, dp_size, m = rank, world_size, args.micro_batches
+    init = init_weights(args.num_layers, args.dim, args.seed)
+    replica = make_replica([w.to(device, copy=True) for w in init], None, args, args.overlap)
+    inputs, targets = (t.to(device) for t in make_batch(args))
+    n = args.batch_size // dp_size * args.dim   # this replica's slice: its mean divides by n
+    losses = []
+    for step in range(args.steps):
+        rows = replica_rows(args.batch_size, dp_rank, dp_size, step if args.shuffle else None,
+                            args.seed)
+        xs, ys = inputs[rows].chunk(m), targets[rows].chunk(m)   # m micro-batches of [B/(d m), D]
+        loss = dp_step(replica, xs, ys, n)
+        if step == 0:
+            first_grads = full_grads(replica)
+        replica.step()
+        losses.append(global_loss(loss, None))
+        if rank == 0:
+            log(f"[rank {rank}]", f"step {step:3d}  loss {losses[-1]:.6f}")
+    weights = full_weights(replica)
+    drift = replica_drift(weights)
+    if rank == 0:
+        log(f"[rank {rank}]", f"replicas identical after training: {drift == 0.0} "
+                              f"(largest difference {drift:g})")
+        show_memory(replica, args, "each replica")
+        finish_run(args, init, weights, losses, inputs, targets, first_grads,
+                   {"replica_max_diff": drift})
+    cleanup()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    spawn(dp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+
+
+# Below the fold: what later steps share (weights and data, the serial reference, training
+# flags and their rules, --save and --check), and the memory table. -------------------------
+import os  # noqa: E402
+
+from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
+
+
+def init_weights(num_layers, dim, seed):
+    """L full D x D matrices from one generator, in layer order: every rank draws them alike
+    and keeps its part, so a layer's shards are pieces of one matrix (at scale: a generator
+    per shard, or the "meta" device). sqrt(2/D) keeps the signal through many GELU layers."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(dim, dim, generator=gen) * math.sqrt(2.0 / dim) for _ in range(num_layers)]
 
 
-def make_batch(args):
-    """Inputs X [B, D] and targets Y = teacher(X), a teacher of the same shape from its
-    own seed: the loss can reach zero, and a falling loss means learning."""
+def make_batch(args):   # X [B, D], and Y = teacher(X) from its own seed: the loss can reach 0
     teacher = init_weights(args.num_layers, args.dim, args.seed + 1)
-    gen = torch.Generator().manual_seed(args.seed + 2)
-    inputs = torch.randn(args.batch_size, args.dim, generator=gen)
-    targets, _ = model_forward(teacher, inputs)
-    return inputs, targets
+    inputs = torch.randn(args.batch_size, args.dim,
+                         generator=torch.Generator().manual_seed(args.seed + 2))
+    return inputs, model_forward(teacher, inputs)[0]
 
 
-def make_optimizer(params, args):
-    """Plain SGD, or AdamW with PyTorch's defaults; each rank steps its own tensors."""
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=args.lr)
-    return torch.optim.AdamW(params, lr=args.lr)
+def make_optimizer(params, args):   # plain SGD, or AdamW with PyTorch's defaults
+    return (torch.optim.SGD if args.optimizer == "sgd" else torch.optim.AdamW)(params, lr=args.lr)
 
 
 def serial_train(args):
     """The same training in one process, with autograd: what every parallel run must equal."""
     weights = [w.requires_grad_() for w in init_weights(args.num_layers, args.dim, args.seed)]
     inputs, targets = make_batch(args)
-    optimizer = make_optimizer(weights, args)
-    losses, first_grads = [], None
+    optimizer, losses, first_grads = make_optimizer(weights, args), [], None
     for _ in range(args.steps):
         out = inputs
         for w in weights:
@@ -149,406 +402,173 @@ def serial_train(args):
             "first_grads": first_grads}
 
 
-# ----------------------------------------------------------------------------------
-# Data parallelism
-# ----------------------------------------------------------------------------------
-
-def replica_rows(batch_size, dp_rank, dp_size, step=None, seed=0):
-    """The rows of the global batch that replica dp_rank trains on.
-
-    Taken by the data-parallel rank, never the global rank (in 3D the two differ). With
-    a step given, the batch is first shuffled by a permutation that every rank draws
-    from the same seed, so the replicas' slices still partition the batch.
-    """
-    rows = torch.arange(batch_size)
-    if step is not None:
-        gen = torch.Generator().manual_seed(seed * 100003 + step)
-        rows = torch.randperm(batch_size, generator=gen)
-    per_replica = batch_size // dp_size
-    return rows[dp_rank * per_replica:(dp_rank + 1) * per_replica]
+def full_weights(replica):          # every layer's whole weight, as copies (ZeRO-3 gathers)
+    return [w.clone() for _, w in replica.weights_in(range(len(replica.shapes)))]
 
 
-class DataParallel:
-    """One replica's weights, gradients and optimizer, over the data-parallel group of d
-    replicas, with ZeRO's stages: each replica keeps 1/d of more and more of the state.
-
-        --zero 0   every replica holds everything; one all-reduce     16 P bytes per replica
-        --zero 1   the optimizer state: reduce-scatter, then all-gather  8 P + 8 P/d
-        --zero 2   the gradients too, reduce-scattered once final        4 P + 12 P/d
-        --zero 3   the weights too, all-gathered layer by layer          16 P/d, + a layer
-
-    (P bytes of float32 weights: 4 for the weights, 4 for the gradients, 8 for AdamW's two
-    states.) An all-reduce is a reduce-scatter and then an all-gather, (d-1)/d of the bytes
-    each: stages 1 and 2 send what stage 0 sends, 2(d-1)/d x P, split around the optimizer
-    step. Stage 3 gathers each weight for every micro-batch's forward and backward and
-    reduce-scatters its gradient: 3(d-1)/d x P per micro-batch. Each weight, flattened and
-    padded to d x S elements, splits into d shards of S; replica r owns [r S, (r+1) S).
-    """
-
-    def __init__(self, weights, group, args, overlap=False):
-        self.group, self.zero, self.overlap = group, args.zero, overlap
-        self.d, self.r = dist.get_world_size(group), dist.get_rank(group)
-        self.shapes, self.device = [w.shape for w in weights], weights[0].device
-        self.sizes = [-(-w.numel() // self.d) for w in weights]           # S = ceil(numel / d)
-        self.full = [self.padded(w, i) for i, w in enumerate(weights)] if self.zero else weights
-        self.shards = [] if self.zero == 0 else [self.own(f, i) for i, f in enumerate(self.full)]
-        if self.zero == 3:                      # the shards alone: weight(i) gathers the rest
-            self.shards, self.full = [shard.clone() for shard in self.shards], None
-        self.optimizer = make_optimizer(self.shards or weights, args)    # AdamW state: 1/d or all
-        self.gathered, self.pending, self.peak = {}, [], 0
-
-    def weight(self, i):
-        """Layer i's full weight, for its forward or backward. Stage 3 all-gathers it now,
-        (d-1)/d of its bytes in, and release(i) lets it go."""
-        if self.zero == 0:
-            return self.full[i]
-        if self.zero < 3:
-            return self.unpadded(self.full[i], i)
-        self.gathered[i] = self.shards[i].new_empty(self.d * self.sizes[i])
-        dist.all_gather_single(self.gathered[i], self.shards[i], group=self.group)
-        self.peak = max(self.peak, sum(self.held().values()))
-        return self.unpadded(self.gathered[i], i)
-
-    def release(self, i):
-        self.gathered.pop(i, None)              # the stash keeps x and z, never W
-
-    def zero_grads(self, num_micro_batches):
-        """This step's gradients, zeroed: full while the stage keeps them, and the shards."""
-        device, numels = self.device, [shape.numel() for shape in self.shapes]
-        if self.zero == 0:   # one flat buffer, as DDP's buckets: one all-reduce sends it all
-            self.flat = torch.zeros(sum(numels), device=device)
-            self.grads = [g.view(shape) for g, shape in zip(self.flat.split(numels), self.shapes)]
-        else:                # stage 1 reduces into its own part of the full gradient, in place
-            self.grads = [torch.zeros(self.d * S, device=device) if self.zero < 3 else None
-                          for S in self.sizes]
-            self.grad_shards = [self.own(g, i) if self.zero == 1 else torch.zeros(S, device=device)
-                                for i, (g, S) in enumerate(zip(self.grads, self.sizes))]
-        self.left = [num_micro_batches] * len(self.shapes)   # micro-batches until final
-        self.peak = 0                                          # stage 3's largest, this step
-
-    def add_grad(self, i, dw):
-        """Layer i's dW of one micro-batch. Stage 3 reduce-scatters it at once; the others sum
-        it, and once it is final stage 2 reduce-scatters it and lets the full gradient go,
-        and with overlap stages 0 and 1 start sending it while the backward goes on."""
-        self.left[i] -= 1
-        if self.zero == 3:
-            self.reduce_scatter(self.padded(dw, i), i)
-            return
-        grad = self.grads[i] if self.zero == 0 else self.unpadded(self.grads[i], i)
-        grad += dw
-        if self.left[i] == 0 and self.zero == 0 and self.overlap:
-            self.pending.append((dist.all_reduce(grad, group=self.group, async_op=True), None, i))
-        elif self.left[i] == 0 and (self.zero == 2 or self.overlap):
-            self.reduce_scatter(self.grads[i], i)
-
-    def reduce_scatter(self, grad, i):
-        """grad [d S], summed over the replicas: this replica's shard [S] into grad_shards[i]."""
-        piece = self.grad_shards[i].new_empty(self.sizes[i])
-        work = dist.reduce_scatter_single(piece, grad, group=self.group, async_op=self.overlap)
-        self.pending.append((work, piece, i))
-        if not self.overlap:
-            self.wait()
-
-    def wait(self):
-        for work, piece, i in self.pending:
-            if work is not None:
-                work.wait()
-            if piece is None:                   # an all-reduce: nothing more to do
-                continue
-            if self.zero == 1:
-                self.grad_shards[i].copy_(piece)   # its own part of the full gradient
-            else:
-                self.grad_shards[i] += piece       # stage 3: summed over micro-batches
-            if self.zero == 2:
-                self.grads[i] = None               # only the shard stays
-        self.pending = []
-
-    def average(self):
-        """What is left of the step's gradient exchange, then / d: the sum over the replicas
-        of their mean-loss gradients, / d, is the gradient of the global mean."""
-        if self.zero == 0 and not self.overlap and self.d > 1:
-            dist.all_reduce(self.flat, group=self.group)       # everything at once: 2(d-1)/d x P
-        if self.zero == 1 and not self.overlap:
-            for i, grad in enumerate(self.grads):
-                self.reduce_scatter(grad, i)                   # (d-1)/d x P
-        self.wait()
-        for grad in (self.grads if self.zero == 0 else self.grad_shards):
-            grad.div_(self.d)
-
-    def step(self):
-        """The optimizer steps what this replica owns. Stages 1 and 2 then all-gather every
-        replica's updated shard into the full weights: (d-1)/d x P."""
-        for w, grad in zip(self.shards or self.full, self.grad_shards if self.zero else self.grads):
-            w.grad = grad
-        self.optimizer.step()
-        if self.zero in (1, 2):
-            for i, full in enumerate(self.full):
-                dist.all_gather_single(full, self.shards[i].clone(), group=self.group)
-
-    def padded(self, tensor, i):
-        """tensor flat, with zeros after it up to d S elements: a view where no zero is needed."""
-        flat, extra = tensor.reshape(-1), self.d * self.sizes[i] - tensor.numel()
-        return torch.cat([flat, flat.new_zeros(extra)]) if extra else flat
-
-    def unpadded(self, flat, i):
-        return flat[:self.shapes[i].numel()].view(self.shapes[i])
-
-    def own(self, flat, i):
-        return flat[self.r * self.sizes[i]:(self.r + 1) * self.sizes[i]]   # a view: [S]
-
-    def full_grads(self):
-        """The averaged gradients as full matrices (for --check); stages 1-3 gather them."""
-        if self.zero == 0:
-            return self.grads
-        return [self.gather(g, i) for i, g in enumerate(self.grad_shards)]
-
-    def full_weights(self):
-        return [self.gather(shard, i) if self.zero == 3 else self.weight(i) for i, shard in
-                enumerate(self.shards or self.full)]
-
-    def gather(self, shard, i):
-        full = shard.new_empty(self.d * self.sizes[i])
-        dist.all_gather_single(full, shard.contiguous(), group=self.group)
-        return self.unpadded(full, i)
-
-    def held(self):
-        """The bytes this replica holds now, of weights, gradients and optimizer state."""
-        weights = self.full if self.zero < 3 else [*self.shards, *self.gathered.values()]
-        grads = [self.flat] if self.zero == 0 else [g for g in self.grads if g is not None]
-        grads += self.grad_shards if self.zero > 1 else []   # stage 1's are parts of the full ones
-        state = [t for per_weight in self.optimizer.state.values() for t in per_weight.values()
-                 if torch.is_tensor(t) and t.dim()]      # AdamW's two moments (not its step count)
-        held = {"weights": weights, "gradients": grads, "optimizer state": state}
-        return {name: sum(t.numel() * t.element_size() for t in ts) for name, ts in held.items()}
+def full_grads(replica):            # the averaged gradients, whole (stages 1-3 gather them)
+    if type(replica) is DataParallel:
+        return [g.clone() for g in replica.grads()]
+    flats = [g.new_empty(n) for g, n in zip(replica.grads(), replica.lengths)]
+    for flat, grad in zip(flats, replica.grads()):
+        dist.all_gather_single(flat, grad.contiguous(), group=replica.group)
+    return [replica.view(flats[replica.bucket_of[i]], i) for i in range(len(replica.shapes))]
 
 
-def dp_step(replica, xs, ys, n):
-    """One replica's step: every micro-batch (xs, ys) forward and back through the hand-derived
-    blocks, dW summed over them and averaged over the replicas. Returns this replica's loss."""
-    L = len(replica.shapes)
-    replica.zero_grads(len(xs))
-    loss = torch.zeros((), device=replica.device)
-    for x, y in zip(xs, ys):
-        stashes = []
-        for i in range(L):
-            x, stash = layer_forward(x, replica.weight(i))   # stage 3: gathered for this forward
-            replica.release(i)
-            stashes.append(stash)
-        mb_loss, g = mse_loss(x, y, n)
-        loss += mb_loss
-        for i in reversed(range(L)):
-            w = replica.weight(i) if i > 0 else None          # layer 0 needs no W: it makes no dx
-            g, dw = layer_backward(g, stashes[i], w, need_dx=i > 0)
-            replica.release(i)
-            replica.add_grad(i, dw)                           # summed over micro-batches
-    replica.average()
-    return loss
-
-
-def dp_worker(rank, world_size, args):
-    device = setup(rank, world_size)
-    dp_rank, dp_size, m = rank, world_size, args.micro_batches
-    init = init_weights(args.num_layers, args.dim, args.seed)
-    replica = DataParallel([w.to(device, copy=True) for w in init], None, args, args.overlap)
-    inputs, targets = (t.to(device) for t in make_batch(args))
-    n = args.batch_size // dp_size * args.dim   # this replica's slice: its mean divides by n
-    losses = []
-    for step in range(args.steps):
-        rows = replica_rows(args.batch_size, dp_rank, dp_size, step if args.shuffle else None,
-                            args.seed)
-        xs, ys = inputs[rows].chunk(m), targets[rows].chunk(m)   # m micro-batches of [B/(d m), D]
-        loss = dp_step(replica, xs, ys, n)
-        if step == 0:
-            first_grads = [g.clone() for g in replica.full_grads()]
-        replica.step()
-        losses.append(global_loss(loss, None))
-        if rank == 0:
-            log(f"[rank {rank}]", f"step {step:3d}  loss {losses[-1]:.6f}")
-    weights = replica.full_weights()
-    drift = replica_drift(weights)
-    if rank == 0:
-        log(f"[rank {rank}]", f"replicas identical after training: {drift == 0.0} "
-                              f"(largest difference {drift:g})")
-        show_memory(replica, args)
-        finish_run(args, init, weights, losses, inputs, targets, first_grads,
-                   {"replica_max_diff": drift})
-    cleanup()
+def held(replica):
+    """The bytes a replica holds now, of weights, gradients and optimizer state; a view of
+    another tensor (stage 1's shards of the whole weights) counts once."""
+    kinds = {"weights": [replica.weights, getattr(replica, "flat", 0), replica.params,
+                         list(getattr(replica, "gathered", {}).values())],
+             "gradients": [replica.grad_buckets, getattr(replica, "grad_shards", 0)],
+             "optimizer state": [[t for state in replica.optimizer.state.values()
+                                  for t in state.values() if torch.is_tensor(t) and t.dim()]]}
+    return {kind: sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                       for ts in lists if ts for t in ts if t is not None}.values())
+            for kind, lists in kinds.items()}
 
 
 def zero_formula(zero, num_params, dp_size, optimizer="adamw"):
-    """Bytes of weights, gradients and optimizer state one replica holds in fp32 for P
-    parameters: 4 + 4 + 8 a parameter with AdamW (SGD keeps no state). Stage 1 splits the
-    optimizer state over the d replicas, stage 2 the gradients too, stage 3 the weights too."""
-    def bytes_(per_parameter, split_from):
-        return per_parameter * num_params / (dp_size if zero >= split_from else 1)
-    return {"weights": bytes_(4, 3), "gradients": bytes_(4, 2),
-            "optimizer state": bytes_(8 if optimizer == "adamw" else 0, 1)}
+    """{kind: (bytes, formula)} that one replica holds for P fp32 parameters: 4 a parameter of
+    weights, 4 of gradients, 8 of AdamW state (SGD: none); stage 1 splits the state over the
+    d replicas, stage 2 the gradients too, stage 3 the weights too."""
+    return {kind: (size * num_params / (dp_size if zero >= stage else 1),
+                   f"{size}P{'/d' * (zero >= stage)}" if size else "0")
+            for kind, size, stage in [("weights", 4, 3), ("gradients", 4, 2),
+                                      ("optimizer state", 8 * (optimizer == "adamw"), 1)]}
 
 
-def show_memory(replica, args):
-    """What one replica holds at the end of a step, beside ZeRO's formulas."""
-    held, zero, d = replica.held(), args.zero, replica.d
-    P = sum(d * S for S in replica.sizes) if zero else sum(s.numel() for s in replica.shapes)
-    want = zero_formula(zero, P, d, args.optimizer)
-    names = {0: ("4P", "4P", "8P"), 1: ("4P", "4P", "8P/d"), 2: ("4P", "4P/d", "8P/d"),
-             3: ("4P/d", "4P/d", "8P/d")}[zero]
-    print(f"memory of one replica at the end of a step, --zero {zero}, d={d}, P = {P} parameters\n"
-          f"(each layer padded to a multiple of d), fp32: 4 + 4 + 8 bytes a parameter with AdamW, "
-          f"SGD keeps no state")
-    total = {0: "16P", 1: "8P + 8P/d", 2: "4P + 12P/d", 3: "16P/d"}[zero]
-    for kind, got, name, formula in [*zip(held, held.values(), names, want.values()),
-                                     ("total", sum(held.values()), total, sum(want.values()))]:
-        print(f"  {kind:<16}{got:>12} bytes   formula {name:<11}= {formula:>12.0f}")
+def show_memory(replica, args, whose):
+    now, zero, P = held(replica), args.zero, sum(replica.lengths)
+    want = zero_formula(zero, P, replica.d, args.optimizer)
+    want["total"] = (sum(b for b, _ in want.values()), " + ".join(f for _, f in want.values()))
+    print(f"memory held at the end of a step by {whose}: --zero {zero}, d={replica.d}, P = {P} "
+          f"parameters{' (each bucket padded to a multiple of d)' if zero else ''}, fp32")
+    for kind, got in [*now.items(), ("total", sum(now.values()))]:
+        print(f"  {kind:<16}{got:>12} bytes   formula {want[kind][1]:<15}= {want[kind][0]:>12.0f}")
     if zero == 3:
-        first = args.steps == 1 and args.optimizer == "adamw"
-        print(f"  largest at any moment of the last step: {replica.peak} bytes, what it held then\n"
-              f"  and one gathered layer ({4 * d * replica.sizes[0]} bytes)"
-              + (": AdamW's state comes with the first optimizer step, after" if first else ""))
+        print(f"  largest at any moment of the last step: {replica.peak} bytes, at a unit's "
+              f"gather: the shards, the gradient buckets then, and the units held (two at most)")
     print("bf16 weights and gradients with fp32 master weights and Adam, 2 + 2 + 12 bytes a "
           "parameter:\n  16P, 4P + 12P/d, 2P + 14P/d and 16P/d at stages 0 to 3", flush=True)
 
 
-def global_loss(loss, group):
-    """The mean loss over the global batch: the replicas' mean losses, averaged."""
+def global_loss(loss, group):       # the replicas' mean losses, averaged: the global mean
     loss = loss.detach().clone()
     dist.all_reduce(loss, group=group)
     return loss.item() / dist.get_world_size(group)
 
 
-def replica_drift(weights, group=None):
-    """Largest |W - W on the group's first rank|: zero while the replicas agree bitwise."""
+def replica_drift(weights, group=None):   # largest |W - rank 0's W|: 0 while replicas agree
     drift = torch.zeros((), device=weights[0].device)
-    first = dist.get_global_rank(group, 0) if group else 0
     for w in weights:
         theirs = w.clone()
-        dist.broadcast(theirs, src=first, group=group)
+        dist.broadcast(theirs, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         drift = torch.maximum(drift, (w - theirs).abs().max())
     dist.all_reduce(drift, op=dist.ReduceOp.MAX, group=group)
     return drift.item()
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    spawn(dp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
-
-
-# ----------------------------------------------------------------------------------
-# Below: the command line every training script shares, and --save / --check.
-# ----------------------------------------------------------------------------------
-
-def training_parser(description):
+def training_parser(description, dp=False):
+    """The flags every training script takes; dp=True adds --zero and --bucket-mb."""
     p = Parser(description=description)
-    p.add_argument("--num-layers", type=positive_int, default=8, help="layers L of the MLP")
-    p.add_argument("--dim", type=positive_int, default=64, help="width D: every W is D x D")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="global batch B")
-    p.add_argument("--micro-batches", type=positive_int, default=2, help="micro-batches m")
-    p.add_argument("--steps", type=positive_int, default=30, help="optimizer steps")
-    p.add_argument("--lr", type=positive_float, default=1e-2, help="learning rate")
+    for flag, kind, default, help in [
+            ("--num-layers", positive_int, 8, "layers L of the MLP"),
+            ("--dim", positive_int, 64, "width D: every W is D x D"),
+            ("--batch-size", positive_int, 32, "global batch B"),
+            ("--micro-batches", positive_int, 2, "micro-batches m"),
+            ("--steps", positive_int, 30, "optimizer steps"),
+            ("--lr", positive_float, 1e-2, "learning rate"),
+            ("--seed", int, 0, "weights from seed, teacher from seed+1, inputs from seed+2"),
+            *[("--bucket-mb", float, 25.0, "gradients a bucket holds, in MB (the first 1 MB at "
+               "most, as DDP's); 0: one layer a bucket")] * dp]:
+        p.add_argument(flag, type=kind, default=default, help=help)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw",
                    help="plain SGD, or AdamW with PyTorch's defaults (SGD shows scale errors)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="weights from seed, teacher from seed+1, inputs from seed+2")
     p.add_argument("--save", metavar="PATH", help="torch.save config, init and final weights "
                    "(full, layer order), inputs, targets, losses")
     p.add_argument("--check", action="store_true", help="also train serially, with autograd")
+    if dp:
+        p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                       help="ZeRO stage over the data-parallel group: 1 shards the optimizer "
+                            "state, 2 the gradients too, 3 the weights too (FSDP)")
     return p
 
 
-def add_zero_arg(parser):
-    parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
-                        help="ZeRO stage over the data-parallel group: 1 shards the optimizer "
-                             "state, 2 the gradients too, 3 the weights too (FSDP)")
-
-
-def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None):
-    """The checks every training script shares, after its own: the seed, --lr and --save;
-    micro-batches that cut each replica's rows evenly; and the memory the ranks need."""
-    if not 0 <= args.seed < 2**32:   # torch overflows past 2**64; seed + 2 and --shuffle's too
-        parser.error(f"--seed {args.seed}: expected an integer from 0 to {2**32 - 1}")
-    if args.lr > 3.4e38:
-        parser.error(f"--lr {args.lr:g}: more than a float32 holds (3.4e38)")
-    if args.save is not None and not writable(args.save):
-        parser.error(f"--save {args.save!r}: cannot write there")
-    rows, m = args.batch_size // replicas, args.micro_batches
-    by = f"--batch-size {args.batch_size} / {replicas_flag} {replicas} = {rows}" if replicas_flag \
-        else rows
-    if m > rows:
-        parser.error(f"--micro-batches {m}: more micro-batches than rows per replica ({by})")
-    if args.batch_size % (replicas * m):
-        parser.error(f"--batch-size {args.batch_size} is not divisible by "
-                     f"{replicas_flag + ' x ' if replicas_flag else ''}--micro-batches "
-                     f"({replicas * m})")
-    # Each rank holds at most: the whole model and the teacher as drawn (2 L D^2 floats),
-    # its weights, gradients and AdamW's two states (16 bytes a parameter, or ZeRO's share
-    # of them), the batch (2 B D), and the stash of every layer's input and pre-activation
-    # for the whole batch (2 L B D).
-    L, D, B = args.num_layers, args.dim, args.batch_size
-    state = sum(zero_formula(getattr(args, "zero", 0), L * D * D, replicas).values())
-    per_rank = 4 * (2 * L * D * D + 2 * B * D + 2 * L * B * D) + state
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if args.backend != "nccl" and memory and per_rank * ranks_here > memory:
-        total = per_rank * ranks_here
-        parser.error(f"--num-layers {L} --dim {D} --batch-size {B}: about {per_rank / 1e9:.1f} "
-                     f"GB per rank, {total / 1e9:.1f} GB for the {ranks_here} ranks on this "
-                     f"machine, which has {memory / 1e9:.1f} GB")
+def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None,
+                        ranks_flag="--world-size"):
+    """The rules every training script shares, after its own, and the memory the ranks need:
+    the model and teacher as drawn (2 L D^2 floats), weights, gradients and AdamW state (or
+    ZeRO's share), the batch (2 B D), and every layer's stash for the batch (2 L B D)."""
+    L, D, B, m, bucket_mb = args.num_layers, args.dim, args.batch_size, args.micro_batches, \
+        getattr(args, "bucket_mb", 0)
+    by = f"--batch-size {B} / {replicas_flag} {replicas} = {B // replicas}" if replicas_flag \
+        else B
+    parser.refuse([
+        (not 0 <= args.seed < 2**32, f"--seed {args.seed}: expected an integer from 0 to "
+                                     f"{2**32 - 1}"),   # torch overflows past 2**64
+        (args.lr > 3.4e38, f"--lr {args.lr:g}: more than a float32 holds (3.4e38)"),
+        (torch.tensor(args.lr).item() == 0, f"--lr {args.lr:g}: 0 in float32, which trains "
+                                            f"nothing (the smallest is 1.4e-45)"),
+        (args.save is not None and not writable(args.save),
+         f"--save {args.save!r}: cannot write a file there"),
+        (m > B // replicas, f"--micro-batches {m}: more micro-batches than rows per replica "
+                            f"({by})"),
+        (B % (replicas * m), f"--batch-size {B} is not divisible by "
+                             f"{replicas_flag + ' x ' if replicas_flag else ''}--micro-batches "
+                             f"({replicas * m})"),
+        (not 0 <= bucket_mb <= 1e6, f"--bucket-mb {bucket_mb:g}: expected 0 to 1e6")])
+    state = sum(b for b, _ in zero_formula(getattr(args, "zero", 0), L * D * D, replicas).values())
+    check_launch_args(parser, args, world_size, ranks_flag,
+                      4 * (2 * L * D * D + 2 * B * D + 2 * L * B * D) + state,
+                      f"--num-layers {L} --dim {D} --batch-size {B}")
 
 
 def writable(path):
-    """Whether this process can write path. Tried, not asked: an immutable file refuses root."""
+    """Whether path is, or can be, a regular file this process writes: tried, not asked (an
+    immutable file refuses root), and not opened if a pipe or a device."""
     existed = os.path.exists(path)
     try:
-        with open(path, "ab"):   # appends nothing: an existing file stays as it is
+        if existed and not os.path.isfile(path):
+            return False
+        with open(path, "ab"):      # appends nothing: a file that exists stays as it is
             pass
-    except OSError:              # also: a folder, a missing folder, '' (no such file)
+    except OSError:                 # also: a missing folder, '' (no such file)
         return False
-    if not existed:
-        os.remove(path)
+    os.remove(path) if not existed else None
     return True
 
 
-def refuse_unused(parser, args, used, mode):
-    """A flag that this mode does not use is refused, not silently dropped."""
-    for name, value in vars(args).items():
-        if name not in used and value != parser.get_default(name):
-            parser.error(f"--{name.replace('_', '-')}: not used with {mode}")
-
-
-def check_divides(parser, value, flag, divisor, divisor_flag):
-    if value % divisor:
-        parser.error(f"{flag} {value} is not divisible by {divisor_flag} ({divisor})")
+def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor
+    return value % divisor, f"{flag} {value} is not divisible by {divisor_flag} ({divisor})"
 
 
 def parse_args(argv=None):
-    parser = training_parser("Data parallelism: replicas on slices of the batch.")
+    parser = training_parser("Data parallelism: replicas on slices of the batch.", dp=True)
     parser.add_argument("--world-size", type=positive_int, default=4, help="replicas d")
     parser.add_argument("--overlap", action="store_true",
-                        help="start each layer's gradient all-reduce as soon as it is final")
+                        help="start each bucket's exchange as soon as its gradients are final")
     parser.add_argument("--shuffle", action="store_true",
                         help="reshuffle each replica's rows every step, from a shared seed")
-    add_zero_arg(parser)
     args = parser.parse_args(argv)
     check_training_args(parser, args, args.world_size, args.world_size, "--world-size")
-    check_launch_args(parser, args, args.world_size)
     return args
 
 
-def gather_on_rank0(tensor):
-    """Every rank's tensor (one shape on all), stacked in rank order on rank 0; None elsewhere.
-    Tensors, not pickled objects: torch's object collectives need numpy."""
-    rank0 = dist.get_rank() == 0
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if rank0 else None
-    dist.gather(tensor.contiguous(), parts, dst=0)
-    return torch.stack(parts) if rank0 else None
-
-
 def finish_run(args, init, final, losses, inputs, targets, first_grads, extra=None):
-    """On rank 0, with full matrices: write --save, then --check against serial training."""
+    """On rank 0, with full matrices: --save (into a file beside it, renamed onto it: a disk
+    that fills up ends the run in one line, and what was there stays), then --check."""
     if args.save:
-        torch.save({"config": vars(args), "init_weights": [w.detach().float().cpu() for w in init],
-                    "final_weights": [w.detach().float().cpu() for w in final],
-                    "inputs": inputs.cpu(),
-                    "targets": targets.cpu(), "losses": list(losses), **(extra or {})}, args.save)
+        try:
+            torch.save({"config": vars(args), "init_weights": [w.float().cpu() for w in init],
+                        "final_weights": [w.detach().float().cpu() for w in final],
+                        "inputs": inputs.cpu(), "targets": targets.cpu(), "losses": list(losses),
+                        **(extra or {})}, f"{args.save}.partial")
+            os.replace(f"{args.save}.partial", args.save)
+        except (OSError, RuntimeError) as e:   # torch's writer: RuntimeError on a short write
+            os.remove(f"{args.save}.partial") if os.path.exists(f"{args.save}.partial") else 0
+            raise Stop(f"--save {args.save}: the trained weights could not be written ("
+                       f"{str(e).splitlines()[0][:80]}); free some space, or choose another path")
         print(f"saved {args.save}", flush=True)
     print(f"loss {losses[0]:.6f} -> {losses[-1]:.6f} over {len(losses)} steps", flush=True)
     not_finite = [step for step, loss in enumerate(losses) if not math.isfinite(loss)]
@@ -560,39 +580,30 @@ def finish_run(args, init, final, losses, inputs, targets, first_grads, extra=No
 
 
 def check_against_serial(args, final, losses, first_grads):
-    """Compare with the same training in one process under autograd (serial_train).
-
-    - The first step's gradients, before any optimizer touches them, each layer's relative
-      to its largest: a gradient off by a constant fails here, whatever the optimizer.
-    - The loss at every step, and the final weights. An SGD step is lr x gradient, so the
-      weights agree to float32 summation order. AdamW divides each element's step by its
-      gradient's running size: an element whose gradient is near eps (1e-8) may take a
-      step of up to lr in one run and less in the other, so up to lr x steps apart.
-    """
-    ref = serial_train(args)
-    adamw = args.optimizer == "adamw"
+    """Against the same training under autograd (serial_train): the first step's gradients,
+    each layer's relative to its largest (a constant factor fails here, whatever the
+    optimizer); the losses; the final weights. An SGD step is lr x gradient: the weights
+    agree to float32 summation order. AdamW divides each step by the gradient's running
+    size: an element whose gradient is near eps may move up to lr in one run and less in
+    the other, so up to lr x steps apart."""
+    ref, adamw = serial_train(args), args.optimizer == "adamw"
 
     def largest(differences):   # torch's max, not Python's: a nan anywhere is the answer
         return torch.stack(list(differences)).max().item()
     figures = [
-        ("first step's gradients",
-         largest((g.cpu() - r).abs().max() / r.abs().max().clamp_min(1e-30)
-                                           for g, r in zip(first_grads, ref["first_grads"])),
-         CHECK_TOLERANCE, "(of each layer's largest)"),
+        ("first step's gradients", largest((g.cpu() - r).abs().max() / r.abs().max().clamp_min(
+            1e-30) for g, r in zip(first_grads, ref["first_grads"])), CHECK_TOLERANCE,
+         "(of each layer's largest)"),
         ("losses", largest((torch.tensor(losses) - torch.tensor(ref["losses"])).abs()),
          CHECK_TOLERANCE, ""),
-        ("final weights",
-         largest((w.cpu() - r).abs().max() for w, r in zip(final, ref["final_weights"])),
-         args.lr * args.steps if adamw else CHECK_TOLERANCE,
-         "= lr x steps: AdamW's elements with gradients near eps" if adamw else ""),
-    ]
+        ("final weights", largest((w.cpu() - r).abs().max() for w, r in zip(
+            final, ref["final_weights"])), args.lr * args.steps if adamw else CHECK_TOLERANCE,
+         "= lr x steps: AdamW's elements with gradients near eps" if adamw else "")]
     print(f"check against serial autograd training ({args.optimizer}):", flush=True)
     for name, difference, tolerance, why in figures:
-        verdict = "ok" if difference <= tolerance else "FAILED"   # a nan is never <= anything
         print(f"  {name:<23} largest difference {difference:.2e}   tolerance {tolerance:.0e} "
-              f"{why}  {verdict}",
-              flush=True)
-    if all(difference <= tolerance for _, difference, tolerance, _ in figures):
+              f"{why}  {'ok' if difference <= tolerance else 'FAILED'}", flush=True)
+    if all(difference <= tolerance for _, difference, tolerance, _ in figures):   # nan: never
         print("check OK", flush=True)
     elif not all(map(math.isfinite, losses)):
         raise Stop(f"check FAILED: the loss stopped being finite; try a smaller --lr than "

@@ -1,55 +1,54 @@
 """Step 4: pipeline parallelism. Stages own consecutive layers; micro-batches flow through.
 
     python pipeline_parallel.py                                   # 4 stages, 1F1B
-    python pipeline_parallel.py --world-size 4 --schedule gpipe --timeline
+    python pipeline_parallel.py --micro-batches 8 --timeline      # make pp: the picture
+    python pipeline_parallel.py --micro-batches 8 --schedule gpipe --timeline
     python pipeline_parallel.py --world-size 2 --micro-batches 8 --check
-    python pipeline_parallel.py --schedule zb-h1 --timeline       # zero bubble: W fills it
-    python pipeline_parallel.py --schedule interleaved --virtual-stages 2 --micro-batches 4
+    python pipeline_parallel.py --micro-batches 8 --schedule zb-h1 --timeline
+    python pipeline_parallel.py --micro-batches 8 --schedule interleaved --timeline
     torchrun --nproc-per-node 4 pipeline_parallel.py
 
 The lecture sends activations forward one micro-batch at a time and stops: "Backward
 pass: homework exercise", and "Not handled: overlapping communication/computation to
-eliminate pipeline bubbles". This step adds both:
-- the backward across stages: the last stage turns the loss into dL/da, each stage runs
-  step 2's hand-derived layer backward and sends dL/dx to the stage before;
-- schedules that keep several stages busy at once. A schedule is data: per stage, an
-  ordered list of actions (F, B, W, and batches of sends and receives) that one runner
-  executes. The lists can be printed, tested without processes, and timed (--timeline).
+eliminate pipeline bubbles". This step adds both: the backward across stages (the last
+stage turns the loss into dL/da, each stage runs step 2's layer backward and sends dL/dx
+back), and schedules that keep several stages busy at once. A schedule is data: per
+stage, a list of actions that one runner executes, printed, tested and drawn.
 
     stage s of p owns layers [s L/p, (s+1) L/p); micro-batch i: x_i [B/m, D]
-    F(i) on stage s:  receive x_i from s-1, run its layers, send a_i to s+1
-    B(i) on stage s:  receive g_i from s+1, run its layers' backward (dW summed over
-                      micro-batches), send dL/dx_i to s-1
-    bytes per micro-batch and stage boundary: one [B/m, D] each way
+    F(i) on stage s: receive x_i from s-1, run its layers, send a_i to s+1
+    B(i) on stage s: receive g_i from s+1, run its layers' backward (dW summed over
+                     micro-batches), send dL/dx_i to s-1; one [B/m, D] each way
 
-GPipe runs all m forwards, then all m backwards: every stage stashes m micro-batches.
-1F1B (PipeDream-flush) runs min(p-s-1, m) forwards to fill the pipe, then one forward,
-one backward, then drains: stage s holds at most p-s micro-batches. Both leave a bubble
-of (p-1)/(m+p-1) of the time, when the stages take equal time. Two schedules shrink it:
-- ZB-H1 (zero bubble, Qi et al. 2023) splits B into B, dx = dz W^T, which the stage
-  before waits for, and W, dW = x^T dz, which nobody waits for: stage s holds back s of
-  its W passes to fill the bubble at its end. With F, B and W equally long the bubble is
-  (p-1)/(3m+p-1), a third of 1F1B's.
-- Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): each stage holds v chunks of
-  L/(v p) layers, chunk c of stage s being virtual stage c p + s, and the micro-batches
-  go round the stages v times: a bubble of (p-1)/(v m + p-1), for v times the messages.
+1F1B at p = 3 stages and m = 4 micro-batches, as build_schedule() writes it:
+[a>0] sends activation 0 on, [>a0] receives it, [<g0] sends gradient 0 back, [g<0]
+receives it; what shares brackets is posted together.
+
+    stage 0  F0 [a>0] F1 [a>1] F2 [a>2 g<0] B0 F3 [a>3 g<1] B1 [g<2] B2 [g<3] B3
+    stage 1  [>a0] F0 [a>0 >a1] F1 [a>1 g<0] B0 [<g0 >a2] F2 [a>2 g<1] B1 [<g1 >a3] F3 ...
+    stage 2  [>a0] F0 B0 [<g0 >a1] F1 B1 [<g1 >a2] F2 B2 [<g2 >a3] F3 B3 [<g3]
+
+GPipe runs all m forwards, then all m backwards: a stage stashes m micro-batches. 1F1B
+(PipeDream-flush) runs p-s-1 forwards to fill the pipe, then one forward, one backward,
+then drains: stage s holds at most p-s. Both idle (p-1)/(m+p-1) of the time, when the
+stages take equal time. ZB-H1 (zero bubble, Qi et al. 2023) splits B into dx = dz W^T,
+which the stage before waits for, and W, dW = x^T dz, which nobody waits for: stage s
+holds back s W passes to fill its bubble, (p-1)/(3m+p-1) with F, B and W equal.
+Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): stage s holds v chunks, chunk c
+being virtual stage c p + s, so micro-batches go round v times: (p-1)/(v m + p-1).
 
 What PyTorch gives you: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
 ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (tests/bench.py races them).
 """
-import os
 import time
 import warnings
 from typing import NamedTuple
-
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
 
-from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
-from data_parallel import (check_divides, check_training_args, finish_run, gather_on_rank0,
-                           init_weights, input_backward, layer_forward, make_batch, make_optimizer,
-                           mse_loss, training_parser)
+from collectives import cleanup, log, run_main, setup, spawn
+from data_parallel import input_backward, layer_forward, make_replica, mse_loss
 
 # Point-to-point kinds: an activation goes to the next stage after F, a gradient to the
 # previous stage after B. Printed as a>3 (send activation 3), >a3 (receive it), <g3, g<3.
@@ -106,19 +105,13 @@ def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1)
     Before F(i) a stage receives micro-batch i's activation (unless it is the first stage,
     virtual stage 0 when interleaved), after F(i) it sends its own output on (unless it
     is the last); the backward mirrors that with gradients, and W needs neither. The sends
-    and receives that fall between the same two computations are fused into one batch,
-    posted together and waited for together.
-
-    Why fuse: in 1F1B's steady state stage s sends activation i forward and then waits
-    for gradient j, while stage s+1 sends gradient j back and then waits for activation
-    i. Two blocking sends facing each other deadlock (NCCL's send waits for its receive,
-    and gloo's does too past a tiny buffer). Posted as one batch on each side, each send
-    finds its receive already waiting.
-
-    Interleaved, the chunks' dependencies cross the stages twice, and a batch between F and
-    B closes a cycle of waits. Megatron runs each steady-state forward and the backward
-    after it back to back, with one batch for their four transfers: so do we.
-    """
+    and receives that fall between the same two computations are fused into one batch.
+    Why: in 1F1B's steady state stage s sends activation i and then waits for gradient j,
+    while stage s+1 sends gradient j and then waits for activation i. Two blocking sends
+    facing each other deadlock (NCCL's send waits for its receive; gloo's too, past a tiny
+    buffer). Posted as one batch on each side, each send finds its receive waiting.
+    Interleaved, a batch between F and B closes a cycle of waits: as Megatron does, each
+    steady-state forward and the backward after it run back to back, with one batch."""
     def virtual(chunk):   # chunk c of stage s is virtual stage c p + s
         return (chunk or 0) * num_stages + stage
     last = num_stages * num_chunks - 1
@@ -146,39 +139,27 @@ def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1)
     return actions + ([Action("comm", comms=tuple(pending))] if pending else [])
 
 
-# ----------------------------------------------------------------------------------
-# One stage's layers, and the runner that executes any schedule on them
-# ----------------------------------------------------------------------------------
+class Stage:
+    """One stage's layers (interleaved: one chunk's), run on what the caller hands in:
+    replica, step 2's holder of the weights and their gradients (weights_in, add_grad);
+    layers, the indices of this stage's layers in it; and blocks, each layer's forward
+    and input backward: step 2's own here, step 3's tensor-parallel ones in 3D. It keeps
+    each micro-batch's stash until that micro-batch's backward pops it."""
 
-class StageLayers:
-    """The layers of one stage (or one chunk of it), with the stash of each micro-batch in
-    flight and dW summed over micro-batches. 3D's subclass makes each layer tensor-parallel
-    (step 3), its weights and gradients the replica's (step 2)."""
-
-    def __init__(self, weights, first, last, targets=None, n=1):
-        self.weights, self.num_layers, self.first, self.last = weights, len(weights), first, last
+    def __init__(self, replica, layers, first, last, targets=None, n=1, blocks=None):
+        self.replica, self.layers, self.first, self.last = replica, list(layers), first, last
+        self.blocks = blocks or [(layer_forward, input_backward)] * len(self.layers)
         self.targets, self.n = targets, n            # targets: micro-batches of Y (last stage)
-        self.grads = [torch.zeros_like(w) for w in weights]
         self.stash = {}        # micro-batch -> its layers' (x, z), popped by its own backward
-        self.for_w = {}        # ZB-H1: micro-batch -> its layers' (x, dz), popped by its W
+        self.for_w = {}        # micro-batch -> its layers' (x, dz), popped by its W
         self.loss_grad = {}    # micro-batch -> dL/da of the last layer (last stage only)
         self.loss = 0.0
 
-    def layer_forward(self, i, x):
-        return layer_forward(x, self.weights[i])
-
-    def input_backward(self, i, g, stash, need_dx):
-        return input_backward(g, stash, self.weights[i], need_dx)
-
-    def add_grad(self, i, dw):
-        self.grads[i] += dw                     # summed over micro-batches
-
     def forward(self, mb, x):
-        stashes = []
-        for i in range(self.num_layers):
-            x, stash = self.layer_forward(i, x)
-            stashes.append(stash)
-        self.stash[mb] = stashes
+        self.stash[mb] = []
+        for (i, w), (forward, _) in zip(self.replica.weights_in(self.layers), self.blocks):
+            x, stash = forward(x, w)
+            self.stash[mb].append(stash)
         if self.last:
             loss, self.loss_grad[mb] = mse_loss(x, self.targets[mb], self.n)
             self.loss += loss.item()
@@ -187,11 +168,14 @@ class StageLayers:
     def backward(self, mb, g, defer_w=False):
         """B: dL/dx of this stage's input. dW too, unless defer_w: then W(mb) computes it."""
         g = self.loss_grad.pop(mb) if self.last else g
-        stashes, x_dz = self.stash.pop(mb), {}
-        for i in reversed(range(self.num_layers)):
-            need_dx = i > 0 or not self.first       # the model's input needs no gradient
-            g, x_dz[i] = self.input_backward(i, g, stashes[i], need_dx)
-        self.for_w[mb] = x_dz
+        stashes, self.for_w[mb] = self.stash.pop(mb), {}
+
+        def need_dx(i):                              # the model's input needs no gradient
+            return i != self.layers[0] or not self.first
+        back = list(reversed(range(len(self.layers))))
+        for k, (i, w) in zip(back, self.replica.weights_in([self.layers[k] for k in back],
+                                                            need_dx)):
+            g, self.for_w[mb][i] = self.blocks[k][1](g, stashes[k], w, need_dx(i))
         if not defer_w:
             self.weight_grads(mb)
         return g
@@ -199,26 +183,23 @@ class StageLayers:
     def weight_grads(self, mb):
         """W: dW = x^T dz of every layer, from what B left: nobody waits for it."""
         for i, (x, dz) in self.for_w.pop(mb).items():
-            self.add_grad(i, x.T @ dz)
+            self.replica.add_grad(i, x.T @ dz)       # summed over micro-batches
 
     def held(self):
-        return len(self.stash) + len(self.for_w)   # micro-batches whose activations it keeps
-
-    def outgoing(self, tensor):   # what crosses to a neighbouring stage, and what arrives:
-        return tensor             # 3D's --p2p-shard sends a 1/tp slice and all-gathers it
-
-    def incoming(self, buffer):
-        return buffer
+        return len(self.stash) + len(self.for_w)    # micro-batches whose activations it keeps
 
 
 def run_schedule(actions, chunks, inputs, prev_rank, next_rank, buffer_shape, group=None,
-                 events=None):
-    """Execute one stage's action list on its StageLayers, one per chunk. inputs: the
-    micro-batches (first stage only). events, if a list, receives (op, mb, chunk, start,
-    end) of every F, B and W. Returns the most micro-batches held at once."""
-    received, to_send = {}, {}      # (kind, mb, chunk) -> a tensor on its way
+                 events=None, outgoing=None, incoming=None):
+    """Execute one stage's action list on its Stages, one per chunk. inputs: the
+    micro-batches (first stage only). outgoing and incoming change what crosses a stage
+    boundary, as it leaves and as it arrives (3D's --p2p-shard: a 1/tp slice, all-gathered).
+    events, if a list, receives (op, mb, chunk, start, end) of every F, B and W. Returns
+    the most micro-batches held at once."""
+    received, to_send, sending = {}, {}, []   # (kind, mb, chunk) -> a tensor on its way
     device, peak = inputs[0].device, 0
     defer_w = any(action.op == "W" for action in actions)
+    outgoing, incoming = outgoing or (lambda t: t), incoming or (lambda t: t)
     for action in actions:
         if action.op == "comm":
             ops = []
@@ -229,21 +210,25 @@ def run_schedule(actions, chunks, inputs, prev_rank, next_rank, buffer_shape, gr
                     ops.append(dist.P2POp(dist.irecv, received[key], peer, group))
                 else:
                     ops.append(dist.P2POp(dist.isend, to_send.pop(key), peer, group))
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            works = dist.batch_isend_irecv(ops)
+            for op, work in zip(ops, works):
+                work.wait() if op.op is dist.irecv else None
+            for work in sending:        # a send waits for its receive: the batch before's are
+                work.wait()             # waited for only now, so the stage computes meanwhile
+            sending = [work for op, work in zip(ops, works) if op.op is dist.isend]
             continue
         mb, chunk, layers = action.mb, action.chunk, chunks[action.chunk or 0]
         start = time.perf_counter()
         if action.op == "F":
-            x = inputs[mb] if layers.first else layers.incoming(received.pop((RECV_ACT, mb, chunk)))
+            x = inputs[mb] if layers.first else incoming(received.pop((RECV_ACT, mb, chunk)))
             out = layers.forward(mb, x)
             if not layers.last:
-                to_send[SEND_ACT, mb, chunk] = layers.outgoing(out.contiguous())
+                to_send[SEND_ACT, mb, chunk] = outgoing(out).contiguous()
         elif action.op == "B":
-            g = None if layers.last else layers.incoming(received.pop((RECV_GRAD, mb, chunk)))
+            g = None if layers.last else incoming(received.pop((RECV_GRAD, mb, chunk)))
             dx = layers.backward(mb, g, defer_w)
             if not layers.first:
-                to_send[SEND_GRAD, mb, chunk] = layers.outgoing(dx.contiguous())
+                to_send[SEND_GRAD, mb, chunk] = outgoing(dx).contiguous()
         else:
             layers.weight_grads(mb)
         peak = max(peak, sum(c.held() for c in chunks))
@@ -251,6 +236,8 @@ def run_schedule(actions, chunks, inputs, prev_rank, next_rank, buffer_shape, gr
             if device.type == "cuda":
                 torch.cuda.synchronize(device)   # the kernels run after the call returns
             events.append((action.op, mb, chunk or 0, start, time.perf_counter()))
+    for work in sending:
+        work.wait()
     return peak
 
 
@@ -262,38 +249,36 @@ def stage_layers(num_layers, num_stages, stage, num_chunks=1, chunk=0):
     return range(virtual * per_stage, (virtual + 1) * per_stage)
 
 
-# ----------------------------------------------------------------------------------
-# Training with it
-# ----------------------------------------------------------------------------------
-
 def pp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
     full = init_weights(args.num_layers, args.dim, args.seed)
     inputs, targets = make_batch(args)
-    chunks = []      # this stage's layers: one chunk, or v when interleaved
-    for c in range(v):
-        layers, virtual = stage_layers(args.num_layers, p, stage, v, c), c * p + stage
-        chunks.append(StageLayers([full[i].to(device, copy=True) for i in layers], virtual == 0,
-                                  virtual == v * p - 1, targets.to(device).chunk(m),
-                                  n=args.batch_size * args.dim))
-    optimizer = make_optimizer([w for chunk in chunks for w in chunk.weights], args)
+    mine = [i for c in range(v) for i in stage_layers(args.num_layers, p, stage, v, c)]
+    # The stage's weights live in step 2's replica, over a data-parallel group of one rank:
+    # nothing to exchange, only the weights, the dW buckets and the optimizer. (3D hands
+    # the same class a real data-parallel group.)
+    alone = dist.new_subgroups(1)[0]
+    replica = make_replica([full[i].to(device, copy=True) for i in mine], alone, args)
+    per_chunk = len(mine) // v
+    chunks = [Stage(replica, range(c * per_chunk, (c + 1) * per_chunk), c * p + stage == 0,
+                    c * p + stage == v * p - 1, targets.to(device).chunk(m),
+                    n=args.batch_size * args.dim) for c in range(v)]
     actions = build_schedule(args.schedule, p, stage, m, v)
     micro_batches = inputs.to(device).chunk(m)                    # [B/m, D] each
     losses = []
     for step in range(args.steps):
+        replica.zero_grads(m)
         for chunk in chunks:
-            chunk.grads, chunk.loss = [torch.zeros_like(w) for w in chunk.weights], 0.0
+            chunk.loss = 0.0
         events = [] if args.timeline and step == args.steps - 1 else None
         peak = run_schedule(actions, chunks, micro_batches, (stage - 1) % p, (stage + 1) % p,
                             (args.batch_size // m, args.dim), events=events)
+        replica.average()                                         # a group of one: / 1
         if step == 0:
-            first_grads = in_layer_order([g for chunk in chunks for g in chunk.grads], args, p)
-        for chunk in chunks:
-            for w, grad in zip(chunk.weights, chunk.grads):
-                w.grad = grad
-        optimizer.step()
+            first_grads = in_layer_order(full_grads(replica), args, p)
+        replica.step()
         losses.append(chunks[-1].loss)
         if stage == p - 1:
             log(f"[stage {stage}]", f"step {step:3d}  loss {losses[-1]:.6f}")
@@ -301,12 +286,37 @@ def pp_worker(rank, world_size, args):
             show_timeline(events, peak, args, p, rank, device)
     if rank == 0:
         print_schedules(args.schedule, p, m, v, args.num_layers)
-    final = in_layer_order([w for chunk in chunks for w in chunk.weights], args, p)
+    final = in_layer_order(full_weights(replica), args, p)
     losses = torch.tensor(losses, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=p - 1)    # the last stage alone knows them
     if rank == 0:
         finish_run(args, full, final, losses.tolist(), inputs, targets, first_grads)
     cleanup()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    spawn(pp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+
+
+# Below the fold: gathering the stages' layers, the schedule's print and its timeline with
+# the bubble, the command line. ----------------------------------------------------------
+import argparse  # noqa: E402
+import os  # noqa: E402
+import textwrap  # noqa: E402
+
+from collectives import positive_int  # noqa: E402
+from data_parallel import (check_training_args, divides, finish_run, full_grads,  # noqa: E402
+                           full_weights, init_weights, make_batch, training_parser)
+
+
+def gather_on_rank0(tensor):
+    """Every rank's tensor (one shape on all), stacked in rank order on rank 0; None elsewhere.
+    Tensors, not pickled objects: torch's object collectives need numpy."""
+    rank0 = dist.get_rank() == 0
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if rank0 else None
+    dist.gather(tensor.contiguous(), parts, dst=0)
+    return torch.stack(parts) if rank0 else None
 
 
 def in_layer_order(tensors, args, num_stages):
@@ -330,95 +340,148 @@ def bubble_theory(schedule, num_stages, num_micro_batches, num_chunks=1, times=(
     return (p - 1) / (v * m + p - 1)
 
 
+def simulate(stages, times=None):
+    """Every stage's action list run with fixed step times (times: {op: length}, 1 each by
+    default) and free communication, under NCCL's rule, as run_schedule() waits: a batch's
+    receives, once their sends are posted, and the batch before's sends, once their
+    receives are. Returns each stage's (op, mb, chunk, start, end) of its F, B and W, or
+    None for a stage that never gets to its end: a deadlock."""
+    p, times = len(stages), times or {"F": 1, "B": 1, "W": 1}
+    step = {SEND_ACT: (1, RECV_ACT), RECV_ACT: (-1, SEND_ACT), SEND_GRAD: (-1, RECV_GRAD),
+            RECV_GRAD: (1, SEND_GRAD)}   # where the counterpart is, and its kind
+
+    def counterpart(s, kind, mb, chunk):   # virtual stage c p + s, one step along the pipe
+        virtual = (chunk or 0) * p + s + step[kind][0]
+        return virtual % p, step[kind][1], mb, (virtual // p if chunk is not None else None)
+    posted, pc, clock, sending = {}, [0] * p, [0.0] * p, [[] for _ in range(p)]
+    events = [[] for _ in range(p)]
+    progress = True
+    while progress:
+        progress = False
+        for s in range(p):
+            while pc[s] <= len(stages[s]):     # past the last action: its sends' wait
+                action = stages[s][pc[s]] if pc[s] < len(stages[s]) else Action("comm")
+                if action.op != "comm":
+                    end = clock[s] + times[action.op]
+                    events[s].append((action.op, action.mb, action.chunk or 0, clock[s], end))
+                    clock[s] = end
+                else:
+                    for comm in action.comms:
+                        posted.setdefault((s, *comm), clock[s])
+                    peers = sending[s] + [counterpart(s, *comm) for comm in action.comms
+                                          if comm[0] in (RECV_ACT, RECV_GRAD)]
+                    if not all(peer in posted for peer in peers):
+                        break                  # blocked: the next stage gets its turn
+                    clock[s] = max([clock[s]] + [posted[peer] for peer in peers])
+                    sending[s] = [counterpart(s, *comm) for comm in action.comms
+                                  if comm[0] in (SEND_ACT, SEND_GRAD)]
+                pc[s] += 1
+                progress = True
+    return [events[s] if pc[s] > len(stages[s]) else None for s in range(p)]
+
+
 def print_schedules(schedule, num_stages, num_micro_batches, num_chunks, num_layers):
     p, m, v = num_stages, num_micro_batches, num_chunks
-    print(f"{schedule}, {p} stages, {m} micro-batches: every stage's actions in order. F3 forward "
-          f"of micro-batch 3, B3 its backward{', W3 its dW' if schedule == 'zb-h1' else ''}; [ ] "
-          f"point-to-point posted together:\n  a>3 send activation 3 on, >a3 receive it, <g3 send "
-          f"gradient 3 back, g<3 receive it", flush=True)
+    say(f"{schedule}, {p} stages, {m} micro-batches: every stage's actions in order. F3 forward "
+        f"of micro-batch 3, B3 its backward{', W3 its dW' if schedule == 'zb-h1' else ''}; [ ] "
+        f"point-to-point posted together:")
+    print("  a>3 send activation 3 on, >a3 receive it, <g3 send gradient 3 back, g<3 receive it")
     if v > 1:
-        print(f"  interleaved: chunk c (a, b, ...) of stage s is virtual stage c p + s, of "
-              f"{num_layers // (p * v)} layers:", flush=True)
+        say(f"  interleaved: chunk c (a, b, ...) of stage s is virtual stage c p + s, of "
+            f"{num_layers // (p * v)} layers:")
     for s in range(p):
         if v > 1:
             owns = ", ".join(f"{'abcdefgh'[c]} {list(stage_layers(num_layers, p, s, v, c))}"
                              for c in range(v))
             log(f"[stage {s}]", f"layers {owns}")
-        log(f"[stage {s}]", " ".join(map(str, build_schedule(schedule, p, s, m, v))))
+        actions = " ".join(map(str, build_schedule(schedule, p, s, m, v)))
+        print(textwrap.fill(actions, 100, initial_indent=f"[stage {s}] ",
+                            subsequent_indent=" " * 10, break_on_hyphens=False), flush=True)
 
 
-def show_timeline(events, peak, args, num_stages, rank, device, width=96):
-    """Rank 0 draws the last step: every stage's F, B and W on one time axis, and the bubble."""
+def draw(rows, begin, end, chunks, width=76):
+    """Rows of (op, mb, chunk, start, end) on one time axis, width columns from begin to end:
+    each F, B or W as wide as its time (a column at least), labelled in full where it fits,
+    else with its chunk (interleaved) or the last digit of its micro-batch, else its op."""
+    lines, scale = [], width / (end - begin)
+    for row in rows:
+        line = ""
+        for k, (op, mb, chunk, t0, t1) in enumerate(row):   # (a column left for each to come)
+            a = max(len(line), min(round((t0 - begin) * scale), width - len(row) + k))
+            b = max(a + 1, min(round((t1 - begin) * scale), width - len(row) + k + 1))
+            letter = "abcdefgh"[chunk] if chunks > 1 else ""
+            label = next(name for name in (f"{op}{mb}{letter}", f"{op}{letter or mb % 10}", op)
+                         if len(name) <= b - a or name == op)
+            line += "." * (a - len(line)) + label[:b - a].ljust(b - a, "-")
+        lines.append(line.ljust(width, "."))
+    return lines
+
+
+def show_timeline(events, peak, args, num_stages, rank, device):
+    """Rank 0 draws the last step twice: as the schedule has it, with equal step times (the
+    schedule's own bubble), and as measured; then the bubble by theory."""
     rows = torch.tensor([["FBW".index(op), mb, c, t0, t1] for op, mb, c, t0, t1 in events],
                         dtype=torch.float64)
     stages = gather_on_rank0(rows.to(device))                            # [p, actions, 5]
     peaks = gather_on_rank0(torch.tensor([peak], device=device))
     if rank != 0:
         return
-    begin, end = stages[..., 3].min().item(), stages[..., 4].max().item()
-    scale, v = width / (end - begin), args.virtual_stages
-    chunk_names = ", a/b: the chunk" if v > 1 else ""
-    print(f"timeline of the last step, {(end - begin) * 1e3:.2f} ms across: F3 = forward of micro-"
-          f"batch 3, B3 = its backward, W3 = its dW{chunk_names} (as wide as its time, at least "
-          f"its name), '.' idle", flush=True)
-    idle = []
-    for s, (evs, held) in enumerate(zip(stages.tolist(), peaks.flatten().tolist())):
-        line = ""
-        for op, mb, c, t0, t1 in evs:
-            label = f"{'FBW'[int(op)]}{int(mb)}{'abcdefgh'[int(c)] if v > 1 else ''}"
-            a = max(len(line), round((t0 - begin) * scale))
-            b = max(a + len(label), round((t1 - begin) * scale))
-            line += "." * (a - len(line)) + label.ljust(b - a, "-")
-        idle.append(1 - sum(t1 - t0 for _, _, _, t0, t1 in evs) / (end - begin))
-        print(f"  stage {s} |{line.ljust(width, '.')}| idle {idle[-1]:5.1%}, peak stash {held}",
-              flush=True)
-    p, m, cores = num_stages, args.micro_batches, os.cpu_count()
+    p, m, v, cores = num_stages, args.micro_batches, args.virtual_stages, os.cpu_count()
+    measured = [[("FBW"[int(op)], int(mb), int(c), t0, t1) for op, mb, c, t0, t1 in row]
+                for row in stages.tolist()]
+    ideal = simulate([build_schedule(args.schedule, p, s, m, v) for s in range(p)])
+    units = int(max(row[-1][4] for row in ideal))
+    say(f"timeline of the last step: F3 = forward of micro-batch 3, B3 = its backward, W3 = its "
+        f"dW{', F3a = in chunk a' if v > 1 else ''}; where a step is too short for its name, "
+        f"{'Fa' if v > 1 else 'F3 for F13'}, or F alone; '-' the rest of a step longer than "
+        f"its name; '.' idle.")
+    across = (stages[..., 4].max() - stages[..., 3].min()).item() * 1e3
+    for title, rows, width in (("as scheduled, every F, B and W one unit long", ideal,
+                                units * max(1, 76 // units)),
+                               (f"as measured, {across:.2f} ms across", measured, 76)):
+        begin, end = min(r[0][3] for r in rows), max(r[-1][4] for r in rows)
+        idle = [1 - sum(t1 - t0 for *_, t0, t1 in row) / (end - begin) for row in rows]
+        say(f"{title}: the stages idle {sum(idle) / p:.1%} of the time")
+        for s, line in enumerate(draw(rows, begin, end, v, width)):
+            print(f"  stage {s} |{line}| idle {idle[s]:5.1%}", flush=True)
     theory = {"zb-h1": "(p-1)/(3m+p-1)", "interleaved": "(p-1)/(vm+p-1)"}.get(args.schedule,
                                                                              "(p-1)/(m+p-1)")
-    print(f"bubble: measured {sum(idle) / p:.1%} (the stages' mean idle share), theory {theory} = "
-          f"{bubble_theory(args.schedule, p, m, v):.1%}", flush=True)
+    say(f"bubble: theory {theory} = {bubble_theory(args.schedule, p, m, v):.1%}; the most "
+        f"micro-batches a stage held at once: {', '.join(map(str, peaks.flatten().tolist()))}")
     if device.type == "cpu" and p > cores:
-        print(f"note: {p} stages share {cores} CPU cores, so a stage often waits for a core, not "
-              f"for its neighbour: the measured bubble mostly shows that load", flush=True)
+        say(f"note: {p} stages share {cores} CPU cores, so a stage often waits for a core, not "
+            f"for its neighbour: the measured bubble mostly shows that load, and the schedule's "
+            f"own is the one above it.")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    spawn(pp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+def say(text):   # prose, wrapped at 100 columns
+    print(textwrap.fill(text, 100, break_on_hyphens=False), flush=True)
 
-
-# ----------------------------------------------------------------------------------
-# Below: the command line.
-# ----------------------------------------------------------------------------------
 
 def add_schedule_args(parser):
     parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb-h1", "interleaved"],
                         default="1f1b")
-    parser.add_argument("--virtual-stages", type=positive_int, default=None,
-                        help="chunks v per stage, for --schedule interleaved (default 2)")
+    parser.add_argument("--virtual-stages", type=positive_int, default=argparse.SUPPRESS,
+                        help="chunks v per stage, for --schedule interleaved (default: 2)")
 
 
-def check_schedule_args(parser, args, num_stages, stages_flag):
-    """Interleaved needs whole rounds of micro-batches and v chunks of whole layers per stage;
-    the other schedules take one chunk."""
+def schedule_rules(args, num_stages, stages_flag):
+    """Interleaved needs whole rounds of micro-batches and v chunks of whole layers per
+    stage; the other schedules take one chunk. Sets args.virtual_stages."""
+    v = getattr(args, "virtual_stages", None)
+    args.virtual_stages = (v or 2) if args.schedule == "interleaved" else 1
     if args.schedule != "interleaved":
-        if args.virtual_stages not in (None, 1):
-            parser.error(f"--virtual-stages {args.virtual_stages}: only --schedule interleaved "
-                         f"has chunks")
-        args.virtual_stages = 1
-        return
-    args.virtual_stages = args.virtual_stages or 2
-    if num_stages == 1:
-        parser.error(f"--schedule interleaved: needs {stages_flag} of 2 or more (one stage's "
-                     f"chunks would only pass activations to themselves)")
+        return [(v not in (None, 1), f"--virtual-stages {v}: only --schedule interleaved has "
+                                     f"chunks")]
     virtual = num_stages * args.virtual_stages
-    if virtual > args.num_layers:
-        parser.error(f"--virtual-stages {args.virtual_stages}: {stages_flag} x --virtual-stages = "
-                     f"{virtual} chunks for {args.num_layers} layers")
-    check_divides(parser, args.num_layers, "--num-layers", virtual,
-                  f"{stages_flag} x --virtual-stages")
-    check_divides(parser, args.micro_batches, "--micro-batches", num_stages,
-                  f"{stages_flag} (interleaved, as Megatron asks: whole rounds)")
+    return [(num_stages == 1, f"--schedule interleaved: needs {stages_flag} of 2 or more (one "
+                              f"stage's chunks would only pass activations to themselves)"),
+            (virtual > args.num_layers, f"--virtual-stages {args.virtual_stages}: {stages_flag} "
+                                        f"x --virtual-stages = {virtual} chunks for "
+                                        f"{args.num_layers} layers"),
+            divides(args.num_layers, "--num-layers", virtual, f"{stages_flag} x --virtual-stages"),
+            divides(args.micro_batches, "--micro-batches", num_stages,
+                    f"{stages_flag} (interleaved, as Megatron asks: whole rounds)")]
 
 
 def parse_args(argv=None):
@@ -427,13 +490,12 @@ def parse_args(argv=None):
     add_schedule_args(parser)
     parser.add_argument("--timeline", action="store_true", help="draw the last step's F, B and W")
     args = parser.parse_args(argv)
-    if args.world_size > args.num_layers:
-        parser.error(f"--world-size {args.world_size}: more stages than --num-layers "
-                     f"({args.num_layers})")
-    check_schedule_args(parser, args, args.world_size, "--world-size")
-    check_divides(parser, args.num_layers, "--num-layers", args.world_size, "--world-size")
-    check_training_args(parser, args, args.world_size)
-    check_launch_args(parser, args, args.world_size)
+    p = args.world_size
+    parser.refuse([(p > args.num_layers, f"--world-size {p}: more stages than --num-layers "
+                                         f"({args.num_layers})"),
+                   *schedule_rules(args, p, "--world-size"),
+                   divides(args.num_layers, "--num-layers", p, "--world-size")])
+    check_training_args(parser, args, p)
     return args
 
 

@@ -28,16 +28,13 @@ What PyTorch gives you: ColwiseParallel and RowwiseParallel on a DeviceMesh
 (tests/bench.py races them against this).
 """
 import warnings
-
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
-from data_parallel import (check_divides, check_training_args, finish_run, init_weights,
-                           input_backward, layer_backward, layer_forward, make_batch,
-                           make_optimizer, mse_loss, refuse_unused, training_parser)
+from collectives import cleanup, log, run_main, setup, spawn
+from data_parallel import input_backward, layer_backward, layer_forward, mse_loss
 
 
 def column_forward(x, w_t, group=None):
@@ -46,7 +43,7 @@ def column_forward(x, w_t, group=None):
     return all_gather_columns(a_t, group), stash
 
 
-def column_backward(g, stash, w_t, group=None, need_dx=True):
+def column_backward(g, stash, w_t, need_dx=True, group=None):
     """g = dL/da [b, D], the same on every rank -> (dx [b, D], dW_t [D, D/T]).
 
     need_dx=False skips dx (None), and its all-reduce, where nobody needs it: the
@@ -93,9 +90,7 @@ def shard_columns(w, tp_rank, tp_size):
     return w[:, tp_rank * cols:(tp_rank + 1) * cols].clone(memory_format=torch.contiguous_format)
 
 
-# ----------------------------------------------------------------------------------
-# Megatron's pairs: a column layer whose output stays sharded, then a row layer
-# ----------------------------------------------------------------------------------
+# Megatron's pairs: a column layer whose output stays sharded, then a row layer.
 #
 # The column layer (rank t holds W1[:, cols_t]) does not gather its output: GELU is
 # elementwise, so it runs on the shard, and the row layer (rank t holds W2[rows_t, :])
@@ -138,6 +133,12 @@ def layer_kinds(num_layers, tp_style):
     return ["column", "row"] * (num_layers // 2) + ["gather"] * (num_layers % 2)
 
 
+def describe(kinds):   # what ran, for the output: "3 Megatron pairs and 1 all-gather layer"
+    pairs, gathers = kinds.count("row"), kinds.count("gather")
+    return " and ".join([f"{pairs} Megatron pair{'s' * (pairs != 1)} (column, row)"] * bool(pairs) +
+                        [f"{gathers} all-gather layer{'s' * (gathers != 1)}"] * bool(gathers))
+
+
 def tp_forward(kind, x, w_t, group=None):
     if kind == "column":
         return layer_forward(x, w_t)                      # a_t = gelu(x W_t): it stays sharded
@@ -146,14 +147,14 @@ def tp_forward(kind, x, w_t, group=None):
     return column_forward(x, w_t, group)
 
 
-def tp_backward(kind, g, stash, w_t, group=None, need_dx=True):
+def tp_backward(kind, g, stash, w_t, need_dx=True, group=None):
     if kind == "gather":
-        return column_backward(g, stash, w_t, group, need_dx)
-    dx, (x, dz) = tp_input_backward(kind, g, stash, w_t, group, need_dx)
+        return column_backward(g, stash, w_t, need_dx, group)
+    dx, (x, dz) = tp_input_backward(kind, g, stash, w_t, need_dx, group)
     return dx, x.T @ dz                                   # dW_t = x^T dz_t, or a_t^T dz
 
 
-def tp_input_backward(kind, g, stash, w_t, group=None, need_dx=True):
+def tp_input_backward(kind, g, stash, w_t, need_dx=True, group=None):
     """The backward but for dW: dx, and the (x, dz) that dW = x^T dz needs."""
     if kind == "gather":
         g = own_columns(g, stash, group)                  # the all-gather's backward: a slice
@@ -181,10 +182,6 @@ def unshard(w_t, kind, group=None):
     return stacked
 
 
-# ----------------------------------------------------------------------------------
-# Training with them
-# ----------------------------------------------------------------------------------
-
 def tp_step(shards, kinds, xs, ys, n, group=None):
     """One step's gradients: each micro-batch (xs, ys) forward through every layer and
     back, dW_t summed over micro-batches. Returns (grads, loss)."""
@@ -198,7 +195,7 @@ def tp_step(shards, kinds, xs, ys, n, group=None):
         mb_loss, g = mse_loss(x, y, n)       # the same on every rank: the output is replicated
         loss += mb_loss
         for i in reversed(range(len(shards))):
-            g, dw_t = tp_backward(kinds[i], g, stashes[i], shards[i], group, need_dx=i > 0)
+            g, dw_t = tp_backward(kinds[i], g, stashes[i], shards[i], i > 0, group)
             grads[i] += dw_t
     return grads, loss
 
@@ -212,6 +209,8 @@ def tp_worker(rank, world_size, args):
     inputs, targets = (t.to(device) for t in make_batch(args))             # all of it, every rank
     optimizer = make_optimizer(shards, args)
     n, m = args.batch_size * args.dim, args.micro_batches
+    if rank == 0:
+        print(f"tensor parallel over {tp_size} ranks: {describe(kinds)}", flush=True)
     losses = []
     for step in range(args.steps):
         grads, loss = tp_step(shards, kinds, inputs.chunk(m), targets.chunk(m), n)
@@ -229,9 +228,7 @@ def tp_worker(rank, world_size, args):
     cleanup()
 
 
-# ----------------------------------------------------------------------------------
 # The vocabulary-parallel embedding (Megatron's VocabParallelEmbedding)
-# ----------------------------------------------------------------------------------
 
 def vocab_range(vocab_size, tp_rank, tp_size):
     """Rows [start, end) of the table that rank t holds; when T does not divide the
@@ -307,9 +304,17 @@ def main(argv=None):
         spawn(tp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
 
 
-# ----------------------------------------------------------------------------------
-# Below: the command line.
-# ----------------------------------------------------------------------------------
+# Below the fold: the command line and its rules. -------------------------------------------
+from collectives import check_launch_args, positive_int  # noqa: E402
+from data_parallel import (check_training_args, divides, finish_run, init_weights,  # noqa: E402
+                           make_batch, make_optimizer, training_parser)
+
+
+def refuse_unused(parser, args, used, mode):   # a flag this mode ignores is refused
+    parser.refuse((name not in used and value != parser.get_default(name),
+                   f"--{name.replace('_', '-')}: not used with {mode}")
+                  for name, value in vars(args).items())
+
 
 def parse_args(argv=None):
     parser = training_parser("Tensor parallelism: column-parallel layers with an all-gather.")
@@ -321,15 +326,17 @@ def parse_args(argv=None):
                         help="instead of training, the vocab-parallel embedding (--dim: its width)")
     parser.add_argument("--vocab-size", type=positive_int, default=10, help="rows of the table")
     args = parser.parse_args(argv)
-    check_launch_args(parser, args, args.world_size)
     if args.embedding:
-        used = {"embedding", "vocab_size", "dim", "world_size", "backend", "timeout_s"}
-        refuse_unused(parser, args, used, "--embedding")
-        if args.vocab_size < args.world_size:
-            parser.error(f"--vocab-size {args.vocab_size} is smaller than --world-size "
-                         f"{args.world_size}")
+        refuse_unused(parser, args, {"embedding", "vocab_size", "dim", "world_size", "backend",
+                                     "timeout_s"}, "--embedding")
+        parser.refuse([(args.vocab_size < args.world_size, f"--vocab-size {args.vocab_size} is "
+                        f"smaller than --world-size {args.world_size}")])
+        check_launch_args(parser, args, args.world_size)
         return args
-    check_divides(parser, args.dim, "--dim", args.world_size, "--world-size")
+    parser.refuse([divides(args.dim, "--dim", args.world_size, "--world-size"),
+                   (args.tp_style == "megatron" and args.num_layers < 2,
+                    f"--tp-style megatron: a pair is two layers, and --num-layers "
+                    f"{args.num_layers} has none; use --tp-style all-gather")])
     check_training_args(parser, args, args.world_size)
     return args
 

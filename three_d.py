@@ -22,22 +22,18 @@ ranks in the wrong groups); rank_groups() derives it for any sizes and nesting o
 What PyTorch gives you: a DeviceMesh of shape (dp, pp, tp) with pipelining over pp,
 ColwiseParallel over tp, and FSDP2 or DDP over dp (tests/bench.py races it against this).
 """
-import os
 import warnings
 from datetime import timedelta
-
+from functools import partial
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
 
-from collectives import check_launch_args, cleanup, log, positive_int, run_main, setup, spawn
-from data_parallel import (DataParallel, add_zero_arg, check_divides, check_training_args,
-                           finish_run, gather_on_rank0, global_loss, init_weights, make_batch,
-                           refuse_unused, replica_rows, show_memory, training_parser)
-from pipeline_parallel import (StageLayers, add_schedule_args, build_schedule, check_schedule_args,
-                               run_schedule, stage_layers)
-from tensor_parallel import (all_gather_columns, layer_kinds, shard, shard_columns, tp_forward,
-                             tp_input_backward)
+from collectives import cleanup, log, run_main, setup, spawn
+from data_parallel import make_replica, replica_rows
+from pipeline_parallel import Stage, build_schedule, run_schedule, stage_layers
+from tensor_parallel import all_gather_columns, layer_kinds, shard, shard_columns
+from tensor_parallel import tp_forward, tp_input_backward
 
 AXES = ("dp", "pp", "tp")
 
@@ -86,53 +82,11 @@ def coordinates(rank, groups):
     return tuple(next(g.index(rank) for g in groups[name] if rank in g) for name in AXES)
 
 
-# ----------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------
-
-class TensorParallelStage(StageLayers):
-    """A pipeline stage (step 4) whose layers are tensor-parallel over the TP group (step 3):
-    each of the kind that layer_kinds() gives it. The stage's output is the same on every
-    TP rank either way: an all-gather layer's, or a row layer's after its all-reduce.
-
-    Its weights and gradients are the replica's (step 2's DataParallel, over the DP group):
-    with --zero 3 each weight is all-gathered over dp when a layer needs it, and the TP
-    shard stays a TP shard. With p2p_shard (Megatron's scatter-gather), what crosses a
-    stage boundary, the same on every TP rank, goes as each rank's 1/tp slice and is
-    all-gathered on arrival: 1/tp of the point-to-point bytes, for one all-gather more."""
-
-    def __init__(self, replica, offset, first, last, targets, n, kinds, tp_group, p2p_shard):
-        super().__init__([], first, last, targets, n)
-        self.replica, self.offset, self.num_layers = replica, offset, len(kinds)   # its layers in
-        self.kinds, self.tp_group, self.p2p_shard = kinds, tp_group, p2p_shard     # the replica's
-
-    def layer_forward(self, i, x):
-        out = tp_forward(self.kinds[i], x, self.replica.weight(self.offset + i), self.tp_group)
-        self.replica.release(self.offset + i)
-        return out
-
-    def input_backward(self, i, g, stash, need_dx):
-        w = self.replica.weight(self.offset + i) if need_dx else None   # no dx, no W needed
-        out = tp_input_backward(self.kinds[i], g, stash, w, self.tp_group, need_dx)
-        self.replica.release(self.offset + i)
-        return out
-
-    def add_grad(self, i, dw):
-        self.replica.add_grad(self.offset + i, dw)
-
-    def outgoing(self, tensor):
-        if not self.p2p_shard:
-            return tensor
-        tp_rank, tp_size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
-        return shard_columns(tensor, tp_rank, tp_size)                          # [b, D/T]
-
-    def incoming(self, buffer):
-        return all_gather_columns(buffer, self.tp_group) if self.p2p_shard else buffer   # [b, D]
-
-
 class ThreeDRank:
-    """One rank's share of the job: its groups and coordinates, its shards of its stage's
-    layers, its replica's micro-batches, and the stage and schedule that run them."""
+    """One rank's share of the job, composed from the earlier steps' blocks and handed down to
+    them: its groups and coordinates; its replica (step 2) of its TP shards (step 3) of its
+    stage's layers (step 4), over the dp group; its stages, each running step 3's layers; and
+    the schedule that step 4's runner executes on them."""
 
     def __init__(self, rank, args, device):
         groups = rank_groups(args.dp, args.pp, args.tp, args.order)
@@ -149,26 +103,36 @@ class ThreeDRank:
         # The layers of stage p (of each of its chunks, interleaved), each cut to TP rank t's
         # part: its columns, or its rows for a Megatron row layer. Every rank draws the whole
         # model to cut its shards (init_weights says what that costs). Megatron's pairs stay
-        # inside a chunk.
+        # inside a chunk, where they begin and end with the whole activation on every rank.
         self.full, v = init_weights(args.num_layers, args.dim, args.seed), args.virtual_stages
         per_chunk = args.num_layers // (args.pp * v)
         self.kinds = layer_kinds(per_chunk, args.tp_style)             # the same in every chunk
         shards = [shard(self.full[i], kind, t, args.tp).to(device)   # [D, D/T] or [D/T, D]
                   for c in range(v)
                   for i, kind in zip(stage_layers(args.num_layers, args.pp, p, v, c), self.kinds)]
-        self.replica = DataParallel(shards, self.groups["dp"], args)   # with --zero, 1/dp of them
+        # Step 2 over the dp group: with --zero, 1/dp of each; a bucket inside a chunk.
+        self.replica = make_replica(shards, self.groups["dp"], args,
+                                    breaks=range(0, len(shards), per_chunk))
 
         # This replica's slice of the batch, by its DP coordinate; the same on every TP rank.
         self.inputs, self.targets = make_batch(args)
         rows = replica_rows(args.batch_size, d, args.dp)
-        m = args.micro_batches
+        m, tp = args.micro_batches, self.groups["tp"]
         self.micro_inputs = self.inputs[rows].to(device).chunk(m)        # [B/(dp m), D] each
         targets = self.targets[rows].to(device).chunk(m)
-        self.chunks = [TensorParallelStage(self.replica, c * per_chunk, c * args.pp + p == 0,
-                                           c * args.pp + p == v * args.pp - 1, targets,
-                                           n=len(rows) * args.dim,   # the replica's mean: / n
-                                           kinds=self.kinds, tp_group=self.groups["tp"],
-                                           p2p_shard=args.p2p_shard) for c in range(v)]
+        # Step 4's stages, each handed step 3's forward and input backward of its layers.
+        blocks = [(partial(tp_forward, kind, group=tp), partial(tp_input_backward, kind,
+                                                                group=tp)) for kind in self.kinds]
+        self.chunks = [Stage(self.replica, range(c * per_chunk, (c + 1) * per_chunk),
+                             c * args.pp + p == 0, c * args.pp + p == v * args.pp - 1, targets,
+                             n=len(rows) * args.dim, blocks=blocks)   # the replica's mean: / n
+                       for c in range(v)]
+        # With --p2p-shard (Megatron's scatter-gather) what crosses a stage boundary, the same
+        # on every TP rank, goes as each rank's 1/tp slice and is all-gathered on arrival:
+        # 1/tp of the point-to-point bytes, for one all-gather more.
+        self.boundary = dict(outgoing=partial(shard_columns, tp_rank=t, tp_size=args.tp),
+                             incoming=partial(all_gather_columns, group=tp)) \
+            if args.p2p_shard else {}
         self.buffer_shape = (len(rows) // m, args.dim // args.tp if args.p2p_shard else args.dim)
         self.actions = build_schedule(args.schedule, args.pp, p, m, v)
         self.prev_rank = pp_ranks[(p - 1) % args.pp]    # interleaved, the last stage's chunk c
@@ -181,7 +145,7 @@ class ThreeDRank:
         for chunk in self.chunks:
             chunk.loss = 0.0
         run_schedule(self.actions, self.chunks, self.micro_inputs, self.prev_rank, self.next_rank,
-                     self.buffer_shape)
+                     self.buffer_shape, **self.boundary)
         self.replica.average()
 
 
@@ -190,27 +154,53 @@ def three_d_worker(rank, world_size, args):
     me = ThreeDRank(rank, args, device)
     if rank == 0:
         show_rank_map(args.dp, args.pp, args.tp, args.order)
+        print(f"each stage{' chunk' * (args.virtual_stages > 1)}: {describe(me.kinds)} over "
+              f"tp={args.tp}", flush=True)
     last = me.p == args.pp - 1
     losses = []
     for step in range(args.steps):
         me.gradients()
         if step == 0:
-            first_grads = full_matrices(me.replica.full_grads(), me.kinds, args)
+            first_grads = full_matrices(full_grads(me.replica), me.kinds, args)
         me.replica.step()                     # each rank's optimizer steps its own shards
         if last:   # the last stage knows the loss: the replicas' mean losses, averaged
             loss = torch.tensor(me.chunks[-1].loss, device=device)
             losses.append(global_loss(loss, me.groups["dp"]))
             if me.d == 0 and me.t == 0:
                 log(me.tag, f"step {step:3d}  loss {losses[-1]:.6f}")
-    final = full_matrices(me.replica.full_weights(), me.kinds, args)
+    final = full_matrices(full_weights(me.replica), me.kinds, args)
     losses = torch.tensor(losses if last else [0.0] * args.steps, dtype=torch.float64,
                           device=device)
     dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
     if rank == 0:
-        if args.zero:   # rank 0's share: its TP shards of stage 0's layers, over its DP group
-            show_memory(me.replica, args)
+        if args.zero:
+            show_memory(me.replica, args, f"rank 0: its replica of stage 0's layers, its tp "
+                                          f"shards of them (1/{args.tp})")
         finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, first_grads)
     cleanup()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.show_rank_map:
+        show_rank_map(args.dp, args.pp, args.tp, args.order)
+    elif args.ray:   # the same ranks, started by Ray instead of spawn (below)
+        ray_launch(args)
+    else:
+        spawn(three_d_worker, args.dp * args.pp * args.tp, args, backend=args.backend,
+              timeout_s=args.timeout_s)
+
+
+# Below the fold: the shards put back together, the rank map's print, the command line and
+# --ray. -----------------------------------------------------------------------------------
+import os  # noqa: E402
+
+from collectives import positive_int  # noqa: E402
+from data_parallel import (check_training_args, divides, finish_run, full_grads,  # noqa: E402
+                           full_weights, global_loss, init_weights, make_batch, show_memory,
+                           training_parser)
+from pipeline_parallel import add_schedule_args, gather_on_rank0, schedule_rules  # noqa: E402
+from tensor_parallel import describe, refuse_unused  # noqa: E402
 
 
 def full_matrices(shards, kinds, args):
@@ -247,23 +237,9 @@ def show_rank_map(dp, pp, tp, order):
         print(f"{rank:>5} {coords}   {cells}".rstrip(), flush=True)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.show_rank_map:
-        show_rank_map(args.dp, args.pp, args.tp, args.order)
-    elif args.ray:   # the same ranks, started by Ray instead of spawn (below)
-        ray_launch(args)
-    else:
-        spawn(three_d_worker, args.dp * args.pp * args.tp, args, backend=args.backend,
-              timeout_s=args.timeout_s)
-
-
-# ----------------------------------------------------------------------------------
-# Below: the command line, and --ray.
-# ----------------------------------------------------------------------------------
-
 def parse_args(argv=None):
-    parser = training_parser("3D parallelism: data x pipeline x tensor parallel on process groups.")
+    parser = training_parser("3D parallelism: data x pipeline x tensor parallel on process groups.",
+                             dp=True)
     parser.add_argument("--dp", type=positive_int, default=2, help="data-parallel replicas")
     parser.add_argument("--pp", type=positive_int, default=2, help="stages; divides --num-layers")
     parser.add_argument("--tp", type=positive_int, default=2, help="ranks per layer; divides --dim")
@@ -274,7 +250,6 @@ def parse_args(argv=None):
                         help="every layer column-parallel with an all-gather, or Megatron's pairs")
     parser.add_argument("--p2p-shard", action="store_true",
                         help="send 1/tp of each activation between stages and all-gather it there")
-    add_zero_arg(parser)
     parser.add_argument("--show-rank-map", action="store_true", help="print the rank map and exit")
     parser.add_argument("--ray", action="store_true",
                         help="start the ranks as Ray Train workers (needs ray[train])")
@@ -283,17 +258,25 @@ def parse_args(argv=None):
         used = {"show_rank_map", "dp", "pp", "tp", "order", "backend", "timeout_s"}
         refuse_unused(parser, args, used, "--show-rank-map")
         return args
-    check_divides(parser, args.dim, "--dim", args.tp, "--tp")
-    if args.pp > args.num_layers:
-        parser.error(f"--pp {args.pp}: more stages than --num-layers ({args.num_layers})")
-    check_divides(parser, args.num_layers, "--num-layers", args.pp, "--pp")
-    check_schedule_args(parser, args, args.pp, "--pp")
-    check_training_args(parser, args, args.dp * args.pp * args.tp, args.dp, "--dp")
-    check_launch_args(parser, args, args.dp * args.pp * args.tp, flag="--dp x --pp x --tp")
-    if args.ray:
-        import importlib.util
-        if importlib.util.find_spec("ray") is None:
-            parser.error("--ray: Ray is not installed; pip install 'ray[train]' (or: make 3d-ray)")
+    import importlib.util
+    parser.refuse([divides(args.dim, "--dim", args.tp, "--tp"),
+                   (args.pp > args.num_layers, f"--pp {args.pp}: more stages than --num-layers "
+                                               f"({args.num_layers})"),
+                   divides(args.num_layers, "--num-layers", args.pp, "--pp"),
+                   *schedule_rules(args, args.pp, "--pp")])
+    per_chunk = args.num_layers // (args.pp * args.virtual_stages)
+    parser.refuse([
+        (args.tp_style == "megatron" and per_chunk < 2,
+         f"--tp-style megatron: a pair of layers stays inside a stage, where the activation is "
+         f"whole on every tp rank, as Megatron cuts stages between whole transformer layers; "
+         f"--num-layers {args.num_layers} gives {per_chunk} a stage"
+         f"{' chunk' * (args.virtual_stages > 1)}: use fewer stages or all-gather"),
+        (args.p2p_shard and args.tp == 1, "--p2p-shard: with --tp 1 there is nothing to shard"),
+        (args.p2p_shard and args.pp == 1, "--p2p-shard: with --pp 1 nothing crosses a stage"),
+        (args.ray and importlib.util.find_spec("ray") is None,
+         "--ray: Ray is not installed; pip install 'ray[train]' (or: make 3d-ray)")])
+    check_training_args(parser, args, args.dp * args.pp * args.tp, args.dp, "--dp",
+                        "--dp x --pp x --tp")
     return args
 
 

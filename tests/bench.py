@@ -26,6 +26,7 @@ import tempfile
 import textwrap
 import time
 import warnings
+from types import SimpleNamespace
 
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy; unneeded
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,7 +44,7 @@ import tensor_parallel  # noqa: E402
 import three_d  # noqa: E402
 from collectives import RankFailed, cleanup, ring_all_reduce, setup, spawn, under_torchrun  # noqa: E402
 from data_parallel import init_weights, make_batch, replica_rows  # noqa: E402
-from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers  # noqa: E402
+from pipeline_parallel import Stage, build_schedule, run_schedule, stage_layers  # noqa: E402
 from race import (as_module, bench_sizes, check_and_race, dp_side, end_race, machine, mse_sum,  # noqa: E402
                   print_race, race, serial_side, sgd, sgd_side, spawn_returning)
 from tensor_parallel import layer_kinds, shard, tp_step  # noqa: E402
@@ -295,14 +296,14 @@ def memory_table(args):
 def memory_worker(rank, world_size, args):
     device = setup(rank, world_size)
     init = init_weights(args.num_layers, args.dim, args.seed)
-    replica = data_parallel.DataParallel([w.to(device, copy=True) for w in init], None, args)
+    replica = data_parallel.make_replica([w.to(device, copy=True) for w in init], None, args)
     inputs, targets = (t.to(device) for t in make_batch(args))
     rows, m = replica_rows(args.batch_size, rank, world_size), args.micro_batches
     for _ in range(2):   # AdamW's state is made in the first step: the second holds it throughout
         data_parallel.dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m), len(rows) * args.dim)
         replica.step()
     if rank == 0:
-        data_parallel.show_memory(replica, args)
+        data_parallel.show_memory(replica, args, "each replica")
     cleanup()
 
 # ----------------------------------------------------------------------------------
@@ -412,19 +413,29 @@ def pipelining_race(rank, world_size, args):
 def pp_side(full, chunk_layers, schedule, stage, num_stages, inputs, targets, args):
     """Our stage (its chunks' layers) with one schedule and SGD, as (step, state)."""
     m, p, v = args.micro_batches, num_stages, len(chunk_layers)
-    chunks = [StageLayers([full[i].to(inputs.device, copy=True) for i in layers], c * p + stage == 0,
-                          c * p + stage == v * p - 1, targets.chunk(m), n=args.batch_size * args.dim)
-              for c, layers in enumerate(chunk_layers)]
-    weights = [w for chunk in chunks for w in chunk.weights]
+    replica, chunks = stage_replica(full, chunk_layers, stage, p, targets.chunk(m), args.batch_size * args.dim,
+                                    inputs.device, sgd(args))
     actions = build_schedule(schedule, p, stage, m, v)
 
-    def gradients():
-        for chunk in chunks:
-            chunk.grads, chunk.loss = [torch.zeros_like(w) for w in chunk.weights], 0.0
+    def step():
+        replica.zero_grads(m)
         run_schedule(actions, chunks, inputs.chunk(m), (stage - 1) % p, (stage + 1) % p,
                      (args.batch_size // m, args.dim))
-        return [g for chunk in chunks for g in chunk.grads]
-    return sgd_side(weights, gradients, args.lr)
+        replica.average()
+        replica.step()
+    return step, lambda: (replica.weights, replica.grads())
+
+
+def stage_replica(full, chunk_layers, stage, num_stages, targets, n, device, args):
+    """A stage's layers (its chunks') held by step 2's replica over a group of one rank, as
+    pipeline_parallel.py holds them, and one Stage per chunk on it."""
+    p, v = num_stages, len(chunk_layers)
+    mine = [i for layers in chunk_layers for i in layers]
+    replica = data_parallel.make_replica([full[i].to(device, copy=True) for i in mine], dist.new_subgroups(1)[0],
+                                         args)
+    per_chunk = len(mine) // v
+    return replica, [Stage(replica, range(c * per_chunk, (c + 1) * per_chunk), c * p + stage == 0, c * p + stage == v * p - 1,
+                           targets, n) for c in range(v)]
 
 
 def pipelining_side(modules, schedule_class, rank, num_stages, inputs, targets, args):
@@ -510,7 +521,7 @@ def our_3d_side(rank, args, device):
     def step():
         me.gradients()
         me.replica.step()
-    return ((step, lambda: (me.replica.full, me.replica.grads)), me.full, me.inputs[rows].to(device),
+    return ((step, lambda: (me.replica.weights, me.replica.grads())), me.full, me.inputs[rows].to(device),
             me.targets[rows].to(device))
 
 
@@ -654,13 +665,14 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
         x = torch.randn(m * rows, dim, generator=torch.Generator().manual_seed(m)).to(device).chunk(m)
         for schedule in ("gpipe", "1f1b", "zb-h1", "interleaved"):
             v = 2 if schedule == "interleaved" else 1
-            chunks = [StageLayers([w[i].to(device) for i in stage_layers(2 * p, p, stage, v, c)], c * p + stage == 0,
-                                  c * p + stage == v * p - 1, targets=x, n=m * rows * dim) for c in range(v)]
+            replica, chunks = stage_replica(w, [stage_layers(2 * p, p, stage, v, c) for c in range(v)], stage, p, x,
+                                            m * rows * dim, device, SimpleNamespace(optimizer="sgd", lr=0.0))
             actions = build_schedule(schedule, p, stage, m, v)
             spans, times = [], []
             for i in range(steps + 1):    # the first step opens the connections: not measured
                 events = []
                 dist.barrier()            # every stage starts the step at once
+                replica.zero_grads(m)
                 peak = run_schedule(actions, chunks, x, (stage - 1) % p, (stage + 1) % p, (rows, dim), events=events)
                 busy = torch.tensor([sum(e[4] - e[3] for e in events), min(e[3] for e in events),
                                      max(e[4] for e in events)], dtype=torch.float64, device=device)

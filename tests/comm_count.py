@@ -29,8 +29,8 @@ import pipeline_parallel
 import tensor_parallel
 import three_d
 from collectives import cleanup, setup, spawn
-from data_parallel import DataParallel, dp_step, gather_on_rank0, init_weights, make_batch, replica_rows
-from pipeline_parallel import StageLayers, build_schedule, run_schedule, stage_layers
+from data_parallel import dp_step, init_weights, make_batch, make_replica, replica_rows
+from pipeline_parallel import build_schedule, gather_on_rank0, run_schedule, stage_layers
 from tensor_parallel import layer_kinds, shard, tp_step
 
 RING_COST = {  # dist function -> (kind, the argument that holds N, factor)
@@ -108,27 +108,30 @@ def nbytes(tensor):
 
 # ---- the formulas, per rank and step ------------------------------------------------
 
-def dp_formula(layer_bytes, dp_size, zero=0, num_micro_batches=1):
-    """Over the data-parallel group, P = the layers' bytes, each padded to a multiple of d:
-      ZeRO 0: one all-reduce of every gradient (--overlap: one per layer, the same bytes)
+def dp_formula(unit_bytes, dp_size, zero=0, num_micro_batches=1, skipped=0):
+    """Over the data-parallel group, a collective per bucket; unit_bytes: each bucket's bytes
+    (ZeRO: padded to a multiple of d), P their sum:
+      ZeRO 0: an all-reduce of each bucket of gradients: 2(d-1)/d x P
       ZeRO 1, 2: a reduce-scatter of the gradients, then an all-gather of the weights, each
               (d-1)/d x P: together one all-reduce's bytes
-      ZeRO 3: per micro-batch, an all-gather of every weight for the forward and of every
-              weight but the first layer's for the backward (it computes no dx), and a
-              reduce-scatter of every gradient: 3(d-1)/d x P per micro-batch, less one layer"""
-    d, m = dp_size, num_micro_batches
-    padded = [-(-size // (4 * d)) * 4 * d for size in layer_bytes]
-    P = sum(padded)
+      ZeRO 3: per micro-batch, an all-gather of every unit for the forward and again for the
+              backward, but a unit whose layers need no W (skipped bytes: the model's first
+              layer alone computes no dx), and a reduce-scatter of every unit's gradient"""
+    d, m, P = dp_size, num_micro_batches, sum(unit_bytes)
     if zero == 0:
-        return {("dp", "all-reduce"): (Fraction(2 * (d - 1) * sum(layer_bytes), d),
-                                       f"2({d}-1)/{d} x {sum(layer_bytes)} gradient bytes")}
+        return {("dp", "all-reduce"): (Fraction(2 * (d - 1) * P, d), f"2({d}-1)/{d} x {P} gradient bytes")}
     if zero in (1, 2):
         return {("dp", "reduce-scatter"): (Fraction((d - 1) * P, d), f"({d}-1)/{d} x {P} gradient bytes"),
                 ("dp", "all-gather"): (Fraction((d - 1) * P, d), f"({d}-1)/{d} x {P} weight bytes")}
-    gathered = 2 * P - padded[0]
     return {("dp", "reduce-scatter"): (Fraction(m * (d - 1) * P, d), f"{m} mb x ({d}-1)/{d} x {P}"),
-            ("dp", "all-gather"): (Fraction(m * (d - 1) * gathered, d),
-                                   f"{m} mb x ({d}-1)/{d} x (2 x {P} - {padded[0]}, the first layer's)")}
+            ("dp", "all-gather"): (Fraction(m * (d - 1) * (2 * P - skipped), d),
+                                   f"{m} mb x ({d}-1)/{d} x (2 x {P} - {skipped}, a unit of the first layer alone)")}
+
+
+def replica_units(replica, first_stage=True):
+    """The bucket bytes of a replica, and those whose backward gathers nothing."""
+    units = [4 * n for n in replica.lengths]
+    return units, units[0] if first_stage and replica.buckets[0] == [0] else 0
 
 
 def tp_formula(kinds, first_stage, act_bytes, num_micro_batches, tp_size):
@@ -157,20 +160,15 @@ def pp_formula(stage, num_stages, act_bytes, num_micro_batches, num_chunks=1):
                              f"{m} mb x {act_bytes} x {boundaries} (one per neighbouring virtual stage)")}
 
 
-def three_d_formula(args, p, act_bytes, layer_bytes):
+def three_d_formula(args, p, act_bytes, replica):
     """The blocks' formulas for one rank of stage p: tp for its stage's layers, pp for
     its stage boundaries, dp for its shards (param_bytes)."""
     m, t, v = args.micro_batches, args.tp, args.virtual_stages
     kinds = layer_kinds(args.num_layers // (args.pp * v), args.tp_style) * v   # Megatron pairs per chunk
     formula = tp_formula(kinds, p == 0, act_bytes, m, t)
     formula.update(pp_formula(p, args.pp, act_bytes // t if args.p2p_shard else act_bytes, m, args.virtual_stages))
-    dp = dp_formula(layer_bytes, args.dp, args.zero, m)
-    if args.zero == 3 and p > 0:   # only the model's first layer skips its backward's gather
-        gathered, how = dp[("dp", "all-gather")]
-        first = -(-layer_bytes[0] // (4 * args.dp)) * 4 * args.dp
-        dp[("dp", "all-gather")] = (gathered + Fraction(m * (args.dp - 1) * first, args.dp), f"{how} + {m} mb x "
-                                    f"({args.dp}-1)/{args.dp} x {first}: this stage's first layer needs its W")
-    formula.update(dp)
+    units, skipped = replica_units(replica, p == 0)
+    formula.update(dp_formula(units, args.dp, args.zero, m, skipped))
     if args.p2p_shard:   # every tensor received from a neighbouring stage is all-gathered over tp
         v = args.virtual_stages
         received = sum((j > 0) + (j < args.pp * v - 1) for j in (c * args.pp + p for c in range(v)))
@@ -213,16 +211,16 @@ def megatron_comparison(num_layers, act_bytes, num_micro_batches, tp_size):
 def count_dp(rank, world_size, args):
     device = setup(rank, world_size)
     weights = [w.to(device) for w in init_weights(args.num_layers, args.dim, args.seed)]
-    layer_bytes = [nbytes(w) for w in weights]
     inputs, targets = (t.to(device) for t in make_batch(args))
     rows = replica_rows(args.batch_size, rank, world_size)
     m, n = args.micro_batches, len(rows) * args.dim
     counter = CommCounter({"dp": None})
-    replica = DataParallel(weights, None, args, args.overlap)
+    replica = make_replica(weights, None, args, args.overlap)
     with counter.step():
         dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m), n)
         replica.step()
-    report(counter, dp_formula(layer_bytes, world_size, args.zero, m))
+    units, skipped = replica_units(replica)
+    report(counter, dp_formula(units, world_size, args.zero, m, skipped))
     cleanup()
 
 
@@ -248,10 +246,11 @@ def count_pp(rank, world_size, args):
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
     full = init_weights(args.num_layers, args.dim, args.seed)
     inputs, targets = (t.to(device) for t in make_batch(args))
-    chunks = [StageLayers([full[i].to(device) for i in stage_layers(args.num_layers, p, stage, v, c)],
-                          c * p + stage == 0, c * p + stage == v * p - 1, targets.chunk(m), n=args.batch_size * args.dim)
-              for c in range(v)]
+    from bench import stage_replica
+    replica, chunks = stage_replica(full, [stage_layers(args.num_layers, p, stage, v, c) for c in range(v)], stage, p,
+                                    targets.chunk(m), args.batch_size * args.dim, device, args)
     counter = CommCounter({"pp": None})
+    replica.zero_grads(m)
     with counter.step():
         run_schedule(build_schedule(args.schedule, p, stage, m, v), chunks, inputs.chunk(m), (stage - 1) % p,
                      (stage + 1) % p, (args.batch_size // m, args.dim))
@@ -263,12 +262,11 @@ def count_3d(rank, world_size, args):
     device = setup(rank, world_size)
     me = three_d.ThreeDRank(rank, args, device)
     counter = CommCounter(me.groups)
-    layer_bytes = [shape.numel() * 4 for shape in me.replica.shapes]
     with counter.step():
         me.gradients()
         me.replica.step()
     act_bytes = me.buffer_shape[0] * args.dim * 4
-    report(counter, three_d_formula(args, me.p, act_bytes, layer_bytes),
+    report(counter, three_d_formula(args, me.p, act_bytes, me.replica),
            megatron_comparison(args.num_layers, act_bytes, args.micro_batches, args.tp))
     cleanup()
 

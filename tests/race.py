@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from collectives import cleanup, pick_backend, spawn, under_torchrun  # noqa: E402
-from data_parallel import CHECK_TOLERANCE, DataParallel, dp_step, init_weights, make_batch  # noqa: E402
+from data_parallel import CHECK_TOLERANCE, dp_step, full_grads, full_weights, init_weights, make_batch, make_replica  # noqa: E402
 
 WARMUP = 2
 
@@ -186,12 +186,12 @@ def sgd_side(weights, compute_grads, lr):
 def dp_side(weights, group, args, xs, ys, n, zero=0, overlap=False):
     """Our data-parallel step (step 2's DataParallel, with SGD), as (step, state); state gives
     the full weights and gradients, gathered from the shards under ZeRO."""
-    replica = DataParallel(weights, group, sgd(args, zero=zero), overlap)
+    replica = make_replica(weights, group, sgd(args, zero=zero), overlap)
 
     def step():
         dp_step(replica, xs, ys, n)
         replica.step()
-    return step, lambda: (replica.full_weights(), replica.full_grads())
+    return step, lambda: (full_weights(replica), full_grads(replica))
 
 
 def sgd(args, **more):

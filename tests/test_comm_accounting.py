@@ -68,12 +68,13 @@ COMMON = ["--steps", "1", "--optimizer", "sgd", *TIMEOUT]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_data_parallel(capfd, overlap):
+@pytest.mark.parametrize("bucket_mb", ["0", "25"])
+def test_data_parallel(capfd, overlap, bucket_mb):
     d, L, D, B, m = 4, 3, 8, 16, 2
     comm_count.count("data_parallel", ["--world-size", str(d), "--num-layers", str(L), "--dim", str(D), "--batch-size", str(B),
-                        "--micro-batches", str(m), *COMMON, *(["--overlap"] if overlap else [])])
+                        "--micro-batches", str(m), "--bucket-mb", bucket_mb, *COMMON, *(["--overlap"] if overlap else [])])
     params = L * D * D * F32
-    calls = L if overlap else 1   # one all-reduce per layer with --overlap, one flat one without: same bytes
+    calls = L if bucket_mb == "0" else 1   # one all-reduce per layer, or per bucket of all three: same bytes
     assert_counts(capfd, d, lambda rank: {("dp", "all-reduce"): (calls, all_reduce(d, params))})
 
 
@@ -88,23 +89,27 @@ def comparison(L, m, t, act):
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_data_parallel_with_zero(capfd, zero):
-    """3 replicas, D = 8: each layer's 64 parameters padded to 66, 264 bytes. ZeRO-1 and 2:
-    one reduce-scatter and one all-gather a layer; ZeRO-3: per micro-batch an all-gather
-    a layer for the forward and one for each backward but the first layer's, and a
-    reduce-scatter a layer."""
+@pytest.mark.parametrize("bucket_mb", ["0", "25"])
+def test_data_parallel_with_zero(capfd, zero, bucket_mb):
+    """3 replicas, D = 8. A layer a bucket: each layer's 64 parameters padded to 66, 264
+    bytes; ZeRO-1 and 2: one reduce-scatter and one all-gather a layer; ZeRO-3: per
+    micro-batch an all-gather a layer for the forward and one for each backward but the
+    first layer's, and a reduce-scatter a layer. One bucket of the three layers: 192
+    parameters, no padding, 768 bytes, and one collective where there were three, but the
+    backward's gather, which the layers above the first need."""
     d, L, D, B, m = 3, 3, 8, 12, 2
     comm_count.count("data_parallel", ["--world-size", str(d), "--num-layers", str(L), "--dim", str(D),
                                        "--batch-size", str(B), "--micro-batches", str(m), "--zero", str(zero),
-                                       *COMMON])
-    layer = 66 * F32
-    each = Fraction((d - 1) * layer, d)    # (d-1)/d of a layer's padded bytes
+                                       "--bucket-mb", bucket_mb, *COMMON])
+    units, unit = (L, 66 * F32) if bucket_mb == "0" else (1, 3 * 64 * F32)
+    each = Fraction((d - 1) * unit, d)    # (d-1)/d of a unit's padded bytes
     assert each.denominator == 1
+    backward = units - 1 if bucket_mb == "0" else 1
     if zero < 3:
-        want = {("dp", "reduce-scatter"): (L, L * each), ("dp", "all-gather"): (L, L * each)}
+        want = {("dp", "reduce-scatter"): (units, units * each), ("dp", "all-gather"): (units, units * each)}
     else:
-        want = {("dp", "reduce-scatter"): (m * L, m * L * each), ("dp", "all-gather"): (m * (2 * L - 1),
-                                                                                          m * (2 * L - 1) * each)}
+        want = {("dp", "reduce-scatter"): (m * units, m * units * each),
+                ("dp", "all-gather"): (m * (units + backward), m * (units + backward) * each)}
     assert_counts(capfd, d, lambda rank: want)
 
 

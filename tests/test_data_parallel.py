@@ -439,26 +439,30 @@ MEMORY_ROW = re.compile(r"^  (weights|gradients|optimizer state|total)\s+(\d+) b
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_memory_each_replica_holds_is_the_formula(tmp_path, monkeypatch, capfd, zero, optimizer):
+@pytest.mark.parametrize("optimizer,bucket_mb", [("adamw", "0"), ("sgd", "0"), ("adamw", "25")])
+def test_memory_each_replica_holds_is_the_formula(tmp_path, monkeypatch, capfd, zero, optimizer, bucket_mb):
     """What one replica holds at the end of a step, counted from its tensors, is ZeRO's
     formula: 16P, 8P + 8P/d, 4P + 12P/d, 16P/d bytes with AdamW (4 + 4 + 0 with SGD). With 3
-    replicas and D = 16 every layer is padded from 256 to 3 x 86 = 258 parameters."""
+    replicas and D = 16 each bucket is padded: a layer a bucket, from 256 to 3 x 86 = 258
+    parameters; the whole model in one bucket (25 MB), from 4 x 256 to 3 x 342 = 1026.
+    ZeRO-3 is at its largest at a unit's gather, while the unit before is in use: the shards
+    and two units, whole."""
     run_dp(tmp_path, monkeypatch, 3, batch_size=12, micro_batches=2, optimizer=optimizer,
-           flags=("--zero", str(zero)))
+           flags=("--zero", str(zero), "--bucket-mb", bucket_mb))
     out = capfd.readouterr().out
     rows = {m[1]: (int(m[2]), m[3], float(m[4])) for m in map(MEMORY_ROW.match, out.splitlines()) if m}
     L, d = SMALL["num_layers"], 3
-    P = L * (258 if zero else 256)
+    unit, units = (258, L) if bucket_mb == "0" else (1026, 1)
+    P = unit * units if zero else L * 256
     adam = 8 if optimizer == "adamw" else 0
     want = {0: (4 * P, 4 * P, adam * P), 1: (4 * P, 4 * P, adam * P / d), 2: (4 * P, 4 * P / d, adam * P / d),
             3: (4 * P / d, 4 * P / d, adam * P / d)}[zero]
     assert [rows[k][0] for k in ("weights", "gradients", "optimizer state")] == list(want)
     assert rows["total"][0] == sum(want) and rows["total"][2] == sum(want)
     assert all(rows[k][0] == rows[k][2] for k in rows), rows
-    if zero == 3:   # at its largest: the shards, and the one layer gathered for its forward
+    if zero == 3:
         peak = re.search(r"largest at any moment of the last step: (\d+) bytes", out)
-        assert int(peak[1]) == sum(want) + 4 * 258
+        assert int(peak[1]) == sum(want) + 4 * unit * min(units, 2)
 
 
 def test_gradient_scale_micro_batches_and_replicas(tmp_path, monkeypatch):
@@ -557,9 +561,10 @@ def test_check_passes_from_the_command_line(command_line_runs):
 def test_check_fails_when_the_parallel_result_is_wrong(tmp_path, monkeypatch, capfd):
     """Break the averaging (sum over replicas, no division): --check must fail, every figure
     of it, and say so as a failed check (a Stop), not as a crashed rank."""
-    def average_without_division(self):
-        if self.d > 1:                          # the all-reduce as usual, then no division by dp
-            dist.all_reduce(self.flat, group=self.group)
+    def average_without_division(self):        # the all-reduce as usual, then no division by dp
+        for b in self.unsent:
+            self.exchange(b)
+        self.wait()
 
     monkeypatch.setattr(dp.DataParallel, "average", average_without_division)
     with pytest.raises(RankFailed) as failed:

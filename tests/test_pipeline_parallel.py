@@ -9,7 +9,7 @@
    does find one in the unfused 1F1B lists and in interleaved lists batched as 1F1B's.
 2. Pipeline training (in-process main(), ranks forked) against data_parallel.serial_train,
    for every schedule; a stash taken for the wrong micro-batch or chunk is caught.
-3. StageLayers + run_schedule driven directly: each micro-batch's stash is popped by its own
+3. Stage + run_schedule driven directly: each micro-batch's stash is popped by its own
    backward, the stash never holds more than the schedule says, dW equals autograd's.
 4. dW accumulates over micro-batches: m = 4 trains exactly like m = 1.
 5. Messages too big for gloo's small-message buffer still do not deadlock.
@@ -373,24 +373,24 @@ def test_a_stash_taken_for_the_wrong_micro_batch_or_chunk_is_caught(tmp_path, mo
     would be no bug. Two bugs are: popping the newest, the wrong micro-batch in every
     schedule that holds two at once; and, interleaved, one stash for all of a stage's
     chunks, where chunk a's micro-batch 0 and chunk b's take the same place."""
-    real_backward = pp.StageLayers.backward
+    real_backward = pp.Stage.backward
 
     def backward(self, mb, g, defer_w=False):   # B(mb) runs on the newest stash, and the newest
         newest = next(reversed(self.stash))       # micro-batch gets mb's: nothing lost, all wrong
         self.stash[mb], self.stash[newest] = self.stash[newest], self.stash[mb]
         return real_backward(self, mb, g, defer_w)
-    monkeypatch.setattr(pp.StageLayers, "backward", backward)
+    monkeypatch.setattr(pp.Stage, "backward", backward)
     flags = ("--virtual-stages", "2") if schedule == "interleaved" else ()
     result = run_pp(tmp_path, 2, 4, schedule, num_layers=8, dim=8, steps=2, flags=flags)
     assert_wrong(result)
     if schedule == "interleaved":   # the right micro-batch, but one stash for both chunks: chunk
-        monkeypatch.setattr(pp.StageLayers, "backward", real_backward)   # b's F(0) takes chunk a's
-        shared, real_init = {}, pp.StageLayers.__init__                   # place, and B(0) of chunk
+        monkeypatch.setattr(pp.Stage, "backward", real_backward)   # b's F(0) takes chunk a's
+        shared, real_init = {}, pp.Stage.__init__                   # place, and B(0) of chunk
                                                                           # a finds nothing
         def one_stash_for_all_chunks(self, *args, **kwargs):
             real_init(self, *args, **kwargs)
             self.stash = shared
-        monkeypatch.setattr(pp.StageLayers, "__init__", one_stash_for_all_chunks)
+        monkeypatch.setattr(pp.Stage, "__init__", one_stash_for_all_chunks)
         with pytest.raises(RankFailed, match="KeyError: 0"):
             run_pp(tmp_path, 2, 4, schedule, num_layers=8, dim=8, steps=2, flags=flags)
 
@@ -403,11 +403,11 @@ def assert_wrong(result):
 
 
 # ----------------------------------------------------------------------------------
-# 3. StageLayers and run_schedule, driven directly
+# 3. Stage and run_schedule, driven directly
 # ----------------------------------------------------------------------------------
 
-class TracedStage(pp.StageLayers):
-    """StageLayers that record which micro-batches they hold (a stash for B, or what W
+class TracedStage(pp.Stage):
+    """Stages that record which micro-batches they hold (a stash for B, or what W
     needs) around every F, B and W."""
 
     def __init__(self, *args, **kwargs):
@@ -453,19 +453,21 @@ def direct_worker(rank, world_size, out_dir):
     D, L = DIRECT["dim"], DIRECT["layers_per_stage"] * world_size
     full = dp.init_weights(L, D, DIRECT["seed"])
     weights = [full[i] for i in pp.stage_layers(L, world_size, rank)]
+    replica = dp.make_replica(weights, dist.new_subgroups(1)[0], argparse.Namespace(optimizer="sgd", lr=0.1))
     first, last = rank == 0, rank == world_size - 1
     results = {}
     for schedule, m in DIRECT_CASES:
         batch_size = DIRECT["rows"] * m
         inputs, targets = direct_batch(L, batch_size)
-        layers = TracedStage(weights, first, last, targets.chunk(m), n=batch_size * D)
+        layers = TracedStage(replica, range(len(weights)), first, last, targets.chunk(m), n=batch_size * D)
         actions = pp.build_schedule(schedule, world_size, rank, m)
         steps = []
-        for _ in range(2):   # two steps on one StageLayers: nothing may be left over from the first
-            layers.grads = [torch.zeros_like(w) for w in weights]
+        for _ in range(2):   # two steps on one Stage: nothing may be left over from the first
+            replica.zero_grads(m)
             layers.loss, layers.trace = 0.0, []
             peak = pp.run_schedule(actions, [layers], inputs.chunk(m), rank - 1, rank + 1, (batch_size // m, D))
-            steps.append({"grads": [g.clone() for g in layers.grads], "loss": layers.loss,
+            replica.average()
+            steps.append({"grads": [g.clone() for g in replica.grads()], "loss": layers.loss,
                           "stash_left": layers.held(), "loss_grad_left": len(layers.loss_grad),
                           "peak_stash": peak, "trace": layers.trace})
         results[schedule, m] = steps
@@ -520,7 +522,7 @@ def test_stage_stash_is_popped_by_its_own_backward_and_dw_is_autograds(tmp_path)
                                                msg=lambda msg: f"{where} layer {layer}: {msg}")
                 if s == world_size - 1:
                     assert step["loss"] == pytest.approx(ref_loss, rel=1e-5), where
-            # the two steps on one StageLayers (same weights) are identical: nothing carried over
+            # the two steps on one Stage (same weights) are identical: nothing carried over
             first_step, second_step = results[schedule, m]
             assert all(torch.equal(a, b) for a, b in zip(first_step["grads"], second_step["grads"])), where
 
@@ -552,11 +554,29 @@ def test_1f1b_does_not_deadlock_with_messages_past_gloos_buffer(tmp_path):
 # 6. --timeline
 # ----------------------------------------------------------------------------------
 
-ROW = re.compile(r"^  stage (\d+) \|([^|]*)\| idle\s+([\d.]+)%, peak stash (\d+)$")
-BUBBLE = re.compile(r"^bubble: measured ([\d.]+)% .*theory (\S+) = ([\d.]+)%$")
-LABEL = re.compile(r"([FBW])(\d+)([a-h]?)-*")
+ROW = re.compile(r"^  stage (\d+) \|([^|]*)\| idle\s+([\d.]+)%$")
+BLOCK = re.compile(r"^as (scheduled|measured).*: the stages idle ([\d.]+)% of the time$")
+BUBBLE = re.compile(r"^bubble: theory (\S+) = ([\d.]+)%; the most micro-batches a stage held at once: ([\d, ]+)$")
+LABEL = re.compile(r"([FBW])(\d*)([a-h]?)-*")
 THEORY = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "zb-h1": "(p-1)/(3m+p-1)",
           "interleaved": "(p-1)/(vm+p-1)"}
+
+
+def test_with_equal_step_times_the_schedules_idle_as_the_theory_says():
+    """The schedule's own bubble, run by simulate() with F, B and W one unit each and every
+    batch waited for as run_schedule() does, is the textbook's wherever its formula holds
+    (ZB-H1's needs m >= p): (p-1)/(m+p-1), (p-1)/(3m+p-1), (p-1)/(vm+p-1)."""
+    for schedule, p, m, v in GRID:
+        rows = pp.simulate(all_stages(schedule, p, m, v))
+        end = max(row[-1][4] for row in rows)
+        idle = sum(1 - sum(t1 - t0 for *_, t0, t1 in row) / end for row in rows) / p
+        if schedule != "zb-h1" or m >= p:
+            assert idle == pytest.approx(pp.bubble_theory(schedule, p, m, v), abs=1e-12), (schedule, p, m, v)
+        assert [[e[:3] for e in row] for row in rows] == [
+            [(op, mb, c or 0) for op, mb, c in pp.compute_order(schedule, p, s, m, v)] for s in range(p)]
+    # and a list that deadlocks comes back as None for the stages that never finish
+    fused = all_stages("1f1b", 2, 2)
+    assert pp.simulate([[a for a in fused[0] if a.comms != ((SEND_ACT, 0, None),)], fused[1]]) == [None, None]
 
 
 @pytest.mark.parametrize("schedule,world_size,micro_batches,virtual", [
@@ -566,39 +586,46 @@ def test_timeline_rows_bubble_and_peak_stash(tmp_path, capfd, schedule, world_si
                     flags=("--timeline", *(["--virtual-stages", str(virtual)] if virtual > 1 else [])))
     assert_matches_serial(result)     # drawing the timeline does not change training
     lines = capfd.readouterr().out.splitlines()
-    rows = [ROW.match(line) for line in lines if ROW.match(line)]
     p, m, v = world_size, micro_batches, virtual
-    assert [int(r.group(1)) for r in rows] == list(range(p))     # one row per stage, in order
-    for s, row in enumerate(rows):
-        # every F, B and W of the stage, in its schedule's order, each labelled in full, with
-        # its chunk when interleaved
-        drawing = row.group(2)
-        assert len(drawing) >= 96 and set(drawing) <= set("FBW0123456789ab-.")
-        labels = [(op, int(mb), "ab".index(c) if c else None) for op, mb, c in LABEL.findall(drawing)]
-        assert labels == pp.compute_order(schedule, p, s, m, v)
-        assert 0.0 <= float(row.group(3)) <= 100.0
-        assert int(row.group(4)) == max(in_flight_trace(pp.build_schedule(schedule, p, s, m, v)))
-    bubbles = [BUBBLE.match(line) for line in lines if BUBBLE.match(line)]
-    assert len(bubbles) == 1
-    assert bubbles[0].group(2) == THEORY[schedule]
-    assert float(bubbles[0].group(3)) == pytest.approx(100 * pp.bubble_theory(schedule, p, m, v), abs=0.05)
-    assert float(bubbles[0].group(3)) == pytest.approx(100 * {"zb-h1": (p - 1) / (3 * m + p - 1)}.get(
+    blocks = [i for i, line in enumerate(lines) if BLOCK.match(line)]
+    assert [BLOCK.match(lines[i])[1] for i in blocks] == ["scheduled", "measured"]
+    for i in blocks:
+        rows = [ROW.match(line) for line in lines[i + 1:i + 1 + p]]
+        assert [int(r[1]) for r in rows] == list(range(p))       # one row per stage, in order
+        for s, row in enumerate(rows):
+            assert len(lines[i + 1 + s]) <= 100 and set(row[2]) <= set("FBW0123456789ab-.")
+            labels = LABEL.findall(row[2])                        # every F, B and W, in order
+            order = pp.compute_order(schedule, p, s, m, v)
+            assert [op for op, _, _ in labels] == [op for op, _, _ in order]
+            for (op, mb, c), want in zip(labels, order):          # named in full where it fits
+                assert not mb or int(mb) == want[1] and (c == "" if v == 1 else "ab".index(c) == want[2])
+        idle = [float(r[3]) for r in rows]
+        assert float(BLOCK.match(lines[i])[2]) == pytest.approx(sum(idle) / p, abs=0.1)
+        if BLOCK.match(lines[i])[1] == "scheduled":   # equal step times: the theory's bubble
+            assert float(BLOCK.match(lines[i])[2]) == pytest.approx(100 * pp.bubble_theory(schedule, p, m, v),
+                                                                   abs=0.05)
+            assert all(mb for r in rows for _, mb, _ in LABEL.findall(r[2]))   # all in full, small sizes
+    bubble = [BUBBLE.match(line) for line in lines if BUBBLE.match(line)]
+    assert len(bubble) == 1 and bubble[0][1] == THEORY[schedule]
+    assert float(bubble[0][2]) == pytest.approx(100 * {"zb-h1": (p - 1) / (3 * m + p - 1)}.get(
         schedule, (p - 1) / (v * m + p - 1)), abs=0.05)
-    # the measured bubble is the mean of the rows' idle shares
-    idle = [float(r.group(3)) for r in rows]
-    assert float(bubbles[0].group(1)) == pytest.approx(sum(idle) / p, abs=0.1)
-    # a legend for the picture and for the schedules; the load named when stages outnumber cores
-    assert any(line.startswith("timeline of the last step") and "F3 = forward of micro-batch 3" in line
-               and "B3 = its backward" in line and "W3 = its dW" in line for line in lines)
+    assert [int(n) for n in bubble[0][3].split(",")] == [
+        max(in_flight_trace(pp.build_schedule(schedule, p, s, m, v))) for s in range(p)]
+    # a legend for every glyph, and for the schedules; the load named when stages outnumber cores
+    legend = " ".join(lines[:blocks[0]])
+    assert all(glyph in legend for glyph in ("F3 = forward of micro-batch 3", "B3 = its backward", "W3 = its dW",
+                                             "'-' the rest of a step", "'.' idle"))
     assert any("a>3 send activation 3 on, >a3 receive it, <g3 send gradient 3 back, g<3 receive it" in line
                for line in lines)
     noted = any(line.startswith(f"note: {p} stages share ") for line in lines)
     assert noted == (p > os.cpu_count())
-    # the printed schedule of every stage is the one built from the same flags; interleaved,
-    # with each stage's layers by chunk, once
+    assert all(len(line) <= 100 for line in lines)
+    # the printed schedule of every stage is the one built from the same flags (wrapped at 100
+    # columns); interleaved, with each stage's layers by chunk, once
+    printed = "\n".join(lines).replace("\n          ", " ").splitlines()
     for s in range(p):
         text = " ".join(map(str, pp.build_schedule(schedule, p, s, m, v)))
-        assert f"[stage {s}] {text}" in lines
+        assert f"[stage {s}] {text}" in printed
         if v > 1:
             owns = ", ".join(f"{'ab'[c]} {list(pp.stage_layers(p * v, p, s, v, c))}" for c in range(v))
             assert lines.count(f"[stage {s}] layers {owns}") == 1

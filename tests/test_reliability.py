@@ -201,8 +201,9 @@ def test_the_memory_line_names_the_bytes_per_rank_and_the_machine(capsys):
     with pytest.raises(SystemExit):
         three_d.main(["--dim", "100000", "--batch-size", "100000"])
     err = capsys.readouterr().err
-    # 4 bytes x (6 L D^2 + 2 B D + 2 L B D), L = 8: 2.6e12 bytes per rank, 8 ranks here
-    assert "about 2640.0 GB per rank, 21120.0 GB for the 8 ranks on this machine" in err, err
+    # 4 bytes x (6 L D^2 + 2 B D + 2 L B D), L = 8: 2.6e12 bytes per rank, and the process's
+    # own 50 MB (collectives.RANK_BYTES); 8 ranks here
+    assert "about 2640.1 GB per rank, 21120.4 GB for the 8 ranks on this machine" in err, err
     assert err.rstrip().endswith(" GB") and "--num-layers 8 --dim 100000 --batch-size 100000" in err
 
 

@@ -253,7 +253,7 @@ CASES = [
     ((2, 2, 2), dict(schedule="1f1b", order="tp-dp-pp")),
     ((2, 1, 4), dict(schedule="1f1b", order="tp-dp-pp")),
     ((1, 2, 4), dict(schedule="gpipe", p2p_shard=True, micro_batches=4)),
-    ((4, 2, 1), dict(schedule="1f1b", order="tp-dp-pp", p2p_shard=True)),
+    ((4, 2, 1), dict(schedule="1f1b", order="tp-dp-pp")),   # --p2p-shard needs tp > 1: refused
     ((1, 4, 2), dict(schedule="gpipe", micro_batches=4, p2p_shard=True, dim=32)),
     ((8, 1, 1), dict(schedule="gpipe", order="tp-dp-pp", micro_batches=1)),
     ((1, 1, 8), dict(schedule="1f1b", order="tp-dp-pp", dim=32, optimizer="adamw", lr=0.01)),
@@ -264,7 +264,7 @@ CASES = [
     ((2, 2, 2), dict(tp_style="megatron", schedule="gpipe", order="tp-dp-pp", p2p_shard=True)),
     ((1, 2, 4), dict(tp_style="megatron", schedule="gpipe", order="tp-pp-dp", p2p_shard=True)),
     ((1, 2, 4), dict(tp_style="megatron", schedule="1f1b", order="tp-dp-pp")),
-    ((2, 1, 4), dict(tp_style="megatron", schedule="1f1b", order="tp-dp-pp", p2p_shard=True)),
+    ((2, 1, 4), dict(tp_style="megatron", schedule="1f1b", order="tp-dp-pp")),   # and pp > 1
     ((2, 1, 4), dict(tp_style="megatron", schedule="gpipe", optimizer="adamw", lr=0.01)),
     ((1, 2, 2), dict(tp_style="megatron", num_layers=6, micro_batches=4)),
     # ZeRO over each dp group, on the TP shards of each stage: every stage at 2x2x2 and 4x2x1
@@ -303,8 +303,8 @@ def test_check_catches_a_doubled_weight_gradient_under_adamw(monkeypatch, capfd,
     """AdamW's normalisation hides a gradient off by a constant: its final weights moved
     only 2e-6 here once. --check compares the first step's gradients too, and fails at
     any size, the smallest and the defaults (make 3d's)."""
-    real = three_d.TensorParallelStage.add_grad
-    monkeypatch.setattr(three_d.TensorParallelStage, "add_grad", lambda self, i, dw: real(self, i, 2 * dw))
+    real = dp.DataParallel.add_grad
+    monkeypatch.setattr(dp.DataParallel, "add_grad", lambda self, i, dw: real(self, i, 2 * dw))
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
     with pytest.raises(RankFailed) as failed:
         three_d.main(["--check", "--optimizer", "adamw", *argv, *TIMEOUT])
