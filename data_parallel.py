@@ -5,25 +5,21 @@
     python data_parallel.py --zero 3 --check         # ZeRO-3: each replica keeps 1/4 of all
     torchrun --nproc-per-node 4 data_parallel.py
 
-The model is an MLP of L layers, trained with mean squared error to imitate a teacher
-of the same shape. Its backward is derived by hand here, once; every later step splits
-these same lines across ranks:
+The model: L layers, trained with mean squared error to imitate a teacher of the same
+shape. Its backward is derived by hand here, once; every later step splits these lines:
 
     forward    z = x W          a = gelu(z)            x [b, D], W [D, D], z and a [b, D]
-    backward   dz = g * gelu'(z)                       g = dL/da [b, D]
+    backward   dz = g * gelu'(z)                       g = dL/da [b, D], gelu' = Phi + z phi
                dW = x^T dz      [D, D]
                dx = dz W^T      [b, D]: the g of the layer below
     loss       L = sum (a - y)^2 / n      dL/da = 2 (a - y) / n
 
-Data parallelism: each of the d replicas holds every weight and trains on its own slice
-of the batch. The replicas sum their gradients with an all-reduce, 2(d-1)/d x P bytes
-each for P bytes of gradients, and divide by d: every replica takes the same step.
-
-The gaps in the lecture that this step fills: the backward itself, checked against
-autograd in the tests; micro-batches, whose gradients add up before the one exchange of
-a step; buckets and --overlap, as DDP's; and ZeRO (--zero 1, 2, 3), three classes, each
-the one before with one change, that keep 1/d of the optimizer state, then of the
-gradients too, then of the weights too.
+Data parallelism: each of d replicas holds every weight and trains on its own slice of the
+batch; they sum their gradients with an all-reduce, 2(d-1)/d x P bytes each for P bytes of
+gradients, and divide by d, so every replica takes the same step. The lecture's gaps that
+this fills: the backward itself, checked against autograd in the tests; micro-batches,
+whose gradients add up before one exchange a step; buckets and --overlap, as DDP's; and
+ZeRO (--zero 1, 2, 3), three classes, each the one before with one change.
 
 What PyTorch gives you: DistributedDataParallel; for ZeRO, ZeroRedundancyOptimizer and
 FSDP2's fully_shard (tests/bench.py races them against this).
@@ -61,13 +57,6 @@ def input_backward(g, stash, w, need_dx=True):
     return dx, (x, dz)
 
 
-def gelu_grad(z):
-    """gelu'(z) = Phi(z) + z phi(z) for the exact GELU z Phi(z). The step runs PyTorch's fused
-    kernel for g * gelu'(z), which reads z once; this is the formula, for the tests."""
-    return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-z * z / 2) / math.sqrt(
-        2 * math.pi)
-
-
 def mse_loss(a, y, n):
     """This piece's squared error / n, and its gradient dL/da = 2 (a - y) / n. n counts the
     elements of the batch whose mean we want (a replica's slice), so the pieces add up to
@@ -76,21 +65,11 @@ def mse_loss(a, y, n):
     return diff.square().sum() / n, diff * (2.0 / n)
 
 
-def model_forward(weights, x):      # every layer in turn: the output and each layer's stash
-    stashes = []
-    for w in weights:
-        x, stash = layer_forward(x, w)
-        stashes.append(stash)
-    return x, stashes
-
-
 def replica_rows(batch_size, dp_rank, dp_size, step=None, seed=0):
     """The rows that replica dp_rank trains on: by its data-parallel rank, never the global
     rank (in 3D they differ). With a step, from a permutation that every rank draws alike."""
-    rows = torch.arange(batch_size)
-    if step is not None:
-        rows = torch.randperm(batch_size, generator=torch.Generator().manual_seed(
-            seed * 100003 + step))
+    rows = torch.arange(batch_size) if step is None else torch.randperm(
+        batch_size, generator=torch.Generator().manual_seed(seed * 100003 + step))
     per_replica = batch_size // dp_size
     return rows[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
@@ -112,21 +91,20 @@ def make_buckets(numels, bucket_mb, breaks=()):
 
 class DataParallel:
     """One replica of d over `group`, ZeRO's stage 0: it holds every weight, gradient and
-    optimizer state (16 P bytes for P parameters, fp32 with AdamW: 4 + 4 + 8). The step
-    reads each weight from weights_in(order) and hands back each micro-batch's dW with
-    add_grad(); a bucket's gradient is one flat buffer, all-reduced once final: 2(d-1)/d x P
-    in all. average() ends the exchange and step() steps the optimizer."""
+    optimizer state (16 P bytes for P fp32 parameters with AdamW: 4 + 4 + 8). The step reads
+    each W from weights_in() and hands each micro-batch's dW to add_grad(); a bucket of
+    gradients is one flat buffer, all-reduced once final (2(d-1)/d x P in all); average()
+    ends the exchange and step() steps the optimizer."""
 
     def __init__(self, weights, group, args, overlap=False, breaks=()):
         self.group, self.overlap, self.device = group, overlap, weights[0].device
         self.d, self.r = dist.get_world_size(group), dist.get_rank(group)
-        self.shapes = [w.shape for w in weights]
-        self.buckets = make_buckets([s.numel() for s in self.shapes],
-                                    getattr(args, "bucket_mb", 25.0), breaks)
+        self.shapes, numels = [w.shape for w in weights], [w.numel() for w in weights]
+        self.buckets = make_buckets(numels, getattr(args, "bucket_mb", 25.0), breaks)
         self.bucket_of = {i: b for b, layers in enumerate(self.buckets) for i in layers}
-        self.offset = {i: sum(self.shapes[j].numel() for j in layers[:k])   # in its bucket
+        self.offset = {i: sum(numels[j] for j in layers[:k])   # where layer i's part begins
                        for layers in self.buckets for k, i in enumerate(layers)}
-        self.lengths = [sum(self.shapes[i].numel() for i in layers) for layers in self.buckets]
+        self.lengths = [sum(numels[i] for i in layers) for layers in self.buckets]
         self.keep_weights(weights)
         self.optimizer = make_optimizer(self.params, args)
         self.grad_buckets, self.pending, self.peak = [None] * len(self.buckets), [], 0
@@ -146,8 +124,7 @@ class DataParallel:
         self.left = [num_micro_batches * len(layers) for layers in self.buckets]
         self.unsent, self.peak = [], 0
 
-    def add_grad(self, i, dw):
-        """Layer i's dW of one micro-batch, summed into its bucket (made as the first comes)."""
+    def add_grad(self, i, dw):                  # summed into its bucket, made as the first comes
         b = self.bucket_of[i]
         if self.grad_buckets[b] is None:
             self.grad_buckets[b] = torch.zeros(self.lengths[b], device=self.device)
@@ -196,9 +173,8 @@ class DataParallel:
 class ZeRO1(DataParallel):
     """Stage 1 = stage 0, but the optimizer steps only this replica's 1/d of each bucket, so
     it keeps 1/d of the state (8 P + 8 P/d bytes), and the all-reduce splits around the step
-    into its two halves: a reduce-scatter of the gradients, then an all-gather of the updated
-    weights, (d-1)/d x P each. Each bucket's weights are one flat buffer, padded with zeros
-    to d S elements; replica r owns [r S, (r+1) S)."""
+    in two: a reduce-scatter of the gradients, an all-gather of the updated weights. Each
+    bucket is a flat buffer of d S elements (zeros pad it); replica r owns [r S, (r+1) S)."""
 
     def keep_weights(self, weights):
         unpadded, self.lengths = self.lengths, [-(-n // self.d) * self.d for n in self.lengths]
@@ -296,9 +272,8 @@ class ZeRO3(ZeRO2):
         DataParallel.step(self)                 # nothing to gather: each keeps its shard
 
 
-def make_replica(weights, group, args, overlap=False, breaks=()):
-    """This rank's replica over the data-parallel group, by --zero."""
-    stage = [DataParallel, ZeRO1, ZeRO2, ZeRO3][getattr(args, "zero", 0)]   # step 4: no ZeRO
+def make_replica(weights, group, args, overlap=False, breaks=()):   # by --zero (step 4: none)
+    stage = [DataParallel, ZeRO1, ZeRO2, ZeRO3][getattr(args, "zero", 0)]
     return stage(weights, group, args, overlap, breaks)
 
 
@@ -324,28 +299,24 @@ def dp_step(replica, xs, ys, n):
 
 def dp_worker(rank, world_size, args):
     device = setup(rank, world_size)
-    dp_rank, dp_size, m = rank, world_size, args.micro_batches
-    init = init_weights(args.num_layers, args.dim, args.seed)
+    m, init = args.micro_batches, init_weights(args.num_layers, args.dim, args.seed)
     replica = make_replica([w.to(device, copy=True) for w in init], None, args, args.overlap)
     inputs, targets = (t.to(device) for t in make_batch(args))
-    n = args.batch_size // dp_size * args.dim   # this replica's slice: its mean divides by n
     losses = []
     for step in range(args.steps):
-        rows = replica_rows(args.batch_size, dp_rank, dp_size, step if args.shuffle else None,
-                            args.seed)
-        xs, ys = inputs[rows].chunk(m), targets[rows].chunk(m)   # m micro-batches of [B/(d m), D]
-        loss = dp_step(replica, xs, ys, n)
-        if step == 0:
-            first_grads = full_grads(replica)
+        rows = replica_rows(args.batch_size, rank, world_size, step if args.shuffle else None,
+                            args.seed)        # the world's ranks are the replicas: rank = dp rank
+        loss = dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m),   # [B/(d m), D]
+                       n=len(rows) * args.dim)       # this replica's slice: its mean divides by n
+        first_grads = full_grads(replica) if step == 0 else first_grads
         replica.step()
         losses.append(global_loss(loss, None))
-        if rank == 0:
-            log(f"[rank {rank}]", f"step {step:3d}  loss {losses[-1]:.6f}")
+        log(f"[rank {rank}]", f"step {step:3d}  loss {losses[-1]:.6f}") if rank == 0 else None
     weights = full_weights(replica)
     drift = replica_drift(weights)
     if rank == 0:
-        log(f"[rank {rank}]", f"replicas identical after training: {drift == 0.0} "
-                              f"(largest difference {drift:g})")
+        log(f"[rank {rank}]", f"replicas identical after training: {drift == 0.0} (largest "
+                              f"difference {drift:g})")
         show_memory(replica, args, "each replica")
         finish_run(args, init, weights, losses, inputs, targets, first_grads,
                    {"replica_max_diff": drift})
@@ -364,6 +335,19 @@ import os  # noqa: E402
 from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
 
 
+def gelu_grad(z):   # the formula: PyTorch's fused kernel computes g * gelu'(z) in one pass
+    return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-z * z / 2) / math.sqrt(
+        2 * math.pi)                          # Phi(z) + z phi(z)
+
+
+def model_forward(weights, x):      # every layer in turn: the output and each layer's stash
+    stashes = []
+    for w in weights:
+        x, stash = layer_forward(x, w)
+        stashes.append(stash)
+    return x, stashes
+
+
 def init_weights(num_layers, dim, seed):
     """L full D x D matrices from one generator, in layer order: every rank draws them alike
     and keeps its part, so a layer's shards are pieces of one matrix (at scale: a generator
@@ -373,10 +357,9 @@ def init_weights(num_layers, dim, seed):
 
 
 def make_batch(args):   # X [B, D], and Y = teacher(X) from its own seed: the loss can reach 0
-    teacher = init_weights(args.num_layers, args.dim, args.seed + 1)
     inputs = torch.randn(args.batch_size, args.dim,
                          generator=torch.Generator().manual_seed(args.seed + 2))
-    return inputs, model_forward(teacher, inputs)[0]
+    return inputs, model_forward(init_weights(args.num_layers, args.dim, args.seed + 1), inputs)[0]
 
 
 def make_optimizer(params, args):   # plain SGD, or AdamW with PyTorch's defaults
@@ -386,16 +369,16 @@ def make_optimizer(params, args):   # plain SGD, or AdamW with PyTorch's default
 def serial_train(args):
     """The same training in one process, with autograd: what every parallel run must equal."""
     weights = [w.requires_grad_() for w in init_weights(args.num_layers, args.dim, args.seed)]
-    inputs, targets = make_batch(args)
-    optimizer, losses, first_grads = make_optimizer(weights, args), [], None
+    (inputs, targets), optimizer = make_batch(args), make_optimizer(weights, args)
+    losses, first_grads = [], None
     for _ in range(args.steps):
         out = inputs
         for w in weights:
             out = F.gelu(out @ w)
         loss = F.mse_loss(out, targets)
-        losses.append(loss.item())
         optimizer.zero_grad()
         loss.backward()
+        losses.append(loss.item())
         first_grads = first_grads or [w.grad.clone() for w in weights]
         optimizer.step()
     return {"final_weights": [w.detach() for w in weights], "losses": losses,
@@ -406,7 +389,7 @@ def full_weights(replica):          # every layer's whole weight, as copies (ZeR
     return [w.clone() for _, w in replica.weights_in(range(len(replica.shapes)))]
 
 
-def full_grads(replica):            # the averaged gradients, whole (stages 1-3 gather them)
+def full_grads(replica):            # the averaged gradients, whole (ZeRO gathers them)
     if type(replica) is DataParallel:
         return [g.clone() for g in replica.grads()]
     flats = [g.new_empty(n) for g, n in zip(replica.grads(), replica.lengths)]
@@ -415,21 +398,19 @@ def full_grads(replica):            # the averaged gradients, whole (stages 1-3 
     return [replica.view(flats[replica.bucket_of[i]], i) for i in range(len(replica.shapes))]
 
 
-def held(replica):
-    """The bytes a replica holds now, of weights, gradients and optimizer state; a view of
-    another tensor (stage 1's shards of the whole weights) counts once."""
+def held(replica):   # bytes held now, by kind; a view of another tensor counts once
+    state = [t for s in replica.optimizer.state.values() for t in s.values() if t.dim()]
     kinds = {"weights": [replica.weights, getattr(replica, "flat", 0), replica.params,
                          list(getattr(replica, "gathered", {}).values())],
              "gradients": [replica.grad_buckets, getattr(replica, "grad_shards", 0)],
-             "optimizer state": [[t for state in replica.optimizer.state.values()
-                                  for t in state.values() if torch.is_tensor(t) and t.dim()]]}
+             "optimizer state": [state]}
     return {kind: sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                        for ts in lists if ts for t in ts if t is not None}.values())
             for kind, lists in kinds.items()}
 
 
 def zero_formula(zero, num_params, dp_size, optimizer="adamw"):
-    """{kind: (bytes, formula)} that one replica holds for P fp32 parameters: 4 a parameter of
+    """{kind: (bytes, formula)} one replica holds for P fp32 parameters: 4 a parameter of
     weights, 4 of gradients, 8 of AdamW state (SGD: none); stage 1 splits the state over the
     d replicas, stage 2 the gradients too, stage 3 the weights too."""
     return {kind: (size * num_params / (dp_size if zero >= stage else 1),
@@ -439,18 +420,16 @@ def zero_formula(zero, num_params, dp_size, optimizer="adamw"):
 
 
 def show_memory(replica, args, whose):
-    now, zero, P = held(replica), args.zero, sum(replica.lengths)
-    want = zero_formula(zero, P, replica.d, args.optimizer)
+    now, P = held(replica), sum(replica.lengths)
+    want = zero_formula(args.zero, P, replica.d, args.optimizer)
     want["total"] = (sum(b for b, _ in want.values()), " + ".join(f for _, f in want.values()))
-    print(f"memory held at the end of a step by {whose}: --zero {zero}, d={replica.d}, P = {P} "
-          f"parameters{' (each bucket padded to a multiple of d)' if zero else ''}, fp32")
+    print(f"memory held at the end of a step by {whose}: --zero {args.zero}, d={replica.d}, "
+          f"P = {P} parameters{' (buckets padded to a multiple of d)' * bool(args.zero)}, fp32")
     for kind, got in [*now.items(), ("total", sum(now.values()))]:
         print(f"  {kind:<16}{got:>12} bytes   formula {want[kind][1]:<15}= {want[kind][0]:>12.0f}")
-    if zero == 3:
+    if args.zero == 3:
         print(f"  largest at any moment of the last step: {replica.peak} bytes, at a unit's "
               f"gather: the shards, the gradient buckets then, and the units held (two at most)")
-    print("bf16 weights and gradients with fp32 master weights and Adam, 2 + 2 + 12 bytes a "
-          "parameter:\n  16P, 4P + 12P/d, 2P + 14P/d and 16P/d at stages 0 to 3", flush=True)
 
 
 def global_loss(loss, group):       # the replicas' mean losses, averaged: the global mean
@@ -480,13 +459,13 @@ def training_parser(description, dp=False):
             ("--steps", positive_int, 30, "optimizer steps"),
             ("--lr", positive_float, 1e-2, "learning rate"),
             ("--seed", int, 0, "weights from seed, teacher from seed+1, inputs from seed+2"),
+            ("--save", str, None, "torch.save config, init and final weights (full, layer "
+                                  "order), inputs, targets, losses"),
             *[("--bucket-mb", float, 25.0, "gradients a bucket holds, in MB (the first 1 MB at "
                "most, as DDP's); 0: one layer a bucket")] * dp]:
         p.add_argument(flag, type=kind, default=default, help=help)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw",
                    help="plain SGD, or AdamW with PyTorch's defaults (SGD shows scale errors)")
-    p.add_argument("--save", metavar="PATH", help="torch.save config, init and final weights "
-                   "(full, layer order), inputs, targets, losses")
     p.add_argument("--check", action="store_true", help="also train serially, with autograd")
     if dp:
         p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
@@ -500,22 +479,18 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
     """The rules every training script shares, after its own, and the memory the ranks need:
     the model and teacher as drawn (2 L D^2 floats), weights, gradients and AdamW state (or
     ZeRO's share), the batch (2 B D), and every layer's stash for the batch (2 L B D)."""
-    L, D, B, m, bucket_mb = args.num_layers, args.dim, args.batch_size, args.micro_batches, \
-        getattr(args, "bucket_mb", 0)
-    by = f"--batch-size {B} / {replicas_flag} {replicas} = {B // replicas}" if replicas_flag \
-        else B
+    L, D, B, m = args.num_layers, args.dim, args.batch_size, args.micro_batches
+    by, rows = f"{replicas_flag} x " if replicas_flag else "", B // replicas
+    bucket_mb = getattr(args, "bucket_mb", 0)
     parser.refuse([
-        (not 0 <= args.seed < 2**32, f"--seed {args.seed}: expected an integer from 0 to "
-                                     f"{2**32 - 1}"),   # torch overflows past 2**64
+        (not 0 <= args.seed < 2**32, f"--seed {args.seed}: expected 0 to {2**32 - 1}"),
         (args.lr > 3.4e38, f"--lr {args.lr:g}: more than a float32 holds (3.4e38)"),
         (torch.tensor(args.lr).item() == 0, f"--lr {args.lr:g}: 0 in float32, which trains "
                                             f"nothing (the smallest is 1.4e-45)"),
         (args.save is not None and not writable(args.save),
          f"--save {args.save!r}: cannot write a file there"),
-        (m > B // replicas, f"--micro-batches {m}: more micro-batches than rows per replica "
-                            f"({by})"),
-        (B % (replicas * m), f"--batch-size {B} is not divisible by "
-                             f"{replicas_flag + ' x ' if replicas_flag else ''}--micro-batches "
+        (m > rows, f"--micro-batches {m}: more micro-batches than rows per replica ({rows})"),
+        (B % (replicas * m), f"--batch-size {B} is not divisible by {by}--micro-batches "
                              f"({replicas * m})"),
         (not 0 <= bucket_mb <= 1e6, f"--bucket-mb {bucket_mb:g}: expected 0 to 1e6")])
     state = sum(b for b, _ in zero_formula(getattr(args, "zero", 0), L * D * D, replicas).values())
@@ -524,23 +499,14 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
                       f"--num-layers {L} --dim {D} --batch-size {B}")
 
 
-def writable(path):
-    """Whether path is, or can be, a regular file this process writes: tried, not asked (an
-    immutable file refuses root), and not opened if a pipe or a device."""
-    existed = os.path.exists(path)
+def writable(path):   # a regular file this process can write, or make: tried, not asked
     try:
-        if existed and not os.path.isfile(path):
-            return False
-        with open(path, "ab"):      # appends nothing: a file that exists stays as it is
-            pass
-    except OSError:                 # also: a missing folder, '' (no such file)
+        if os.path.exists(path):            # not a folder, a pipe or a device
+            return os.path.isfile(path) and open(path, "ab").close() is None
+        open(path, "ab").close()
+        return os.remove(path) is None
+    except OSError:                         # also: a missing folder, '' (no such file)
         return False
-    os.remove(path) if not existed else None
-    return True
-
-
-def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor
-    return value % divisor, f"{flag} {value} is not divisible by {divisor_flag} ({divisor})"
 
 
 def parse_args(argv=None):
@@ -566,50 +532,46 @@ def finish_run(args, init, final, losses, inputs, targets, first_grads, extra=No
                         **(extra or {})}, f"{args.save}.partial")
             os.replace(f"{args.save}.partial", args.save)
         except (OSError, RuntimeError) as e:   # torch's writer: RuntimeError on a short write
-            os.remove(f"{args.save}.partial") if os.path.exists(f"{args.save}.partial") else 0
             raise Stop(f"--save {args.save}: the trained weights could not be written ("
                        f"{str(e).splitlines()[0][:80]}); free some space, or choose another path")
         print(f"saved {args.save}", flush=True)
     print(f"loss {losses[0]:.6f} -> {losses[-1]:.6f} over {len(losses)} steps", flush=True)
-    not_finite = [step for step, loss in enumerate(losses) if not math.isfinite(loss)]
-    if not_finite:
-        print(f"the loss stopped being finite at step {not_finite[0]}: --lr {args.lr:g} is too "
-              f"large for this model; try a smaller one", flush=True)
+    if not all(map(math.isfinite, losses)):
+        step = [math.isfinite(loss) for loss in losses].index(False)
+        print(f"the loss stopped being finite at step {step}: --lr {args.lr:g} is too large for "
+              f"this model; try a smaller one", flush=True)
     if args.check:
         check_against_serial(args, final, losses, first_grads)
 
 
 def check_against_serial(args, final, losses, first_grads):
-    """Against the same training under autograd (serial_train): the first step's gradients,
-    each layer's relative to its largest (a constant factor fails here, whatever the
-    optimizer); the losses; the final weights. An SGD step is lr x gradient: the weights
-    agree to float32 summation order. AdamW divides each step by the gradient's running
-    size: an element whose gradient is near eps may move up to lr in one run and less in
-    the other, so up to lr x steps apart."""
-    ref, adamw = serial_train(args), args.optimizer == "adamw"
+    """Against serial_train: the first step's gradients, each layer's relative to its largest
+    (a constant factor fails here, whatever the optimizer); the losses; the final weights.
+    An SGD step is lr x gradient: weights agree to float32 summation order. AdamW divides a
+    step by the gradient's running size: an element whose gradient is near eps can move up
+    to lr in one run and less in the other, so they may be up to lr x steps apart."""
+    ref, adamw, tol = serial_train(args), args.optimizer == "adamw", CHECK_TOLERANCE
 
-    def largest(differences):   # torch's max, not Python's: a nan anywhere is the answer
-        return torch.stack(list(differences)).max().item()
-    figures = [
-        ("first step's gradients", largest((g.cpu() - r).abs().max() / r.abs().max().clamp_min(
-            1e-30) for g, r in zip(first_grads, ref["first_grads"])), CHECK_TOLERANCE,
-         "(of each layer's largest)"),
-        ("losses", largest((torch.tensor(losses) - torch.tensor(ref["losses"])).abs()),
-         CHECK_TOLERANCE, ""),
-        ("final weights", largest((w.cpu() - r).abs().max() for w, r in zip(
-            final, ref["final_weights"])), args.lr * args.steps if adamw else CHECK_TOLERANCE,
-         "= lr x steps: AdamW's elements with gradients near eps" if adamw else "")]
+    def largest(pairs, relative=False):   # torch's max, not Python's: a nan is the answer
+        return torch.stack([(a.cpu() - b).abs().max() / (
+            b.abs().max().clamp_min(1e-30) if relative else 1) for a, b in pairs]).max()
+    figures = [("first step's gradients", largest(zip(first_grads, ref["first_grads"]), True),
+                tol, "(of each layer's largest)"),
+               ("losses", largest([(torch.tensor(losses), torch.tensor(ref["losses"]))]), tol, ""),
+               ("final weights", largest(zip(final, ref["final_weights"])), args.lr * args.steps
+                if adamw else tol, "= lr x steps: AdamW's elements with gradients near eps"
+                * adamw)]
     print(f"check against serial autograd training ({args.optimizer}):", flush=True)
     for name, difference, tolerance, why in figures:
         print(f"  {name:<23} largest difference {difference:.2e}   tolerance {tolerance:.0e} "
               f"{why}  {'ok' if difference <= tolerance else 'FAILED'}", flush=True)
     if all(difference <= tolerance for _, difference, tolerance, _ in figures):   # nan: never
         print("check OK", flush=True)
-    elif not all(map(math.isfinite, losses)):
-        raise Stop(f"check FAILED: the loss stopped being finite; try a smaller --lr than "
-                   f"{args.lr:g}")
     else:
-        raise Stop("check FAILED: this run differs from serial autograd training (see above)")
+        raise Stop("check FAILED: " + ("this run differs from serial autograd training (see "
+                                       "above)" if all(map(math.isfinite, losses)) else
+                                       f"the loss stopped being finite; try a smaller --lr than "
+                                       f"{args.lr:g}"))
 
 
 CHECK_TOLERANCE = 1e-4   # float32 summation order moves results by ~1e-7; a bug moves them far more

@@ -306,8 +306,9 @@ import os  # noqa: E402
 import textwrap  # noqa: E402
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import (check_training_args, divides, finish_run, full_grads,  # noqa: E402
+from data_parallel import (check_training_args, finish_run, full_grads,  # noqa: E402
                            full_weights, init_weights, make_batch, training_parser)
+from tensor_parallel import divides  # noqa: E402
 
 
 def gather_on_rank0(tensor):

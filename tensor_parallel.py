@@ -306,8 +306,12 @@ def main(argv=None):
 
 # Below the fold: the command line and its rules. -------------------------------------------
 from collectives import check_launch_args, positive_int  # noqa: E402
-from data_parallel import (check_training_args, divides, finish_run, init_weights,  # noqa: E402
+from data_parallel import (check_training_args, finish_run, init_weights,  # noqa: E402
                            make_batch, make_optimizer, training_parser)
+
+
+def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor
+    return value % divisor, f"{flag} {value} is not divisible by {divisor_flag} ({divisor})"
 
 
 def refuse_unused(parser, args, used, mode):   # a flag this mode ignores is refused

@@ -196,11 +196,11 @@ def main(argv=None):
 import os  # noqa: E402
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import (check_training_args, divides, finish_run, full_grads,  # noqa: E402
+from data_parallel import (check_training_args, finish_run, full_grads,  # noqa: E402
                            full_weights, global_loss, init_weights, make_batch, show_memory,
                            training_parser)
 from pipeline_parallel import add_schedule_args, gather_on_rank0, schedule_rules  # noqa: E402
-from tensor_parallel import describe, refuse_unused  # noqa: E402
+from tensor_parallel import describe, divides, refuse_unused  # noqa: E402
 
 
 def full_matrices(shards, kinds, args):
