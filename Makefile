@@ -6,14 +6,19 @@
 # Bring your own environment instead with PYTHON=...: what it lacks is installed there.
 PYTHON ?= .venv/bin/python
 
-.PHONY: deps ray-deps collectives dp tp pp 3d 3d-ray test test-multinode test-slurm test-ray bench
+.PHONY: deps install ray-deps collectives dp tp pp 3d 3d-ray test test-multinode test-slurm test-ray bench
 
-.venv/bin/python:
-	python3 -m venv .venv
+# Two `make` calls at once (make 3d and make test in two terminals) take turns here: the
+# lock on .venv.lock is the kernel's, so a killed make holds it no longer.
+deps:
+	@python3 -c 'import fcntl, subprocess, sys; lock = open(".venv.lock", "w"); \
+	    fcntl.flock(lock, fcntl.LOCK_EX); sys.exit(subprocess.call(sys.argv[1:]))' \
+	    $(MAKE) --no-print-directory install PYTHON=$(PYTHON)
 
-# The requirements that $(PYTHON) cannot import yet, installed in one pip call.
-# (A torch already there is kept: asking pip for torch==2.13.0 would replace another version.)
-deps: | $(filter .venv/bin/python,$(PYTHON))
+# .venv if it is missing, then the requirements that $(PYTHON) cannot import yet, in one pip
+# call. (A torch already there is kept: asking for torch==2.13.0 would replace another.)
+install:
+	@[ "$(PYTHON)" != .venv/bin/python ] || [ -x .venv/bin/python ] || python3 -m venv .venv
 	@missing=$$($(PYTHON) -c 'import importlib.util as u; print(*[l.strip() for l in open("requirements.txt") \
 	    if l[:1].isalpha() and u.find_spec(l.split("=")[0].strip()) is None])'); \
 	if [ -n "$$missing" ]; then \
@@ -31,7 +36,7 @@ tp: deps
 	$(PYTHON) tensor_parallel.py
 
 pp: deps
-	$(PYTHON) pipeline_parallel.py --world-size 4 --schedule 1f1b --timeline
+	$(PYTHON) pipeline_parallel.py --world-size 4 --micro-batches 8 --schedule 1f1b --timeline
 
 3d: deps
 	$(PYTHON) three_d.py --dp 2 --pp 2 --tp 2 --check

@@ -212,8 +212,8 @@ def ring_demo(rank, world_size, device):
 
 # Below the fold: the launcher (spawn, setup, cleanup and the process management behind
 # them), the command line that every script shares, and this step's printing. ----------
-import argparse, ctypes, glob, logging, math, os, pickle, re, shutil  # noqa: E401, E402
-import signal, sys, tempfile, threading, time  # noqa: E401, E402
+import argparse, contextlib, ctypes, glob, logging, math, os, pickle, re  # noqa: E401, E402
+import shutil, signal, socket, sys, tempfile, threading, time  # noqa: E401, E402
 from datetime import timedelta  # noqa: E402
 from unittest import mock  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -305,17 +305,26 @@ def setup(rank, world_size):
     if dist.is_initialized():       # (Ray Train joins the group before our function runs)
         return device
     store = os.environ.get("PARALLEL_STORE")   # None under torchrun: MASTER_ADDR:MASTER_PORT
-    timeout = timedelta(seconds=float(os.environ.get("PARALLEL_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
-    try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                store=store and dist.FileStore(store, world_size))
-    except (RuntimeError, ValueError) as e:    # DistStoreError, DistNetworkError, ...
+    timeout = float(os.environ.get("PARALLEL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    where, deadline = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")), \
+        time.time() + timeout
+    try:   # a rank that joins torchrun's store, or rank 0's, first waits for it to listen
+        while not store and (rank or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+            with contextlib.suppress(OSError):
+                socket.create_connection((where[0], int(where[1])), timeout=1).close()
+                break
+            if time.time() > deadline:
+                raise TimeoutError(f"nothing listens there after {timeout:g} s")
+            time.sleep(0.2)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(
+            seconds=timeout), store=store and dist.FileStore(store, world_size))
+    except (RuntimeError, ValueError, OSError) as e:   # DistStoreError, DistNetworkError, ...
         if store:
             raise
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         raise Stop(f"RANK {rank} of WORLD_SIZE {world_size} met no peers at MASTER_ADDR:"
-                   f"MASTER_PORT = {where} ({str(e).splitlines()[0][:100]}); if these are left "
-                   f"over from another run, unset RANK, WORLD_SIZE and LOCAL_RANK") from None
+                   f"MASTER_PORT = {':'.join(map(str, where))} ({str(e).splitlines()[0][:100]});"
+                   f" if these are left over from another run, unset RANK, WORLD_SIZE and "
+                   f"LOCAL_RANK") from None
     return device
 
 
@@ -460,10 +469,10 @@ def check_launch_args(parser, args, world_size, flag="--world-size", tensor_byte
 
 def parse_args(argv=None):
     parser = Parser(description="Step 1: every collective on every rank.")
-    parser.add_argument("--world-size", type=positive_int, default=None,
-                        help="number of ranks: 4, or WORLD_SIZE under torchrun")
+    parser.add_argument("--world-size", type=positive_int, default=argparse.SUPPRESS,
+                        help="number of ranks (default: 4, or WORLD_SIZE under torchrun)")
     args = parser.parse_args(argv)
-    if args.world_size is None:
+    if "world_size" not in args:
         args.world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 4
     check_launch_args(parser, args, args.world_size)
     return args

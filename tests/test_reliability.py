@@ -16,14 +16,18 @@ that stalls, runs side by side, and the same run twice.
 tests/faults.py makes a rank fail on purpose (no test hook in the scripts). The
 launcher's own failure handling, on bare workers, is tested in test_collectives.py.
 """
+import glob
 import importlib.util
 import multiprocessing
 import os
+import re
 import resource
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -76,6 +80,10 @@ TRAINING = [
     (["--lr", "1e300"], "--lr"),                  # more than a float32 holds
     (["--timeout-s", "0.001"], "--timeout-s"),    # the ranks would give up before they meet
     (["--dim", "100000", "--batch-size", "100000"], "--dim"),   # terabytes: refused before any rank
+    (["--lr", "1e-50"], "--lr"),                  # 0 in float32: it would train nothing
+    (["--timeout-s", "1e15"], "--timeout-s"),     # past what a timedelta holds
+    (["--save", "{fifo}"], "--save"),             # a named pipe: opening it would block
+    (["--save", "/dev/full"], "--save"),          # a device: not a file to save in
 ] + ([(["--backend", "nccl"], "--backend")] if NO_GPU else [])
 
 # (argv, flag, WORLD_SIZE of a torchrun-like environment or None)
@@ -87,6 +95,8 @@ BAD = {
         (["--world-size", "2.5"], "--world-size"),
         (["--world-size", ""], "--world-size"),
         (["--world-size"], "--world-size"),
+        (["--world-size", "1000"], "--world-size"),                      # 1000 processes: 50 GB
+        (["--timeout-s", "1e15"], "--timeout-s"),
         (["--timeout-s", "0"], "--timeout-s"),
         (["--timeout-s", "-1"], "--timeout-s"),
         (["--timeout-s", "nan"], "--timeout-s"),
@@ -102,6 +112,8 @@ BAD = {
         (["--batch-size", "30"], "--batch-size"),                       # 4 replicas x 2 micro-batches
         (["--world-size", "3"], "--batch-size"),
         (["--schedule", "gpipe"], "--schedule"),                        # not a pipeline
+        (["--bucket-mb", "-1"], "--bucket-mb"),
+        (["--bucket-mb", "nan"], "--bucket-mb"),
     ]] + [(["--world-size", "4"], "--world-size", 2)],
     "tensor_parallel": [(argv, flag, None) for argv, flag in TRAINING + [
         (["--world-size", "-1"], "--world-size"),
@@ -112,6 +124,7 @@ BAD = {
         (["--tp-style", "rowwise"], "--tp-style"),
         (["--embedding", "--tp-style", "megatron"], "--tp-style"),      # the demo has no layers
         (["--vocab-size", "0"], "--vocab-size"),
+        (["--tp-style", "megatron", "--num-layers", "1"], "--tp-style"),  # no pair to make
     ]] + [(["--world-size", "4"], "--world-size", 8)],
     "pipeline_parallel": [(argv, flag, None) for argv, flag in TRAINING + [
         (["--world-size", "0"], "--world-size"),
@@ -142,6 +155,12 @@ BAD = {
         (["--schedule", "interleaved", "--pp", "1", "--micro-batches", "2"], "--pp"),
         (["--schedule", "interleaved", "--num-layers", "6"], "--num-layers"),  # 6 layers, 2 x 2 chunks
         (["--show-rank-map", "--steps", "3"], "--steps"),               # the map trains nothing
+        (["--p2p-shard", "--tp", "1"], "--p2p-shard"),                  # nothing to shard
+        (["--p2p-shard", "--pp", "1"], "--p2p-shard"),                  # nothing crosses a stage
+        (["--tp-style", "megatron", "--num-layers", "2"], "--tp-style"),   # a layer a stage
+        (["--tp-style", "megatron", "--schedule", "interleaved", "--micro-batches", "2",
+          "--num-layers", "4"], "--tp-style"),                          # a layer a chunk
+        (["--bucket-mb", "2e6"], "--bucket-mb"),
     ]] + [([], "--dp x --pp x --tp", 4), (["--dp", "1", "--pp", "1", "--tp", "1"], "--dp x --pp x --tp", 2)],
 }
 
@@ -175,7 +194,8 @@ def test_every_script_has_at_least_15_bad_configurations():
                          ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
 def test_bad_input_exits_2_with_one_line_and_no_rank(script, argv, flag, world_size, tmp_path, monkeypatch, capsys):
     (tmp_path / "a_file").write_text("")
-    argv = [a.format(tmp=tmp_path, file=tmp_path / "a_file") for a in argv]
+    os.mkfifo(tmp_path / "a_pipe")
+    argv = [a.format(tmp=tmp_path, file=tmp_path / "a_file", fifo=tmp_path / "a_pipe") for a in argv]
     if world_size is not None:
         torchrun_env(monkeypatch, world_size)
     else:
@@ -436,12 +456,19 @@ def test_a_parent_killed_by_sigkill_leaves_no_rank_behind():
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert gone_within(ranks, 5) == []
+    # SIGKILL cleans nothing: the store's folder stays, named for its launcher, until the next
+    # launcher on this machine finds that launcher gone and removes it
+    left = glob.glob(os.path.join(tempfile.gettempdir(), f"parallel-{proc.pid}-*"))
+    assert len(left) == 1
+    collectives.spawn(lambda rank, world_size: None, 1)
+    assert not os.path.exists(left[0])
 
 
 @pytest.mark.deadline(60)
 @pytest.mark.parametrize("how, code, line", [
     (signal.SIGTERM, 143, "error: interrupted (SIGTERM): every rank was stopped"),
     (signal.SIGINT, 130, "error: interrupted (Ctrl-C): every rank was stopped"),
+    (signal.SIGHUP, 129, "error: interrupted (SIGHUP): every rank was stopped"),   # a closing terminal
 ])
 def test_kill_or_ctrl_c_stops_every_rank_with_one_line(how, code, line):
     proc = training()
@@ -531,3 +558,125 @@ def test_ray_workers_train_the_same_weights_as_spawn(tmp_path, capsys):
     ray_run, spawn_run = torch.load(tmp_path / "ray.pt"), torch.load(tmp_path / "spawn.pt")
     assert ray_run["losses"] == spawn_run["losses"]
     assert all(torch.equal(a, b) for a, b in zip(ray_run["final_weights"], spawn_run["final_weights"]))
+
+
+# ----------------------------------------------------------------------------------
+# What a newcomer hits: a disk that fills, a stale environment, the help, the docstrings,
+# the make commands
+# ----------------------------------------------------------------------------------
+
+def test_a_disk_that_fills_up_at_save_is_one_line_and_keeps_what_was_there(tmp_path, monkeypatch):
+    """--save is written once training is done, into a file beside it renamed onto it: a
+    write that fails ends the run with one line naming --save, and the old file stays."""
+    path = tmp_path / "run.pt"
+    path.write_bytes(b"an earlier run")
+
+    def full_disk(obj, f, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(SystemExit) as exited:
+        collectives.run_main(lambda: data_parallel.main(["--world-size", "2", "--steps", "2", "--num-layers", "2",
+                                                         "--dim", "8", "--batch-size", "8", "--save", str(path)]))
+    assert str(exited.value.code).startswith(f"error: --save {path}: the trained weights could not be written "
+                                             f"([Errno 28] No space left on device)"), exited.value.code
+    assert "\n" not in str(exited.value.code)
+    assert path.read_bytes() == b"an earlier run"
+
+
+@pytest.mark.deadline(40)
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_stale_environment_pointing_nowhere_fails_in_one_line(rank):
+    """RANK, WORLD_SIZE and LOCAL_RANK left set, with MASTER_ADDR:MASTER_PORT where nobody
+    listens: rank 0 waits for peers, another rank for the store, --timeout-s long, then one
+    line that names the variables and says what to do."""
+    with socket.socket() as s:   # a free port, and nobody on it once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(RANK=str(rank), WORLD_SIZE="8", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    start_time = time.monotonic()
+    code, out, err = finish(start([sys.executable, "three_d.py", "--timeout-s", "2"], env, start_new_session=True),
+                            timeout=30)
+    assert code == 1 and time.monotonic() - start_time < 20
+    assert err.splitlines() == [err.strip()] and err.startswith(
+        f"error: RANK {rank} of WORLD_SIZE 8 met no peers at MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port} ("), err
+    assert err.rstrip().endswith("if these are left over from another run, unset RANK, WORLD_SIZE and LOCAL_RANK")
+
+
+def test_the_world_size_is_bounded_by_what_the_machine_holds(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        collectives.main(["--world-size", "1000"])
+    err = capsys.readouterr().err
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert err == (f"{os.path.basename(sys.argv[0])}: error: --world-size 1000: about 0.1 GB per rank, 50.0 GB for "
+                   f"the 1000 ranks on this machine, which has {memory / 1e9:.1f} GB\n")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_shows_each_default_once(script, capsys):
+    with pytest.raises(SystemExit):
+        SCRIPTS[script].parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    flags = re.split(r" (?=--[a-z])", out.split("options:")[1])
+    for flag in flags:
+        assert flag.count("(default") <= 1, flag
+
+
+DOCSTRING_COMMAND = re.compile(r"^    python (\w+)\.py(.*?)(\s+#.*)?$", re.MULTILINE)
+
+
+def test_the_docstrings_commands_are_accepted_as_printed(monkeypatch, capsys):
+    for name, module in SCRIPTS.items():
+        for script, flags, _ in DOCSTRING_COMMAND.findall(module.__doc__):
+            assert script == name
+            for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+                monkeypatch.delenv(variable, raising=False)
+            if "--ray" not in flags or importlib.util.find_spec("ray"):   # Ray is optional
+                module.parse_args(flags.split())                           # exits 2 if refused
+
+
+@pytest.mark.parametrize("script, argv, named", [
+    (tensor_parallel, ["--world-size", "2", "--tp-style", "megatron", "--num-layers", "3"],
+     "tensor parallel over 2 ranks: 1 Megatron pair (column, row) and 1 all-gather layer"),
+    (three_d, ["--tp-style", "megatron", "--num-layers", "4"], "each stage: 1 Megatron pair (column, row) over tp=2"),
+    (three_d, [], "each stage: 4 all-gather layers over tp=2"),
+])
+def test_the_tensor_parallel_style_that_ran_is_named(script, argv, named, capfd):
+    script.main([*argv, "--steps", "1", "--dim", "8", "--batch-size", "8"])
+    assert named in capfd.readouterr().out.splitlines()
+
+
+@pytest.mark.deadline(120)
+def test_make_pp_draws_within_100_columns_and_its_schedules_differ():
+    """make pp's own command: m > p, so GPipe's order and 1F1B's differ on every stage but
+    the last; every line of the output fits 100 columns, and says when cores are shared."""
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        command = re.search(r"^pp: deps\n\t\$\(PYTHON\) (.*)$", f.read(), re.MULTILINE)[1].split()
+    args = pipeline_parallel.parse_args(command[1:])
+    p, m = args.world_size, args.micro_batches
+    assert m > p and all(pipeline_parallel.compute_order("gpipe", p, s, m) != pipeline_parallel.compute_order(
+        "1f1b", p, s, m) for s in range(p - 1))
+    code, out, err = finish(start([sys.executable, *command], start_new_session=True), timeout=100)
+    assert code == 0, err
+    assert max(map(len, out.splitlines())) <= 100
+    assert ("note: 4 stages share" in out) == (os.cpu_count() < 4)
+
+
+@pytest.mark.deadline(600)
+def test_two_first_makes_at_once_both_succeed(tmp_path):
+    """make 3d and make test started together in a fresh clone: the second waits for the
+    first's install, and .venv ends whole (one of each package, nothing broken)."""
+    for name in ("Makefile", "requirements.txt"):
+        shutil.copy(os.path.join(ROOT, name), tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "MAKEFLAGS", "MAKELEVEL", "VIRTUAL_ENV")}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if ".venv" not in p)
+    runs = [subprocess.Popen(["make", "deps"], cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT) for _ in range(2)]
+    outputs = [run.communicate(timeout=580)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    assert sum("installing" in out for out in outputs) == 1, outputs
+    venv = str(tmp_path / ".venv" / "bin" / "python")
+    check = subprocess.run([venv, "-m", "pip", "check"], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    listed = subprocess.run([venv, "-m", "pip", "list", "--format", "freeze"], capture_output=True, text=True).stdout
+    names = [line.split("==")[0].lower() for line in listed.splitlines()]
+    assert len(names) == len(set(names)) and "torch" in names and "pytest" in names
