@@ -92,7 +92,7 @@ def make_buckets(numels, bucket_mb, breaks=()):
 class DataParallel:
     """One replica of d over `group`, ZeRO's stage 0: it holds every weight, gradient and
     optimizer state (16 P bytes for P fp32 parameters with AdamW: 4 + 4 + 8). The step reads
-    each W from weights_in() and hands each micro-batch's dW to add_grad(); a bucket of
+    each W from weights_in() and hands each micro-batch's x, dz to add_grad(); a bucket of
     gradients is one flat buffer, all-reduced once final (2(d-1)/d x P in all); average()
     ends the exchange and step() steps the optimizer."""
 
@@ -118,17 +118,20 @@ class DataParallel:
     def view(self, flat, i):                    # layer i's part of its bucket's flat buffer
         return flat[self.offset[i]:self.offset[i] + self.shapes[i].numel()].view(self.shapes[i])
 
-    def zero_grads(self, num_micro_batches):    # and how many dW each bucket waits for
-        for bucket in self.grad_buckets:
-            bucket.zero_() if bucket is not None else None
+    def zero_grads(self, num_micro_batches):    # how many dW each bucket waits for this step
         self.left = [num_micro_batches * len(layers) for layers in self.buckets]
-        self.unsent, self.peak = [], 0
+        self.unsent, self.peak, self.fresh = [], 0, set(range(len(self.shapes)))
 
-    def add_grad(self, i, dw):                  # summed into its bucket, made as the first comes
+    def add_grad(self, i, x, dz):
+        """dW = x^T dz of one micro-batch, summed into its bucket by the matmul itself, with no
+        dW tensor between (Megatron's gradient-accumulation fusion); the step's first dW of
+        a layer overwrites what its part held, so nothing is zeroed."""
         b = self.bucket_of[i]
-        if self.grad_buckets[b] is None:
+        if self.grad_buckets[b] is None:        # made as the first dW comes (padding: zeros)
             self.grad_buckets[b] = torch.zeros(self.lengths[b], device=self.device)
-        self.view(self.grad_buckets[b], i).add_(dw)
+        grad = self.view(self.grad_buckets[b], i)
+        torch.mm(x.T, dz, out=grad) if i in self.fresh else grad.addmm_(x.T, dz)
+        self.fresh.discard(i)
         self.left[b] -= 1
         if self.left[b] == 0:
             self.final(b)
@@ -188,22 +191,19 @@ class ZeRO1(DataParallel):
         size = flat.numel() // self.d
         return flat[self.r * size:(self.r + 1) * size]
 
-    def exchange(self, b):                      # only this replica's part of the sum
-        grad = self.grad_buckets[b]
-        piece = grad.new_empty(grad.numel() // self.d)
-        work = dist.reduce_scatter_single(piece, grad, group=self.group, async_op=self.overlap)
+    def exchange(self, b):                      # only this replica's part of the sum, in place
+        piece = self.own(self.grad_buckets[b])
+        work = dist.reduce_scatter_single(piece, self.grad_buckets[b], group=self.group,
+                                          async_op=self.overlap)
         self.pending.append((b, work, piece))
-
-    def received(self, b, piece):
-        self.own(self.grad_buckets[b]).copy_(piece)
 
     def grads(self):
         return [self.own(grad) for grad in self.grad_buckets]
 
     def step(self):
         super().step()
-        for flat, part in zip(self.flat, self.params):
-            dist.all_gather_single(flat, part.clone(), group=self.group)
+        for flat, part in zip(self.flat, self.params):   # each part in place, into the whole
+            dist.all_gather_single(flat, part, group=self.group)
 
 
 class ZeRO2(ZeRO1):
@@ -214,7 +214,7 @@ class ZeRO2(ZeRO1):
         self.exchange(b)
 
     def received(self, b, piece):
-        self.grad_shards[b], self.grad_buckets[b] = piece, None
+        self.grad_shards[b], self.grad_buckets[b] = piece.clone(), None
 
     def zero_grads(self, num_micro_batches):
         self.grad_shards = [None] * len(self.buckets)
@@ -291,8 +291,8 @@ def dp_step(replica, xs, ys, n):
         mb_loss, g = mse_loss(x, y, n)
         loss += mb_loss
         for i, w in replica.weights_in(reversed(range(L)), need=lambda i: i > 0):
-            g, dw = layer_backward(g, stashes[i], w, need_dx=i > 0)   # layer 0 makes no dx
-            replica.add_grad(i, dw)                           # summed over micro-batches
+            g, (x, dz) = input_backward(g, stashes[i], w, need_dx=i > 0)   # layer 0: no dx
+            replica.add_grad(i, x, dz)                        # dW = x^T dz, summed over them
     replica.average()
     return loss
 

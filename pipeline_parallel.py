@@ -183,7 +183,7 @@ class Stage:
     def weight_grads(self, mb):
         """W: dW = x^T dz of every layer, from what B left: nobody waits for it."""
         for i, (x, dz) in self.for_w.pop(mb).items():
-            self.replica.add_grad(i, x.T @ dz)       # summed over micro-batches
+            self.replica.add_grad(i, x, dz)           # dW = x^T dz, summed over micro-batches
 
     def held(self):
         return len(self.stash) + len(self.for_w)    # micro-batches whose activations it keeps

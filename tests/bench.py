@@ -201,7 +201,8 @@ def versus_ddp(args):
         import torch.distributed.fsdp  # noqa: F401  (~2 s) once here, before the ranks fork
     times, diffs = spawn_returning(ddp_race, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
     theirs = TORCH_ZERO[args.zero] if args.zero else "DDP"
-    ratios = [(f"ours --zero {args.zero}", theirs)] if args.zero else [("ours", "DDP"), ("ours --overlap", "DDP")]
+    ratios = [(f"ours --zero {args.zero}", theirs), (f"ours --zero {args.zero} --overlap", theirs)] if args.zero \
+        else [("ours", "DDP"), ("ours --overlap", "DDP")]
     return dict(title=f"data parallel{f' with ZeRO-{args.zero}' if args.zero else ''} vs {theirs}: "
                       f"{bench_sizes(args, args.world_size)}",
                 times=times, diffs=diffs, ratios=ratios, world_size=args.world_size, steps=args.steps)
@@ -219,7 +220,7 @@ def ddp_race(rank, world_size, args):
     def ours(zero=0, overlap=False):
         return dp_side([w.to(device, copy=True) for w in init], None, args, xs, ys, n, zero, overlap)
     if args.zero:
-        sides = {f"ours --zero {args.zero}": ours(args.zero),
+        sides = {f"ours --zero {args.zero}": ours(args.zero), f"ours --zero {args.zero} --overlap": ours(args.zero, True),
                  TORCH_ZERO[args.zero]: zero_side(args.zero, as_module(init, device), xs, ys, n, args.lr, device)}
     else:
         sides = {"ours": ours(), "ours --overlap": ours(overlap=True),

@@ -304,7 +304,7 @@ def test_check_catches_a_doubled_weight_gradient_under_adamw(monkeypatch, capfd,
     only 2e-6 here once. --check compares the first step's gradients too, and fails at
     any size, the smallest and the defaults (make 3d's)."""
     real = dp.DataParallel.add_grad
-    monkeypatch.setattr(dp.DataParallel, "add_grad", lambda self, i, dw: real(self, i, 2 * dw))
+    monkeypatch.setattr(dp.DataParallel, "add_grad", lambda self, i, x, dz: real(self, i, x, 2 * dz))
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
     with pytest.raises(RankFailed) as failed:
         three_d.main(["--check", "--optimizer", "adamw", *argv, *TIMEOUT])
