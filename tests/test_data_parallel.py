@@ -435,6 +435,37 @@ def test_zero_matches_serial(tmp_path, monkeypatch, world_size, zero, micro_batc
     assert_replicas_identical(result)
 
 
+# Buckets: a layer each (0), two of the 16 x 16 layers (0.002 MB), the whole model (25 MB);
+# every stage, with and without --overlap, with micro-batches; 3 replicas pad every bucket.
+BUCKET_CASES = [(2, 0, 2, False, "0.002"), (2, 0, 2, True, "0"), (3, 0, 1, True, "0.002"),
+                (3, 1, 2, False, "0.002"), (3, 1, 2, True, "25"), (2, 1, 4, True, "0"),
+                (3, 2, 2, False, "25"), (3, 2, 2, True, "0.002"), (2, 2, 1, True, "0"),
+                (3, 3, 2, False, "0.002"), (3, 3, 4, True, "25"), (2, 3, 2, True, "0.002")]
+
+
+@pytest.mark.parametrize("world_size,zero,micro_batches,overlap,bucket_mb", BUCKET_CASES)
+def test_buckets_match_serial(tmp_path, monkeypatch, world_size, zero, micro_batches, overlap, bucket_mb):
+    result = run_dp(tmp_path, monkeypatch, world_size, batch_size=4 * world_size * micro_batches,
+                    micro_batches=micro_batches, flags=("--zero", str(zero), "--bucket-mb", bucket_mb,
+                                                        *(["--overlap"] if overlap else [])))
+    assert result["config"]["bucket_mb"] == float(bucket_mb)
+    assert_matches_serial(result)
+    assert_replicas_identical(result)
+
+
+def test_buckets_are_runs_of_layers_from_the_last_within_the_cap():
+    """Cut from the last layer; the first bucket (the last layers') holds 1 MB at most, the
+    others bucket_mb; a layer larger than the cap is a bucket alone; 0: a layer each; no
+    bucket spans a break."""
+    mb = 2**20 // 4                                   # floats in 1 MB
+    assert dp.make_buckets([mb // 4] * 8, 25) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dp.make_buckets([mb // 4] * 8, 0.5) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dp.make_buckets([4 * mb] * 3, 25) == [[0, 1], [2]]       # 4 MB: alone past the first 1 MB
+    assert dp.make_buckets([10] * 4, 0) == [[0], [1], [2], [3]]
+    assert dp.make_buckets([10] * 8, 25, breaks=range(0, 8, 4)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dp.make_buckets([10] * 6, 25, breaks=range(0, 6, 2)) == [[0, 1], [2, 3], [4, 5]]
+
+
 MEMORY_ROW = re.compile(r"^  (weights|gradients|optimizer state|total)\s+(\d+) bytes\s+formula (.+?)\s*= +([\d.]+)$")
 
 

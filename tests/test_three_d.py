@@ -201,11 +201,11 @@ def test_show_rank_map_prints_the_table_and_starts_no_rank(sizes, order, monkeyp
 
 def run_3d(tmp_path, dp_size, pp_size, tp_size, schedule="1f1b", order="tp-pp-dp", p2p_shard=False,
            micro_batches=2, dim=16, num_layers=8, batch_size=16, steps=2, optimizer="sgd", lr=0.1, seed=3,
-           tp_style="all-gather", zero=0):
+           tp_style="all-gather", zero=0, bucket_mb=25):
     """three_d.main in-process (ranks forked from here); return the --save dict."""
     save = tmp_path / "run.pt"
     three_d.main(["--dp", str(dp_size), "--pp", str(pp_size), "--tp", str(tp_size), "--tp-style", tp_style,
-                  "--zero", str(zero),
+                  "--zero", str(zero), "--bucket-mb", str(bucket_mb),
                   "--schedule", schedule, "--order", order, *(["--p2p-shard"] if p2p_shard else []),
                   "--micro-batches", str(micro_batches), "--dim", str(dim), "--num-layers", str(num_layers),
                   "--batch-size", str(batch_size), "--steps", str(steps), "--optimizer", optimizer,
@@ -283,6 +283,14 @@ CASES = [
     ((2, 2, 2), dict(schedule="interleaved", order="tp-dp-pp", tp_style="megatron", optimizer="adamw", lr=0.01)),
     ((1, 4, 2), dict(schedule="interleaved", order="tp-dp-pp", p2p_shard=True, micro_batches=4)),
     ((1, 4, 2), dict(schedule="interleaved", micro_batches=8, batch_size=32, zero=2)),
+    # buckets over the dp group: a layer each, two layers (of 16 x 16 / tp floats), the whole
+    # stage (25 MB); padded where dp does not divide a bucket; never across a chunk
+    ((2, 2, 2), dict(zero=0, bucket_mb=0)),
+    ((2, 2, 2), dict(zero=3, bucket_mb=0.001, schedule="interleaved", p2p_shard=True)),
+    ((2, 2, 2), dict(zero=3, bucket_mb=0, schedule="zb-h1", tp_style="megatron")),
+    ((3, 2, 1), dict(zero=1, batch_size=12)),
+    ((3, 2, 1), dict(zero=2, bucket_mb=0.002, batch_size=12, micro_batches=1)),
+    ((3, 2, 1), dict(zero=3, bucket_mb=0.002, batch_size=12, optimizer="adamw", lr=0.01)),
 ]
 
 
