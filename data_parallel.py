@@ -60,9 +60,9 @@ def input_backward(g, stash, w, need_dx=True):
 def mse_loss(a, y, n):
     """This piece's squared error / n, and its gradient dL/da = 2 (a - y) / n. n counts the
     elements of the batch whose mean we want (a replica's slice), so the pieces add up to
-    the mean's: the one place where the loss is scaled."""
-    diff = a - y
-    return diff.square().sum() / n, diff * (2.0 / n)
+    the mean's: the one place where the loss is scaled. In fp32; dL/da in a's dtype."""
+    diff = a.float() - y
+    return diff.square().sum() / n, (diff * (2.0 / n)).to(a.dtype)
 
 
 def replica_rows(batch_size, dp_rank, dp_size, step=None, seed=0):
@@ -95,7 +95,12 @@ class DataParallel:
     optimizer state (16 P bytes for P fp32 parameters with AdamW: 4 + 4 + 8). The step reads
     each W from weights_in() and hands each micro-batch's x, dz to add_grad(); a bucket of
     gradients is one flat buffer, all-reduced once final (2(d-1)/d x P in all); average()
-    ends the exchange and step() steps the optimizer."""
+    ends the exchange and step() steps the optimizer.
+
+    --bf16: the layers compute with a bf16 copy of each weight (2 bytes a parameter), made
+    anew from the fp32 master after each step. The master, the gradients and the optimizer
+    stay fp32: an update lr x g below 1/256 of a weight vanishes in bf16's 8-bit mantissa,
+    and so does a small gradient added to a large sum, over micro-batches or replicas."""
 
     def __init__(self, weights, group, args, overlap=False, breaks=()):
         self.group, self.overlap, self.device = group, overlap, weights[0].device
@@ -106,12 +111,13 @@ class DataParallel:
         self.offset = {i: sum(numels[j] for j in layers[:k])   # where layer i's part begins
                        for layers in self.buckets for k, i in enumerate(layers)}
         self.lengths = [sum(numels[i] for i in layers) for layers in self.buckets]
+        self.dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
         self.keep_weights(weights)
         self.optimizer = make_optimizer(self.params, args)
         self.grad_buckets, self.pending, self.peak = [None] * len(self.buckets), [], 0
 
-    def keep_weights(self, weights):            # what the optimizer steps: every weight
-        self.weights = self.params = weights
+    def keep_weights(self, weights):            # the optimizer's fp32 masters; the layers' copies
+        self.params, self.weights = weights, [w.to(self.dtype) for w in weights]
 
     def weights_in(self, order, need=None):     # (i, W_i) for the layers in order
         return ((i, self.weights[i]) for i in order)
@@ -127,7 +133,7 @@ class DataParallel:
         """dW = x^T dz of one micro-batch, summed into its bucket by the matmul itself, with no
         dW tensor between (Megatron's gradient-accumulation fusion); the step's first dW of
         a layer overwrites what its part held, so nothing is zeroed."""
-        b = self.bucket_of[i]
+        b, x, dz = self.bucket_of[i], x.float(), dz.float()   # bf16's products, summed in fp32
         if self.grad_buckets[b] is None:        # made as the first dW comes (padding: zeros)
             self.grad_buckets[b] = torch.zeros(self.lengths[b], device=self.device)
         grad = self.view(self.grad_buckets[b], i)
@@ -168,10 +174,34 @@ class DataParallel:
     def grads(self):                            # the gradients of self.params
         return [self.view(self.grad_buckets[self.bucket_of[i]], i) for i in range(len(self.shapes))]
 
+    def clip(self, max_norm, groups=()):        # every replica holds the whole average: no dp
+        return clip_grads(self.grads(), max_norm, groups)
+
     def step(self):
         for param, grad in zip(self.params, self.grads()):
             param.grad = grad
         self.optimizer.step()
+        self.publish()
+
+    def publish(self):                          # bf16: the layers' copies of the new masters
+        for weight, param in zip(self.weights, self.params):
+            weight.copy_(param) if weight is not param else None
+
+
+def clip_grads(grads, max_norm, groups):
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ does,
+    where norm is the 2-norm of the whole model's gradient: each rank's sum of squares of
+    what it holds, summed over the groups whose ranks hold the other parts, once each: over
+    tp (disjoint shards) and pp (other stages); over dp only where ZeRO shards the average
+    (the replicas hold the same one); ZeRO's padding is zero. (A real model also has weights
+    that every tp rank holds whole, as LayerNorm's: they are counted once, not tp times.)"""
+    squares = torch.stack([g.float().square().sum() for g in grads]).sum()
+    for group in groups:
+        dist.all_reduce(squares, group=group)
+    norm = squares.sqrt()
+    for g in grads:
+        g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm.item()
 
 
 class ZeRO1(DataParallel):
@@ -182,11 +212,13 @@ class ZeRO1(DataParallel):
 
     def keep_weights(self, weights):
         unpadded, self.lengths = self.lengths, [-(-n // self.d) * self.d for n in self.lengths]
-        self.flat = [torch.cat([*(weights[i].reshape(-1) for i in layers),
-                                weights[0].new_zeros(length - n)])
-                     for layers, length, n in zip(self.buckets, self.lengths, unpadded)]
+        flats = [torch.cat([*(weights[i].reshape(-1) for i in layers),
+                            weights[0].new_zeros(length - n)])
+                 for layers, length, n in zip(self.buckets, self.lengths, unpadded)]
+        self.flat = [flat.to(self.dtype) for flat in flats]       # the layers' (bf16: a copy)
         self.weights = [self.view(self.flat[self.bucket_of[i]], i) for i in range(len(weights))]
-        self.params = [self.own(flat) for flat in self.flat]      # views [S]: the optimizer's
+        self.params = [self.own(flat).clone() if flat.dtype != self.dtype else self.own(flat)
+                       for flat in flats]                         # the optimizer's [S], fp32
 
     def own(self, flat):                        # this replica's 1/d of a bucket: a view [S]
         size = flat.numel() // self.d
@@ -201,9 +233,13 @@ class ZeRO1(DataParallel):
     def grads(self):
         return [self.own(grad) for grad in self.grad_buckets]
 
-    def step(self):
-        super().step()
-        for flat, part in zip(self.flat, self.params):   # each part in place, into the whole
+    def clip(self, max_norm, groups=()):        # each replica holds 1/d: summed over dp too
+        return super().clip(max_norm, (*groups, self.group))
+
+    def publish(self):                          # each replica's new part, in place, to all
+        for flat, master in zip(self.flat, self.params):
+            part = self.own(flat)
+            part.copy_(master) if part.data_ptr() != master.data_ptr() else None   # bf16
             dist.all_gather_single(flat, part, group=self.group)
 
 
@@ -251,9 +287,9 @@ class ZeRO3(ZeRO2):
             self.gathered.pop(b, None)          # let the unit go
 
     def gather(self, b):                        # (d-1)/d of the unit's bytes come in
-        self.gathered[b] = self.params[b].new_empty(self.lengths[b])
-        work = dist.all_gather_single(self.gathered[b], self.params[b], group=self.group,
-                                      async_op=True)
+        self.gathered[b] = self.params[b].new_empty(self.lengths[b], dtype=self.dtype)
+        work = dist.all_gather_single(self.gathered[b], self.params[b].to(self.dtype),
+                                      group=self.group, async_op=True)
         self.peak = max(self.peak, sum(held(self).values()))
         return work
 
@@ -269,8 +305,8 @@ class ZeRO3(ZeRO2):
     def received(self, b, piece):
         self.grad_shards[b] += piece            # summed over the micro-batches
 
-    def step(self):
-        DataParallel.step(self)                 # nothing to gather: each keeps its shard
+    def publish(self):                          # nothing to gather: each keeps its shard
+        pass
 
 
 def make_replica(weights, group, args, overlap=False, breaks=()):   # by --zero (step 4: none)
@@ -278,21 +314,30 @@ def make_replica(weights, group, args, overlap=False, breaks=()):   # by --zero 
     return stage(weights, group, args, overlap, breaks)
 
 
-def dp_step(replica, xs, ys, n):
-    """One replica's step: every micro-batch (xs, ys) forward and back through the hand-derived
-    blocks, dW summed over them and averaged over the replicas. Returns this replica's loss."""
+def dp_step(replica, xs, ys, n, blocks=None, recompute=False):
+    """One replica's step: every micro-batch (xs, ys) forward and back through each layer's
+    blocks (step 2's own, or what a later step hands in), dW summed over the micro-batches
+    and averaged over the replicas. Returns this replica's loss. recompute: each layer's
+    stash is let go as the forward goes, and made again by a second forward before the
+    backward, bitwise the same; here, one micro-batch in flight, that saves nothing (step 4)."""
     L = len(replica.shapes)
+    blocks = blocks or [(layer_forward, input_backward)] * L
+
+    def forward(x, keep=True):
+        stashes = []
+        for (i, w), (block, _) in zip(replica.weights_in(range(L)), blocks):   # ZeRO-3: units
+            x, stash = block(x, w)
+            stashes.append(stash) if keep else None
+        return x, stashes
     replica.zero_grads(len(xs))
     loss = torch.zeros((), device=replica.device)
     for x, y in zip(xs, ys):
-        stashes = []
-        for i, w in replica.weights_in(range(L)):              # ZeRO-3: gathered unit by unit
-            x, stash = layer_forward(x, w)
-            stashes.append(stash)
-        mb_loss, g = mse_loss(x, y, n)
+        out, stashes = forward(x.to(replica.dtype), keep=not recompute)
+        mb_loss, g = mse_loss(out, y, n)
         loss += mb_loss
+        stashes = forward(x.to(replica.dtype))[1] if recompute else stashes
         for i, w in replica.weights_in(reversed(range(L)), need=lambda i: i > 0):
-            g, (x, dz) = input_backward(g, stashes[i], w, need_dx=i > 0)   # layer 0: no dx
+            g, (x, dz) = blocks[i][1](g, stashes[i], w, i > 0)   # layer 0 makes no dx
             replica.add_grad(i, x, dz)                        # dW = x^T dz, summed over them
     replica.average()
     return loss
@@ -303,23 +348,24 @@ def dp_worker(rank, world_size, args):
     m, init = args.micro_batches, init_weights(args.num_layers, args.dim, args.seed)
     replica = make_replica([w.to(device, copy=True) for w in init], None, args, args.overlap)
     inputs, targets = (t.to(device) for t in make_batch(args))
-    losses = []
+    losses, norms = [], []
     for step in range(args.steps):
         rows = replica_rows(args.batch_size, rank, world_size, step if args.shuffle else None,
                             args.seed)        # the world's ranks are the replicas: rank = dp rank
         loss = dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m),   # [B/(d m), D]
-                       n=len(rows) * args.dim)       # this replica's slice: its mean divides by n
+                       len(rows) * args.dim, recompute=args.recompute)   # n: this slice's mean
         first_grads = full_grads(replica) if step == 0 else first_grads
+        norms += [replica.clip(args.clip_grad)] if args.clip_grad else []   # before the step
         replica.step()
         losses.append(global_loss(loss, None))
-        log(f"[rank {rank}]", f"step {step:3d}  loss {losses[-1]:.6f}") if rank == 0 else None
+        log(f"[rank {rank}]", step_line(step, losses, norms, args)) if rank == 0 else None
     weights = full_weights(replica)
     drift = replica_drift(weights)
     if rank == 0:
         log(f"[rank {rank}]", f"replicas identical after training: {drift == 0.0} (largest "
                               f"difference {drift:g})")
         show_memory(replica, args, "each replica")
-        finish_run(args, init, weights, losses, inputs, targets, first_grads,
+        finish_run(args, init, weights, losses, inputs, targets, first_grads, norms,
                    {"replica_max_diff": drift})
     cleanup()
 
@@ -368,19 +414,21 @@ def make_optimizer(params, args):   # plain SGD, or AdamW with PyTorch's default
 
 
 def serial_train(args):
-    """The same training in one process, with autograd: what every parallel run must equal."""
+    """The same training in one process, with autograd: what every parallel run must equal.
+    With --bf16 the same casts: bf16 matmuls and activations on fp32 master weights."""
     weights = [w.requires_grad_() for w in init_weights(args.num_layers, args.dim, args.seed)]
     (inputs, targets), optimizer = make_batch(args), make_optimizer(weights, args)
-    losses, first_grads = [], None
+    losses, first_grads, dtype = [], None, torch.bfloat16 if args.bf16 else torch.float32
     for _ in range(args.steps):
-        out = inputs
+        out = inputs.to(dtype)
         for w in weights:
-            out = F.gelu(out @ w)
-        loss = F.mse_loss(out, targets)
+            out = F.gelu(out @ w.to(dtype))
+        loss = F.mse_loss(out.float(), targets)
         optimizer.zero_grad()
         loss.backward()
         losses.append(loss.item())
         first_grads = first_grads or [w.grad.clone() for w in weights]
+        torch.nn.utils.clip_grad_norm_(weights, args.clip_grad) if args.clip_grad else None
         optimizer.step()
     return {"final_weights": [w.detach() for w in weights], "losses": losses,
             "first_grads": first_grads}
@@ -401,33 +449,37 @@ def full_grads(replica):            # the averaged gradients, whole (ZeRO gather
 
 def held(replica):   # bytes held now, by kind; a view of another tensor counts once
     state = [t for s in replica.optimizer.state.values() for t in s.values() if t.dim()]
-    kinds = {"weights": [replica.weights, getattr(replica, "flat", 0), replica.params,
-                         list(getattr(replica, "gathered", {}).values())],
+    masters = replica.params if replica.params[0].dtype != replica.dtype else []   # bf16's
+    kinds = {"weights": [replica.weights, getattr(replica, "flat", 0), replica.params *
+                         (not masters), list(getattr(replica, "gathered", {}).values())],
              "gradients": [replica.grad_buckets, getattr(replica, "grad_shards", 0)],
-             "optimizer state": [state]}
+             "optimizer state": [state, masters]}
     return {kind: sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                        for ts in lists if ts for t in ts if t is not None}.values())
             for kind, lists in kinds.items()}
 
 
-def zero_formula(zero, num_params, dp_size, optimizer="adamw"):
-    """{kind: (bytes, formula)} one replica holds for P fp32 parameters: 4 a parameter of
+def zero_formula(zero, num_params, dp_size, optimizer="adamw", bf16=False):
+    """{kind: (bytes, formula)} one replica holds for P parameters: 4 a parameter of fp32
     weights, 4 of gradients, 8 of AdamW state (SGD: none); stage 1 splits the state over the
-    d replicas, stage 2 the gradients too, stage 3 the weights too."""
+    d replicas, stage 2 the gradients too, stage 3 the weights too. bf16: 2 of weights (none
+    at stage 3 but while gathered), and the fp32 master's 4 join the optimizer's state."""
+    sizes = [(2 * (zero < 3), 4) if bf16 else (4, 3), (4, 2), (8 * (optimizer == "adamw") +
+                                                               4 * bf16, 1)]
     return {kind: (size * num_params / (dp_size if zero >= stage else 1),
                    f"{size}P{'/d' * (zero >= stage)}" if size else "0")
-            for kind, size, stage in [("weights", 4, 3), ("gradients", 4, 2),
-                                      ("optimizer state", 8 * (optimizer == "adamw"), 1)]}
+            for kind, (size, stage) in zip(("weights", "gradients", "optimizer state"), sizes)}
 
 
 def show_memory(replica, args, whose):
     now, P = held(replica), sum(replica.lengths)
-    want = zero_formula(args.zero, P, replica.d, args.optimizer)
+    want = zero_formula(args.zero, P, replica.d, args.optimizer, args.bf16)
     want["total"] = (sum(b for b, _ in want.values()), " + ".join(f for _, f in want.values()))
     print(f"memory held at the end of a step by {whose}: --zero {args.zero}, d={replica.d}, "
-          f"P = {P} parameters{' (buckets padded to a multiple of d)' * bool(args.zero)}, fp32")
+          f"P = {P} parameters{' (buckets padded to a multiple of d)' * bool(args.zero)}, "
+          f"{'bf16 on fp32 masters (in the optimizer state)' if args.bf16 else 'fp32'}")
     for kind, got in [*now.items(), ("total", sum(now.values()))]:
-        print(f"  {kind:<16}{got:>12} bytes   formula {want[kind][1]:<15}= {want[kind][0]:>12.0f}")
+        print(f"  {kind:<16}{got:>12} bytes   formula {want[kind][1]:<18} = {want[kind][0]:>10.0f}")
     if args.zero == 3:
         print(f"  largest at any moment of the last step: {replica.peak} bytes, at a unit's "
               f"gather: the shards, the gradient buckets then, and the units held (two at most)")
@@ -462,12 +514,18 @@ def training_parser(description, dp=False):
             ("--seed", int, 0, "weights from seed, teacher from seed+1, inputs from seed+2"),
             ("--save", str, None, "torch.save config, init and final weights (full, layer "
                                   "order), inputs, targets, losses"),
+            ("--clip-grad", positive_float, None, "clip the gradient's global 2-norm to this, "
+                                                  "as clip_grad_norm_ (off unless given)"),
             *[("--bucket-mb", float, 25.0, "gradients a bucket holds, in MB (the first 1 MB at "
                "most, as DDP's); 0: one layer a bucket")] * dp]:
         p.add_argument(flag, type=kind, default=default, help=help)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw",
                    help="plain SGD, or AdamW with PyTorch's defaults (SGD shows scale errors)")
     p.add_argument("--check", action="store_true", help="also train serially, with autograd")
+    p.add_argument("--recompute", action="store_true", help="keep each micro-batch's input "
+                   "alone, and run the forward again in its backward")
+    p.add_argument("--bf16", action="store_true", help="compute in bf16 on fp32 master weights, "
+                   "gradients and optimizer")
     if dp:
         p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
                        help="ZeRO stage over the data-parallel group: 1 shards the optimizer "
@@ -493,7 +551,9 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
         (m > rows, f"--micro-batches {m}: more micro-batches than rows per replica ({rows})"),
         (B % (replicas * m), f"--batch-size {B} is not divisible by {by}--micro-batches "
                              f"({replicas * m})"),
-        (not 0 <= bucket_mb <= 1e6, f"--bucket-mb {bucket_mb:g}: expected 0 to 1e6")])
+        (not 0 <= bucket_mb <= 1e6, f"--bucket-mb {bucket_mb:g}: expected 0 to 1e6"),
+        (args.bf16 and args.backend != "gloo" and torch.cuda.is_available() and not
+         torch.cuda.is_bf16_supported(), "--bf16: this GPU cannot compute in bf16")])
     state = sum(b for b, _ in zero_formula(getattr(args, "zero", 0), L * D * D, replicas).values())
     check_launch_args(parser, args, world_size, ranks_flag,
                       4 * (2 * L * D * D + 2 * B * D + 2 * L * B * D) + state,
@@ -522,7 +582,13 @@ def parse_args(argv=None):
     return args
 
 
-def finish_run(args, init, final, losses, inputs, targets, first_grads, extra=None):
+def step_line(step, losses, norms, args):   # a step's loss, and the norm it was clipped from
+    clipped = " (clipped)" if norms and norms[-1] > args.clip_grad else ""
+    return f"step {step:3d}  loss {losses[-1]:.6f}" + (f"  grad norm {norms[-1]:.4f}{clipped}"
+                                                        if norms else "")
+
+
+def finish_run(args, init, final, losses, inputs, targets, first_grads, norms=(), extra=None):
     """On rank 0, with full matrices: --save (into a file beside it, renamed onto it: a disk
     that fills up ends the run in one line, and what was there stays), then --check."""
     if args.save:
@@ -530,13 +596,16 @@ def finish_run(args, init, final, losses, inputs, targets, first_grads, extra=No
             torch.save({"config": vars(args), "init_weights": [w.float().cpu() for w in init],
                         "final_weights": [w.detach().float().cpu() for w in final],
                         "inputs": inputs.cpu(), "targets": targets.cpu(), "losses": list(losses),
-                        **(extra or {})}, f"{args.save}.partial")
+                        "grad_norms": list(norms), **(extra or {})}, f"{args.save}.partial")
             os.replace(f"{args.save}.partial", args.save)
         except (OSError, RuntimeError) as e:   # torch's writer: RuntimeError on a short write
             raise Stop(f"--save {args.save}: the trained weights could not be written ("
                        f"{str(e).splitlines()[0][:80]}); free some space, or choose another path")
         print(f"saved {args.save}", flush=True)
     print(f"loss {losses[0]:.6f} -> {losses[-1]:.6f} over {len(losses)} steps", flush=True)
+    if args.clip_grad:
+        print(f"--clip-grad {args.clip_grad:g}: the gradient's norm was clipped on "
+              f"{sum(norm > args.clip_grad for norm in norms)} of {len(norms)} steps", flush=True)
     if not all(map(math.isfinite, losses)):
         step = [math.isfinite(loss) for loss in losses].index(False)
         print(f"the loss stopped being finite at step {step}: --lr {args.lr:g} is too large for "
@@ -551,7 +620,8 @@ def check_against_serial(args, final, losses, first_grads):
     An SGD step is lr x gradient: weights agree to float32 summation order. AdamW divides a
     step by the gradient's running size: an element whose gradient is near eps can move up
     to lr in one run and less in the other, so they may be up to lr x steps apart."""
-    ref, adamw, tol = serial_train(args), args.optimizer == "adamw", CHECK_TOLERANCE
+    ref, adamw = serial_train(args), args.optimizer == "adamw"
+    tol = CHECK_TOLERANCE_BF16 if args.bf16 else CHECK_TOLERANCE
 
     def largest(pairs, relative=False):   # torch's max, not Python's: a nan is the answer
         return torch.stack([(a.cpu() - b).abs().max() / (
@@ -576,6 +646,10 @@ def check_against_serial(args, final, losses, first_grads):
 
 
 CHECK_TOLERANCE = 1e-4   # float32 summation order moves results by ~1e-7; a bug moves them far more
+# bf16 keeps 8 significant bits: a rounding moves a value by up to 2^-8 of it. The reference
+# rounds each dW to bf16 where we sum the products in fp32, and both sum in other orders: a
+# few roundings apart, 4 x 2^-8. (A doubled gradient, a dropped micro-batch: far more.)
+CHECK_TOLERANCE_BF16 = 4 * 2**-8
 
 
 if __name__ == "__main__":

@@ -144,31 +144,43 @@ class Stage:
     replica, step 2's holder of the weights and their gradients (weights_in, add_grad);
     layers, the indices of this stage's layers in it; and blocks, each layer's forward
     and input backward: step 2's own here, step 3's tensor-parallel ones in 3D. It keeps
-    each micro-batch's stash until that micro-batch's backward pops it."""
+    each micro-batch's stash until that micro-batch's backward pops it: 2 x layers x [b, D]
+    (x and z of each layer). recompute: only the input, [b, D], and the backward runs the
+    forward again first, bitwise the same, at the cost of one more forward (under TP, with
+    its collectives): one stage's stash at a time, where 1F1B holds up to p - s."""
 
-    def __init__(self, replica, layers, first, last, targets=None, n=1, blocks=None):
+    def __init__(self, replica, layers, first, last, targets=None, n=1, blocks=None,
+                 recompute=False):
         self.replica, self.layers, self.first, self.last = replica, list(layers), first, last
         self.blocks = blocks or [(layer_forward, input_backward)] * len(self.layers)
-        self.targets, self.n = targets, n            # targets: micro-batches of Y (last stage)
-        self.stash = {}        # micro-batch -> its layers' (x, z), popped by its own backward
+        self.targets, self.n, self.recompute = targets, n, recompute   # targets: last stage's
+        self.stash = {}        # micro-batch -> its layers' (x, z), or its input: popped by B
         self.for_w = {}        # micro-batch -> its layers' (x, dz), popped by its W
         self.loss_grad = {}    # micro-batch -> dL/da of the last layer (last stage only)
-        self.loss = 0.0
+        self.loss, self.recomputed = 0.0, 0   # bytes of the last B's stash, made again
 
-    def forward(self, mb, x):
-        self.stash[mb] = []
+    def run(self, x, keep=True):                    # the layers in turn: output and stashes
+        stashes = []
         for (i, w), (forward, _) in zip(self.replica.weights_in(self.layers), self.blocks):
             x, stash = forward(x, w)
-            self.stash[mb].append(stash)
+            stashes.append(stash) if keep else None
+        return x, stashes
+
+    def forward(self, mb, x):
+        out, stashes = self.run(x, keep=not self.recompute)
+        self.stash[mb] = x if self.recompute else stashes
         if self.last:
-            loss, self.loss_grad[mb] = mse_loss(x, self.targets[mb], self.n)
+            loss, self.loss_grad[mb] = mse_loss(out, self.targets[mb], self.n)
             self.loss += loss.item()
-        return x
+        return out
 
     def backward(self, mb, g, defer_w=False):
         """B: dL/dx of this stage's input. dW too, unless defer_w: then W(mb) computes it."""
         g = self.loss_grad.pop(mb) if self.last else g
         stashes, self.for_w[mb] = self.stash.pop(mb), {}
+        if self.recompute:                           # the forward again, from the input
+            stashes = self.run(stashes)[1]
+            self.recomputed = nbytes(t for pair in stashes for t in pair)
 
         def need_dx(i):                              # the model's input needs no gradient
             return i != self.layers[0] or not self.first
@@ -188,14 +200,25 @@ class Stage:
     def held(self):
         return len(self.stash) + len(self.for_w)    # micro-batches whose activations it keeps
 
+    def held_bytes(self):
+        kept = [(s,) if torch.is_tensor(s) else [t for pair in s for t in pair]
+                for s in self.stash.values()]
+        return nbytes([t for ts in kept for t in ts] + [t for w in self.for_w.values()
+                                                        for pair in w.values() for t in pair])
+
+
+def nbytes(tensors):   # each tensor once: a layer's output is the next layer's input
+    return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
+
 
 def run_schedule(actions, chunks, inputs, prev_rank, next_rank, buffer_shape, group=None,
-                 events=None, outgoing=None, incoming=None):
+                 events=None, outgoing=None, incoming=None, memory=None):
     """Execute one stage's action list on its Stages, one per chunk. inputs: the
-    micro-batches (first stage only). outgoing and incoming change what crosses a stage
-    boundary, as it leaves and as it arrives (3D's --p2p-shard: a 1/tp slice, all-gathered).
-    events, if a list, receives (op, mb, chunk, start, end) of every F, B and W. Returns
-    the most micro-batches held at once."""
+    micro-batches (first stage only; their dtype is what crosses). outgoing and incoming
+    change what crosses a stage boundary, as it leaves and as it arrives (3D's --p2p-shard:
+    a 1/tp slice, all-gathered). events, if a list, receives (op, mb, chunk, start, end) of
+    every F, B and W; memory, (stashes, W's kept, their bytes, a B's stash made again or not)
+    after each. Returns the most micro-batches held at once."""
     received, to_send, sending = {}, {}, []   # (kind, mb, chunk) -> a tensor on its way
     device, peak = inputs[0].device, 0
     defer_w = any(action.op == "W" for action in actions)
@@ -206,7 +229,7 @@ def run_schedule(actions, chunks, inputs, prev_rank, next_rank, buffer_shape, gr
             for key in action.comms:
                 kind, peer = key[0], next_rank if key[0] in (SEND_ACT, RECV_GRAD) else prev_rank
                 if kind in (RECV_ACT, RECV_GRAD):
-                    received[key] = torch.empty(buffer_shape, device=device)
+                    received[key] = torch.empty(buffer_shape, dtype=inputs[0].dtype, device=device)
                     ops.append(dist.P2POp(dist.irecv, received[key], peer, group))
                 else:
                     ops.append(dist.P2POp(dist.isend, to_send.pop(key), peer, group))
@@ -232,6 +255,10 @@ def run_schedule(actions, chunks, inputs, prev_rank, next_rank, buffer_shape, gr
         else:
             layers.weight_grads(mb)
         peak = max(peak, sum(c.held() for c in chunks))
+        if memory is not None:                    # a recomputing B: with the stash it made
+            again = layers.recomputed * (action.op == "B")
+            memory.append((sum(len(c.stash) for c in chunks), sum(len(c.for_w) for c in chunks),
+                           sum(c.held_bytes() for c in chunks) + again, int(again > 0)))
         if events is not None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)   # the kernels run after the call returns
@@ -264,33 +291,34 @@ def pp_worker(rank, world_size, args):
     per_chunk = len(mine) // v
     chunks = [Stage(replica, range(c * per_chunk, (c + 1) * per_chunk), c * p + stage == 0,
                     c * p + stage == v * p - 1, targets.to(device).chunk(m),
-                    n=args.batch_size * args.dim) for c in range(v)]
+                    args.batch_size * args.dim, recompute=args.recompute) for c in range(v)]
     actions = build_schedule(args.schedule, p, stage, m, v)
-    micro_batches = inputs.to(device).chunk(m)                    # [B/m, D] each
-    losses = []
+    micro_batches = inputs.to(device, replica.dtype).chunk(m)     # [B/m, D] each, bf16 or not
+    losses, norms = [], []
     for step in range(args.steps):
         replica.zero_grads(m)
         for chunk in chunks:
             chunk.loss = 0.0
-        events = [] if args.timeline and step == args.steps - 1 else None
+        events, memory = ([], []) if step == args.steps - 1 else (None, None)
         peak = run_schedule(actions, chunks, micro_batches, (stage - 1) % p, (stage + 1) % p,
-                            (args.batch_size // m, args.dim), events=events)
+                            (args.batch_size // m, args.dim), events=events, memory=memory)
         replica.average()                                         # a group of one: / 1
         if step == 0:
             first_grads = in_layer_order(full_grads(replica), args, p)
-        replica.step()
+        norms += [replica.clip(args.clip_grad, [dist.group.WORLD])] if args.clip_grad else []
+        replica.step()                                            # (clipped over the stages)
         losses.append(chunks[-1].loss)
-        if stage == p - 1:
-            log(f"[stage {stage}]", f"step {step:3d}  loss {losses[-1]:.6f}")
-        if events is not None:
-            show_timeline(events, peak, args, p, rank, device)
+        log(f"[stage {stage}]", step_line(step, losses, norms, args)) if stage == p - 1 else 0
+    if args.timeline:
+        show_timeline(events, peak, args, p, rank, device)
+    show_stash(memory, args, p, rank, device)
     if rank == 0:
         print_schedules(args.schedule, p, m, v, args.num_layers)
     final = in_layer_order(full_weights(replica), args, p)
     losses = torch.tensor(losses, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=p - 1)    # the last stage alone knows them
     if rank == 0:
-        finish_run(args, full, final, losses.tolist(), inputs, targets, first_grads)
+        finish_run(args, full, final, losses.tolist(), inputs, targets, first_grads, norms)
     cleanup()
 
 
@@ -307,7 +335,7 @@ import textwrap  # noqa: E402
 
 from collectives import positive_int  # noqa: E402
 from data_parallel import (check_training_args, finish_run, full_grads,  # noqa: E402
-                           full_weights, init_weights, make_batch, training_parser)
+                           full_weights, init_weights, make_batch, step_line, training_parser)
 from tensor_parallel import divides  # noqa: E402
 
 
@@ -379,6 +407,27 @@ def simulate(stages, times=None):
                 pc[s] += 1
                 progress = True
     return [events[s] if pc[s] > len(stages[s]) else None for s in range(p)]
+
+
+def show_stash(memory, args, num_stages, rank, device):
+    """Rank 0: each stage's stash at its largest (the last step's), counted from the tensors
+    held, beside the formula for what was held then: a micro-batch's stash 2 l [b, D] (x and z
+    of l layers), 1 [b, D] with --recompute (its input), and what W waits for, 2 l [b, D]
+    (x and dz); with --recompute, a B's own stash made again, 2 l [b, D], while it runs."""
+    peaks = gather_on_rank0(torch.tensor(max(memory, key=lambda entry: entry[2]), device=device))
+    if rank != 0:
+        return
+    l = args.num_layers // (num_stages * args.virtual_stages)
+    A = args.batch_size // args.micro_batches * args.dim * (2 if args.bf16 else 4)
+    kept = 1 if args.recompute else 2 * l
+    say(f"stash at its largest, by stage: l = {l} layers a stage"
+        f"{' (a chunk)' * (args.virtual_stages > 1)}, [b, D] = {A} bytes"
+        f"{', --recompute' * args.recompute}")
+    print(f"  {'stage':<6}{'stashes':>8}{'for W':>7}{'bytes held':>12}   formula", flush=True)
+    for s, (n, w, counted, recomputing) in enumerate(peaks.tolist()):
+        again = 2 * l * recomputing
+        print(f"  {s:<6}{n:>8}{w:>7}{counted:>12}   ({n} x {kept} + {w} x {2 * l} + {again}) x "
+              f"[b, D] = {(n * kept + w * 2 * l + again) * A}", flush=True)
 
 
 def print_schedules(schedule, num_stages, num_micro_batches, num_chunks, num_layers):

@@ -28,13 +28,14 @@ What PyTorch gives you: ColwiseParallel and RowwiseParallel on a DeviceMesh
 (tests/bench.py races them against this).
 """
 import warnings
+from functools import partial
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import input_backward, layer_backward, layer_forward, mse_loss
+from data_parallel import dp_step, input_backward, layer_backward, layer_forward, make_replica
 
 
 def column_forward(x, w_t, group=None):
@@ -182,22 +183,11 @@ def unshard(w_t, kind, group=None):
     return stacked
 
 
-def tp_step(shards, kinds, xs, ys, n, group=None):
-    """One step's gradients: each micro-batch (xs, ys) forward through every layer and
-    back, dW_t summed over micro-batches. Returns (grads, loss)."""
-    grads = [torch.zeros_like(w) for w in shards]
-    loss = torch.zeros((), device=shards[0].device)
-    for x, y in zip(xs, ys):
-        stashes = []
-        for kind, w_t in zip(kinds, shards):
-            x, stash = tp_forward(kind, x, w_t, group)
-            stashes.append(stash)
-        mb_loss, g = mse_loss(x, y, n)       # the same on every rank: the output is replicated
-        loss += mb_loss
-        for i in reversed(range(len(shards))):
-            g, dw_t = tp_backward(kinds[i], g, stashes[i], shards[i], i > 0, group)
-            grads[i] += dw_t
-    return grads, loss
+def tp_blocks(kinds, group=None):
+    """Each layer's forward and input backward, tensor-parallel over group: what step 2's
+    dp_step runs here, and step 4's Stage in 3D, in place of their own."""
+    return [(partial(tp_forward, kind, group=group), partial(tp_input_backward, kind,
+                                                             group=group)) for kind in kinds]
 
 
 def tp_worker(rank, world_size, args):
@@ -207,24 +197,24 @@ def tp_worker(rank, world_size, args):
     full = init_weights(args.num_layers, args.dim, args.seed)              # drawn whole, then cut
     shards = [shard(w, k, tp_rank, tp_size).to(device) for w, k in zip(full, kinds)]   # [D, D/T]
     inputs, targets = (t.to(device) for t in make_batch(args))             # all of it, every rank
-    optimizer = make_optimizer(shards, args)
-    n, m = args.batch_size * args.dim, args.micro_batches
-    if rank == 0:
-        print(f"tensor parallel over {tp_size} ranks: {describe(kinds)}", flush=True)
-    losses = []
+    # The shards live in step 2's replica, over a data-parallel group of one rank: no
+    # exchange, only the weights, their gradients and the optimizer; its step runs ours.
+    replica = make_replica(shards, dist.new_subgroups(1)[0], args)
+    n, m, losses, norms = args.batch_size * args.dim, args.micro_batches, [], []
+    print(f"tensor parallel over {tp_size} ranks: {describe(kinds)}", flush=True) if rank == 0 \
+        else None
     for step in range(args.steps):
-        grads, loss = tp_step(shards, kinds, inputs.chunk(m), targets.chunk(m), n)
+        loss = dp_step(replica, inputs.chunk(m), targets.chunk(m), n, tp_blocks(kinds),
+                       args.recompute)          # the output, and so the loss, on every rank
         if step == 0:   # full matrices, for --check
-            first_grads = [unshard(g, k) for g, k in zip(grads, kinds)]
-        for w_t, grad in zip(shards, grads):
-            w_t.grad = grad
-        optimizer.step()
+            first_grads = [unshard(g, k) for g, k in zip(full_grads(replica), kinds)]
+        norms += [replica.clip(args.clip_grad, [dist.group.WORLD])] if args.clip_grad else []
+        replica.step()
         losses.append(loss.item())
-        if rank == 0:
-            log(f"[rank {rank}]", f"step {step:3d}  loss {losses[-1]:.6f}")
-    final = [unshard(w_t, k) for w_t, k in zip(shards, kinds)]   # the shards put back together
+        log(f"[rank {rank}]", step_line(step, losses, norms, args)) if rank == 0 else None
+    final = [unshard(w_t, k) for w_t, k in zip(full_weights(replica), kinds)]   # put together
     if rank == 0:
-        finish_run(args, full, final, losses, inputs, targets, first_grads)
+        finish_run(args, full, final, losses, inputs, targets, first_grads, norms)
     cleanup()
 
 
@@ -306,8 +296,8 @@ def main(argv=None):
 
 # Below the fold: the command line and its rules. -------------------------------------------
 from collectives import check_launch_args, positive_int  # noqa: E402
-from data_parallel import (check_training_args, finish_run, init_weights,  # noqa: E402
-                           make_batch, make_optimizer, training_parser)
+from data_parallel import (check_training_args, finish_run, full_grads,  # noqa: E402
+                           full_weights, init_weights, make_batch, step_line, training_parser)
 
 
 def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor

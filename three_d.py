@@ -32,8 +32,7 @@ import torch.distributed as dist
 from collectives import cleanup, log, run_main, setup, spawn
 from data_parallel import make_replica, replica_rows
 from pipeline_parallel import Stage, build_schedule, run_schedule, stage_layers
-from tensor_parallel import all_gather_columns, layer_kinds, shard, shard_columns
-from tensor_parallel import tp_forward, tp_input_backward
+from tensor_parallel import all_gather_columns, layer_kinds, shard, shard_columns, tp_blocks
 
 AXES = ("dp", "pp", "tp")
 
@@ -118,15 +117,13 @@ class ThreeDRank:
         self.inputs, self.targets = make_batch(args)
         rows = replica_rows(args.batch_size, d, args.dp)
         m, tp = args.micro_batches, self.groups["tp"]
-        self.micro_inputs = self.inputs[rows].to(device).chunk(m)        # [B/(dp m), D] each
+        self.micro_inputs = self.inputs[rows].to(device, self.replica.dtype).chunk(m)   # [b, D]
         targets = self.targets[rows].to(device).chunk(m)
         # Step 4's stages, each handed step 3's forward and input backward of its layers.
-        blocks = [(partial(tp_forward, kind, group=tp), partial(tp_input_backward, kind,
-                                                                group=tp)) for kind in self.kinds]
         self.chunks = [Stage(self.replica, range(c * per_chunk, (c + 1) * per_chunk),
                              c * args.pp + p == 0, c * args.pp + p == v * args.pp - 1, targets,
-                             n=len(rows) * args.dim, blocks=blocks)   # the replica's mean: / n
-                       for c in range(v)]
+                             len(rows) * args.dim, tp_blocks(self.kinds, tp), args.recompute)
+                       for c in range(v)]                    # n: the replica's mean divides by n
         # With --p2p-shard (Megatron's scatter-gather) what crosses a stage boundary, the same
         # on every TP rank, goes as each rank's 1/tp slice and is all-gathered on arrival:
         # 1/tp of the point-to-point bytes, for one all-gather more.
@@ -156,18 +153,18 @@ def three_d_worker(rank, world_size, args):
         show_rank_map(args.dp, args.pp, args.tp, args.order)
         print(f"each stage{' chunk' * (args.virtual_stages > 1)}: {describe(me.kinds)} over "
               f"tp={args.tp}", flush=True)
-    last = me.p == args.pp - 1
-    losses = []
+    last, losses, norms = me.p == args.pp - 1, [], []
     for step in range(args.steps):
         me.gradients()
         if step == 0:
             first_grads = full_matrices(full_grads(me.replica), me.kinds, args)
+        if args.clip_grad:   # the norm's squares summed over tp and pp (and dp, if ZeRO shards)
+            norms.append(me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]]))
         me.replica.step()                     # each rank's optimizer steps its own shards
         if last:   # the last stage knows the loss: the replicas' mean losses, averaged
             loss = torch.tensor(me.chunks[-1].loss, device=device)
             losses.append(global_loss(loss, me.groups["dp"]))
-            if me.d == 0 and me.t == 0:
-                log(me.tag, f"step {step:3d}  loss {losses[-1]:.6f}")
+            log(me.tag, step_line(step, losses, norms, args)) if me.d == me.t == 0 else None
     final = full_matrices(full_weights(me.replica), me.kinds, args)
     losses = torch.tensor(losses if last else [0.0] * args.steps, dtype=torch.float64,
                           device=device)
@@ -176,7 +173,8 @@ def three_d_worker(rank, world_size, args):
         if args.zero:
             show_memory(me.replica, args, f"rank 0: its replica of stage 0's layers, its tp "
                                           f"shards of them (1/{args.tp})")
-        finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, first_grads)
+        finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, first_grads,
+                   norms)
     cleanup()
 
 
@@ -198,7 +196,7 @@ import os  # noqa: E402
 from collectives import positive_int  # noqa: E402
 from data_parallel import (check_training_args, finish_run, full_grads,  # noqa: E402
                            full_weights, global_loss, init_weights, make_batch, show_memory,
-                           training_parser)
+                           step_line, training_parser)
 from pipeline_parallel import add_schedule_args, gather_on_rank0, schedule_rules  # noqa: E402
 from tensor_parallel import describe, divides, refuse_unused  # noqa: E402
 

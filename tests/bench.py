@@ -47,7 +47,7 @@ from data_parallel import init_weights, make_batch, replica_rows  # noqa: E402
 from pipeline_parallel import Stage, build_schedule, run_schedule, stage_layers  # noqa: E402
 from race import (as_module, bench_sizes, check_and_race, dp_side, end_race, machine, mse_sum,  # noqa: E402
                   print_race, race, serial_side, sgd, sgd_side, spawn_returning)
-from tensor_parallel import layer_kinds, shard, tp_step  # noqa: E402
+from tensor_parallel import layer_kinds, shard, tp_blocks  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------
@@ -333,7 +333,12 @@ def colwise_race(rank, world_size, args):
     full = init_weights(args.num_layers, args.dim, args.seed)
     kinds = layer_kinds(args.num_layers, args.tp_style)
     shards = [shard(w, kind, rank, world_size).to(device) for w, kind in zip(full, kinds)]
-    sides = {"ours": sgd_side(shards, lambda: tp_step(shards, kinds, xs, ys, n)[0], args.lr),
+    replica = data_parallel.make_replica(shards, dist.new_subgroups(1)[0], sgd(args))   # as tp_worker's
+
+    def step():
+        data_parallel.dp_step(replica, xs, ys, n, tp_blocks(kinds))
+        replica.step()
+    sides = {"ours": (step, lambda: (replica.params, replica.grads())),
              TORCH_TP[args.tp_style]: colwise_side(as_module(full, device), kinds, xs, ys, n, args.lr),
              "serial: our step, whole batch, 1 rank": serial_side(args, device)}
     result = check_and_race(sides, device, args.steps)
@@ -436,7 +441,7 @@ def stage_replica(full, chunk_layers, stage, num_stages, targets, n, device, arg
                                          args)
     per_chunk = len(mine) // v
     return replica, [Stage(replica, range(c * per_chunk, (c + 1) * per_chunk), c * p + stage == 0, c * p + stage == v * p - 1,
-                           targets, n) for c in range(v)]
+                           targets, n, recompute=getattr(args, "recompute", False)) for c in range(v)]
 
 
 def pipelining_side(modules, schedule_class, rank, num_stages, inputs, targets, args):

@@ -12,7 +12,7 @@ does, so a count is exact and can be derived by hand. Over a group of n ranks:
     send of N bytes                   N
 A group of one sends nothing. Fractions keep the sums exact where n does not divide N.
 
-Each script's step runs here from its own blocks (dp_step, tp_step, run_schedule,
+Each script's step runs here from its own blocks (dp_step, tp_blocks, run_schedule,
 ThreeDRank.gradients) inside CommCounter.step(), which swaps the torch.distributed
 functions they call for counting wrappers and puts the originals back afterwards.
 """
@@ -31,7 +31,7 @@ import three_d
 from collectives import cleanup, setup, spawn
 from data_parallel import dp_step, init_weights, make_batch, make_replica, replica_rows
 from pipeline_parallel import build_schedule, gather_on_rank0, run_schedule, stage_layers
-from tensor_parallel import layer_kinds, shard, tp_step
+from tensor_parallel import layer_kinds, shard, tp_blocks
 
 RING_COST = {  # dist function -> (kind, the argument that holds N, factor)
     "all_reduce": ("all-reduce", "tensor", 2),
@@ -108,24 +108,27 @@ def nbytes(tensor):
 
 # ---- the formulas, per rank and step ------------------------------------------------
 
-def dp_formula(unit_bytes, dp_size, zero=0, num_micro_batches=1, skipped=0):
-    """Over the data-parallel group, a collective per bucket; unit_bytes: each bucket's bytes
-    (ZeRO: padded to a multiple of d), P their sum:
+def dp_formula(unit_bytes, dp_size, zero=0, num_micro_batches=1, skipped=0, bf16=False, recompute=False):
+    """Over the data-parallel group, a collective per bucket; unit_bytes: each bucket's fp32
+    bytes (ZeRO: padded to a multiple of d), P their sum; W = P, or P / 2 for --bf16's weights:
       ZeRO 0: an all-reduce of each bucket of gradients: 2(d-1)/d x P
-      ZeRO 1, 2: a reduce-scatter of the gradients, then an all-gather of the weights, each
-              (d-1)/d x P: together one all-reduce's bytes
-      ZeRO 3: per micro-batch, an all-gather of every unit for the forward and again for the
-              backward, but a unit whose layers need no W (skipped bytes: the model's first
-              layer alone computes no dx), and a reduce-scatter of every unit's gradient"""
+      ZeRO 1, 2: a reduce-scatter of the gradients, (d-1)/d x P, then an all-gather of the
+              weights, (d-1)/d x W: with fp32 weights, together one all-reduce's bytes
+      ZeRO 3: per micro-batch, an all-gather of every unit for the forward, for --recompute's
+              second forward, and for the backward, but a unit whose layers need no W
+              (skipped bytes: the model's first layer alone computes no dx), and a
+              reduce-scatter of every unit's gradient"""
     d, m, P = dp_size, num_micro_batches, sum(unit_bytes)
+    W, skipped, gathers = P // (1 + bf16), skipped // (1 + bf16), 2 + recompute
     if zero == 0:
         return {("dp", "all-reduce"): (Fraction(2 * (d - 1) * P, d), f"2({d}-1)/{d} x {P} gradient bytes")}
     if zero in (1, 2):
         return {("dp", "reduce-scatter"): (Fraction((d - 1) * P, d), f"({d}-1)/{d} x {P} gradient bytes"),
-                ("dp", "all-gather"): (Fraction((d - 1) * P, d), f"({d}-1)/{d} x {P} weight bytes")}
+                ("dp", "all-gather"): (Fraction((d - 1) * W, d), f"({d}-1)/{d} x {W} weight bytes")}
     return {("dp", "reduce-scatter"): (Fraction(m * (d - 1) * P, d), f"{m} mb x ({d}-1)/{d} x {P}"),
-            ("dp", "all-gather"): (Fraction(m * (d - 1) * (2 * P - skipped), d),
-                                   f"{m} mb x ({d}-1)/{d} x (2 x {P} - {skipped}, a unit of the first layer alone)")}
+            ("dp", "all-gather"): (Fraction(m * (d - 1) * (gathers * W - skipped), d),
+                                   f"{m} mb x ({d}-1)/{d} x ({gathers} x {W} - {skipped}, a unit of the first "
+                                   f"layer alone)")}
 
 
 def replica_units(replica, first_stage=True):
@@ -134,17 +137,18 @@ def replica_units(replica, first_stage=True):
     return units, units[0] if first_stage and replica.buckets[0] == [0] else 0
 
 
-def tp_formula(kinds, first_stage, act_bytes, num_micro_batches, tp_size):
-    """Per layer and micro-batch, A = act_bytes of one activation [b, D]:
+def tp_formula(kinds, first_stage, act_bytes, num_micro_batches, tp_size, recompute=False):
+    """Per layer and micro-batch, A = act_bytes of one activation [b, D] (halved by --bf16):
       all-gather layer: its output's all-gather, (t-1)/t A; the all-reduce of dx, 2(t-1)/t A
       Megatron's column layer: f's all-reduce of dx, 2(t-1)/t A
       Megatron's row layer: g's all-reduce of z, 2(t-1)/t A
-    The model's first layer (on the first stage) needs no dx: no all-reduce for it."""
+    The model's first layer (on the first stage) needs no dx: no all-reduce for it.
+    --recompute runs each forward twice: its all-gathers, and g's all-reduces, twice."""
     t, m, A = tp_size, num_micro_batches, act_bytes
-    gathers = kinds.count("gather")
-    reduces = len(kinds) - first_stage   # one per layer, of dx or z, but the model's first
+    gathers = kinds.count("gather") * (1 + recompute)
+    reduces = len(kinds) - first_stage + kinds.count("row") * recompute   # dx or z, but the first's
     return {("tp", "all-gather"): (Fraction(gathers * m * (t - 1) * A, t),
-                                   f"{gathers} all-gather layers x {m} mb x ({t}-1)/{t} x {A}"),
+                                   f"{gathers} all-gathers x {m} mb x ({t}-1)/{t} x {A}"),
             ("tp", "all-reduce"): (Fraction(reduces * m * 2 * (t - 1) * A, t),
                                    f"{reduces} dx or z x {m} mb x 2({t}-1)/{t} x {A}")}
 
@@ -165,10 +169,10 @@ def three_d_formula(args, p, act_bytes, replica):
     its stage boundaries, dp for its shards (param_bytes)."""
     m, t, v = args.micro_batches, args.tp, args.virtual_stages
     kinds = layer_kinds(args.num_layers // (args.pp * v), args.tp_style) * v   # Megatron pairs per chunk
-    formula = tp_formula(kinds, p == 0, act_bytes, m, t)
+    formula = tp_formula(kinds, p == 0, act_bytes, m, t, args.recompute)
     formula.update(pp_formula(p, args.pp, act_bytes // t if args.p2p_shard else act_bytes, m, args.virtual_stages))
     units, skipped = replica_units(replica, p == 0)
-    formula.update(dp_formula(units, args.dp, args.zero, m, skipped))
+    formula.update(dp_formula(units, args.dp, args.zero, m, skipped, args.bf16, args.recompute))
     if args.p2p_shard:   # every tensor received from a neighbouring stage is all-gathered over tp
         v = args.virtual_stages
         received = sum((j > 0) + (j < args.pp * v - 1) for j in (c * args.pp + p for c in range(v)))
@@ -217,10 +221,10 @@ def count_dp(rank, world_size, args):
     counter = CommCounter({"dp": None})
     replica = make_replica(weights, None, args, args.overlap)
     with counter.step():
-        dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m), n)
+        dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m), n, recompute=args.recompute)
         replica.step()
     units, skipped = replica_units(replica)
-    report(counter, dp_formula(units, world_size, args.zero, m, skipped))
+    report(counter, dp_formula(units, world_size, args.zero, m, skipped, args.bf16, args.recompute))
     cleanup()
 
 
@@ -231,11 +235,13 @@ def count_tp(rank, world_size, args):
     shards = [shard(w, kind, rank, world_size).to(device) for w, kind in zip(full, kinds)]
     inputs, targets = (t.to(device) for t in make_batch(args))
     L, m = args.num_layers, args.micro_batches
+    replica = make_replica(shards, dist.new_subgroups(1)[0], args)
     counter = CommCounter({"tp": None})
     with counter.step():
-        tp_step(shards, kinds, inputs.chunk(m), targets.chunk(m), args.batch_size * args.dim)
-    act_bytes = args.batch_size // m * args.dim * 4           # one micro-batch's [B/m, D], float32
-    report(counter, tp_formula(kinds, True, act_bytes, m, world_size),
+        dp_step(replica, inputs.chunk(m), targets.chunk(m), args.batch_size * args.dim, tp_blocks(kinds),
+                args.recompute)
+    act_bytes = args.batch_size // m * args.dim * (2 if args.bf16 else 4)   # one micro-batch's [B/m, D]
+    report(counter, tp_formula(kinds, True, act_bytes, m, world_size, args.recompute),
            megatron_comparison(L, act_bytes, m, world_size))
     cleanup()
 
@@ -252,9 +258,9 @@ def count_pp(rank, world_size, args):
     counter = CommCounter({"pp": None})
     replica.zero_grads(m)
     with counter.step():
-        run_schedule(build_schedule(args.schedule, p, stage, m, v), chunks, inputs.chunk(m), (stage - 1) % p,
-                     (stage + 1) % p, (args.batch_size // m, args.dim))
-    report(counter, pp_formula(stage, p, args.batch_size // m * args.dim * 4, m, v))
+        run_schedule(build_schedule(args.schedule, p, stage, m, v), chunks, inputs.to(replica.dtype).chunk(m),
+                     (stage - 1) % p, (stage + 1) % p, (args.batch_size // m, args.dim))
+    report(counter, pp_formula(stage, p, args.batch_size // m * args.dim * (2 if args.bf16 else 4), m, v))
     cleanup()
 
 
@@ -265,7 +271,7 @@ def count_3d(rank, world_size, args):
     with counter.step():
         me.gradients()
         me.replica.step()
-    act_bytes = me.buffer_shape[0] * args.dim * 4
+    act_bytes = me.buffer_shape[0] * args.dim * (2 if args.bf16 else 4)
     report(counter, three_d_formula(args, me.p, act_bytes, me.replica),
            megatron_comparison(args.num_layers, act_bytes, args.micro_batches, args.tp))
     cleanup()

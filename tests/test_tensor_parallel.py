@@ -297,21 +297,21 @@ def test_embedding_demo_says_true_on_every_rank(capfd, world_size):
 # ----------------------------------------------------------------------------------
 
 def _spy_on_shards(monkeypatch, folder):
-    """Every rank saves its shards when its optimizer is built (before any step) and
-    again at cleanup (after training). Forked ranks inherit the patched names."""
+    """Every rank saves its shards when its replica is made (before any step) and again
+    at cleanup (after training). Forked ranks inherit the patched names."""
     kept = {}
-    make_optimizer, original_cleanup = tp.make_optimizer, tp.cleanup
+    make_replica, original_cleanup = tp.make_replica, tp.cleanup
 
-    def spy_optimizer(params, args):
-        kept["shards"] = params
-        torch.save([p.detach().clone() for p in params], folder / f"init{dist.get_rank()}.pt")
-        return make_optimizer(params, args)
+    def spy_replica(weights, *args, **kwargs):
+        torch.save([p.detach().clone() for p in weights], folder / f"init{dist.get_rank()}.pt")
+        kept["replica"] = make_replica(weights, *args, **kwargs)
+        return kept["replica"]
 
     def spy_cleanup():
-        torch.save([p.detach().clone() for p in kept["shards"]], folder / f"final{dist.get_rank()}.pt")
+        torch.save([p.detach().clone() for p in kept["replica"].params], folder / f"final{dist.get_rank()}.pt")
         original_cleanup()
 
-    monkeypatch.setattr(tp, "make_optimizer", spy_optimizer)
+    monkeypatch.setattr(tp, "make_replica", spy_replica)
     monkeypatch.setattr(tp, "cleanup", spy_cleanup)
 
 
