@@ -60,8 +60,8 @@ def input_backward(g, stash, w, need_dx=True):
 def mse_loss(a, y, n):
     """This piece's squared error / n, and its gradient dL/da = 2 (a - y) / n. n counts the
     elements of the batch whose mean we want (a replica's slice), so the pieces add up to
-    the mean's: the one place where the loss is scaled. In fp32; dL/da in a's dtype."""
-    diff = a.float() - y
+    the mean's: the one place where the loss is scaled. In y's dtype; dL/da in a's (bf16)."""
+    diff = a.to(y.dtype) - y
     return diff.square().sum() / n, (diff * (2.0 / n)).to(a.dtype)
 
 
@@ -418,7 +418,8 @@ def serial_train(args):
     With --bf16 the same casts: bf16 matmuls and activations on fp32 master weights."""
     weights = [w.requires_grad_() for w in init_weights(args.num_layers, args.dim, args.seed)]
     (inputs, targets), optimizer = make_batch(args), make_optimizer(weights, args)
-    losses, first_grads, dtype = [], None, torch.bfloat16 if args.bf16 else torch.float32
+    losses, norms, first_grads = [], [], None
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
     for _ in range(args.steps):
         out = inputs.to(dtype)
         for w in weights:
@@ -428,10 +429,11 @@ def serial_train(args):
         loss.backward()
         losses.append(loss.item())
         first_grads = first_grads or [w.grad.clone() for w in weights]
-        torch.nn.utils.clip_grad_norm_(weights, args.clip_grad) if args.clip_grad else None
+        if args.clip_grad:
+            norms.append(torch.nn.utils.clip_grad_norm_(weights, args.clip_grad).item())
         optimizer.step()
     return {"final_weights": [w.detach() for w in weights], "losses": losses,
-            "first_grads": first_grads}
+            "first_grads": first_grads, "grad_norms": norms}
 
 
 def full_weights(replica):          # every layer's whole weight, as copies (ZeRO-3 gathers)

@@ -48,3 +48,26 @@ def assert_check_passed(out, tolerance):
     figures, verdict = check_report(out)
     assert verdict == "OK", out
     assert all(difference <= tolerance for difference, _, _ in figures.values()), figures
+
+
+def clip_between(config):
+    """A --clip-grad for config that clips some steps and not others: the median of the
+    norms that serial training (never clipping) meets."""
+    import argparse
+    import data_parallel
+    norms = data_parallel.serial_train(argparse.Namespace(**{**config, "clip_grad": 1e9, "bf16": False}))["grad_norms"]
+    return sorted(norms)[len(norms) // 2]
+
+
+CLIPPED = re.compile(r"^--clip-grad (\S+): the gradient's norm was clipped on (\d+) of (\d+) steps$", re.MULTILINE)
+
+
+def assert_clipped_some(out):
+    (_, clipped, steps), = CLIPPED.findall(out)
+    assert 0 < int(clipped) < int(steps), out
+
+
+def assert_same_bits(a, b):
+    """Two --save results, bitwise: the same losses and the same final weights."""
+    assert a["losses"] == b["losses"]
+    assert all(torch.equal(x, y) for x, y in zip(a["final_weights"], b["final_weights"]))

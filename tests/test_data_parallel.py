@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import data_parallel as dp
 from collectives import RankFailed
-from common import assert_check_passed, check_report
+from common import ATOL, RTOL, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -656,3 +656,75 @@ def test_bad_flag_from_the_command_line(command_line_runs):
     assert proc.returncode == 2
     assert len(err.splitlines()) == 1 and "--batch-size" in err
     assert "Traceback" not in err and out == ""
+
+
+# ----------------------------------------------------------------------------------
+# What real training adds: --clip-grad, --recompute, --bf16
+# ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size,zero,micro_batches,bucket_mb", [
+    (2, 0, 2, "25"), (3, 1, 2, "0.002"), (3, 2, 1, "0"), (2, 3, 2, "25"), (4, 3, 1, "0")])
+def test_clip_grad_matches_serial_clip_grad_norm(tmp_path, monkeypatch, capfd, world_size, zero, micro_batches,
+                                                  bucket_mb):
+    """One norm over the whole model: the replicas hold the same averaged gradient (stage 0,
+    nothing summed over dp) or 1/d of it (ZeRO: summed over dp, padding zero). A --clip-grad
+    that clips some steps and not others; serial training calls clip_grad_norm_."""
+    batch_size = 4 * world_size * micro_batches
+    clip = clip_between({**SMALL, "batch_size": batch_size, "optimizer": "sgd"})
+    result = run_dp(tmp_path, monkeypatch, world_size, batch_size=batch_size, micro_batches=micro_batches,
+                    flags=("--zero", str(zero), "--bucket-mb", bucket_mb, "--clip-grad", str(clip)))
+    assert result["config"]["clip_grad"] == clip
+    assert_clipped_some(capfd.readouterr().out)
+    assert_matches_serial(result)
+    ref = serial_for(result["config"])
+    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(ref["grad_norms"]), atol=ATOL,
+                               rtol=RTOL)
+
+
+@pytest.mark.parametrize("zero,overlap", [(0, False), (3, True), (2, False)])
+def test_recompute_is_bitwise_the_same_training(tmp_path, monkeypatch, zero, overlap):
+    flags = ("--zero", str(zero), "--bucket-mb", "0", *(["--overlap"] if overlap else []))
+    runs = []
+    for recompute in (False, True):
+        folder = tmp_path / str(recompute)
+        folder.mkdir()
+        runs.append(run_dp(folder, monkeypatch, 2, batch_size=8, micro_batches=2,
+                           flags=(*flags, *(["--recompute"] if recompute else []))))
+    assert runs[1]["config"]["recompute"] and not runs[0]["config"]["recompute"]
+    assert_same_bits(*runs)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_bf16_checks_within_its_tolerance_and_learns_as_fp32_does(tmp_path, monkeypatch, capfd, zero):
+    """bf16 matmuls and activations on fp32 masters: --check against serial training that
+    makes the same casts, within CHECK_TOLERANCE_BF16; and the loss falls step by step as
+    fp32's does, within that tolerance."""
+    runs = {}
+    for bf16 in (False, True):
+        folder = tmp_path / str(bf16)
+        folder.mkdir()
+        runs[bf16] = run_dp(folder, monkeypatch, 2, batch_size=8, micro_batches=2, optimizer="adamw",
+                            flags=("--zero", str(zero), "--check", "--steps", "8", *(["--bf16"] if bf16 else [])))
+    out = capfd.readouterr().out
+    assert out.count("check OK") == 2
+    assert_check_passed(out.partition("check OK")[2], dp.CHECK_TOLERANCE_BF16)
+    fp32, bf16 = torch.tensor(runs[False]["losses"]), torch.tensor(runs[True]["losses"])
+    assert bf16[-1] < bf16[0] / 2 and (bf16 - fp32).abs().max() < dp.CHECK_TOLERANCE_BF16
+    assert all(w.dtype == torch.float32 for w in runs[True]["final_weights"])   # the masters, saved
+
+
+BF16_MEMORY = {0: (2, 4, 12, 1, 1, 1), 1: (2, 4, 12, 1, 1, 3), 2: (2, 4, 12, 1, 3, 3), 3: (0, 4, 12, 1, 3, 3)}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_bf16_memory_is_2_4_12_bytes_a_parameter_split_by_zero(tmp_path, monkeypatch, capfd, zero):
+    """As held: 2 bytes of bf16 weights (none at stage 3 but while gathered), 4 of fp32
+    gradients, 12 of fp32 master weights and AdamW's moments; ZeRO splits them as ever."""
+    run_dp(tmp_path, monkeypatch, 3, batch_size=12, micro_batches=2, optimizer="adamw",
+           flags=("--zero", str(zero), "--bucket-mb", "0", "--bf16"))
+    rows = {m[1]: (int(m[2]), float(m[4])) for m in map(MEMORY_ROW.match, capfd.readouterr().out.splitlines()) if m}
+    P = SMALL["num_layers"] * (258 if zero else 256)
+    weights, grads, state, *split = BF16_MEMORY[zero]
+    want = [weights * P / split[0], grads * P / split[1], state * P / split[2]]
+    assert [rows[k][0] for k in ("weights", "gradients", "optimizer state")] == want
+    assert rows["total"] == (sum(want), sum(want))

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 import data_parallel as dp
 import pipeline_parallel as pp
 from collectives import RankFailed, cleanup, setup, spawn
-from common import assert_check_passed, assert_same_training, check_report
+from common import (assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report,
+                    clip_between)
 from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action
 
 REPO = Path(__file__).resolve().parent.parent
@@ -677,3 +678,58 @@ def test_check_passes_from_the_command_line():
                            "--check", *TIMEOUT], cwd=REPO, capture_output=True, text=True, timeout=55)
     assert proc.returncode == 0, proc.stderr
     assert_check_passed(proc.stdout, dp.CHECK_TOLERANCE)
+
+
+# ----------------------------------------------------------------------------------
+# 9. What real training adds: --recompute, --clip-grad over the stages, --bf16
+# ----------------------------------------------------------------------------------
+
+STASH_ROW = re.compile(r"^  (\d+) +(\d+) +(\d+) +(\d+)   \((\d+) x (\d+) \+ (\d+) x (\d+) \+ (\d+)\) x \[b, D\] = (\d+)$")
+
+
+def stash_table(out):
+    """{stage: (stashes, for W, bytes counted, bytes by the formula)} from the stash table."""
+    rows = [STASH_ROW.match(line) for line in out.splitlines() if STASH_ROW.match(line)]
+    return {int(r[1]): (int(r[2]), int(r[3]), int(r[4]), int(r[10])) for r in rows}
+
+
+@pytest.mark.parametrize("schedule,micro_batches,flags", [
+    ("1f1b", 8, ()), ("gpipe", 4, ()), ("zb-h1", 8, ()), ("interleaved", 8, ("--virtual-stages", "2"))])
+def test_recompute_is_bitwise_the_same_and_its_stash_is_counted(tmp_path, capfd, schedule, micro_batches, flags):
+    """--recompute: the same losses and weights, bit for bit; each stage's stash at its
+    largest, counted from the tensors held, equals the formula, with and without; and it is
+    smaller with it on every stage that held more than one micro-batch."""
+    runs, tables = [], []
+    for recompute in ((), ("--recompute",)):
+        folder = tmp_path / str(bool(recompute))
+        folder.mkdir()
+        runs.append(run_pp(folder, 4, micro_batches, schedule, num_layers=8, batch_size=2 * micro_batches,
+                           flags=(*flags, *recompute)))
+        tables.append(stash_table(capfd.readouterr().out))
+    assert_same_bits(*runs)
+    assert runs[1]["config"]["recompute"]
+    for table in tables:
+        assert sorted(table) == [0, 1, 2, 3] and all(counted == formula for _, _, counted, formula in table.values())
+    (without, with_recompute) = tables
+    A = 2 * 16 * 4                                       # [b, D]: 2 rows of 16 floats
+    for s in range(4):
+        held = without[s][0] + without[s][1]
+        assert without[s][2] == held * 2 * (2 // (1 + bool(flags))) * A   # x, z of its layers
+        if held > 1 and schedule != "zb-h1":               # W keeps x and dz with or without it
+            assert with_recompute[s][2] < without[s][2]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_clip_grad_sums_the_norm_over_the_stages(tmp_path, capfd, schedule):
+    """Each stage holds its own layers' gradients: the norm's squares are summed over the
+    stages, or each would clip by its own part's norm (as torchtitan once shipped)."""
+    config = dict(num_layers=12, dim=16, batch_size=8, seed=3, optimizer="sgd", lr=0.1, steps=3)
+    clip = clip_between(config)
+    result = run_pp(tmp_path, 3, 4, schedule, flags=("--clip-grad", str(clip)))
+    assert_clipped_some(capfd.readouterr().out)
+    assert_matches_serial(result)
+
+
+def test_bf16_pipeline_checks_within_its_tolerance(tmp_path, capfd):
+    run_pp(tmp_path, 2, 4, "1f1b", optimizer="adamw", lr=0.01, flags=("--bf16", "--check"))
+    assert_check_passed(capfd.readouterr().out, dp.CHECK_TOLERANCE_BF16)

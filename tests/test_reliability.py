@@ -84,6 +84,12 @@ TRAINING = [
     (["--timeout-s", "1e15"], "--timeout-s"),     # past what a timedelta holds
     (["--save", "{fifo}"], "--save"),             # a named pipe: opening it would block
     (["--save", "/dev/full"], "--save"),          # a device: not a file to save in
+    (["--clip-grad", "-1"], "--clip-grad"),
+    (["--clip-grad", "0"], "--clip-grad"),        # would scale every gradient to zero
+    (["--clip-grad", "nan"], "--clip-grad"),
+    (["--clip-grad", "inf"], "--clip-grad"),
+    (["--bf16=yes"], "--bf16"),
+    (["--recompute", "2"], "2"),                  # a flag, not a number
 ] + ([(["--backend", "nccl"], "--backend")] if NO_GPU else [])
 
 # (argv, flag, WORLD_SIZE of a torchrun-like environment or None)
@@ -680,3 +686,15 @@ def test_two_first_makes_at_once_both_succeed(tmp_path):
     listed = subprocess.run([venv, "-m", "pip", "list", "--format", "freeze"], capture_output=True, text=True).stdout
     names = [line.split("==")[0].lower() for line in listed.splitlines()]
     assert len(names) == len(set(names)) and "torch" in names and "pytest" in names
+
+
+def test_bf16_on_a_gpu_that_cannot_is_one_line(monkeypatch, capsys):
+    """--bf16 where the device cannot compute in bf16 (an older GPU): refused at the door."""
+    for name, value in [("is_available", lambda: True), ("device_count", lambda: 8),
+                        ("is_bf16_supported", lambda *a, **k: False)]:
+        monkeypatch.setattr(torch.cuda, name, value)
+    with pytest.raises(SystemExit) as exited:
+        three_d.main(["--bf16", "--backend", "nccl"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"{os.path.basename(sys.argv[0])}: error: --bf16: this GPU cannot compute in bf16"]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import data_parallel as dp
 import tensor_parallel as tp
 from collectives import RankFailed, cleanup, setup, spawn
-from common import assert_check_passed, check_report
+from common import assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -454,3 +454,36 @@ def test_bad_flags_exit_2_with_one_line(argv, flag, capsys, monkeypatch):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and "error" in lines[0], err
     assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------
+# What real training adds: one clip over the tp shards, recompute, bf16
+# ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("style", ["all-gather", "megatron"])
+def test_clip_grad_sums_the_norm_over_the_tp_shards(tmp_path, monkeypatch, capfd, style):
+    """Each rank holds disjoint columns (or rows) of every W: the norm's squares are summed
+    over the tp group, or each rank would clip by its own shard's norm."""
+    clip = clip_between({**SMALL, "optimizer": "sgd", "lr": LR["sgd"]})
+    result = run_tp(tmp_path, monkeypatch, 3, micro_batches=2, flags=("--tp-style", style, "--clip-grad", str(clip),
+                                                                     "--check"))
+    out = capfd.readouterr().out
+    assert_clipped_some(out)
+    assert_check_passed(out, dp.CHECK_TOLERANCE)
+    assert result["config"]["clip_grad"] == clip
+
+
+def test_recompute_repeats_the_forward_bitwise(tmp_path, monkeypatch):
+    runs = []
+    for recompute in ((), ("--recompute",)):
+        folder = tmp_path / str(bool(recompute))
+        folder.mkdir()
+        runs.append(run_tp(folder, monkeypatch, 2, micro_batches=2, flags=("--tp-style", "megatron", *recompute)))
+    assert_same_bits(runs[0], runs[1])
+
+
+def test_bf16_tensor_parallel_checks_within_its_tolerance(tmp_path, monkeypatch, capfd):
+    """bf16 activations cross the tp ranks (all-gathers, and all-reduces summed in bf16 by
+    gloo, which takes bf16 for every collective here: nothing is sent as int16 bits)."""
+    run_tp(tmp_path, monkeypatch, 3, micro_batches=2, flags=("--bf16", "--check", "--tp-style", "megatron"))
+    assert_check_passed(capfd.readouterr().out, dp.CHECK_TOLERANCE_BF16)

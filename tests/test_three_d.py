@@ -27,7 +27,8 @@ import torch.distributed as dist
 import data_parallel as dp
 import three_d
 from collectives import RankFailed
-from common import assert_same_training, check_report
+from common import (assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report,
+                    clip_between)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -201,7 +202,7 @@ def test_show_rank_map_prints_the_table_and_starts_no_rank(sizes, order, monkeyp
 
 def run_3d(tmp_path, dp_size, pp_size, tp_size, schedule="1f1b", order="tp-pp-dp", p2p_shard=False,
            micro_batches=2, dim=16, num_layers=8, batch_size=16, steps=2, optimizer="sgd", lr=0.1, seed=3,
-           tp_style="all-gather", zero=0, bucket_mb=25):
+           tp_style="all-gather", zero=0, bucket_mb=25, flags=()):
     """three_d.main in-process (ranks forked from here); return the --save dict."""
     save = tmp_path / "run.pt"
     three_d.main(["--dp", str(dp_size), "--pp", str(pp_size), "--tp", str(tp_size), "--tp-style", tp_style,
@@ -209,7 +210,7 @@ def run_3d(tmp_path, dp_size, pp_size, tp_size, schedule="1f1b", order="tp-pp-dp
                   "--schedule", schedule, "--order", order, *(["--p2p-shard"] if p2p_shard else []),
                   "--micro-batches", str(micro_batches), "--dim", str(dim), "--num-layers", str(num_layers),
                   "--batch-size", str(batch_size), "--steps", str(steps), "--optimizer", optimizer,
-                  "--lr", str(lr), "--seed", str(seed), "--save", str(save), *TIMEOUT])
+                  "--lr", str(lr), "--seed", str(seed), "--save", str(save), *TIMEOUT, *flags])
     return torch.load(save)
 
 
@@ -437,3 +438,42 @@ def test_make_3d_defaults_pass_check_and_learn(tmp_path):
     assert figures["first step's gradients"][0] <= dp.CHECK_TOLERANCE     # AdamW's own tolerance is
     assert figures["losses"][0] <= dp.CHECK_TOLERANCE                     # lr x steps for the
     assert figures["final weights"][1] == pytest.approx(0.01 * 30)        # final weights
+
+
+# ----------------------------------------------------------------------------------
+# What real training adds: one clip across every shard, recompute, bf16
+# ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sizes,options", [
+    ((2, 2, 2), dict()),
+    ((2, 2, 2), dict(zero=3, tp_style="megatron", p2p_shard=True)),
+    ((1, 4, 2), dict(schedule="interleaved", micro_batches=4, zero=2)),
+    ((4, 2, 1), dict(zero=1, micro_batches=1, order="tp-dp-pp")),
+], ids=str)
+def test_clip_grad_covers_every_shard_once(tmp_path, capfd, sizes, options):
+    """The global norm: squares summed over tp (disjoint shards) and pp (other stages), and
+    over dp only under ZeRO (the replicas hold the same average otherwise), each once."""
+    config = dict(num_layers=8, dim=16, batch_size=16, seed=3, optimizer="sgd", lr=0.1, steps=3)
+    clip = clip_between(config)
+    result = run_3d(tmp_path, *sizes, **options, steps=3, flags=("--clip-grad", str(clip)))
+    assert_clipped_some(capfd.readouterr().out)
+    assert result["config"]["clip_grad"] == clip
+    assert_same_training(result, serial_reference(result))
+
+
+def test_recompute_is_bitwise_the_same_in_3d(tmp_path):
+    """Megatron's pairs, ZB-H1, ZeRO-3, --p2p-shard: the recomputed forward repeats the
+    forward's all-gathers and all-reduces, and rebuilds the same stash, bit for bit."""
+    runs = []
+    for recompute in ((), ("--recompute",)):
+        folder = tmp_path / str(bool(recompute))
+        folder.mkdir()
+        runs.append(run_3d(folder, 2, 2, 2, schedule="zb-h1", tp_style="megatron", zero=3, p2p_shard=True,
+                           micro_batches=4, flags=recompute))
+    assert_same_bits(*runs)
+
+
+def test_bf16_in_3d_checks_within_its_tolerance(tmp_path, capfd):
+    run_3d(tmp_path, 2, 2, 2, tp_style="megatron", zero=1, p2p_shard=True, steps=4,
+           flags=("--bf16", "--check", "--recompute"))
+    assert_check_passed(capfd.readouterr().out, dp.CHECK_TOLERANCE_BF16)
