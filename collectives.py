@@ -2,7 +2,6 @@
 launcher that every later step imports.
 
     python collectives.py                        # every collective, on 4 ranks
-    python collectives.py --world-size 8
     torchrun --nproc-per-node 4 collectives.py   # the same script under torchrun
 
 Every rank prints its tensors before and after each collective, so each definition can
@@ -285,7 +284,6 @@ def spawn(fn, world_size, *args, backend="auto", timeout_s=DEFAULT_TIMEOUT_S):
     finally:       # what still runs ends here: a stopped rank needs SIGKILL
         for process in context.processes if context else []:
             process.kill()
-        for process in context.processes if context else []:
             process.join()
         shutil.rmtree(folder, ignore_errors=True)
         for s, handler in saved.items():
@@ -386,9 +384,8 @@ def run_main(main):
     try:
         if under_torchrun():
             from torch.distributed.elastic.multiprocessing.errors import record
-            record(main)()
-        else:
-            main()
+            main = record(main)
+        main()
     except Stop as e:        # this rank (under torchrun) or the one process stopped on purpose
         sys.exit(f"error: {e}")
     except RankFailed as e:
@@ -418,11 +415,9 @@ class Parser(argparse.ArgumentParser):
             sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
 
-    def refuse(self, rules):
-        """The door: (broken, message) pairs; the first broken ends the run before any rank."""
+    def refuse(self, rules):   # the door: (broken, message) pairs; the first broken one ends it
         for broken, message in rules:
-            if broken:
-                self.error(message)
+            self.error(message) if broken else None
 
 
 def positive_int(text):
@@ -432,13 +427,10 @@ def positive_int(text):
 
 
 def positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+    with contextlib.suppress(ValueError):
+        if 0 < float(text) < math.inf:      # not 0, negative, nan or inf
+            return float(text)
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
 
 
 def check_launch_args(parser, args, world_size, flag="--world-size", tensor_bytes=0, sizes=""):
@@ -490,12 +482,10 @@ def heading(rank, title):   # a section starts once every rank has finished the 
 
 
 def show(rank, when, **tensors):
-    """Print this rank's tensors on one line. The ranks take turns, so lines come in rank
-    order, and all have printed before anyone goes on."""
+    """This rank's tensors on one line; the ranks take turns, so lines come in rank order."""
     for turn in range(dist.get_world_size()):
-        if turn == rank:
-            values = "  ".join(f"{name} = {fmt(v)}" for name, v in tensors.items())
-            log(f"[rank {rank}]", f"{when:<6}", values)
+        values = "  ".join(f"{name} = {fmt(v)}" for name, v in tensors.items())
+        log(f"[rank {rank}]", f"{when:<6}", values) if turn == rank else None
         dist.barrier()
 
 

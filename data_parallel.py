@@ -16,16 +16,12 @@ shape. Its backward is derived by hand here, once; every later step splits these
 
 Data parallelism: each of d replicas holds every weight and trains on its own slice of the
 batch; they sum their gradients with an all-reduce, 2(d-1)/d x P bytes each for P bytes of
-gradients, and divide by d, so every replica takes the same step. The lecture's gaps that
-this fills: the backward itself, checked against autograd in the tests; micro-batches,
-whose gradients add up before one exchange a step; buckets and --overlap, as DDP's; and
-ZeRO (--zero 1, 2, 3), three classes, each the one before with one change.
-
-What PyTorch gives you: DistributedDataParallel; for ZeRO, ZeroRedundancyOptimizer and
-FSDP2's fully_shard (tests/bench.py races them against this).
+gradients, and divide by d, so every replica takes the same step. Micro-batches' gradients
+add up before one exchange a step; buckets and --overlap are DDP's; ZeRO (--zero 1, 2, 3) is
+three classes, each the one before with one change. PyTorch's: DistributedDataParallel,
+ZeroRedundancyOptimizer, FSDP2's fully_shard (tests/bench.py races them against these).
 """
 import itertools
-import math
 import warnings
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
@@ -52,15 +48,14 @@ def input_backward(g, stash, w, need_dx=True):
     """The half of the backward that the layer below waits for: dx. Returns dx and what
     the other half, dW = x^T dz, needs (step 4's zero-bubble schedule runs it later)."""
     x, z = stash
-    dz = torch.ops.aten.gelu_backward(g, z)   # dz = g * gelu'(z)  [b, n], fused: see gelu_grad
+    dz = torch.ops.aten.gelu_backward(g, z)   # dz = g * gelu'(z)  [b, n], one fused kernel
     dx = dz @ w.T if need_dx else None        # dx = dz W^T        [b, D]
     return dx, (x, dz)
 
 
 def mse_loss(a, y, n):
-    """This piece's squared error / n, and its gradient dL/da = 2 (a - y) / n. n counts the
-    elements of the batch whose mean we want (a replica's slice), so the pieces add up to
-    the mean's: the one place where the loss is scaled. In y's dtype; dL/da in a's (bf16)."""
+    """This piece's squared error / n, and dL/da = 2 (a - y) / n: n counts the elements of the
+    batch whose mean we want, so the pieces add up to the mean's. dL/da in a's dtype (bf16)."""
     diff = a.to(y.dtype) - y
     return diff.square().sum() / n, (diff * (2.0 / n)).to(a.dtype)
 
@@ -74,33 +69,13 @@ def replica_rows(batch_size, dp_rank, dp_size, step=None, seed=0):
     return rows[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
 
-def make_buckets(numels, bucket_mb, breaks=()):
-    """Consecutive layers whose fp32 gradients fit in bucket_mb (0: a layer each). Why: a
-    collective costs a fixed time plus its bytes over the bandwidth. Between 2 ranks here
-    (gloo; tests/bench.py collectives) an all-reduce of 4 KB and one of 1 MB both take 0.5
-    to 0.8 ms, 16 MB 11 ms: below a megabyte the fixed cost is the time, and one bucket's
-    call replaces many. Cut from the last layer, whose gradient is final first; as DDP's,
-    the first holds 1 MB at most, to start early. None crosses a break (3D: a chunk's)."""
-    buckets, cap, size = [[]], min(bucket_mb, 1.0) * 2**20, 0
-    for i in reversed(range(len(numels))):
-        if buckets[-1] and (size + 4 * numels[i] > cap or i + 1 in breaks):
-            buckets, cap, size = buckets + [[]], bucket_mb * 2**20, 0
-        buckets[-1].insert(0, i)
-        size += 4 * numels[i]
-    return buckets[::-1]
-
-
 class DataParallel:
     """One replica of d over `group`, ZeRO's stage 0: it holds every weight, gradient and
     optimizer state (16 P bytes for P fp32 parameters with AdamW: 4 + 4 + 8). The step reads
     each W from weights_in() and hands each micro-batch's x, dz to add_grad(); a bucket of
-    gradients is one flat buffer, all-reduced once final (2(d-1)/d x P in all); average()
-    ends the exchange and step() steps the optimizer.
-
-    --bf16: the layers compute with a bf16 copy of each weight (2 bytes a parameter), made
-    anew from the fp32 master after each step. The master, the gradients and the optimizer
-    stay fp32: an update lr x g below 1/256 of a weight vanishes in bf16's 8-bit mantissa,
-    and so does a small gradient added to a large sum, over micro-batches or replicas."""
+    gradients (make_buckets) is one flat buffer, all-reduced once final; average() waits, step()
+    steps. --bf16: the layers compute with bf16 copies of the fp32 masters; gradients and
+    optimizer stay fp32 (an update below 1/256 of a weight vanishes in bf16's 8 bits)."""
 
     def __init__(self, weights, group, args, overlap=False, breaks=()):
         self.group, self.overlap, self.device = group, overlap, weights[0].device
@@ -130,9 +105,8 @@ class DataParallel:
         self.unsent, self.peak, self.fresh = [], 0, set(range(len(self.shapes)))
 
     def add_grad(self, i, x, dz):
-        """dW = x^T dz of one micro-batch, summed into its bucket by the matmul itself, with no
-        dW tensor between (Megatron's gradient-accumulation fusion); the step's first dW of
-        a layer overwrites what its part held, so nothing is zeroed."""
+        """dW = x^T dz of one micro-batch, summed into its bucket by the matmul itself (Megatron's
+        gradient-accumulation fusion); a layer's first dW of a step overwrites: nothing zeroed."""
         b, x, dz = self.bucket_of[i], x.float(), dz.float()   # bf16's products, summed in fp32
         if self.grad_buckets[b] is None:        # made as the first dW comes (padding: zeros)
             self.grad_buckets[b] = torch.zeros(self.lengths[b], device=self.device)
@@ -140,12 +114,9 @@ class DataParallel:
         torch.mm(x.T, dz, out=grad) if i in self.fresh else grad.addmm_(x.T, dz)
         self.fresh.discard(i)
         self.left[b] -= 1
-        if self.left[b] == 0:
-            self.final(b)
+        self.final(b) if self.left[b] == 0 else None
 
-    def final(self, b):
-        """Bucket b's gradient is final: with --overlap its exchange starts now, and runs while
-        the backward of the layers below goes on; else it waits for average()."""
+    def final(self, b):     # bucket b is final: --overlap sends it now, under the backward below
         self.exchange(b) if self.overlap else self.unsent.append(b)
 
     def exchange(self, b):                      # the sum over the replicas, in place
@@ -153,14 +124,11 @@ class DataParallel:
             if self.d > 1 else None
         self.pending.append((b, work, None))
 
-    def average(self):
-        """The rest of the exchange, then / d: the replicas' mean-loss gradients, summed and
-        divided by d, are the gradient of the global mean."""
+    def average(self):      # the rest of the exchange; the sum of d replicas' gradients / d
         for b in self.unsent:
             self.exchange(b)
         self.wait()
-        for grad in self.grads():
-            grad.div_(self.d)
+        torch._foreach_div_(self.grads(), self.d)
 
     def wait(self):
         for b, work, piece in self.pending:
@@ -188,22 +156,6 @@ class DataParallel:
             weight.copy_(param) if weight is not param else None
 
 
-def clip_grads(grads, max_norm, groups):
-    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ does,
-    where norm is the 2-norm of the whole model's gradient: each rank's sum of squares of
-    what it holds, summed over the groups whose ranks hold the other parts, once each: over
-    tp (disjoint shards) and pp (other stages); over dp only where ZeRO shards the average
-    (the replicas hold the same one); ZeRO's padding is zero. (A real model also has weights
-    that every tp rank holds whole, as LayerNorm's: they are counted once, not tp times.)"""
-    squares = torch.stack([g.float().square().sum() for g in grads]).sum()
-    for group in groups:
-        dist.all_reduce(squares, group=group)
-    norm = squares.sqrt()
-    for g in grads:
-        g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
-    return norm.item()
-
-
 class ZeRO1(DataParallel):
     """Stage 1 = stage 0, but the optimizer steps only this replica's 1/d of each bucket, so
     it keeps 1/d of the state (8 P + 8 P/d bytes), and the all-reduce splits around the step
@@ -221,8 +173,7 @@ class ZeRO1(DataParallel):
                        for flat in flats]                         # the optimizer's [S], fp32
 
     def own(self, flat):                        # this replica's 1/d of a bucket: a view [S]
-        size = flat.numel() // self.d
-        return flat[self.r * size:(self.r + 1) * size]
+        return flat.view(self.d, -1)[self.r]
 
     def exchange(self, b):                      # only this replica's part of the sum, in place
         piece = self.own(self.grad_buckets[b])
@@ -263,9 +214,8 @@ class ZeRO2(ZeRO1):
 
 class ZeRO3(ZeRO2):
     """Stage 3 (FSDP) = stage 2, but a replica keeps only its 1/d of the weights too (16 P/d):
-    a bucket is FSDP's unit, all-gathered for its layers' forward and again for their
-    backward, and let go after. Its gradient is reduce-scattered after every micro-batch
-    and summed into the shard: 3(d-1)/d x P per micro-batch."""
+    a bucket is FSDP's unit, all-gathered for its layers' forward and again for their backward.
+    Its gradient is reduce-scattered after each micro-batch: 3(d-1)/d x P per micro-batch."""
 
     def keep_weights(self, weights):
         super().keep_weights(weights)
@@ -315,11 +265,10 @@ def make_replica(weights, group, args, overlap=False, breaks=()):   # by --zero 
 
 
 def dp_step(replica, xs, ys, n, blocks=None, recompute=False):
-    """One replica's step: every micro-batch (xs, ys) forward and back through each layer's
-    blocks (step 2's own, or what a later step hands in), dW summed over the micro-batches
-    and averaged over the replicas. Returns this replica's loss. recompute: each layer's
-    stash is let go as the forward goes, and made again by a second forward before the
-    backward, bitwise the same; here, one micro-batch in flight, that saves nothing (step 4)."""
+    """One replica's step: each micro-batch (xs, ys) forward and back through each layer's
+    blocks (step 2's, or a later step's), dW summed over micro-batches and averaged over the
+    replicas. Returns this replica's loss. recompute: the stashes are let go, and made again
+    by a second forward before the backward (one micro-batch in flight: it saves nothing)."""
     L = len(replica.shapes)
     blocks = blocks or [(layer_forward, input_backward)] * L
 
@@ -359,14 +308,7 @@ def dp_worker(rank, world_size, args):
         replica.step()
         losses.append(global_loss(loss, None))
         log(f"[rank {rank}]", step_line(step, losses, norms, args)) if rank == 0 else None
-    weights = full_weights(replica)
-    drift = replica_drift(weights)
-    if rank == 0:
-        log(f"[rank {rank}]", f"replicas identical after training: {drift == 0.0} (largest "
-                              f"difference {drift:g})")
-        show_memory(replica, args, "each replica")
-        finish_run(args, init, weights, losses, inputs, targets, first_grads, norms,
-                   {"replica_max_diff": drift})
+    finish_replicas(replica, args, init, losses, inputs, targets, first_grads, norms)
     cleanup()
 
 
@@ -375,24 +317,40 @@ def main(argv=None):
     spawn(dp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
 
 
-# Below the fold: what later steps share (weights and data, the serial reference, training
-# flags and their rules, --save and --check), and the memory table. -------------------------
-import os  # noqa: E402
+# Below the fold: the bucket layout and the clipping norm; what later steps share (weights,
+# data, the serial reference, training flags and rules, --save, --check); the memory table.
+import functools, math, os  # noqa: E401, E402
 
 from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
 
 
-def gelu_grad(z):   # the formula: PyTorch's fused kernel computes g * gelu'(z) in one pass
-    return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-z * z / 2) / math.sqrt(
-        2 * math.pi)                          # Phi(z) + z phi(z)
+def make_buckets(numels, bucket_mb, breaks=()):
+    """Consecutive layers whose fp32 gradients fit in bucket_mb (0: a layer each). A collective
+    costs a fixed time plus bytes / bandwidth: here (gloo, 2 ranks; tests/bench.py collectives)
+    an all-reduce of 4 KB or of 1 MB takes 0.5-0.8 ms, 16 MB 11 ms, so one call for many layers
+    saves. Cut from the last layer, whose gradient is final first; the first bucket holds 1 MB
+    at most, as DDP's, to start early. None crosses a break (3D: a chunk's)."""
+    buckets, cap, size = [[]], min(bucket_mb, 1.0) * 2**20, 0
+    for i in reversed(range(len(numels))):
+        if buckets[-1] and (size + 4 * numels[i] > cap or i + 1 in breaks):
+            buckets, cap, size = buckets + [[]], bucket_mb * 2**20, 0
+        buckets[-1].insert(0, i)
+        size += 4 * numels[i]
+    return buckets[::-1]
 
 
-def model_forward(weights, x):      # every layer in turn: the output and each layer's stash
-    stashes = []
-    for w in weights:
-        x, stash = layer_forward(x, w)
-        stashes.append(stash)
-    return x, stashes
+def clip_grads(grads, max_norm, groups):
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ does. The
+    norm is the whole model's: each rank's sum of squares, summed over the groups whose ranks
+    hold the other parts: tp (other shards), pp (other stages), dp only where ZeRO shards.
+    (A weight every tp rank holds whole, as LayerNorm's, would count once, not tp times.)"""
+    squares = torch.stack([g.float().square().sum() for g in grads]).sum()
+    for group in groups:
+        dist.all_reduce(squares, group=group)
+    norm = squares.sqrt()
+    for g in grads:
+        g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm.item()
 
 
 def init_weights(num_layers, dim, seed):
@@ -406,7 +364,8 @@ def init_weights(num_layers, dim, seed):
 def make_batch(args):   # X [B, D], and Y = teacher(X) from its own seed: the loss can reach 0
     inputs = torch.randn(args.batch_size, args.dim,
                          generator=torch.Generator().manual_seed(args.seed + 2))
-    return inputs, model_forward(init_weights(args.num_layers, args.dim, args.seed + 1), inputs)[0]
+    teacher = init_weights(args.num_layers, args.dim, args.seed + 1)
+    return inputs, functools.reduce(lambda x, w: F.gelu(x @ w), teacher, inputs)
 
 
 def make_optimizer(params, args):   # plain SGD, or AdamW with PyTorch's defaults
@@ -421,9 +380,7 @@ def serial_train(args):
     losses, norms, first_grads = [], [], None
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     for _ in range(args.steps):
-        out = inputs.to(dtype)
-        for w in weights:
-            out = F.gelu(out @ w.to(dtype))
+        out = functools.reduce(lambda x, w: F.gelu(x @ w.to(dtype)), weights, inputs.to(dtype))
         loss = F.mse_loss(out.float(), targets)
         optimizer.zero_grad()
         loss.backward()
@@ -462,10 +419,9 @@ def held(replica):   # bytes held now, by kind; a view of another tensor counts 
 
 
 def zero_formula(zero, num_params, dp_size, optimizer="adamw", bf16=False):
-    """{kind: (bytes, formula)} one replica holds for P parameters: 4 a parameter of fp32
-    weights, 4 of gradients, 8 of AdamW state (SGD: none); stage 1 splits the state over the
-    d replicas, stage 2 the gradients too, stage 3 the weights too. bf16: 2 of weights (none
-    at stage 3 but while gathered), and the fp32 master's 4 join the optimizer's state."""
+    """{kind: (bytes, formula)} a replica holds for P parameters: 4 P of weights, 4 P of gradients,
+    8 P of AdamW state, split over d from stage 1, 2, 3 on. bf16: 2 P of weights (none at stage
+    3 but while gathered), and the fp32 masters' 4 P join the optimizer's state."""
     sizes = [(2 * (zero < 3), 4) if bf16 else (4, 3), (4, 2), (8 * (optimizer == "adamw") +
                                                                4 * bf16, 1)]
     return {kind: (size * num_params / (dp_size if zero >= stage else 1),
@@ -485,6 +441,17 @@ def show_memory(replica, args, whose):
     if args.zero == 3:
         print(f"  largest at any moment of the last step: {replica.peak} bytes, at a unit's "
               f"gather: the shards, the gradient buckets then, and the units held (two at most)")
+
+
+def finish_replicas(replica, args, init, losses, inputs, targets, first_grads, norms):
+    weights = full_weights(replica)   # every rank: the replicas must agree, bit for bit
+    drift = replica_drift(weights)
+    if dist.get_rank() == 0:
+        log("[rank 0]", f"replicas identical after training: {drift == 0.0} (largest "
+                        f"difference {drift:g})")
+        show_memory(replica, args, "each replica")
+        finish_run(args, init, weights, losses, inputs, targets, first_grads, norms,
+                   {"replica_max_diff": drift})
 
 
 def global_loss(loss, group):       # the replicas' mean losses, averaged: the global mean

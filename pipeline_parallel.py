@@ -2,9 +2,7 @@
 
     python pipeline_parallel.py                                   # 4 stages, 1F1B
     python pipeline_parallel.py --micro-batches 8 --timeline      # make pp: the picture
-    python pipeline_parallel.py --micro-batches 8 --schedule gpipe --timeline
     python pipeline_parallel.py --world-size 2 --micro-batches 8 --check
-    python pipeline_parallel.py --micro-batches 8 --schedule zb-h1 --timeline
     python pipeline_parallel.py --micro-batches 8 --schedule interleaved --timeline
     torchrun --nproc-per-node 4 pipeline_parallel.py
 
@@ -200,16 +198,6 @@ class Stage:
     def held(self):
         return len(self.stash) + len(self.for_w)    # micro-batches whose activations it keeps
 
-    def held_bytes(self):
-        kept = [(s,) if torch.is_tensor(s) else [t for pair in s for t in pair]
-                for s in self.stash.values()]
-        return nbytes([t for ts in kept for t in ts] + [t for w in self.for_w.values()
-                                                        for pair in w.values() for t in pair])
-
-
-def nbytes(tensors):   # each tensor once: a layer's output is the next layer's input
-    return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
-
 
 def run_schedule(actions, chunks, inputs, prev_rank, next_rank, buffer_shape, group=None,
                  events=None, outgoing=None, incoming=None, memory=None):
@@ -258,7 +246,7 @@ def run_schedule(actions, chunks, inputs, prev_rank, next_rank, buffer_shape, gr
         if memory is not None:                    # a recomputing B: with the stash it made
             again = layers.recomputed * (action.op == "B")
             memory.append((sum(len(c.stash) for c in chunks), sum(len(c.for_w) for c in chunks),
-                           sum(c.held_bytes() for c in chunks) + again, int(again > 0)))
+                           sum(map(stash_bytes, chunks)) + again, int(again > 0)))
         if events is not None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)   # the kernels run after the call returns
@@ -283,9 +271,8 @@ def pp_worker(rank, world_size, args):
     full = init_weights(args.num_layers, args.dim, args.seed)
     inputs, targets = make_batch(args)
     mine = [i for c in range(v) for i in stage_layers(args.num_layers, p, stage, v, c)]
-    # The stage's weights live in step 2's replica, over a data-parallel group of one rank:
-    # nothing to exchange, only the weights, the dW buckets and the optimizer. (3D hands
-    # the same class a real data-parallel group.)
+    # The stage's weights live in step 2's replica over a data-parallel group of one rank:
+    # nothing to exchange; the weights, dW buckets and optimizer. (3D's group is real.)
     alone = dist.new_subgroups(1)[0]
     replica = make_replica([full[i].to(device, copy=True) for i in mine], alone, args)
     per_chunk = len(mine) // v
@@ -337,6 +324,17 @@ from collectives import positive_int  # noqa: E402
 from data_parallel import (check_training_args, finish_run, full_grads,  # noqa: E402
                            full_weights, init_weights, make_batch, step_line, training_parser)
 from tensor_parallel import divides  # noqa: E402
+
+
+def nbytes(tensors):   # each tensor once: a layer's output is the next layer's input
+    return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
+
+
+def stash_bytes(stage):   # what a Stage keeps for backward: stashes (or inputs), W's (x, dz)
+    kept = [[s] if torch.is_tensor(s) else [t for pair in s for t in pair]
+            for s in stage.stash.values()]
+    kept += [[t for pair in w.values() for t in pair] for w in stage.for_w.values()]
+    return nbytes([t for ts in kept for t in ts])
 
 
 def gather_on_rank0(tensor):

@@ -1,4 +1,5 @@
 """Helpers that several test files share."""
+import math
 import os
 import re
 
@@ -71,3 +72,17 @@ def assert_same_bits(a, b):
     """Two --save results, bitwise: the same losses and the same final weights."""
     assert a["losses"] == b["losses"]
     assert all(torch.equal(x, y) for x, y in zip(a["final_weights"], b["final_weights"]))
+
+
+def gelu_grad(z):   # the formula that PyTorch's fused kernel (aten.gelu_backward) computes
+    return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-z * z / 2) / math.sqrt(
+        2 * math.pi)                          # Phi(z) + z phi(z)
+
+
+def model_forward(weights, x):      # step 2's layers in turn: the output and each layer's stash
+    from data_parallel import layer_forward
+    stashes = []
+    for w in weights:
+        x, stash = layer_forward(x, w)
+        stashes.append(stash)
+    return x, stashes

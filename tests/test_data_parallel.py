@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 import data_parallel as dp
 from collectives import RankFailed
-from common import ATOL, RTOL, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between
+from common import (ATOL, RTOL, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
+                    gelu_grad, model_forward)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,7 +63,7 @@ def _gelu_points():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_gelu_grad_matches_autograd_of_erf_gelu(dtype):
     z = _gelu_points().to(dtype)
-    mine, ref = dp.gelu_grad(z), autograd_gelu_grad(z)
+    mine, ref = gelu_grad(z), autograd_gelu_grad(z)
     assert torch.isfinite(mine).all()
     torch.testing.assert_close(mine, ref, atol=1e-6 if dtype == torch.float32 else 1e-12, rtol=1e-6)
     # and against the closed form in float64, computed independently of both
@@ -80,9 +81,9 @@ def test_the_fused_kernel_the_step_runs_is_g_times_the_formula(dtype):
     g = torch.randn(z.shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
     fused = torch.ops.aten.gelu_backward(g, z)
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(fused, g * dp.gelu_grad(z), **tol)
+    torch.testing.assert_close(fused, g * gelu_grad(z), **tol)
     tanh = torch.ops.aten.gelu_backward(g, z, approximate="tanh")
-    assert (tanh - g * dp.gelu_grad(z)).abs().max() > 1e-4
+    assert (tanh - g * gelu_grad(z)).abs().max() > 1e-4
 
 
 def test_tanh_derivative_would_fail_the_gelu_test():
@@ -177,7 +178,7 @@ def test_full_model_backward_matches_autograd():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 12, generator=gen, dtype=torch.float64)
     y = torch.randn(6, 12, generator=gen, dtype=torch.float64)
-    out, stashes = dp.model_forward(weights, x)
+    out, stashes = model_forward(weights, x)
     loss, g = dp.mse_loss(out, y, out.numel())
     grads = [None] * len(weights)
     for i in reversed(range(len(weights))):
@@ -249,7 +250,7 @@ def test_make_batch_is_a_teacher_of_the_same_shape():
     assert torch.equal(inputs, ref_x)
     torch.testing.assert_close(targets, teacher(ref_x).detach(), atol=1e-6, rtol=1e-6)
     # the teacher is not the student: the loss starts away from zero
-    out, _ = dp.model_forward(dp.init_weights(3, 8, 5), inputs)
+    out, _ = model_forward(dp.init_weights(3, 8, 5), inputs)
     assert F.mse_loss(out, targets) > 1e-2
 
 
@@ -394,7 +395,7 @@ def test_dp_save_contents(tmp_path, monkeypatch):
     assert result["inputs"].shape == (8, D)
     assert isinstance(result["losses"], list) and len(result["losses"]) == SMALL["steps"]
     # losses[0] is the loss before any update: the initial model on the whole batch
-    out, _ = dp.model_forward(result["init_weights"], inputs)
+    out, _ = model_forward(result["init_weights"], inputs)
     assert result["losses"][0] == pytest.approx(F.mse_loss(out, targets).item(), rel=1e-5)
     assert_matches_serial(result)
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import data_parallel as dp
 import tensor_parallel as tp
 from collectives import RankFailed, cleanup, setup, spawn
-from common import assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between
+from common import assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between, model_forward
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -345,7 +345,7 @@ def assert_save_contract(result):
     assert torch.equal(result["inputs"], inputs) and torch.equal(result["targets"], targets)
     assert isinstance(result["losses"], list) and len(result["losses"]) == cfg["steps"]
     # losses[0] is the loss before any update: the initial model on the whole batch
-    out, _ = dp.model_forward(result["init_weights"], inputs)
+    out, _ = model_forward(result["init_weights"], inputs)
     assert result["losses"][0] == pytest.approx(F.mse_loss(out, targets).item(), rel=1e-5)
 
 
