@@ -483,8 +483,8 @@ def heading(rank, title):   # a section starts once every rank has finished the 
 
 def show(rank, when, **tensors):
     """This rank's tensors on one line; the ranks take turns, so lines come in rank order."""
+    values = "  ".join(f"{name} = {fmt(v)}" for name, v in tensors.items())
     for turn in range(dist.get_world_size()):
-        values = "  ".join(f"{name} = {fmt(v)}" for name, v in tensors.items())
         log(f"[rank {rank}]", f"{when:<6}", values) if turn == rank else None
         dist.barrier()
 
