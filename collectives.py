@@ -121,9 +121,11 @@ def point_to_point(rank, world_size, device):
     heading(rank, "send/recv (blocking): every rank passes its tensor to the right")
     received = torch.zeros(2, device=device)
     show(rank, "before", sending=x, received=received)
-    # A blocking send() returns only once the peer has received (gloo does this even for
-    # one float; NCCL always does). If every rank sent first, every rank would wait on a
-    # receive that nobody posts. So even ranks send first and odd ranks receive first.
+    # On gloo a blocking send() returns only once the peer has received, even one float. On
+    # NCCL it returns once queued, but the GPU runs it only when the peer's receive is there,
+    # and runs nothing queued after it until then. Either way, if every rank sent first,
+    # every rank would wait on a receive that nobody posts. So even ranks send first and
+    # odd ranks receive first.
     # With an odd world size ranks n-1 and 0 are both even: rank n-1 then waits until
     # rank 0 has sent to rank 1, and no longer.
     if rank % 2 == 0:
@@ -188,7 +190,8 @@ def ring_all_reduce(tensor, group=None):
 
 def exchange(to_send, to_recv, right, left, group):
     """One ring step, posted together: a send waits for its receive (see point_to_point), and
-    batch_isend_irecv posts both at once (one NCCL group call), so each meets its match."""
+    batch_isend_irecv posts both at once (one NCCL group call), so each meets its match. NCCL
+    returns one Work for the whole batch, gloo one an operation: wait for every one."""
     ops = [dist.P2POp(dist.isend, to_send, right, group),
            dist.P2POp(dist.irecv, to_recv, left, group)]
     for work in dist.batch_isend_irecv(ops):
@@ -260,9 +263,10 @@ def spawn(fn, world_size, *args, backend="auto", timeout_s=DEFAULT_TIMEOUT_S):
     env.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                PARALLEL_STORE=os.path.join(folder, "store"))
     here = int(sys.gettrace() is not None)   # 1 under a debugger: rank 0 runs in this process
-    method = "spawn" if env["PARALLEL_BACKEND"] == "nccl" else "fork"
+    # A process that has initialised CUDA cannot hand it to a forked child: start by spawn then
+    method = "spawn" if env["PARALLEL_BACKEND"] == "nccl" or torch.cuda.is_initialized() else "fork"
     if method == "fork":   # every rank's first optimizer step imports it (~1 s): once, here
-        import torch._dynamo  # noqa: F401
+        import torch._dynamo as dynamo  # noqa: F401
 
     def interrupt(signum, frame):   # `kill PID`, or a closing terminal: as Ctrl-C does
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -282,9 +286,14 @@ def spawn(fn, world_size, *args, backend="auto", timeout_s=DEFAULT_TIMEOUT_S):
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             raise RankFailed(*_culprit(context, e.error_index, here)) from None
     finally:       # what still runs ends here: a stopped rank needs SIGKILL
-        for process in context.processes if context else []:
+        processes = context.processes if context else []
+        for process in processes:    # all at once: a rank that outlives a peer fails, and says so
             process.kill()
+        for process in processes:
             process.join()
+        for error_file in context.error_files if context else []:   # a failed rank's traceback,
+            with contextlib.suppress(FileNotFoundError):               # read by then
+                os.remove(error_file)
         shutil.rmtree(folder, ignore_errors=True)
         for s, handler in saved.items():
             signal.signal(s, handler)
@@ -294,36 +303,72 @@ def setup(rank, world_size):
     """Join the process group; return this rank's device: cuda:LOCAL_RANK, or the CPU.
     LOCAL_RANK picks the GPU on this node; RANK, the global rank, differs on a second node."""
     backend = os.environ.get("PARALLEL_BACKEND") or pick_backend(world_size)
+    torch.set_num_threads(1)        # the ranks share this machine's cores: one thread each
+    joined = dist.is_initialized()  # (Ray Train joins the group before our function runs)
+    store = None if joined else meet(rank, world_size, backend)
+    device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)    # the ranks share a few cores: one thread each
-    if dist.is_initialized():       # (Ray Train joins the group before our function runs)
-        return device
+    if not joined:                  # device_id: NCCL's communicators start now, on this GPU
+        dist.init_process_group(backend, rank=rank, world_size=world_size, store=store,
+                                timeout=timedelta(seconds=timeout_s()),
+                                device_id=device if backend == "nccl" else None)
+    return device
+
+
+def timeout_s():
+    return float(os.environ.get("PARALLEL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+
+def meet(rank, world_size, backend):
+    """The store the ranks meet at: spawn()'s file store, or torchrun's at MASTER_ADDR:MASTER_PORT
+    (waited for up to --timeout-s). Under torchrun every rank's backend is compared first:
+    one node on NCCL and another on gloo would each wait for peers that never come."""
     store = os.environ.get("PARALLEL_STORE")   # None under torchrun: MASTER_ADDR:MASTER_PORT
-    timeout = float(os.environ.get("PARALLEL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    if store:
+        return dist.FileStore(store, world_size)
+    timeout = timeout_s()
     where, deadline = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")), \
         time.time() + timeout
     try:   # a rank that joins torchrun's store, or rank 0's, first waits for it to listen
-        while not store and (rank or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        while rank or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             with contextlib.suppress(OSError):
                 socket.create_connection((where[0], int(where[1])), timeout=1).close()
                 break
             if time.time() > deadline:
                 raise TimeoutError(f"nothing listens there after {timeout:g} s")
             time.sleep(0.2)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(
-            seconds=timeout), store=store and dist.FileStore(store, world_size))
+        store = next(dist.rendezvous("env://", rank, world_size,
+                                     timeout=timedelta(seconds=timeout)))[0]
+        agree_on_backend(dist.PrefixStore("parallel-backend", store), rank, world_size, backend)
     except (RuntimeError, ValueError, OSError) as e:   # DistStoreError, DistNetworkError, ...
-        if store:
-            raise
         raise Stop(f"RANK {rank} of WORLD_SIZE {world_size} met no peers at MASTER_ADDR:"
                    f"MASTER_PORT = {':'.join(map(str, where))} ({str(e).splitlines()[0][:100]});"
                    f" if these are left over from another run, unset RANK, WORLD_SIZE and "
                    f"LOCAL_RANK") from None
-    return device
+    return dist.PrefixStore("default_pg", store)   # as init_process_group keeps its own keys
+
+
+def agree_on_backend(store, rank, world_size, backend):
+    """Rank 0 reads every rank's backend and says whether they agree, before any group forms."""
+    store.set(str(rank), backend)
+    if rank == 0:
+        chosen = {}
+        for other in range(world_size):
+            chosen.setdefault(store.get(str(other)).decode(), []).append(other)
+        verdict = "" if len(chosen) == 1 else (
+            "the nodes chose different backends (" + "; ".join(
+                f"{name} on ranks {', '.join(map(str, ranks))}" for name, ranks in chosen.items()) +
+            "): give every node a GPU for each of its ranks, or pass --backend gloo on every node")
+        store.set("verdict", verdict)
+    verdict = store.get("verdict").decode()
+    if verdict:   # without torchrun's agent the store lives in rank 0: it leaves last
+        if store.add("told", 1) == world_size:
+            store.set("everyone told", "")
+        if rank == 0:
+            store.wait(["everyone told"])
+        raise Stop(verdict)
 
 
 def cleanup():
@@ -334,9 +379,47 @@ def under_torchrun():   # torchrun (and Slurm or Ray around it) start each rank 
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def pick_backend(local_world_size, requested="auto"):   # NCCL if every rank has a GPU, or gloo
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return requested if requested != "auto" else "nccl" if gpus >= local_world_size else "gloo"
+def pick_backend(local_world_size, requested="auto"):
+    """NCCL if this node has a GPU for every rank, else gloo (the door refuses a node with too
+    few). torch.cuda.device_count() asks NVML, which starts no CUDA in this process: ranks
+    forked from it later would find a CUDA state they cannot use."""
+    if requested != "auto":
+        return requested
+    if torch.cuda.device_count() >= local_world_size:
+        return "nccl"
+    return "gloo"
+
+
+def gpu_capabilities():
+    """(major, minor) compute capability of each GPU that CUDA_VISIBLE_DEVICES leaves this
+    process, read by NVML, as device_count() is, so no CUDA starts here; [] without NVML."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return []
+    if nvml.nvmlInit_v2() != 0:
+        return []
+    count, found = ctypes.c_uint(), []
+    nvml.nvmlDeviceGetCount_v2(ctypes.byref(count))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    indices = [int(i) for i in visible] if all(i.strip().isdigit() for i in visible) else \
+        range(count.value)
+    for index in indices:
+        handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+        if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0 and \
+                nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major),
+                                                        ctypes.byref(minor)) == 0:
+            found.append((major.value, minor.value))
+    nvml.nvmlShutdown()
+    return found
+
+
+def allocator_peak(device):
+    """The CUDA caching allocator's largest allocation so far on a GPU (None on the CPU):
+    beside the bytes a table counts, what the GPU really held, activations and workspace too."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device)
 
 
 def _child(index, here, parent, fn, world_size, args):
@@ -362,6 +445,9 @@ def _culprit(context, first, here):
         if os.path.exists(error_file):   # fn raised: its traceback
             with open(error_file, "rb") as f:
                 failures[rank] = (os.path.getmtime(error_file), pickle.load(f))
+        elif code == -signal.SIGABRT:    # NCCL's watchdog ends a rank whose collective timed out
+            failures[rank] = (time.time(), "killed by SIGABRT: NCCL's watchdog, a collective "
+                                           "timed out")
         elif code and (index == first or code > 0):   # a signal, or sys.exit("why")
             failures[rank] = (0.0 if index == first else time.time(), f"exited with code {code}"
                               if code > 0 else f"killed by {signal.Signals(-code).name}")
@@ -406,7 +492,8 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, **kwargs):   # with the flags every script shares for starting its ranks
         super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
         self.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                          help="auto: NCCL when every rank has its own GPU, else gloo on the CPU")
+                          help="auto: NCCL when this node has a GPU for each of its ranks, gloo "
+                               "on the CPU when it has none")
         self.add_argument("--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S,
                           help="how long a rank waits for a peer before the run fails")
 
@@ -438,7 +525,7 @@ def check_launch_args(parser, args, world_size, flag="--world-size", tensor_byte
     machine's ranks (processes of RANK_BYTES, holding tensor_bytes each)."""
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     ranks, per_rank = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), RANK_BYTES + tensor_bytes
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count()   # NVML: no CUDA starts in this process
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     parser.refuse([
         (args.timeout_s < 1, f"--timeout-s {args.timeout_s:g}: at least 1 s, or the ranks give "
@@ -451,8 +538,10 @@ def check_launch_args(parser, args, world_size, flag="--world-size", tensor_byte
         (under_torchrun() and os.environ["WORLD_SIZE"] != str(world_size),
          f"{flag}: this run needs {world_size} ranks but torchrun started "
          f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}"),
-        (args.backend == "nccl" and gpus < ranks, f"{flag}: --backend nccl needs one GPU per "
-                                                  f"rank: {ranks} ranks on this node, {gpus} GPUs"),
+        (args.backend != "gloo" and gpus < ranks and (gpus or args.backend == "nccl"),
+         f"{flag} {world_size}: {ranks} ranks on this node and {gpus} GPU{'s' * (gpus != 1)}; "
+         f"NCCL takes a GPU a rank: run at most {gpus} ranks a node, or pass --backend gloo to "
+         f"run every rank on the CPU"),
         (gpus < ranks and per_rank * ranks > memory,
          f"{sizes or f'{flag} {world_size}'}: about {per_rank / 1e9:.1f} GB per rank, "
          f"{per_rank * ranks / 1e9:.1f} GB for the {ranks} ranks on this machine, which has "

@@ -298,18 +298,19 @@ def dp_worker(rank, world_size, args):
     m, init = args.micro_batches, init_weights(args.num_layers, args.dim, args.seed)
     replica = make_replica([w.to(device, copy=True) for w in init], None, args, args.overlap)
     inputs, targets = (t.to(device) for t in make_batch(args))
-    losses, norms = [], []
+    losses, norms, check = [], [], SerialCheck(args)
     for step in range(args.steps):
         rows = replica_rows(args.batch_size, rank, world_size, step if args.shuffle else None,
                             args.seed)        # the world's ranks are the replicas: rank = dp rank
         loss = dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m),   # [B/(d m), D]
                        len(rows) * args.dim, recompute=args.recompute)   # n: this slice's mean
-        first_grads = full_grads(replica) if step == 0 else first_grads
+        if args.check:   # this step's weights and gradients, whole, against serial autograd's
+            check.step(full_weights(replica), full_grads(replica))
         norms += [replica.clip(args.clip_grad)] if args.clip_grad else []   # before the step
         replica.step()
         losses.append(global_loss(loss, None))
         log(f"[rank {rank}]", step_line(step, losses, norms, args)) if rank == 0 else None
-    finish_replicas(replica, args, init, losses, inputs, targets, first_grads, norms)
+    finish_replicas(replica, args, init, losses, inputs, targets, check, norms)
     cleanup()
 
 
@@ -320,9 +321,10 @@ def main(argv=None):
 
 # Below the fold: the bucket layout and the clipping norm; what later steps share (weights,
 # data, the serial reference, training flags and rules, --save, --check); the memory table.
-import functools, math, os  # noqa: E401, E402
+import contextlib, functools, math, os  # noqa: E401, E402
 
-from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
+from collectives import (Parser, Stop, allocator_peak, check_launch_args,  # noqa: E402
+                         gpu_capabilities, pick_backend, positive_float, positive_int)
 
 
 def make_buckets(numels, bucket_mb, breaks=()):
@@ -379,11 +381,9 @@ def serial_train(args):
     weights = [w.requires_grad_() for w in init_weights(args.num_layers, args.dim, args.seed)]
     (inputs, targets), optimizer = make_batch(args), make_optimizer(weights, args)
     losses, norms, first_grads = [], [], None
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
     for _ in range(args.steps):
-        out = functools.reduce(lambda x, w: F.gelu(x @ w.to(dtype)), weights, inputs.to(dtype))
-        loss = F.mse_loss(out.float(), targets)
         optimizer.zero_grad()
+        loss, _ = serial_loss(weights, inputs, targets, args.bf16)
         loss.backward()
         losses.append(loss.item())
         first_grads = first_grads or [w.grad.clone() for w in weights]
@@ -394,16 +394,36 @@ def serial_train(args):
             "first_grads": first_grads, "grad_norms": norms}
 
 
-def full_weights(replica):          # every layer's whole weight, as copies (ZeRO-3 gathers)
-    return [w.clone() for _, w in replica.weights_in(range(len(replica.shapes)))]
+def serial_loss(weights, inputs, targets, bf16=False, halves=False):
+    """The model's loss with autograd, and its output: with bf16, the same casts as the
+    parallel runs make: bf16 matmuls and activations on fp32 master weights. halves: each
+    matmul sums the two halves of its D terms apart, then adds them, as two tensor-parallel
+    ranks do: the same maths in another order, which moves only what rounding moves."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+
+    def layer(x, w):
+        w, h = w.to(dtype), w.shape[0] // 2
+        if halves:
+            return F.gelu(x[:, :h] @ w[:h] + x[:, h:] @ w[h:])
+        return F.gelu(x @ w)
+    out = functools.reduce(layer, weights, inputs.to(dtype))
+    return F.mse_loss(out.float(), targets), out.float()
 
 
-def full_grads(replica):            # the averaged gradients, whole (ZeRO gathers them)
+def full_weights(replica):   # every layer's fp32 weight (--bf16: its master), whole, as copies
+    return whole(replica, replica.params)
+
+
+def full_grads(replica):     # the averaged gradients, whole
+    return whole(replica, replica.grads())
+
+
+def whole(replica, parts):   # a tensor per layer from the optimizer's parts: ZeRO's all-gathered
     if type(replica) is DataParallel:
-        return [g.clone() for g in replica.grads()]
-    flats = [g.new_empty(n) for g, n in zip(replica.grads(), replica.lengths)]
-    for flat, grad in zip(flats, replica.grads()):
-        dist.all_gather_single(flat, grad.contiguous(), group=replica.group)
+        return [part.clone() for part in parts]
+    flats = [part.new_empty(n) for part, n in zip(parts, replica.lengths)]
+    for flat, part in zip(flats, parts):
+        dist.all_gather_single(flat, part.contiguous(), group=replica.group)
     return [replica.view(flats[replica.bucket_of[i]], i) for i in range(len(replica.shapes))]
 
 
@@ -442,16 +462,19 @@ def show_memory(replica, args, whose):
     if args.zero == 3:
         print(f"  largest at any moment of the last step: {replica.peak} bytes, at a unit's "
               f"gather: the shards, the gradient buckets then, and the units held (two at most)")
+    if allocator_peak(replica.device) is not None:
+        print(f"  the CUDA allocator's peak over the run: {allocator_peak(replica.device)} bytes "
+              f"(torch.cuda.max_memory_allocated: activations, the batch and workspace too)")
 
 
-def finish_replicas(replica, args, init, losses, inputs, targets, first_grads, norms):
+def finish_replicas(replica, args, init, losses, inputs, targets, check, norms):
     weights = full_weights(replica)   # every rank: the replicas must agree, bit for bit
     drift = replica_drift(weights)
     if dist.get_rank() == 0:
         log("[rank 0]", f"replicas identical after training: {drift == 0.0} (largest "
                         f"difference {drift:g})")
         show_memory(replica, args, "each replica")
-        finish_run(args, init, weights, losses, inputs, targets, first_grads, norms,
+        finish_run(args, init, weights, losses, inputs, targets, check, norms,
                    {"replica_max_diff": drift})
 
 
@@ -511,6 +534,10 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
     L, D, B, m = args.num_layers, args.dim, args.batch_size, args.micro_batches
     by, rows = f"{replicas_flag} x " if replicas_flag else "", B // replicas
     bucket_mb = getattr(args, "bucket_mb", 0)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    gpus = gpu_capabilities() if args.bf16 and pick_backend(local_ranks, args.backend) == "nccl" \
+        else []      # (major, minor) of each GPU, asked of NVML: no CUDA starts here
+    old = [(i, f"{major}.{minor}") for i, (major, minor) in enumerate(gpus) if major < 8]
     parser.refuse([
         (not 0 <= args.seed < 2**32, f"--seed {args.seed}: expected 0 to {2**32 - 1}"),
         (args.lr > 3.4e38, f"--lr {args.lr:g}: more than a float32 holds (3.4e38)"),
@@ -522,8 +549,9 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
         (B % (replicas * m), f"--batch-size {B} is not divisible by {by}--micro-batches "
                              f"({replicas * m})"),
         (not 0 <= bucket_mb <= 1e6, f"--bucket-mb {bucket_mb:g}: expected 0 to 1e6"),
-        (args.bf16 and args.backend != "gloo" and torch.cuda.is_available() and not
-         torch.cuda.is_bf16_supported(), "--bf16: this GPU cannot compute in bf16")])
+        (old, f"--bf16: GPU {old[0][0] if old else ''} has compute capability "
+              f"{old[0][1] if old else ''} ({len(old)} of {len(gpus)} GPUs here are older than 8.0, "
+              f"Ampere); bf16 needs 8.0 or newer, and below that it is only emulated: drop --bf16")])
     state = sum(b for b, _ in zero_formula(getattr(args, "zero", 0), L * D * D, replicas).values())
     check_launch_args(parser, args, world_size, ranks_flag,
                       4 * (2 * L * D * D + 2 * B * D + 2 * L * B * D) + state,
@@ -558,9 +586,10 @@ def step_line(step, losses, norms, args):   # a step's loss, and the norm it was
                                                         if norms else "")
 
 
-def finish_run(args, init, final, losses, inputs, targets, first_grads, norms=(), extra=None):
+def finish_run(args, init, final, losses, inputs, targets, check, norms=(), extra=None):
     """On rank 0, with full matrices: --save (into a file beside it, renamed onto it: a disk
-    that fills up ends the run in one line, and what was there stays), then --check."""
+    that fills up ends the run in one line, and what was there stays), then a loss that is
+    not finite ends the run, then --check."""
     if args.save:
         try:
             torch.save({"config": vars(args), "init_weights": [w.float().cpu() for w in init],
@@ -569,6 +598,8 @@ def finish_run(args, init, final, losses, inputs, targets, first_grads, norms=()
                         "grad_norms": list(norms), **(extra or {})}, f"{args.save}.partial")
             os.replace(f"{args.save}.partial", args.save)
         except (OSError, RuntimeError) as e:   # torch's writer: RuntimeError on a short write
+            with contextlib.suppress(OSError):
+                os.remove(f"{args.save}.partial")
             raise Stop(f"--save {args.save}: the trained weights could not be written ("
                        f"{str(e).splitlines()[0][:80]}); free some space, or choose another path")
         print(f"saved {args.save}", flush=True)
@@ -578,53 +609,169 @@ def finish_run(args, init, final, losses, inputs, targets, first_grads, norms=()
               f"{sum(norm > args.clip_grad for norm in norms)} of {len(norms)} steps", flush=True)
     if not all(map(math.isfinite, losses)):
         step = [math.isfinite(loss) for loss in losses].index(False)
-        print(f"the loss stopped being finite at step {step}: --lr {args.lr:g} is too large for "
-              f"this model; try a smaller one", flush=True)
+        raise Stop(f"the loss stopped being finite at step {step}: --lr {args.lr:g} is too large "
+                   f"for this model; try a smaller one")
     if args.check:
-        check_against_serial(args, final, losses, first_grads)
+        check.finish(final, losses, norms)
 
 
-def check_against_serial(args, final, losses, first_grads):
-    """Against serial_train: the first step's gradients, each layer's relative to its largest
-    (a constant factor fails here, whatever the optimizer); the losses; the final weights.
-    An SGD step is lr x gradient: weights agree to float32 summation order. AdamW divides a
-    step by the gradient's running size: an element whose gradient is near eps can move up
-    to lr in one run and less in the other, so they may be up to lr x steps apart."""
-    ref, adamw, config = serial_train(args), args.optimizer == "adamw", vars(args)
-    tp_size = config.get("tp") or (config["world_size"] if "tp_style" in config else 1)
-    tol = bf16_tolerance(tp_size) if args.bf16 else CHECK_TOLERANCE
+class SerialCheck:
+    """--check: every step of this run against serial autograd training from the same weights.
 
-    def largest(pairs, relative=False):   # torch's max, not Python's: a nan is the answer
-        return torch.stack([(a.cpu() - b).abs().max() / (
-            b.abs().max().clamp_min(1e-30) if relative else 1) for a, b in pairs]).max()
-    figures = [("first step's gradients", largest(zip(first_grads, ref["first_grads"]), True),
-                tol, "(of each layer's largest)"),
-               ("losses", largest([(torch.tensor(losses), torch.tensor(ref["losses"]))]), tol, ""),
-               ("final weights", largest(zip(final, ref["final_weights"])), args.lr * args.steps
-                if adamw else tol, "= lr x steps: AdamW's elements with gradients near eps"
-                * adamw)]
-    print(f"check against serial autograd training ({args.optimizer}):", flush=True)
-    for name, difference, tolerance, why in figures:
-        print(f"  {name:<23} largest difference {difference:.2e}   tolerance {tolerance:.0e} "
-              f"{why}  {'ok' if difference <= tolerance else 'FAILED'}", flush=True)
-    if all(difference <= tolerance for _, difference, tolerance, _ in figures):   # nan: never
+    If each step equals serial training's from the same start, the whole run does, by
+    induction; and one step holds one step's rounding, at any number of steps. Two whole
+    runs do not stay that close: rounding differences grow, slowly with a small --lr and
+    fast where training is chaotic (SGD at lr 1 here: losses 0.5 apart after 30 steps), and
+    AdamW moves an element whose gradient is near its eps by up to lr in one run and less in
+    the other. So, at each step t, from this run's weights W_t (fp32; --bf16: the masters):
+      gradients  autograd's gradient at W_t against this run's (averaged, before clipping).
+                 A rounding moves a sum by a fraction of its terms, not of the result, and
+                 near convergence the two differ: the residual a - y is a small difference
+                 of numbers near 1, and a dW sums rows' terms x^T dz that cancel. So each
+                 layer's difference is measured against its terms: the largest of |x|^T |dz|
+                 for the backward of the residual's terms, 2 (|a| + |y|) / n (or the
+                 gradient's own largest, if more). Float32 summation order moves that by
+                 ~1e-7, a bug by far more (a doubled gradient: the gradient itself). Some
+                 weights leave a gradient that float32 cannot pin down (a network gone dead
+                 but for units whose gelu' underflows): the same step summed in another order
+                 (halves) measures that, and ten times its spread is allowed on top;
+                 with --clip-grad, the norm too;
+      losses     autograd's loss L at W_t against this run's. If the output a moves by d
+                 (root mean square), L moves by at most 2 sqrt(L) d + d^2 (Cauchy-Schwarz),
+                 and summing L in another order by tol L at most; so the difference over
+                 L + 2 r sqrt(L) + tol r^2, r = rms(a), is at most tol for an output that
+                 agrees to tol (d = tol r);
+      weights    the optimizer's step from W_t with this run's gradients, clipped by this
+                 run's --clip-grad, against this run's W_t+1: the same arithmetic on the same
+                 numbers, so a few roundings of one step, each 2^-24 of a weight.
+    Only rank 0 computes; step() takes what every rank gathered (None off rank 0)."""
+
+    def __init__(self, args):
+        self.args, self.on = args, args.check and (not dist.is_initialized() or
+                                                   dist.get_rank() == 0)
+        self.worst = {}             # figure -> (difference / tolerance, difference, tolerance, where)
+        self.losses, self.norms = [], []
+        if self.on:
+            self.inputs, self.targets = make_batch(args)
+            self.weights = [w.requires_grad_() for w in init_weights(args.num_layers, args.dim,
+                                                                     args.seed)]
+            self.optimizer = make_optimizer(self.weights, args)
+            self.expected = [w.detach().clone() for w in self.weights]
+
+    def step(self, weights, grads):
+        if not self.on:
+            return
+        weights, grads = [w.detach().float().cpu() for w in weights], [g.float().cpu() for g in grads]
+        self.compare("weights after an update", weights, self.expected,
+                     [w.abs().max() for w in self.expected])
+        with torch.no_grad():
+            for mine, theirs in zip(self.weights, weights):
+                mine.copy_(theirs)
+        self.optimizer.zero_grad()
+        loss, out = serial_loss(self.weights, self.inputs, self.targets, self.args.bf16)
+        loss.backward()
+        self.losses.append((loss.item(), out.square().mean().sqrt().item()))
+        want = [w.grad.clone() for w in self.weights]
+        scales = [torch.maximum(terms, g.abs().max()) for terms, g in
+                  zip(gradient_terms(self.weights, self.inputs, self.targets, self.args.bf16), want)]
+        self.optimizer.zero_grad()   # the same step, summed in another order
+        serial_loss(self.weights, self.inputs, self.targets, self.args.bf16, halves=True)[0].backward()
+        spreads = [(w.grad - g).abs().max() / scale.clamp_min(1e-30)
+                   for w, g, scale in zip(self.weights, want, scales)]
+        self.compare("gradients", grads, want, scales, spreads)
+        with torch.no_grad():   # the optimizer's step on this run's gradients
+            for mine, theirs in zip(self.weights, grads):
+                mine.grad.copy_(theirs)
+        if self.args.clip_grad:   # the norm moves by at most the gradients' differences' norm
+            room = sum(g.numel() * ((self.tolerance("gradients", layer) + 10 * spread) * scale)**2
+                       for layer, (g, scale, spread) in enumerate(zip(grads, scales, spreads))).sqrt()
+            norm = torch.nn.utils.clip_grad_norm_(self.weights, self.args.clip_grad)
+            self.norms.append((norm.item(), room.item()))
+        self.optimizer.step()
+        self.expected = [w.detach().clone() for w in self.weights]
+
+    def compare(self, figure, got, want, scales, spreads=None):   # each layer: difference / scale
+        for layer, (a, b, scale) in enumerate(zip(got, want, scales)):
+            difference = ((a - b).abs().max() / scale.clamp_min(1e-30)).item()
+            tolerance = self.tolerance(figure, layer)
+            if spreads is not None:
+                tolerance += 10 * spreads[layer].item()
+            self.note(figure, difference, tolerance, f" (layer {layer})")
+
+    def note(self, figure, difference, tolerance, where=""):   # the worst, by its share of tolerance
+        entry = (difference / tolerance, difference, tolerance, where)
+        self.worst[figure] = max(self.worst.get(figure, (0.0, 0.0, tolerance, "")), entry,
+                                 key=lambda e: (e[0] != e[0], e[0]))           # a nan wins
+
+    def tolerance(self, figure, layer=None):
+        """float32: summation order moves a result by ~1e-7, a bug by far more: 1e-4; one
+        optimizer step on the same numbers, a few roundings: 2^-20. bf16: bf16_tolerance() for
+        a layer's gradient, which grows with the layers above it; the loss's output has come
+        through the forward of every layer."""
+        config, L = vars(self.args), self.args.num_layers
+        if figure == "weights after an update":
+            return 2**-20
+        if not self.args.bf16:
+            return CHECK_TOLERANCE
+        tp_size = config.get("tp") or (config["world_size"] if "tp_style" in config else 1)
+        if figure == "losses" or layer is None:
+            return bf16_tolerance(tp_size, layers_above=L - 1)
+        return bf16_tolerance(tp_size, layers_above=L - 1 - layer)
+
+    def finish(self, final, losses, norms):
+        if not self.on:
+            return
+        self.compare("weights after an update", [w.detach().float().cpu() for w in final],
+                     self.expected, [w.abs().max() for w in self.expected])
+        tolerance = self.tolerance("losses")
+        for step, (ours, (theirs, rms)) in enumerate(zip(losses, self.losses)):
+            scale = theirs + 2 * rms * math.sqrt(theirs) + tolerance * rms**2
+            self.note("losses", abs(ours - theirs) / scale, tolerance, f" (step {step})")
+        for step, (ours, (theirs, room)) in enumerate(zip(norms, self.norms)):
+            self.note("gradients", abs(ours - theirs) / room, 1.0, f" (the norm, step {step})")
+        print(f"check against serial autograd training, each step from this run's weights "
+              f"({self.args.optimizer}, {len(losses)} steps):", flush=True)
+        for figure in ("gradients", "losses", "weights after an update"):
+            share, difference, tolerance, where = self.worst[figure]
+            print(f"  {figure:<23} largest difference {difference:.2e}  tolerance {tolerance:.1e}"
+                  f"  {'ok' if share <= 1 else 'FAILED'}{where}", flush=True)     # nan: FAILED
+        print("  (of each layer's terms |x|^T |dz|; of L + 2 r sqrt(L) + tol r^2, r = rms(a); of "
+              "its largest)", flush=True)
+        if not all(share <= 1 for share, *_ in self.worst.values()):
+            raise Stop("check FAILED: this run differs from serial autograd training (see above)")
         print("check OK", flush=True)
-    else:
-        raise Stop("check FAILED: " + ("this run differs from serial autograd training (see "
-                                       "above)" if all(map(math.isfinite, losses)) else
-                                       f"the loss stopped being finite; try a smaller --lr than "
-                                       f"{args.lr:g}"))
+
+
+def gradient_terms(weights, inputs, targets, bf16=False):
+    """Each layer's scale for its gradient's rounding: the largest element of |x|^T |dz|, the
+    magnitudes of the rows' terms that dW = x^T dz sums, where dz comes down from the
+    residual's terms, 2 (|a| + |y|) / n, in place of 2 (a - y) / n."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x, stashes = inputs.to(dtype), []
+    with torch.no_grad():
+        for w in weights:
+            z = x @ w.to(dtype)
+            stashes.append((x.float(), z.float(), w.float()))
+            x = F.gelu(z)
+        g, terms = 2 * (x.float().abs() + targets.abs()) / targets.numel(), []
+        for x, z, w in reversed(stashes):
+            dz = torch.ops.aten.gelu_backward(g, z)
+            terms.append((x.abs().T @ dz.abs()).max())
+            g = dz @ w.T
+    return terms[::-1]
 
 
 CHECK_TOLERANCE = 1e-4   # float32 summation order moves results by ~1e-7; a bug moves them far more
 
 
-def bf16_tolerance(tp_size=1):
-    """bf16 keeps 8 significant bits: a rounding moves a value by up to 2^-8 of it. The
-    reference rounds each dW to bf16 where we sum the products in fp32, and both sum in other
-    orders: 4 roundings apart; an all-reduce over tp ranks of bf16 partial sums rounds tp - 1
-    more times, forward (Megatron's g) and backward. (A doubled gradient: far more.)"""
-    return 2**-8 * (4 + 2 * (tp_size - 1))
+def bf16_tolerance(tp_size=1, layers_above=0):
+    """bf16 keeps 8 significant bits: a rounding moves a value by up to 2^-8 of it. A layer's
+    dW: the reference rounds it to bf16 where we sum the products in fp32, and both sum in
+    other orders: 4 roundings apart; an all-reduce over tp ranks of bf16 partial sums rounds
+    tp - 1 more times, forward (Megatron's g) and backward. Its g has come down through the
+    backward of every layer above, each rounding as often again: (1 + layers above) times.
+    (A doubled gradient differs by 1: caught at the last layers, whatever the depth.)"""
+    return 2**-8 * (4 + 2 * (tp_size - 1)) * (1 + layers_above)
 
 
 CHECK_TOLERANCE_BF16 = bf16_tolerance()

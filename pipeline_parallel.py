@@ -38,7 +38,6 @@ being virtual stage c p + s, so micro-batches go round v times: (p-1)/(v m + p-1
 What PyTorch gives you: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
 ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (tests/bench.py races them).
 """
-import time
 import warnings
 from typing import NamedTuple
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
@@ -155,7 +154,8 @@ class Stage:
         self.stash = {}        # micro-batch -> its layers' (x, z), or its input: popped by B
         self.for_w = {}        # micro-batch -> its layers' (x, dz), popped by its W
         self.loss_grad = {}    # micro-batch -> dL/da of the last layer (last stage only)
-        self.loss, self.recomputed = 0.0, 0   # bytes of the last B's stash, made again
+        self.loss = 0.0        # the last stage's sum of micro-batch losses, a tensor on its device
+        self.recomputed = 0    # bytes of the last B's stash, made again
 
     def run(self, x, keep=True):                    # the layers in turn: output and stashes
         stashes = []
@@ -169,7 +169,7 @@ class Stage:
         self.stash[mb] = x if self.recompute else stashes
         if self.last:
             loss, self.loss_grad[mb] = mse_loss(out, self.targets[mb], self.n)
-            self.loss += loss.item()
+            self.loss = self.loss + loss    # on the device: .item() here would stall the GPU
         return out
 
     def backward(self, mb, g, defer_w=False):
@@ -200,19 +200,20 @@ class Stage:
 
 
 def run_schedule(actions, chunks, inputs, prev_rank, next_rank, buffer_shape, group=None,
-                 events=None, outgoing=None, incoming=None, memory=None):
+                 outgoing=None, incoming=None, recorder=None):
     """Execute one stage's action list on its Stages, one per chunk. inputs: the
     micro-batches (first stage only; their dtype is what crosses). outgoing and incoming
     change what crosses a stage boundary, as it leaves and as it arrives (3D's --p2p-shard:
-    a 1/tp slice, all-gathered). events, if a list, receives (op, mb, chunk, start, end) of
-    every F, B and W; memory, (stashes, W's kept, their bytes, a B's stash made again or not)
-    after each. Returns the most micro-batches held at once."""
-    received, to_send, sending = {}, {}, []   # (kind, mb, chunk) -> a tensor on its way
-    device, peak = inputs[0].device, 0
+    a 1/tp slice, all-gathered). recorder, if given, is told when each F, B and W starts
+    and stops (the timeline and the stash table; below the fold)."""
+    received, to_send, under_way = {}, {}, []   # (kind, mb, chunk) -> a tensor on its way
+    device = inputs[0].device
     defer_w = any(action.op == "W" for action in actions)
     outgoing, incoming = outgoing or (lambda t: t), incoming or (lambda t: t)
     for action in actions:
         if action.op == "comm":
+            for work in under_way:      # the batch before, sends only: NCCL runs a group's
+                work.wait()             # batches in order, so it finishes before this one
             ops = []
             for key in action.comms:
                 kind, peer = key[0], next_rank if key[0] in (SEND_ACT, RECV_GRAD) else prev_rank
@@ -221,15 +222,17 @@ def run_schedule(actions, chunks, inputs, prev_rank, next_rank, buffer_shape, gr
                     ops.append(dist.P2POp(dist.irecv, received[key], peer, group))
                 else:
                     ops.append(dist.P2POp(dist.isend, to_send.pop(key), peer, group))
-            works = dist.batch_isend_irecv(ops)
-            for op, work in zip(ops, works):
-                work.wait() if op.op is dist.irecv else None
-            for work in sending:        # a send waits for its receive: the batch before's are
-                work.wait()             # waited for only now, so the stage computes meanwhile
-            sending = [work for op, work in zip(ops, works) if op.op is dist.isend]
+            works = dist.batch_isend_irecv(ops)   # NCCL: one Work for the batch; gloo: one an op
+            if any(kind in (RECV_ACT, RECV_GRAD) for kind, _, _ in action.comms):
+                for work in works:      # every one, before F or B reads what arrived: on a GPU,
+                    work.wait()         # wait() is what makes the compute stream wait for it
+                under_way = []
+            else:
+                under_way = works       # sends only: the stage computes while they go
             continue
         mb, chunk, layers = action.mb, action.chunk, chunks[action.chunk or 0]
-        start = time.perf_counter()
+        if recorder:
+            recorder.start(action)
         if action.op == "F":
             x = inputs[mb] if layers.first else incoming(received.pop((RECV_ACT, mb, chunk)))
             out = layers.forward(mb, x)
@@ -242,18 +245,10 @@ def run_schedule(actions, chunks, inputs, prev_rank, next_rank, buffer_shape, gr
                 to_send[SEND_GRAD, mb, chunk] = outgoing(dx).contiguous()
         else:
             layers.weight_grads(mb)
-        peak = max(peak, sum(c.held() for c in chunks))
-        if memory is not None:                    # a recomputing B: with the stash it made
-            again = layers.recomputed * (action.op == "B")
-            memory.append((sum(len(c.stash) for c in chunks), sum(len(c.for_w) for c in chunks),
-                           sum(map(stash_bytes, chunks)) + again, int(again > 0)))
-        if events is not None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)   # the kernels run after the call returns
-            events.append((action.op, mb, chunk or 0, start, time.perf_counter()))
-    for work in sending:
+        if recorder:
+            recorder.stop(action, chunks)
+    for work in under_way:
         work.wait()
-    return peak
 
 
 def stage_layers(num_layers, num_stages, stage, num_chunks=1, chunk=0):
@@ -281,31 +276,32 @@ def pp_worker(rank, world_size, args):
                     args.batch_size * args.dim, recompute=args.recompute) for c in range(v)]
     actions = build_schedule(args.schedule, p, stage, m, v)
     micro_batches = inputs.to(device, replica.dtype).chunk(m)     # [B/m, D] each, bf16 or not
-    losses, norms = [], []
+    losses, norms, check = [], [], SerialCheck(args)
     for step in range(args.steps):
         replica.zero_grads(m)
         for chunk in chunks:
             chunk.loss = 0.0
-        events, memory = ([], []) if step == args.steps - 1 else (None, None)
-        peak = run_schedule(actions, chunks, micro_batches, (stage - 1) % p, (stage + 1) % p,
-                            (args.batch_size // m, args.dim), events=events, memory=memory)
+        recorder = Recorder(device) if step == args.steps - 1 else None   # the last step's
+        run_schedule(actions, chunks, micro_batches, (stage - 1) % p, (stage + 1) % p,
+                     (args.batch_size // m, args.dim), recorder=recorder)
         replica.average()                                         # a group of one: / 1
-        if step == 0:
-            first_grads = in_layer_order(full_grads(replica), args, p)
+        if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
+            check.step(in_layer_order(full_weights(replica), args, p),
+                       in_layer_order(full_grads(replica), args, p))
         norms += [replica.clip(args.clip_grad, [dist.group.WORLD])] if args.clip_grad else []
         replica.step()                                            # (clipped over the stages)
-        losses.append(chunks[-1].loss)
+        losses.append(float(chunks[-1].loss))                     # one host sync a step
         log(f"[stage {stage}]", step_line(step, losses, norms, args)) if stage == p - 1 else 0
     if args.timeline:
-        show_timeline(events, peak, args, p, rank, device)
-    show_stash(memory, args, p, rank, device)
+        show_timeline(recorder.events(), recorder.peak, args, p, rank, device)
+    show_stash(recorder.memory, args, p, rank, device)
     if rank == 0:
         print_schedules(args.schedule, p, m, v, args.num_layers)
     final = in_layer_order(full_weights(replica), args, p)
     losses = torch.tensor(losses, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=p - 1)    # the last stage alone knows them
     if rank == 0:
-        finish_run(args, full, final, losses.tolist(), inputs, targets, first_grads, norms)
+        finish_run(args, full, final, losses.tolist(), inputs, targets, check, norms)
     cleanup()
 
 
@@ -319,11 +315,54 @@ def main(argv=None):
 import argparse  # noqa: E402
 import os  # noqa: E402
 import textwrap  # noqa: E402
+import time  # noqa: E402
 
-from collectives import positive_int  # noqa: E402
-from data_parallel import (check_training_args, finish_run, full_grads,  # noqa: E402
-                           full_weights, init_weights, make_batch, step_line, training_parser)
+from collectives import allocator_peak, positive_int  # noqa: E402
+from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
+                           full_grads, full_weights, init_weights, make_batch, step_line,
+                           training_parser)
 from tensor_parallel import divides  # noqa: E402
+
+
+class Recorder:
+    """What one step of run_schedule() did, for the timeline and the stash table, kept out of
+    the runner's way: each F, B and W's start and end; after each, the micro-batches held and
+    the bytes they keep (a recomputing B: with the stash it made again). On a GPU a call
+    returns before its kernels run, and wait() does not block: CUDA events, recorded on the
+    stream as the actions are queued, time them, and are read once, when the step is over."""
+
+    def __init__(self, device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.spans, self.memory, self.peak = [], [], 0
+        if self.cuda:   # a common zero: this host time is when the stream passes this event
+            torch.cuda.synchronize(device)
+            self.zero = (time.perf_counter(), self.now())
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self, action):
+        self.begin = self.now()
+
+    def stop(self, action, chunks):
+        self.spans.append((action.op, action.mb, action.chunk or 0, self.begin, self.now()))
+        self.peak = max(self.peak, sum(chunk.held() for chunk in chunks))
+        again = chunks[action.chunk or 0].recomputed if action.op == "B" else 0
+        self.memory.append((sum(len(c.stash) for c in chunks), sum(len(c.for_w) for c in chunks),
+                            sum(map(stash_bytes, chunks)) + again, int(again > 0)))
+
+    def events(self):
+        """(op, mb, chunk, start, end) of every F, B and W, in seconds."""
+        if not self.cuda:
+            return self.spans
+        torch.cuda.synchronize(self.device)
+        t0, zero = self.zero
+        return [(op, mb, chunk, t0 + zero.elapsed_time(begin) / 1e3,
+                 t0 + zero.elapsed_time(end) / 1e3) for op, mb, chunk, begin, end in self.spans]
 
 
 def nbytes(tensors):   # each tensor once: a layer's output is the next layer's input
@@ -412,7 +451,9 @@ def show_stash(memory, args, num_stages, rank, device):
     held, beside the formula for what was held then: a micro-batch's stash 2 l [b, D] (x and z
     of l layers), 1 [b, D] with --recompute (its input), and what W waits for, 2 l [b, D]
     (x and dz); with --recompute, a B's own stash made again, 2 l [b, D], while it runs."""
-    peaks = gather_on_rank0(torch.tensor(max(memory, key=lambda entry: entry[2]), device=device))
+    allocator = allocator_peak(device)   # on a GPU: what the allocator held at most, all in all
+    peaks = gather_on_rank0(torch.tensor([*max(memory, key=lambda entry: entry[2]), allocator or 0],
+                                         device=device))
     if rank != 0:
         return
     l = args.num_layers // (num_stages * args.virtual_stages)
@@ -422,10 +463,14 @@ def show_stash(memory, args, num_stages, rank, device):
         f"{' (a chunk)' * (args.virtual_stages > 1)}, [b, D] = {A} bytes"
         f"{', --recompute' * args.recompute}")
     print(f"  {'stage':<6}{'stashes':>8}{'for W':>7}{'bytes held':>12}   formula", flush=True)
-    for s, (n, w, counted, recomputing) in enumerate(peaks.tolist()):
+    for s, (n, w, counted, recomputing, peak) in enumerate(peaks.tolist()):
         again = 2 * l * recomputing
         print(f"  {s:<6}{n:>8}{w:>7}{counted:>12}   ({n} x {kept} + {w} x {2 * l} + {again}) x "
               f"[b, D] = {(n * kept + w * 2 * l + again) * A}", flush=True)
+    if allocator is not None:
+        say("the CUDA allocator's peak over the run, by stage (torch.cuda.max_memory_allocated: "
+            "the weights, gradients, optimizer state and batch too): " +
+            ", ".join(str(row[-1]) for row in peaks.tolist()) + " bytes")
 
 
 def print_schedules(schedule, num_stages, num_micro_batches, num_chunks, num_layers):

@@ -201,20 +201,22 @@ def tp_worker(rank, world_size, args):
     # exchange, only the weights, their gradients and the optimizer; its step runs ours.
     replica = make_replica(shards, dist.new_subgroups(1)[0], args)
     n, m, losses, norms = args.batch_size * args.dim, args.micro_batches, [], []
+    check = SerialCheck(args)
     print(f"tensor parallel over {tp_size} ranks: {describe(kinds)}", flush=True) if rank == 0 \
         else None
     for step in range(args.steps):
         loss = dp_step(replica, inputs.chunk(m), targets.chunk(m), n, tp_blocks(kinds),
                        args.recompute)          # the output, and so the loss, on every rank
-        if step == 0:   # full matrices, for --check
-            first_grads = [unshard(g, k) for g, k in zip(full_grads(replica), kinds)]
+        if args.check:   # this step's weights and gradients, whole, against serial autograd's
+            check.step([unshard(w_t, k) for w_t, k in zip(full_weights(replica), kinds)],
+                       [unshard(g_t, k) for g_t, k in zip(full_grads(replica), kinds)])
         norms += [replica.clip(args.clip_grad, [dist.group.WORLD])] if args.clip_grad else []
         replica.step()
         losses.append(loss.item())
         log(f"[rank {rank}]", step_line(step, losses, norms, args)) if rank == 0 else None
     final = [unshard(w_t, k) for w_t, k in zip(full_weights(replica), kinds)]   # put together
     if rank == 0:
-        finish_run(args, full, final, losses, inputs, targets, first_grads, norms)
+        finish_run(args, full, final, losses, inputs, targets, check, norms)
     cleanup()
 
 
@@ -296,8 +298,9 @@ def main(argv=None):
 
 # Below the fold: the command line and its rules. -------------------------------------------
 from collectives import check_launch_args, positive_int  # noqa: E402
-from data_parallel import (check_training_args, finish_run, full_grads,  # noqa: E402
-                           full_weights, init_weights, make_batch, step_line, training_parser)
+from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
+                           full_grads, full_weights, init_weights, make_batch, step_line,
+                           training_parser)
 
 
 def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor

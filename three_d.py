@@ -153,17 +153,17 @@ def three_d_worker(rank, world_size, args):
         show_rank_map(args.dp, args.pp, args.tp, args.order)
         print(f"each stage{' chunk' * (args.virtual_stages > 1)}: {describe(me.kinds)} over "
               f"tp={args.tp}", flush=True)
-    last, losses, norms = me.p == args.pp - 1, [], []
+    last, losses, norms, check = me.p == args.pp - 1, [], [], SerialCheck(args)
     for step in range(args.steps):
         me.gradients()
-        if step == 0:
-            first_grads = full_matrices(full_grads(me.replica), me.kinds, args)
+        if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
+            check.step(full_matrices(full_weights(me.replica), me.kinds, args),
+                       full_matrices(full_grads(me.replica), me.kinds, args))
         if args.clip_grad:   # the norm's squares summed over tp and pp (and dp, if ZeRO shards)
             norms.append(me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]]))
         me.replica.step()                     # each rank's optimizer steps its own shards
         if last:   # the last stage knows the loss: the replicas' mean losses, averaged
-            loss = torch.tensor(me.chunks[-1].loss, device=device)
-            losses.append(global_loss(loss, me.groups["dp"]))
+            losses.append(global_loss(me.chunks[-1].loss, me.groups["dp"]))
             log(me.tag, step_line(step, losses, norms, args)) if me.d == me.t == 0 else None
     final = full_matrices(full_weights(me.replica), me.kinds, args)
     losses = torch.tensor(losses if last else [0.0] * args.steps, dtype=torch.float64,
@@ -173,8 +173,7 @@ def three_d_worker(rank, world_size, args):
         if args.zero:
             show_memory(me.replica, args, f"rank 0: its replica of stage 0's layers, its tp "
                                           f"shards of them (1/{args.tp})")
-        finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, first_grads,
-                   norms)
+        finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, check, norms)
     cleanup()
 
 
@@ -194,9 +193,9 @@ def main(argv=None):
 import os  # noqa: E402
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import (check_training_args, finish_run, full_grads,  # noqa: E402
-                           full_weights, global_loss, init_weights, make_batch, show_memory,
-                           step_line, training_parser)
+from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
+                           full_grads, full_weights, global_loss, init_weights, make_batch,
+                           show_memory, step_line, training_parser)
 from pipeline_parallel import add_schedule_args, gather_on_rank0, schedule_rules  # noqa: E402
 from tensor_parallel import describe, divides, refuse_unused  # noqa: E402
 

@@ -44,7 +44,7 @@ import tensor_parallel  # noqa: E402
 import three_d  # noqa: E402
 from collectives import RankFailed, cleanup, ring_all_reduce, setup, spawn, under_torchrun  # noqa: E402
 from data_parallel import init_weights, make_batch, replica_rows  # noqa: E402
-from pipeline_parallel import Stage, build_schedule, run_schedule, stage_layers  # noqa: E402
+from pipeline_parallel import Recorder, Stage, build_schedule, run_schedule, stage_layers  # noqa: E402
 from race import (as_module, bench_sizes, check_and_race, dp_side, end_race, machine, mse_sum,  # noqa: E402
                   print_race, race, serial_side, sgd, sgd_side, spawn_returning)
 from tensor_parallel import layer_kinds, shard, tp_blocks  # noqa: E402
@@ -676,10 +676,11 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
             actions = build_schedule(schedule, p, stage, m, v)
             spans, times = [], []
             for i in range(steps + 1):    # the first step opens the connections: not measured
-                events = []
                 dist.barrier()            # every stage starts the step at once
                 replica.zero_grads(m)
-                peak = run_schedule(actions, chunks, x, (stage - 1) % p, (stage + 1) % p, (rows, dim), events=events)
+                recorder = Recorder(device)
+                run_schedule(actions, chunks, x, (stage - 1) % p, (stage + 1) % p, (rows, dim), recorder=recorder)
+                events, peak = recorder.events(), recorder.peak
                 busy = torch.tensor([sum(e[4] - e[3] for e in events), min(e[3] for e in events),
                                      max(e[4] for e in events)], dtype=torch.float64, device=device)
                 everyone = [torch.empty_like(busy) for _ in range(p)]

@@ -39,7 +39,7 @@ import pipeline_parallel
 import tensor_parallel
 import three_d
 from collectives import RankFailed
-from common import child_pids
+from common import check_report, child_pids
 from faults import fail_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -260,18 +260,73 @@ def test_under_torchrun_a_bad_size_is_said_once():
     assert len(said) == 1 and "needs 8 ranks but torchrun started WORLD_SIZE=2" in said[0], err
 
 
-def test_a_loss_that_is_not_finite_is_named_and_fails_the_check_as_a_check():
-    code, out, err = finish(start([sys.executable, "data_parallel.py", "--world-size", "2", "--lr", "1000",
-                                   "--optimizer", "sgd", "--check", "--steps", "6", "--num-layers", "2",
+# Correct runs that the check once failed, a kind each: chaotic SGD (lr 1), bf16 with AdamW
+# at a few steps (two runs 2 lr a step apart), bf16 deep in training (a layer far below the
+# loss), and Megatron's pairs near convergence (a small gradient of cancelling terms)
+CORRECT = [(["--optimizer", "sgd", "--lr", "1.0", "--steps", "30"]),
+           (["--optimizer", "adamw", "--lr", "0.1", "--bf16", "--steps", "3"]),
+           (["--optimizer", "adamw", "--lr", "0.1", "--bf16", "--steps", "30"])]
+SCRIPTS_AT_2 = [("data_parallel.py", ["--world-size", "2"]), ("tensor_parallel.py", ["--world-size", "2"]),
+                ("pipeline_parallel.py", ["--world-size", "2"]), ("three_d.py", ["--dp", "1", "--pp", "2", "--tp", "2"])]
+
+
+@pytest.mark.deadline(90)
+@pytest.mark.parametrize("script, sizes", SCRIPTS_AT_2, ids=[s for s, _ in SCRIPTS_AT_2])
+@pytest.mark.parametrize("flags", CORRECT, ids=["sgd-lr1-30", "adamw-bf16-3", "adamw-bf16-30"])
+def test_a_correct_run_passes_its_check_at_any_lr_and_number_of_steps(script, sizes, flags):
+    code, out, err = finish(start([sys.executable, script, *sizes, *flags, "--check"], start_new_session=True),
+                            timeout=80)
+    assert code == 0, out[-3000:] + err
+    figures, verdict = check_report(out)
+    assert verdict == "OK"
+
+
+@pytest.mark.deadline(120)
+def test_megatron_near_convergence_passes_its_check():
+    code, out, err = finish(start([sys.executable, "tensor_parallel.py", "--world-size", "2", "--tp-style", "megatron",
+                                   "--optimizer", "adamw", "--lr", "0.01", "--steps", "100", "--check"],
+                                  start_new_session=True), timeout=110)
+    assert code == 0, out[-3000:] + err
+    figures, verdict = check_report(out)
+    assert verdict == "OK" and figures["gradients"][0] < 1e-5     # 4e-4 of the gradient itself
+
+
+@pytest.mark.parametrize("flags", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_a_doubled_gradient_fails_the_check_in_fp32_and_in_bf16(flags, monkeypatch, capfd):
+    import data_parallel
+    real = data_parallel.DataParallel.add_grad
+    monkeypatch.setattr(data_parallel.DataParallel, "add_grad", lambda self, i, x, dz: real(self, i, x, 2 * dz))
+    with pytest.raises(collectives.RankFailed) as failed:
+        three_d.main(["--dp", "1", "--pp", "2", "--tp", "2", "--optimizer", "adamw", "--steps", "2", "--check",
+                      "--timeout-s", "15", *flags])
+    assert failed.value.stopped == "check FAILED: this run differs from serial autograd training (see above)"
+    figures, verdict = check_report(capfd.readouterr().out)
+    assert figures["gradients"][2] == "FAILED" and figures["gradients"][0] > 10 * figures["gradients"][1]
+
+
+DIVERGED = [("data_parallel.py", ["--world-size", "2"]), ("tensor_parallel.py", ["--world-size", "2"]),
+            ("pipeline_parallel.py", ["--world-size", "2"]), ("three_d.py", ["--dp", "1", "--pp", "2", "--tp", "2"])]
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("script, sizes", DIVERGED, ids=[s for s, _ in DIVERGED])
+@pytest.mark.parametrize("flags", [["--optimizer", "sgd", "--lr", "1e30"], ["--optimizer", "sgd", "--lr", "1000", "--check"],
+                                   ["--optimizer", "adamw", "--lr", "1e30", "--bf16"]], ids=["sgd", "check", "adamw-bf16"])
+def test_a_loss_that_stops_being_finite_ends_the_run_with_one_line_and_exit_1(script, sizes, flags):
+    """Every script, with and without --check: the step is named in one line, and the run
+    exits 1, so a script or CI that runs it sees a failure."""
+    code, out, err = finish(start([sys.executable, script, *sizes, *flags, "--steps", "6", "--num-layers", "4",
                                    "--dim", "8", "--batch-size", "8"], start_new_session=True))
-    assert code == 1
-    assert err.splitlines() == ["error: check FAILED: the loss stopped being finite; try a smaller --lr "
-                                "than 1000"], err
-    named = [line for line in out.splitlines() if line.startswith("the loss stopped being finite at step ")]
-    assert len(named) == 1 and "--lr 1000 is too large" in named[0], out
-    step = int(named[0].split("at step ")[1].split(":")[0])
-    assert f"step {step:3d}  loss nan" in out or f"step {step:3d}  loss inf" in out
-    assert f"step {step - 1:3d}  loss nan" not in out and f"step {step - 1:3d}  loss inf" not in out
+    assert code == 1, out + err
+    lr = float(flags[flags.index("--lr") + 1])
+    (line,) = err.splitlines()
+    said = re.fullmatch(rf"error: the loss stopped being finite at step (\d+): --lr {re.escape(f'{lr:g}')} is too large "
+                        rf"for this model; try a smaller one", line)
+    assert said, err
+    step = int(said[1])
+    assert re.search(rf"step {step:3d}  loss (nan|inf)", out) and not re.search(rf"step {step - 1:3d}  loss (nan|inf)",
+                                                                                  out), out
+    assert "check against serial" not in out          # no check of a run that has no finite loss to check
 
 
 def start(argv, env=None, **kwargs):
@@ -489,6 +544,40 @@ def test_kill_or_ctrl_c_stops_every_rank_with_one_line(how, code, line):
     assert gone_within(ranks, 5) == []
 
 
+@pytest.mark.deadline(90)
+@pytest.mark.parametrize("ending", ["SIGTERM", "SIGHUP", "Ctrl-C", "a failing rank", "a diverged run", "a failed check"])
+def test_no_ending_but_kill_9_leaves_anything_in_the_temp_folder(ending, tmp_path):
+    """torch.multiprocessing writes a rank's traceback to pytorch-errorfile-*.pickle in the
+    temporary folder, and a rank that outlives a killed peer fails too; the launcher's own
+    folder holds the store. Whatever the ending, none of it stays."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = {"TMPDIR": str(temp)}
+    if ending in ("SIGTERM", "SIGHUP", "Ctrl-C"):
+        proc = training(env=env)
+        if ending == "Ctrl-C":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, getattr(signal, ending))
+        code, _, err = finish(proc, timeout=30)
+    else:
+        flags = {"a failing rank": ["--backend", "nccl"], "a diverged run": ["--optimizer", "sgd", "--lr", "1e30"],
+                 "a failed check": ["--check"]}[ending]
+        argv = [sys.executable, "three_d.py", *SHORT, *flags]
+        if ending == "a failing rank":   # rank 3 raises in its second layer
+            argv = [sys.executable, "tests/faults.py", "3", "2", "raise", *SHORT]
+        if ending == "a failed check":   # every dW doubled: the check fails on rank 0
+            argv = [sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); import data_parallel as dp, "
+                    "three_d; real = dp.DataParallel.add_grad; dp.DataParallel.add_grad = lambda self, i, x, dz: "
+                    "real(self, i, x, 2 * dz); sys.argv = ['three_d.py', *sys.argv[1:]]; three_d.run_main(three_d.main)",
+                    *SHORT, "--check"]
+        code, _, err = finish(start(argv, env=env, start_new_session=True))
+    assert code != 0, err
+    # PyTorch's own compile cache, torchinductor_<user>: one empty folder a user, made by
+    # importing torch._dynamo (every optimizer step does) and kept for every later program
+    assert [name for name in os.listdir(temp) if not name.startswith("torchinductor_")] == [], err
+
+
 @pytest.mark.deadline(60)
 def test_a_stopped_rank_is_named_when_the_others_time_out():
     proc = start([sys.executable, "three_d.py", *SMALL[:-1], "100000", "--timeout-s", "3"], start_new_session=True)
@@ -686,15 +775,3 @@ def test_two_first_makes_at_once_both_succeed(tmp_path):
     listed = subprocess.run([venv, "-m", "pip", "list", "--format", "freeze"], capture_output=True, text=True).stdout
     names = [line.split("==")[0].lower() for line in listed.splitlines()]
     assert len(names) == len(set(names)) and "torch" in names and "pytest" in names
-
-
-def test_bf16_on_a_gpu_that_cannot_is_one_line(monkeypatch, capsys):
-    """--bf16 where the device cannot compute in bf16 (an older GPU): refused at the door."""
-    for name, value in [("is_available", lambda: True), ("device_count", lambda: 8),
-                        ("is_bf16_supported", lambda *a, **k: False)]:
-        monkeypatch.setattr(torch.cuda, name, value)
-    with pytest.raises(SystemExit) as exited:
-        three_d.main(["--bf16", "--backend", "nccl"])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert err.splitlines() == [f"{os.path.basename(sys.argv[0])}: error: --bf16: this GPU cannot compute in bf16"]

@@ -320,8 +320,8 @@ def test_check_catches_a_doubled_weight_gradient_under_adamw(monkeypatch, capfd,
     assert failed.value.stopped == "check FAILED: this run differs from serial autograd training (see above)"
     figures, verdict = check_report(capfd.readouterr().out)
     assert verdict == "FAILED"
-    assert figures["first step's gradients"][0] == pytest.approx(1.0, rel=1e-3)   # 2 g - g, relative to g
-    assert figures["first step's gradients"][2] == "FAILED"
+    assert 0.5 < figures["gradients"][0] <= 1.0   # 2 g - g = g, of its terms (at least g)
+    assert figures["gradients"][2] == "FAILED"
 
 
 def test_dp2_equals_dp1_so_the_gradient_is_averaged_once(tmp_path):
@@ -435,9 +435,8 @@ def test_make_3d_defaults_pass_check_and_learn(tmp_path):
 
     figures, verdict = check_report(proc.stdout)
     assert verdict == "OK"
-    assert figures["first step's gradients"][0] <= dp.CHECK_TOLERANCE     # AdamW's own tolerance is
-    assert figures["losses"][0] <= dp.CHECK_TOLERANCE                     # lr x steps for the
-    assert figures["final weights"][1] == pytest.approx(0.01 * 30)        # final weights
+    assert figures["gradients"][0] <= 1e-5 and figures["losses"][0] <= 1e-5   # summation order alone
+    assert figures["weights after an update"][0] <= 2**-20                    # one step's roundings
 
 
 # ----------------------------------------------------------------------------------

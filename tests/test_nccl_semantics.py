@@ -1,0 +1,440 @@
+"""NCCL's semantics, emulated on gloo (tests/nccl.py), and what they found.
+
+1. The harness itself: one Work per batch; what a receive or an async collective writes
+   lands only at wait() (NaN until then); a send's buffer or an output written early, and a
+   Work never waited, are caught; CUDA started in the launching process is caught.
+2. The runner's old pairing of Works (the Work beside each receive) reads NaN under the
+   harness, where gloo hid it.
+3. Every training script, schedule and flag family passes its --check under the harness.
+4. The GPU-only fixes, with what they need mocked: the door asks NVML, never CUDA, and
+   refuses bf16 by emulation and a node with fewer GPUs than ranks; a parent with CUDA
+   starts its ranks by spawn; setup() passes device_id and one thread; nodes that chose
+   different backends stop in one line; NCCL's watchdog abort is a victim, not the culprit;
+   the timeline times a GPU with CUDA events; the loss costs no host sync in the runner;
+   the memory tables add the allocator's peak on a GPU.
+"""
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import collectives
+import data_parallel as dp
+import pipeline_parallel as pp
+import tensor_parallel as tp
+import three_d
+from collectives import RankFailed, cleanup, setup, spawn
+from common import assert_check_passed, check_report
+from nccl import CUDAInitialised, NCCLSemanticsError, fake_gpus, nccl_semantics
+from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = ["--timeout-s", "15"]
+
+
+# ----------------------------------------------------------------------------------
+# 1. The harness
+# ----------------------------------------------------------------------------------
+
+def exchange_worker(rank, world_size):
+    """Two ranks swap a tensor in one batch, then try every async collective."""
+    setup(rank, world_size)
+    peer = 1 - rank
+    mine, theirs = torch.full((3,), 10.0 + rank), torch.zeros(3)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, theirs, peer)])
+    assert len(works) == 1, works                             # one Work for the batch, as NCCL
+    assert torch.isnan(theirs).all(), theirs                  # nothing lands before wait()
+    works[0].wait()
+    assert torch.equal(theirs, torch.full((3,), 10.0 + peer)), theirs
+
+    summed = torch.full((4,), 1.0 + rank)
+    work = dist.all_reduce(summed, async_op=True)
+    assert torch.isnan(summed).all()
+    work.wait()
+    assert torch.equal(summed, torch.full((4,), 3.0))
+
+    flat = torch.arange(4.0) + 10 * rank                      # a reduce-scatter in place, as ZeRO's
+    piece = flat.view(2, 2)[rank]
+    work = dist.reduce_scatter_single(piece, flat, async_op=True)
+    assert torch.isnan(piece).all()
+    work.wait()
+    assert torch.equal(piece, (torch.arange(4.0) * 2 + 10).view(2, 2)[rank])
+
+    gathered = torch.zeros(2)
+    work = dist.all_gather_single(gathered, torch.tensor([5.0 + rank]), async_op=True)
+    assert torch.isnan(gathered).all()
+    work.wait()
+    assert torch.equal(gathered, torch.tensor([5.0, 6.0]))
+    cleanup()
+
+
+def test_one_work_a_batch_and_nothing_lands_before_wait():
+    with nccl_semantics():
+        spawn(exchange_worker, 2, timeout_s=15)
+
+
+def early_write_worker(rank, world_size, what):
+    setup(rank, world_size)
+    peer = 1 - rank
+    if what == "send":
+        mine, theirs = torch.ones(3), torch.zeros(3)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, theirs, peer)])
+        mine.mul_(2)                                              # before its Work is waited
+        for work in works:
+            work.wait()
+    elif what == "output":
+        summed = torch.ones(4)
+        work = dist.all_reduce(summed, async_op=True)
+        summed.zero_()                                            # the transfer would land over this
+        work.wait()
+    else:                                                         # a Work nobody waits
+        dist.all_reduce(torch.ones(2), async_op=True)
+        dist.barrier()
+    cleanup()
+
+
+@pytest.mark.parametrize("what, said", [
+    ("send", "a tensor it sends was written before its Work was waited"),
+    ("output", "its output was written before its Work was waited"),
+    ("never", "1 Work(s) never waited: all_reduce(async_op=True)")])
+def test_a_buffer_written_before_wait_or_a_work_never_waited_is_caught(what, said):
+    with nccl_semantics(), pytest.raises(RankFailed) as failed:
+        spawn(early_write_worker, 2, what, timeout_s=15)
+    assert said in failed.value.text
+    # the same runs without the harness: gloo says nothing
+    spawn(early_write_worker, 2, what, timeout_s=15)
+
+
+def test_cuda_started_in_the_launching_process_is_caught():
+    """torch.cuda.is_bf16_supported(), which the door used to call, starts CUDA; so does
+    is_available(). device_count() asks NVML and starts nothing."""
+    with fake_gpus(count=8):
+        assert torch.cuda.device_count() == 8
+        for call in (torch.cuda.is_bf16_supported, torch.cuda.is_available, torch.cuda.current_device):
+            with pytest.raises(CUDAInitialised):
+                call()
+
+
+# ----------------------------------------------------------------------------------
+# 2. The runner's old pairing of Works, caught
+# ----------------------------------------------------------------------------------
+
+def old_pairing_worker(rank, world_size, micro_batches):
+    """1F1B's action lists, with the runner's old pairing: zip(ops, works), the Work beside a
+    receive waited, the others one batch later. The "compute" only reads what arrived and
+    sends a tensor that names it, so the test asks one thing: did the data arrive?"""
+    setup(rank, world_size)
+    dist.barrier()
+    last = world_size - 1
+    received, to_send, sending = {}, {}, []
+    for action in pp.build_schedule("1f1b", world_size, rank, micro_batches):
+        if action.op == "comm":
+            ops = []
+            for key in action.comms:
+                peer = rank + 1 if key[0] in (SEND_ACT, RECV_GRAD) else rank - 1
+                if key[0] in (RECV_ACT, RECV_GRAD):
+                    received[key] = torch.empty(4)
+                    ops.append(dist.P2POp(dist.irecv, received[key], peer))
+                else:
+                    ops.append(dist.P2POp(dist.isend, to_send.pop(key), peer))
+            works = dist.batch_isend_irecv(ops)
+            for op, work in zip(ops, works):      # the old pairing
+                if op.op is dist.irecv:
+                    work.wait()
+            for work in sending:
+                work.wait()
+            sending = [work for op, work in zip(ops, works) if op.op is dist.isend]
+            continue
+        if action.op == "F":
+            if rank > 0:
+                got = received.pop((RECV_ACT, action.mb, None))
+                assert torch.equal(got, torch.full((4,), 100.0 + action.mb)), f"F{action.mb} read {got.tolist()}"
+            if rank < last:
+                to_send[SEND_ACT, action.mb, None] = torch.full((4,), 100.0 + action.mb)
+        if action.op == "B":
+            if rank < last:
+                got = received.pop((RECV_GRAD, action.mb, None))
+                assert torch.equal(got, torch.full((4,), 200.0 + action.mb)), f"B{action.mb} read {got.tolist()}"
+            if rank > 0:
+                to_send[SEND_GRAD, action.mb, None] = torch.full((4,), 200.0 + action.mb)
+    for work in sending:
+        work.wait()
+    cleanup()
+
+
+def test_the_old_pairing_of_works_reads_nan_under_nccls_semantics():
+    spawn(old_pairing_worker, 3, 4, timeout_s=15)                 # gloo, one Work an op: it passes
+    with nccl_semantics(), pytest.raises(RankFailed) as failed:
+        spawn(old_pairing_worker, 3, 4, timeout_s=15)
+    assert "read [nan, nan, nan, nan]" in failed.value.text
+
+
+# ----------------------------------------------------------------------------------
+# 3. Every script, schedule and flag family, --check under the harness
+# ----------------------------------------------------------------------------------
+
+QUICK = ["--steps", "3", *TIMEOUT]
+UNDER_NCCL = [
+    (pp, ["--world-size", "2", "--micro-batches", "4", "--schedule", "gpipe"]),
+    (pp, ["--world-size", "2", "--micro-batches", "4", "--schedule", "1f1b"]),
+    (pp, ["--world-size", "2", "--micro-batches", "4", "--schedule", "zb-h1"]),
+    (pp, ["--world-size", "2", "--micro-batches", "4", "--schedule", "interleaved"]),
+    (pp, ["--world-size", "4", "--micro-batches", "8", "--schedule", "1f1b", "--recompute"]),
+    (pp, ["--world-size", "2", "--micro-batches", "4", "--bf16"]),
+    (dp, ["--world-size", "2", "--zero", "0"]),
+    (dp, ["--world-size", "2", "--zero", "0", "--overlap", "--bucket-mb", "0"]),
+    (dp, ["--world-size", "2", "--zero", "1", "--overlap"]),
+    (dp, ["--world-size", "2", "--zero", "2", "--overlap", "--bucket-mb", "0"]),
+    (dp, ["--world-size", "2", "--zero", "3", "--overlap", "--bucket-mb", "0"]),
+    (dp, ["--world-size", "2", "--zero", "3", "--recompute", "--bf16"]),
+    (tp, ["--world-size", "2", "--tp-style", "all-gather"]),
+    (tp, ["--world-size", "2", "--tp-style", "megatron", "--recompute"]),
+    (tp, ["--world-size", "2", "--tp-style", "megatron", "--bf16"]),
+    (three_d, []),
+    (three_d, ["--p2p-shard", "--tp-style", "megatron", "--zero", "3"]),
+    (three_d, ["--schedule", "interleaved", "--zero", "1", "--bucket-mb", "0"]),
+    (three_d, ["--schedule", "zb-h1", "--order", "tp-dp-pp", "--zero", "2", "--recompute"]),
+    (three_d, ["--bf16", "--clip-grad", "0.5"]),
+]
+
+
+@pytest.mark.deadline(90)
+@pytest.mark.parametrize("script, argv", UNDER_NCCL, ids=lambda a: " ".join(a) if isinstance(a, list)
+                         else a.__name__)
+def test_check_passes_under_nccls_semantics(script, argv, capfd):
+    with nccl_semantics():
+        script.main([*argv, "--check", *QUICK])
+    out = capfd.readouterr().out
+    tolerance = dp.bf16_tolerance(2) if "--bf16" in argv else dp.CHECK_TOLERANCE
+    figures, verdict = check_report(out)
+    assert verdict == "OK", out
+    assert figures["gradients"][0] <= tolerance and figures["losses"][0] <= tolerance, figures
+    assert figures["weights after an update"][0] <= 2**-20, figures
+
+
+def test_the_collectives_tour_under_nccls_semantics(capfd):
+    with nccl_semantics():
+        collectives.main(["--world-size", "3", *TIMEOUT])
+    out = capfd.readouterr().out
+    assert "ring_all_reduce == dist.all_reduce: yes" in out and "nan" not in out
+
+
+# ----------------------------------------------------------------------------------
+# 4. The GPU-only fixes, with what they need mocked
+# ----------------------------------------------------------------------------------
+
+SCRIPTS = {"data_parallel": dp, "tensor_parallel": tp, "pipeline_parallel": pp, "three_d": three_d}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_door_decides_bf16_from_nvml_without_starting_cuda(name, capsys):
+    """On 8 GPUs of compute capability 9.0 the door accepts --bf16 and starts no CUDA; on
+    7.0 (V100: bf16 only emulated) it refuses in one line."""
+    with fake_gpus(count=8, capability=(9, 0)):
+        args = SCRIPTS[name].parse_args(["--bf16"])
+    assert args.bf16
+    with fake_gpus(count=8, capability=(7, 0)), pytest.raises(SystemExit) as exited:
+        SCRIPTS[name].parse_args(["--bf16"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].endswith(
+        "error: --bf16: GPU 0 has compute capability 7.0 (8 of 8 GPUs here are older than 8.0, Ampere); bf16 "
+        "needs 8.0 or newer, and below that it is only emulated: drop --bf16"), err
+
+
+def test_fewer_gpus_than_ranks_is_refused_at_the_door(capsys):
+    with fake_gpus(count=4), pytest.raises(SystemExit) as exited:
+        three_d.parse_args([])                                   # 8 ranks on a node of 4 GPUs
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"{os.path.basename(sys.argv[0])}: error: --dp x --pp x --tp 8: 8 ranks on this node and "
+                   f"4 GPUs; NCCL takes a GPU a rank: run at most 4 ranks a node, or pass --backend gloo to "
+                   f"run every rank on the CPU"]
+    with fake_gpus(count=4):
+        assert three_d.parse_args(["--backend", "gloo"]).backend == "gloo"   # the CPU, as asked
+        assert collectives.pick_backend(4) == "nccl" and collectives.pick_backend(8, "gloo") == "gloo"
+    with fake_gpus(count=0):
+        assert three_d.parse_args([]).backend == "auto" and collectives.pick_backend(8) == "gloo"
+
+
+def test_a_parent_with_cuda_starts_its_ranks_by_spawn(monkeypatch):
+    started = []
+
+    class Started:
+        processes, error_files = [], []
+
+        def join(self, grace_period=None):
+            return True
+
+    def start_processes(fn, args, nprocs, join, start_method):
+        started.append(start_method)
+        return Started()
+    monkeypatch.setattr(collectives.mp, "start_processes", start_processes)
+    spawn(print, 2, backend="gloo")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    spawn(print, 2, backend="gloo")
+    assert started == ["fork", "spawn"]
+
+
+def test_setup_on_a_gpu_passes_device_id_and_one_thread(monkeypatch, tmp_path):
+    calls = {}
+    monkeypatch.setenv("PARALLEL_BACKEND", "nccl")
+    monkeypatch.setenv("PARALLEL_STORE", str(tmp_path / "store"))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.setdefault("set_device", device))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.update(backend=backend, **kwargs))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        device = setup(11, 16)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert device == torch.device("cuda", 3) == calls["set_device"] == calls["device_id"]
+    assert calls["backend"] == "nccl" and calls["rank"] == 11 and calls["world_size"] == 16
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.deadline(60)
+def test_nodes_that_chose_different_backends_stop_in_one_line():
+    """As torchrun starts them: rank 0 on a node without GPUs (gloo), rank 1 on a node with
+    (NCCL). Before any group forms, both end with one line that names the split."""
+    script = textwrap.dedent("""\
+        import sys, warnings
+        warnings.filterwarnings("ignore")
+        sys.path.insert(0, sys.argv[1])
+        import collectives
+        collectives.run_main(lambda: collectives.setup(int(sys.argv[2]), 2))
+    """)
+    port = str(free_port())
+    procs = []
+    for rank, backend in ((0, "gloo"), (1, "nccl")):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "PARALLEL_BACKEND": backend, "PARALLEL_TIMEOUT_S": "20"}
+        procs.append(subprocess.Popen([sys.executable, "-c", script, str(REPO), str(rank)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    for proc in procs:
+        out, err = proc.communicate(timeout=50)
+        assert proc.returncode == 1, err
+        assert err.strip().splitlines() == [
+            "error: the nodes chose different backends (gloo on ranks 0; nccl on ranks 1): give every node a "
+            "GPU for each of its ranks, or pass --backend gloo on every node"], err
+
+
+def watchdog_worker(rank, world_size):
+    import faulthandler
+    import time
+    if rank == 1:
+        time.sleep(30)                 # stalled: never reaches the collective
+    time.sleep(0.3)
+    faulthandler.disable()             # (pytest's: it would print this rank's stack)
+    os.abort()                         # as NCCL's watchdog ends a rank whose collective timed out
+
+
+@pytest.mark.deadline(30)
+def test_ranks_aborted_by_the_watchdog_are_victims_of_the_stalled_one():
+    with pytest.raises(RankFailed) as failed:
+        spawn(watchdog_worker, 3, timeout_s=10)
+    assert failed.value.rank == 1
+    assert str(failed.value).startswith("rank 1 failed first: stalled: rank")
+
+
+class FakeEvent:
+    """torch.cuda.Event on a stream whose clock the test sets: elapsed_time in ms."""
+    clock = 0.0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at = None
+
+    def record(self):
+        self.at = FakeEvent.clock
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3
+
+
+def test_the_timeline_times_a_gpu_with_cuda_events(monkeypatch):
+    """On a GPU the actions' times come from events on the stream, read after one
+    synchronize at the end, not from the host's clock when the call returns."""
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    gpu = torch.device("cuda", 0)
+    FakeEvent.clock = 0.0
+    recorder = pp.Recorder(gpu)
+    host_zero = recorder.zero[0]
+    stage = SimpleNamespace(stash={}, for_w={}, recomputed=0, held=lambda: 0)
+    for op, start, end in (("F", 0.5, 2.0), ("B", 2.0, 6.0)):
+        FakeEvent.clock = start
+        recorder.start(pp.Action(op, 0))
+        FakeEvent.clock = end
+        recorder.stop(pp.Action(op, 0), [stage])
+    assert len(syncs) == 1                                   # none while the actions are queued
+    events = recorder.events()
+    assert len(syncs) == 2
+    assert [(op, round(t0 - host_zero, 9), round(t1 - host_zero, 9)) for op, _, _, t0, t1 in events] == \
+        [("F", 0.5, 2.0), ("B", 2.0, 6.0)]
+
+
+def single_stage_worker(rank, world_size):
+    """One stage, four micro-batches: the runner asks nothing of the host, the loss is a tensor."""
+    setup(rank, world_size)
+    args = SimpleNamespace(optimizer="sgd", lr=0.1)
+    D, m = 8, 4
+    weights = dp.init_weights(2, D, 0)
+    replica = dp.make_replica(weights, dist.new_subgroups(1)[0], args)
+    x, y = torch.randn(8, D), torch.randn(8, D)
+    stage = pp.Stage(replica, range(2), True, True, y.chunk(m), n=8 * D)
+    syncs = []
+    real = {name: getattr(torch.Tensor, name) for name in ("item", "__float__", "tolist")}
+    for name, fn in real.items():
+        setattr(torch.Tensor, name, lambda self, *a, _fn=fn, _name=name: syncs.append(_name) or _fn(self, *a))
+    try:
+        replica.zero_grads(m)
+        pp.run_schedule(pp.build_schedule("1f1b", 1, 0, m), [stage], x.chunk(m), 0, 0, (2, D))
+    finally:
+        for name, fn in real.items():
+            setattr(torch.Tensor, name, fn)
+    assert syncs == [], syncs
+    assert torch.is_tensor(stage.loss) and float(stage.loss) > 0
+    cleanup()
+
+
+def test_the_runner_sums_the_loss_on_the_device():
+    spawn(single_stage_worker, 1, timeout_s=15)
+
+
+def test_allocator_peak_asks_the_cuda_allocator_on_a_gpu_only(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 4242)
+    assert collectives.allocator_peak(torch.device("cuda", 0)) == 4242
+    assert collectives.allocator_peak(torch.device("cpu")) is None
+
+
+def test_the_memory_tables_add_the_allocators_peak_on_a_gpu(monkeypatch, capfd):
+    monkeypatch.setattr(dp, "allocator_peak", lambda device: 4242)
+    monkeypatch.setattr(pp, "allocator_peak", lambda device: 777)
+    dp.main(["--world-size", "2", "--zero", "1", "--steps", "1", *TIMEOUT])
+    pp.main(["--world-size", "2", "--steps", "1", *TIMEOUT])
+    out = capfd.readouterr().out
+    assert "  the CUDA allocator's peak over the run: 4242 bytes" in out
+    assert "by stage (torch.cuda.max_memory_allocated: the weights, gradients, optimizer state and batch " \
+           "too): 777, 777 bytes" in out.replace("\n", " ")
+
+
+def test_the_multinode_recipe_names_ncclsocket_ifname():
+    readme = (REPO / "README.md").read_text()
+    recipe = readme[readme.index("**Two nodes of 4.**"):readme.index("**Under Slurm**")]
+    assert "NCCL_SOCKET_IFNAME" in recipe and "GLOO_SOCKET_IFNAME" in recipe
