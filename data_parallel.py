@@ -16,12 +16,11 @@ shape. Its backward is derived by hand here, once; every later step splits these
 
 Data parallelism: each of d replicas holds every weight and trains on its own slice of the
 batch; they sum their gradients with an all-reduce, 2(d-1)/d x P bytes each for P bytes of
-gradients, and divide by d, so every replica takes the same step. Micro-batches' gradients
-add up before one exchange a step; buckets and --overlap are DDP's; ZeRO (--zero 1, 2, 3) is
-three classes, each the one before with one change. PyTorch's: DistributedDataParallel,
-ZeroRedundancyOptimizer, FSDP2's fully_shard (tests/bench.py races them against these).
+gradients, and divide by d, so every replica takes the same step. dp_step() reads as that:
+forward; backward layer by layer, each dW into its bucket; each bucket's exchange once final
+(--overlap: under the backward below); divide. ZeRO (--zero 1, 2, 3): three classes, each the
+stage before plus its change; PyTorch's DDP, ZeroRedundancyOptimizer, FSDP2 (tests/bench.py).
 """
-import itertools
 import warnings
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
@@ -33,20 +32,14 @@ from collectives import cleanup, log, run_main, setup, spawn
 
 def layer_forward(x, w):
     """a = gelu(x W). Returns a and what its backward needs: (x, z)."""
-    z = x @ w                       # [b, D] @ [D, n] -> [b, n]
+    z = x @ w                                 # [b, D] @ [D, n] -> [b, n]
     return F.gelu(z), (x, z)
 
 
 def layer_backward(g, stash, w, need_dx=True):
-    """Given g = dL/da, return (dx, dW) for a = gelu(x W). need_dx=False skips dx (None)
-    where nobody needs it: the model's first layer, one matmul in three."""
-    dx, (x, dz) = input_backward(g, stash, w, need_dx)
-    return dx, x.T @ dz                       # dW = x^T dz        [D, n]
-
-
-def input_backward(g, stash, w, need_dx=True):
-    """The half of the backward that the layer below waits for: dx. Returns dx and what
-    the other half, dW = x^T dz, needs (step 4's zero-bubble schedule runs it later)."""
+    """Given g = dL/da: dx = dz W^T, and what dW = x^T dz needs, (x, dz). The replica sums
+    dW into its bucket (add_grad); step 4's zero-bubble schedule does it later. need_dx=False
+    skips dx (None) where nobody needs it: the model's first layer, one matmul in three."""
     x, z = stash
     dz = torch.ops.aten.gelu_backward(g, z)   # dz = g * gelu'(z)  [b, n], one fused kernel
     dx = dz @ w.T if need_dx else None        # dx = dz W^T        [b, D]
@@ -60,256 +53,255 @@ def mse_loss(a, y, n):
     return diff.square().sum() / n, (diff * (2.0 / n)).to(a.dtype)
 
 
-def replica_rows(batch_size, dp_rank, dp_size, step=None, seed=0):
-    """The rows that replica dp_rank trains on: by its data-parallel rank, never the global
-    rank (in 3D they differ). With a step, from a permutation that every rank draws alike."""
-    rows = torch.arange(batch_size) if step is None else torch.randperm(
-        batch_size, generator=torch.Generator().manual_seed(seed * 100003 + step))
-    per_replica = batch_size // dp_size
-    return rows[dp_rank * per_replica:(dp_rank + 1) * per_replica]
+def dp_step(replica, xs, ys, n, recompute=False):
+    """One replica's step on its micro-batches xs, ys [B/(d m), D]; returns its loss.
+    --recompute: the forward runs again before the backward, to make its stashes."""
+    loss = torch.zeros((), device=replica.device)
+    units, last = list(enumerate(replica.buckets)), len(xs) - 1   # a bucket: consecutive layers
+    replica.begin_step()
+    for mb, (x, y) in enumerate(zip(xs, ys)):
+        for forward_pass in range(1 + recompute):     # forward, unit by unit
+            a, stashes = x.to(replica.dtype), []
+            for b, layers in units:
+                replica.gather_weights(b, prefetch=b + 1)     # ZeRO-3: the unit's weights, whole
+                for i in layers:
+                    a, stash = layer_forward(a, replica.weights[i])       # [b, D] -> [b, D]
+                    stashes.append(stash)
+                replica.release_weights(b)
+            if forward_pass == 0:
+                mb_loss, g = mse_loss(a, y, n)
+                loss += mb_loss
+        for b, layers in reversed(units):             # backward, from the last layer's bucket
+            replica.gather_weights(b, prefetch=b - 1)
+            for i in reversed(layers):
+                g, (x_i, dz) = layer_backward(g, stashes[i], replica.weights[i], need_dx=i > 0)
+                replica.add_grad(i, x_i, dz)          # dW = x^T dz, summed over micro-batches
+            replica.release_weights(b)
+            if mb == last or replica.exchange_each_micro_batch:
+                replica.reduce_gradients(b)           # final: summed over the replicas
+    replica.average()                                 # every exchange done; each gradient / d
+    return loss
 
 
 class DataParallel:
-    """One replica of d over `group`, ZeRO's stage 0: it holds every weight, gradient and
-    optimizer state (16 P bytes for P fp32 parameters with AdamW: 4 + 4 + 8). The step reads
-    each W from weights_in() and hands each micro-batch's x, dz to add_grad(); a bucket of
-    gradients (make_buckets) is one flat buffer, all-reduced once final; average() waits, step()
-    steps. --bf16: the layers compute with bf16 copies of the fp32 masters; gradients and
-    optimizer stay fp32 (an update below 1/256 of a weight vanishes in bf16's 8 bits)."""
+    """ZeRO stage 0, DDP: a replica of d over `group` holds all weights, gradients and optimizer
+    state, 16 P bytes for P fp32 parameters with AdamW (4 + 4 + 8); buckets of consecutive
+    layers' dW, a flat buffer each, are exchanged as one message. --bf16: layers compute with
+    bf16 copies; gradients and optimizer stay fp32 (a small update vanishes in bf16's 8 bits)."""
+    exchange_each_micro_batch = False   # ZeRO-3 keeps no gradient from a micro-batch to the next
 
-    def __init__(self, weights, group, args, overlap=False, breaks=()):
+    def __init__(self, weights, group, optimizer="adamw", lr=1e-2, bucket_mb=25.0, bf16=False,
+                 overlap=False, breaks=()):
         self.group, self.overlap, self.device = group, overlap, weights[0].device
-        self.d, self.r = dist.get_world_size(group), dist.get_rank(group)
-        self.shapes, numels = [w.shape for w in weights], [w.numel() for w in weights]
-        self.buckets = make_buckets(numels, getattr(args, "bucket_mb", 25.0), breaks)
-        self.bucket_of = {i: b for b, layers in enumerate(self.buckets) for i in layers}
-        self.offset = {i: sum(numels[j] for j in layers[:k])   # where layer i's part begins
-                       for layers in self.buckets for k, i in enumerate(layers)}
-        self.lengths = [sum(numels[i] for i in layers) for layers in self.buckets]
-        self.dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
-        self.keep_weights(weights)
-        self.optimizer = make_optimizer(self.params, args)
-        self.grad_buckets, self.pending, self.peak = [None] * len(self.buckets), [], 0
+        self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        self.shapes = [w.shape for w in weights]
+        self.buckets, self.bucket_of, self.offset, self.lengths = make_buckets(
+            [w.numel() for w in weights], bucket_mb, breaks)
+        self.store_weights(weights)
+        self.optimizer = make_optimizer(self.params, optimizer, lr)
+        self.grad_buckets = [None] * len(self.buckets)   # fp32 [length] each, from its first dW
+        self.reductions = []                             # exchanges under way (--overlap)
 
-    def keep_weights(self, weights):            # the optimizer's fp32 masters; the layers' copies
-        self.params, self.weights = weights, [w.to(self.dtype) for w in weights]
+    def store_weights(self, weights):   # params: the optimizer's, fp32; weights: what layers use
+        self.params = weights
+        self.weights = [w.to(self.dtype) for w in weights]   # --bf16: a copy; fp32: the same
 
-    def weights_in(self, order, need=None):     # (i, W_i) for the layers in order
-        return ((i, self.weights[i]) for i in order)
-
-    def view(self, flat, i):                    # layer i's part of its bucket's flat buffer
+    def view(self, flat, i):            # layer i's part of its bucket's flat buffer   [D, D]
         return flat[self.offset[i]:self.offset[i] + self.shapes[i].numel()].view(self.shapes[i])
 
-    def zero_grads(self, num_micro_batches):    # how many dW each bucket waits for this step
-        self.left = [num_micro_batches * len(layers) for layers in self.buckets]
-        self.unsent, self.peak, self.fresh = [], 0, set(range(len(self.shapes)))
+    def begin_step(self):               # a layer's first dW of the step overwrites its part
+        self.fresh = set(range(len(self.shapes)))
+
+    def gather_weights(self, b, prefetch=None):   # every weight is here (ZeRO-3 gathers)
+        pass
+
+    def release_weights(self, b):                 # and stays (ZeRO-3 lets its units go)
+        pass
 
     def add_grad(self, i, x, dz):
         """dW = x^T dz of one micro-batch, summed into its bucket by the matmul itself (Megatron's
-        gradient-accumulation fusion); a layer's first dW of a step overwrites: nothing zeroed."""
-        b, x, dz = self.bucket_of[i], x.float(), dz.float()   # bf16's products, summed in fp32
-        if self.grad_buckets[b] is None:        # made as the first dW comes (padding: zeros)
-            self.grad_buckets[b] = torch.zeros(self.lengths[b], device=self.device)
-        grad = self.view(self.grad_buckets[b], i)
-        torch.mm(x.T, dz, out=grad) if i in self.fresh else grad.addmm_(x.T, dz)
-        self.fresh.discard(i)
-        self.left[b] -= 1
-        self.final(b) if self.left[b] == 0 else None
+        gradient-accumulation fusion): nothing is zeroed, nothing is copied."""
+        b = self.bucket_of[i]
+        if self.grad_buckets[b] is None:
+            self.grad_buckets[b] = torch.zeros(self.lengths[b], device=self.device)   # padding: 0
+        grad, x, dz = self.view(self.grad_buckets[b], i), x.float(), dz.float()   # sums in fp32
+        if i in self.fresh:
+            torch.mm(x.T, dz, out=grad)       # dW = x^T dz     [D, D]
+            self.fresh.discard(i)
+        else:
+            grad.addmm_(x.T, dz)              # dW += x^T dz
 
-    def final(self, b):     # bucket b is final: --overlap sends it now, under the backward below
-        self.exchange(b) if self.overlap else self.unsent.append(b)
+    def reduce_gradients(self, b):
+        """Bucket b is final: its sum over the replicas, in place, 2(d-1)/d of its bytes each.
+        --overlap starts it and goes on (average() waits): it runs under the backward below."""
+        if self.dp_size > 1:
+            work = dist.all_reduce(self.grad_buckets[b], group=self.group, async_op=self.overlap)
+            self.reductions.append(work)
 
-    def exchange(self, b):                      # the sum over the replicas, in place
-        work = dist.all_reduce(self.grad_buckets[b], group=self.group, async_op=self.overlap) \
-            if self.d > 1 else None
-        self.pending.append((b, work, None))
-
-    def average(self):      # the rest of the exchange; the sum of d replicas' gradients / d
-        for b in self.unsent:
-            self.exchange(b)
-        self.wait()
+    def average(self):                  # the exchanges done, each gradient / d: the mean
+        self.finish_reductions()
         for grad in self.grads():
-            grad.div_(self.d)
+            grad.div_(self.dp_size)
 
-    def wait(self):
-        for b, work, piece in self.pending:
-            work.wait() if work is not None else None
-            self.received(b, piece)
-        self.pending = []
+    def finish_reductions(self):
+        for work in self.reductions:
+            if work is not None:        # started with --overlap: wait for it now
+                work.wait()
+        self.reductions = []
 
-    def received(self, b, piece):               # an all-reduce leaves nothing to do
-        pass
-
-    def grads(self):                            # the gradients of self.params
+    def grads(self):                    # the gradients of self.params
         return [self.view(self.grad_buckets[self.bucket_of[i]], i) for i in range(len(self.shapes))]
 
-    def clip(self, max_norm, groups=()):        # every replica holds the whole average: no dp
+    def clip(self, max_norm, groups=()):   # every replica holds the whole average: no dp
         return clip_grads(self.grads(), max_norm, groups)
 
-    def step(self):
+    def update(self):                   # the optimizer's step; --bf16: the layers' copies then
+        self.step_optimizer()
+        for weight, param in zip(self.weights, self.params):
+            if weight is not param:
+                weight.copy_(param)
+
+    def step_optimizer(self):
         for param, grad in zip(self.params, self.grads()):
             param.grad = grad
         self.optimizer.step()
-        self.publish()
-
-    def publish(self):                          # bf16: the layers' copies of the new masters
-        for weight, param in zip(self.weights, self.params):
-            weight.copy_(param) if weight is not param else None
 
 
 class ZeRO1(DataParallel):
-    """Stage 1 = stage 0, but the optimizer steps only this replica's 1/d of each bucket, so
-    it keeps 1/d of the state (8 P + 8 P/d bytes), and the all-reduce splits around the step
-    in two: a reduce-scatter of the gradients, an all-gather of the updated weights. Each
-    bucket is a flat buffer of d S elements (zeros pad it); replica r owns [r S, (r+1) S)."""
+    """Stage 1 = stage 0, but the optimizer steps this replica's 1/d of each bucket alone (8 P +
+    8 P/d bytes): the all-reduce splits into a reduce-scatter of gradients and an all-gather of
+    new weights. A bucket holds d S elements (zeros pad it); replica r owns [r S, (r+1) S)."""
 
-    def keep_weights(self, weights):
-        unpadded, self.lengths = self.lengths, [-(-n // self.d) * self.d for n in self.lengths]
+    def store_weights(self, weights):
+        lengths = [-(-n // self.dp_size) * self.dp_size for n in self.lengths]   # d S each
         flats = [torch.cat([*(weights[i].reshape(-1) for i in layers),
-                            weights[0].new_zeros(length - n)])
-                 for layers, length, n in zip(self.buckets, self.lengths, unpadded)]
+                            weights[0].new_zeros(length - n)])                   # [d S]
+                 for layers, length, n in zip(self.buckets, lengths, self.lengths)]
+        self.lengths = lengths
         self.flat = [flat.to(self.dtype) for flat in flats]       # the layers' (bf16: a copy)
         self.weights = [self.view(self.flat[self.bucket_of[i]], i) for i in range(len(weights))]
-        self.params = [self.own(flat).clone() if flat.dtype != self.dtype else self.own(flat)
-                       for flat in flats]                         # the optimizer's [S], fp32
+        self.params = [self.own(flat) for flat in flats]          # the optimizer's [S], fp32
+        if self.dtype != torch.float32:                           # bf16: the masters alone
+            self.params = [param.clone() for param in self.params]
 
-    def own(self, flat):                        # this replica's 1/d of a bucket: a view [S]
-        return flat.view(self.d, -1)[self.r]
+    def own(self, flat):                # this replica's 1/d of a bucket: a view [S]
+        return flat.view(self.dp_size, -1)[self.dp_rank]
 
-    def exchange(self, b):                      # only this replica's part of the sum, in place
-        piece = self.own(self.grad_buckets[b])
-        work = dist.reduce_scatter_single(piece, self.grad_buckets[b], group=self.group,
+    def reduce_gradients(self, b):      # this replica's part of the sum: (d-1)/d of the bytes
+        bucket = self.grad_buckets[b]
+        work = dist.reduce_scatter_single(self.own(bucket), bucket, group=self.group,
                                           async_op=self.overlap)
-        self.pending.append((b, work, piece))
+        self.reductions.append(work)
 
     def grads(self):
-        return [self.own(grad) for grad in self.grad_buckets]
+        return [self.own(bucket) for bucket in self.grad_buckets]
 
-    def clip(self, max_norm, groups=()):        # each replica holds 1/d: summed over dp too
-        return super().clip(max_norm, (*groups, self.group))
+    def clip(self, max_norm, groups=()):   # each replica holds 1/d: summed over dp too
+        return clip_grads(self.grads(), max_norm, (*groups, self.group))
 
-    def publish(self):                          # each replica's new part, in place, to all
-        for flat, master in zip(self.flat, self.params):
+    def update(self):
+        """The optimizer's step on this replica's part of each bucket, then the new part to every
+        replica: an all-gather of the weights, (d-1)/d of their bytes each."""
+        self.step_optimizer()
+        for flat, param in zip(self.flat, self.params):
             part = self.own(flat)
-            part.copy_(master) if part.data_ptr() != master.data_ptr() else None   # bf16
+            if self.dtype != torch.float32:                   # bf16: the new part, rounded
+                part.copy_(param)
             dist.all_gather_single(flat, part, group=self.group)
 
 
 class ZeRO2(ZeRO1):
-    """Stage 2 = stage 1, but a bucket is reduce-scattered as soon as it is final, overlap or
-    not, and the full bucket let go: a replica keeps 1/d of the gradients (4 P + 12 P/d)."""
+    """Stage 2 = stage 1, but a bucket is reduce-scattered into a part of its own and the full
+    bucket let go at once: a replica keeps 1/d of the gradients (4 P + 12 P/d)."""
 
-    def final(self, b):
-        self.exchange(b)
+    def begin_step(self):
+        super().begin_step()
+        self.grad_parts = [None] * len(self.buckets)
 
-    def received(self, b, piece):
-        self.grad_shards[b], self.grad_buckets[b] = piece.clone(), None
-
-    def zero_grads(self, num_micro_batches):
-        self.grad_shards = [None] * len(self.buckets)
-        super().zero_grads(num_micro_batches)
+    def reduce_gradients(self, b):
+        part = self.grad_buckets[b].new_empty(self.lengths[b] // self.dp_size)   # [S]
+        work = dist.reduce_scatter_single(part, self.grad_buckets[b], group=self.group,
+                                          async_op=self.overlap)
+        self.reductions.append(work)
+        self.grad_parts[b], self.grad_buckets[b] = part, None   # the Work holds what it sends
 
     def grads(self):
-        return self.grad_shards
+        return self.grad_parts
 
 
 class ZeRO3(ZeRO2):
     """Stage 3 (FSDP) = stage 2, but a replica keeps only its 1/d of the weights too (16 P/d):
-    a bucket is FSDP's unit, all-gathered for its layers' forward and again for their backward.
-    Its gradient is reduce-scattered after each micro-batch: 3(d-1)/d x P per micro-batch."""
+    a bucket is FSDP's unit, all-gathered for its layers' forward and again for their backward,
+    then let go. Its gradient is reduce-scattered after every micro-batch: 3(d-1)/d P each."""
+    exchange_each_micro_batch = True
 
-    def keep_weights(self, weights):
-        super().keep_weights(weights)
-        self.params, self.flat, self.weights = [p.clone() for p in self.params], None, None
-        self.gathered = {}                      # unit -> its full weights, while in use
+    def store_weights(self, weights):
+        super().store_weights(weights)
+        self.params, self.flat = [param.clone() for param in self.params], None   # [S] each
+        self.weights, self.gathering = [None] * len(weights), {}   # unit -> (Work, [d S])
+        self.micro_parts, self.peak = [[] for _ in self.buckets], 0   # parts [S] of a step
 
-    def weights_in(self, order, need=lambda i: True):
-        """(i, W_i), or (i, None) where a layer needs no W. As a unit begins, the next unit's
-        all-gather starts, to run meanwhile: at most two units are held at once."""
-        runs = [(b, list(ls)) for b, ls in itertools.groupby(order, self.bucket_of.get)]
-        works = [None] * len(runs)
-        for k, (b, layers) in enumerate(runs):
-            for j in (k, k + 1):                # this unit (if not started), and the next
-                if j < len(runs) and works[j] is None and any(map(need, runs[j][1])):
-                    works[j] = self.gather(runs[j][0])
-            works[k].wait() if works[k] else None
-            for i in layers:
-                yield i, self.view(self.gathered[b], i) if works[k] and need(i) else None
-            self.gathered.pop(b, None)          # let the unit go
+    def gather_weights(self, b, prefetch=None):
+        """Unit b's weights, whole: every replica's part, (d-1)/d of its bytes come in. The
+        next unit's all-gather starts too, to run meanwhile: two units are held at most."""
+        for unit in (b, prefetch):
+            if unit in range(len(self.buckets)) and unit not in self.gathering:
+                flat = self.params[unit].new_empty(self.lengths[unit], dtype=self.dtype)  # [d S]
+                self.gathering[unit] = (dist.all_gather_single(
+                    flat, self.params[unit].to(self.dtype), group=self.group, async_op=True), flat)
+                self.peak = max(self.peak, sum(held(self).values()))   # for the memory table
+        work, flat = self.gathering.pop(b)
+        work.wait()
+        for i in self.buckets[b]:
+            self.weights[i] = self.view(flat, i)
 
-    def gather(self, b):                        # (d-1)/d of the unit's bytes come in
-        self.gathered[b] = self.params[b].new_empty(self.lengths[b], dtype=self.dtype)
-        work = dist.all_gather_single(self.gathered[b], self.params[b].to(self.dtype),
-                                      group=self.group, async_op=True)
-        self.peak = max(self.peak, sum(held(self).values()))
-        return work
+    def release_weights(self, b):
+        for i in self.buckets[b]:
+            self.weights[i] = None
 
-    def zero_grads(self, num_micro_batches):
-        super().zero_grads(1)                   # a micro-batch's dW, then the exchange
-        self.grad_shards = [p.new_zeros(p.shape) for p in self.params]
+    def reduce_gradients(self, b):      # each micro-batch's dW: a new bucket next, and a new part
+        earlier = self.grad_parts[b]                  # the micro-batches before's sum, or None
+        super().reduce_gradients(b)                   # grad_parts[b]: this one's part
+        if earlier is not None and not self.overlap:  # in already: summed at once
+            self.grad_parts[b] += earlier
+        elif earlier is not None:                     # --overlap: summed once it has come in
+            self.micro_parts[b].append(earlier)
 
-    def final(self, b):
-        self.exchange(b)
-        self.grad_buckets[b], self.left[b] = None, len(self.buckets[b])   # for the next one's
-        self.wait() if not self.overlap else None
+    def average(self):                  # the parts still apart summed, then each / d
+        self.finish_reductions()
+        for part, earlier in zip(self.grad_parts, self.micro_parts):
+            for other in earlier:
+                part += other
+        self.micro_parts = [[] for _ in self.buckets]
+        for grad in self.grads():
+            grad.div_(self.dp_size)
 
-    def received(self, b, piece):
-        self.grad_shards[b] += piece            # summed over the micro-batches
-
-    def publish(self):                          # nothing to gather: each keeps its shard
-        pass
-
-
-def make_replica(weights, group, args, overlap=False, breaks=()):   # by --zero (step 4: none)
-    stage = [DataParallel, ZeRO1, ZeRO2, ZeRO3][getattr(args, "zero", 0)]
-    return stage(weights, group, args, overlap, breaks)
-
-
-def dp_step(replica, xs, ys, n, blocks=None, recompute=False):
-    """One replica's step: each micro-batch (xs, ys) forward and back through each layer's
-    blocks (step 2's, or a later step's), dW summed over micro-batches and averaged over the
-    replicas. Returns this replica's loss. recompute: the stashes are let go, and made again
-    by a second forward before the backward (one micro-batch in flight: it saves nothing)."""
-    L = len(replica.shapes)
-    blocks = blocks or [(layer_forward, input_backward)] * L
-
-    def forward(x, keep=True):
-        stashes = []
-        for (i, w), (block, _) in zip(replica.weights_in(range(L)), blocks):   # ZeRO-3: units
-            x, stash = block(x, w)
-            stashes.append(stash) if keep else None
-        return x, stashes
-    replica.zero_grads(len(xs))
-    loss = torch.zeros((), device=replica.device)
-    for x, y in zip(xs, ys):
-        out, stashes = forward(x.to(replica.dtype), keep=not recompute)
-        mb_loss, g = mse_loss(out, y, n)
-        loss += mb_loss
-        stashes = forward(x.to(replica.dtype))[1] if recompute else stashes
-        for i, w in replica.weights_in(reversed(range(L)), need=lambda i: i > 0):
-            g, (x, dz) = blocks[i][1](g, stashes[i], w, i > 0)   # layer 0 makes no dx
-            replica.add_grad(i, x, dz)                        # dW = x^T dz, summed over them
-    replica.average()
-    return loss
+    def update(self):                   # nothing to all-gather: a unit is gathered when used
+        self.step_optimizer()
 
 
 def dp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     m, init = args.micro_batches, init_weights(args.num_layers, args.dim, args.seed)
-    replica = make_replica([w.to(device, copy=True) for w in init], None, args, args.overlap)
+    replica = make_replica([w.to(device, copy=True) for w in init], None, zero=args.zero,
+                           optimizer=args.optimizer, lr=args.lr, bucket_mb=args.bucket_mb,
+                           bf16=args.bf16, overlap=args.overlap)
     inputs, targets = (t.to(device) for t in make_batch(args))
     losses, norms, check = [], [], SerialCheck(args)
     for step in range(args.steps):
         rows = replica_rows(args.batch_size, rank, world_size, step if args.shuffle else None,
                             args.seed)        # the world's ranks are the replicas: rank = dp rank
         loss = dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m),   # [B/(d m), D]
-                       len(rows) * args.dim, recompute=args.recompute)   # n: this slice's mean
+                       len(rows) * args.dim, args.recompute)     # n: this slice's mean
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
             check.step(full_weights(replica), full_grads(replica))
-        norms += [replica.clip(args.clip_grad)] if args.clip_grad else []   # before the step
-        replica.step()
+        if args.clip_grad:
+            norms.append(replica.clip(args.clip_grad))           # before the update
+        replica.update()
         losses.append(global_loss(loss, None))
-        log(f"[rank {rank}]", step_line(step, losses, norms, args)) if rank == 0 else None
+        if rank == 0:
+            log(f"[rank {rank}]", step_line(step, losses, norms, args))
     finish_replicas(replica, args, init, losses, inputs, targets, check, norms)
     cleanup()
 
@@ -320,11 +312,26 @@ def main(argv=None):
 
 
 # Below the fold: the bucket layout and the clipping norm; what later steps share (weights,
-# data, the serial reference, training flags and rules, --save, --check); the memory table.
+# data, training flags and rules, --save, --check); the memory table.
 import contextlib, functools, math, os  # noqa: E401, E402
 
 from collectives import (Parser, Stop, allocator_peak, check_launch_args,  # noqa: E402
                          gpu_capabilities, pick_backend, positive_float, positive_int)
+
+
+def make_replica(weights, group, zero=0, **options):   # the ZeRO stage asked for (--zero)
+    return [DataParallel, ZeRO1, ZeRO2, ZeRO3][zero](weights, group, **options)
+
+
+def replica_rows(batch_size, dp_rank, dp_size, step=None, seed=0):
+    """The rows that replica dp_rank trains on: by its data-parallel rank, never the global
+    rank (in 3D they differ). With a step, from a permutation that every rank draws alike."""
+    rows = torch.arange(batch_size)
+    if step is not None:
+        shuffle = torch.Generator().manual_seed(seed * 100003 + step)
+        rows = torch.randperm(batch_size, generator=shuffle)
+    per_replica = batch_size // dp_size
+    return rows[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
 
 def make_buckets(numels, bucket_mb, breaks=()):
@@ -332,14 +339,19 @@ def make_buckets(numels, bucket_mb, breaks=()):
     costs a fixed time plus bytes / bandwidth: here (gloo, 2 ranks; tests/bench.py collectives)
     an all-reduce of 4 KB or of 1 MB takes 0.5-0.8 ms, 16 MB 11 ms, so one call for many layers
     saves. Cut from the last layer, whose gradient is final first; the first bucket holds 1 MB
-    at most, as DDP's, to start early. None crosses a break (3D: a chunk's)."""
+    at most, as DDP's, to start early. None crosses a break (3D: a chunk's). Returns the
+    buckets (lists of layers), each layer's bucket and offset in it, and each bucket's length."""
     buckets, cap, size = [[]], min(bucket_mb, 1.0) * 2**20, 0
     for i in reversed(range(len(numels))):
         if buckets[-1] and (size + 4 * numels[i] > cap or i + 1 in breaks):
             buckets, cap, size = buckets + [[]], bucket_mb * 2**20, 0
         buckets[-1].insert(0, i)
         size += 4 * numels[i]
-    return buckets[::-1]
+    buckets, bucket_of, offset = buckets[::-1], {}, {}
+    for b, layers in enumerate(buckets):
+        for i in layers:
+            bucket_of[i], offset[i] = b, sum(numels[layers[0]:i])
+    return buckets, bucket_of, offset, [sum(numels[i] for i in layers) for layers in buckets]
 
 
 def clip_grads(grads, max_norm, groups):
@@ -371,27 +383,8 @@ def make_batch(args):   # X [B, D], and Y = teacher(X) from its own seed: the lo
     return inputs, functools.reduce(lambda x, w: layer_forward(x, w)[0], teacher, inputs)
 
 
-def make_optimizer(params, args):   # plain SGD, or AdamW with PyTorch's defaults
-    return (torch.optim.SGD if args.optimizer == "sgd" else torch.optim.AdamW)(params, lr=args.lr)
-
-
-def serial_train(args):
-    """The same training in one process, with autograd: what every parallel run must equal.
-    With --bf16 the same casts: bf16 matmuls and activations on fp32 master weights."""
-    weights = [w.requires_grad_() for w in init_weights(args.num_layers, args.dim, args.seed)]
-    (inputs, targets), optimizer = make_batch(args), make_optimizer(weights, args)
-    losses, norms, first_grads = [], [], None
-    for _ in range(args.steps):
-        optimizer.zero_grad()
-        loss, _ = serial_loss(weights, inputs, targets, args.bf16)
-        loss.backward()
-        losses.append(loss.item())
-        first_grads = first_grads or [w.grad.clone() for w in weights]
-        if args.clip_grad:
-            norms.append(torch.nn.utils.clip_grad_norm_(weights, args.clip_grad).item())
-        optimizer.step()
-    return {"final_weights": [w.detach() for w in weights], "losses": losses,
-            "first_grads": first_grads, "grad_norms": norms}
+def make_optimizer(params, optimizer, lr):   # plain SGD, or AdamW with PyTorch's defaults
+    return (torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW)(params, lr=lr)
 
 
 def serial_loss(weights, inputs, targets, bf16=False, halves=False):
@@ -430,9 +423,11 @@ def whole(replica, parts):   # a tensor per layer from the optimizer's parts: Ze
 def held(replica):   # bytes held now, by kind; a view of another tensor counts once
     state = [t for s in replica.optimizer.state.values() for t in s.values() if t.dim()]
     masters = replica.params if replica.params[0].dtype != replica.dtype else []   # bf16's
+    gathering = [flat for _, flat in getattr(replica, "gathering", {}).values()]   # ZeRO-3's
     kinds = {"weights": [replica.weights, getattr(replica, "flat", 0), replica.params *
-                         (not masters), list(getattr(replica, "gathered", {}).values())],
-             "gradients": [replica.grad_buckets, getattr(replica, "grad_shards", 0)],
+                         (not masters), gathering],
+             "gradients": [replica.grad_buckets, getattr(replica, "grad_parts", 0),
+                           [p for parts in getattr(replica, "micro_parts", []) for p in parts]],
              "optimizer state": [state, masters]}
     return {kind: sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                        for ts in lists if ts for t in ts if t is not None}.values())
@@ -452,9 +447,9 @@ def zero_formula(zero, num_params, dp_size, optimizer="adamw", bf16=False):
 
 def show_memory(replica, args, whose):
     now, P = held(replica), sum(replica.lengths)
-    want = zero_formula(args.zero, P, replica.d, args.optimizer, args.bf16)
+    want = zero_formula(args.zero, P, replica.dp_size, args.optimizer, args.bf16)
     want["total"] = (sum(b for b, _ in want.values()), " + ".join(f for _, f in want.values()))
-    print(f"memory held at the end of a step by {whose}: --zero {args.zero}, d={replica.d}, "
+    print(f"memory held at the end of a step by {whose}: --zero {args.zero}, d={replica.dp_size}, "
           f"P = {P} parameters{' (buckets padded to a multiple of d)' * bool(args.zero)}, "
           f"{'bf16 on fp32 masters (in the optimizer state)' if args.bf16 else 'fp32'}")
     for kind, got in [*now.items(), ("total", sum(now.values()))]:
@@ -538,6 +533,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
     gpus = gpu_capabilities() if args.bf16 and pick_backend(local_ranks, args.backend) == "nccl" \
         else []      # (major, minor) of each GPU, asked of NVML: no CUDA starts here
     old = [(i, f"{major}.{minor}") for i, (major, minor) in enumerate(gpus) if major < 8]
+    oldest = old[0] if old else ("", "")
     parser.refuse([
         (not 0 <= args.seed < 2**32, f"--seed {args.seed}: expected 0 to {2**32 - 1}"),
         (args.lr > 3.4e38, f"--lr {args.lr:g}: more than a float32 holds (3.4e38)"),
@@ -549,9 +545,9 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
         (B % (replicas * m), f"--batch-size {B} is not divisible by {by}--micro-batches "
                              f"({replicas * m})"),
         (not 0 <= bucket_mb <= 1e6, f"--bucket-mb {bucket_mb:g}: expected 0 to 1e6"),
-        (old, f"--bf16: GPU {old[0][0] if old else ''} has compute capability "
-              f"{old[0][1] if old else ''} ({len(old)} of {len(gpus)} GPUs here are older than 8.0, "
-              f"Ampere); bf16 needs 8.0 or newer, and below that it is only emulated: drop --bf16")])
+        (old, f"--bf16: GPU {oldest[0]} has compute capability {oldest[1]} ({len(old)} of "
+              f"{len(gpus)} GPUs here are older than 8.0, Ampere); bf16 needs 8.0 or newer, and "
+              f"below that it is only emulated: drop --bf16")])
     state = sum(b for b, _ in zero_formula(getattr(args, "zero", 0), L * D * D, replicas).values())
     check_launch_args(parser, args, world_size, ranks_flag,
                       4 * (2 * L * D * D + 2 * B * D + 2 * L * B * D) + state,
@@ -649,19 +645,19 @@ class SerialCheck:
     def __init__(self, args):
         self.args, self.on = args, args.check and (not dist.is_initialized() or
                                                    dist.get_rank() == 0)
-        self.worst = {}             # figure -> (difference / tolerance, difference, tolerance, where)
+        self.worst = {}        # figure -> (difference / tolerance, difference, tolerance, where)
         self.losses, self.norms = [], []
         if self.on:
             self.inputs, self.targets = make_batch(args)
             self.weights = [w.requires_grad_() for w in init_weights(args.num_layers, args.dim,
                                                                      args.seed)]
-            self.optimizer = make_optimizer(self.weights, args)
+            self.optimizer = make_optimizer(self.weights, args.optimizer, args.lr)
             self.expected = [w.detach().clone() for w in self.weights]
 
     def step(self, weights, grads):
         if not self.on:
             return
-        weights, grads = [w.detach().float().cpu() for w in weights], [g.float().cpu() for g in grads]
+        weights, grads = [w.float().cpu() for w in weights], [g.float().cpu() for g in grads]
         self.compare("weights after an update", weights, self.expected,
                      [w.abs().max() for w in self.expected])
         with torch.no_grad():
@@ -671,11 +667,11 @@ class SerialCheck:
         loss, out = serial_loss(self.weights, self.inputs, self.targets, self.args.bf16)
         loss.backward()
         self.losses.append((loss.item(), out.square().mean().sqrt().item()))
-        want = [w.grad.clone() for w in self.weights]
+        want, batch = [w.grad.clone() for w in self.weights], (self.inputs, self.targets)
         scales = [torch.maximum(terms, g.abs().max()) for terms, g in
-                  zip(gradient_terms(self.weights, self.inputs, self.targets, self.args.bf16), want)]
+                  zip(gradient_terms(self.weights, *batch, self.args.bf16), want)]
         self.optimizer.zero_grad()   # the same step, summed in another order
-        serial_loss(self.weights, self.inputs, self.targets, self.args.bf16, halves=True)[0].backward()
+        serial_loss(self.weights, *batch, self.args.bf16, halves=True)[0].backward()
         spreads = [(w.grad - g).abs().max() / scale.clamp_min(1e-30)
                    for w, g, scale in zip(self.weights, want, scales)]
         self.compare("gradients", grads, want, scales, spreads)
@@ -683,8 +679,8 @@ class SerialCheck:
             for mine, theirs in zip(self.weights, grads):
                 mine.grad.copy_(theirs)
         if self.args.clip_grad:   # the norm moves by at most the gradients' differences' norm
-            room = sum(g.numel() * ((self.tolerance("gradients", layer) + 10 * spread) * scale)**2
-                       for layer, (g, scale, spread) in enumerate(zip(grads, scales, spreads))).sqrt()
+            room = sum(g.numel() * ((self.tolerance("gradients", i) + 10 * spread) * scale)**2
+                       for i, (g, scale, spread) in enumerate(zip(grads, scales, spreads))).sqrt()
             norm = torch.nn.utils.clip_grad_norm_(self.weights, self.args.clip_grad)
             self.norms.append((norm.item(), room.item()))
         self.optimizer.step()
@@ -698,7 +694,7 @@ class SerialCheck:
                 tolerance += 10 * spreads[layer].item()
             self.note(figure, difference, tolerance, f" (layer {layer})")
 
-    def note(self, figure, difference, tolerance, where=""):   # the worst, by its share of tolerance
+    def note(self, figure, difference, tolerance, where=""):   # the worst: the largest share
         entry = (difference / tolerance, difference, tolerance, where)
         self.worst[figure] = max(self.worst.get(figure, (0.0, 0.0, tolerance, "")), entry,
                                  key=lambda e: (e[0] != e[0], e[0]))           # a nan wins

@@ -8,10 +8,9 @@
 
 The lecture sends activations forward one micro-batch at a time and stops: "Backward
 pass: homework exercise", and "Not handled: overlapping communication/computation to
-eliminate pipeline bubbles". This step adds both: the backward across stages (the last
-stage turns the loss into dL/da, each stage runs step 2's layer backward and sends dL/dx
-back), and schedules that keep several stages busy at once. A schedule is data: per
-stage, a list of actions that one runner executes, printed, tested and drawn.
+eliminate pipeline bubbles". This step adds both: the backward across stages, and schedules
+that keep several stages busy at once, as data: per stage, a list of actions that one
+runner executes, printed, tested and drawn.
 
     stage s of p owns layers [s L/p, (s+1) L/p); micro-batch i: x_i [B/m, D]
     F(i) on stage s: receive x_i from s-1, run its layers, send a_i to s+1
@@ -35,8 +34,8 @@ holds back s W passes to fill its bubble, (p-1)/(3m+p-1) with F, B and W equal.
 Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): stage s holds v chunks, chunk c
 being virtual stage c p + s, so micro-batches go round v times: (p-1)/(v m + p-1).
 
-What PyTorch gives you: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
-ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (tests/bench.py races them).
+PyTorch's: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+ScheduleInterleavedZeroBubble (tests/bench.py races them).
 """
 import warnings
 from typing import NamedTuple
@@ -45,11 +44,10 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import input_backward, layer_forward, make_replica, mse_loss
+from data_parallel import DataParallel, layer_backward, layer_forward, mse_loss
 
-# Point-to-point kinds: an activation goes to the next stage after F, a gradient to the
-# previous stage after B. Printed as a>3 (send activation 3), >a3 (receive it), <g3, g<3.
-SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "a>", ">a", "<g", "g<"
+# Point-to-point: after F an activation goes on to the next stage, after B a gradient back
+SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "a>", ">a", "<g", "g<"   # printed a>3 >a3 <g3 g<3
 
 
 class Action(NamedTuple):
@@ -72,28 +70,39 @@ def warmup_forwards(schedule, num_stages, stage, num_micro_batches, num_chunks=1
     p, s, m, v = num_stages, stage, num_micro_batches, num_chunks
     if schedule == "gpipe" or (schedule == "interleaved" and m == p):
         return m * v
-    return min((v - 1) * p + 2 * (p - s - 1) if schedule == "interleaved" else p - s - 1, m * v)
+    if schedule == "interleaved":
+        return min((v - 1) * p + 2 * (p - s - 1), m * v)
+    return min(p - s - 1, m)
 
 
 def compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks=1):
     """The compute actions of one stage, in order: (op, micro-batch, chunk or None).
 
-    1F1B's shape: forwards to fill the pipe, then one forward and one backward, then the
-    backwards that are left (GPipe: all forwards first). Interleaved, forward k runs chunk
-    (k // p) mod v of micro-batch (k // (v p)) p + k mod p: p micro-batches through one
-    chunk, then the same p through the next; the backwards run the chunks in reverse."""
+    Three phases: warm-up, forwards alone, enough to fill the pipe; steady state, one forward
+    then one backward; cool-down, the backwards left. GPipe is all warm-up. Interleaved,
+    forward k runs chunk (k // p) mod v of micro-batch (k // (v p)) p + k mod p: p micro-batches
+    through one chunk, then the same p through the next; backwards run the chunks in reverse."""
     p, s, m, v = num_stages, stage, num_micro_batches, num_chunks
+    chunks = [None] * v
+    if schedule == "interleaved":
+        chunks = list(range(v))
+    forwards = [("F", k // (p * v) * p + k % p, chunks[k // p % v]) for k in range(m * v)]
+    backwards = [("B", k // (p * v) * p + k % p, chunks[v - 1 - k // p % v]) for k in range(m * v)]
     warmup = warmup_forwards(schedule, p, s, m, v)
-    chunk = (lambda c: c) if schedule == "interleaved" else (lambda c: None)
-    fwd = [("F", k // (p * v) * p + k % p, chunk(k // p % v)) for k in range(m * v)]
-    bwd = [("B", k // (p * v) * p + k % p, chunk(v - 1 - k // p % v)) for k in range(m * v)]
-    order, held_back = fwd[:warmup], []
-    for j, backward in enumerate(bwd):
-        order += fwd[warmup + j:warmup + j + 1] + [backward]
-        if schedule == "zb-h1":               # ZB-H1: stage s runs the W of B j - s after B j
-            held_back.append(("W", *backward[1:]))
-            order += [held_back.pop(0)] if j >= s else []
-    return order + held_back                  # ZB-H1: the held-back W fill the end
+    order = forwards[:warmup]                          # warm-up: fill the pipe
+    for k in range(m * v - warmup):                    # steady state: one forward, one backward
+        order += [forwards[warmup + k], backwards[k]]
+    order += backwards[m * v - warmup:]                # cool-down: drain it
+    if schedule != "zb-h1":
+        return order
+    with_w, held_back = [], []   # ZB-H1: B is dx alone; W, dW = x^T dz, waits for nobody, so
+    for action in order:         # stage s runs each W s backwards late, the last s at the end
+        with_w.append(action)
+        if action[0] == "B":
+            held_back.append(("W", *action[1:]))
+            if len(held_back) > s:
+                with_w.append(held_back.pop(0))
+    return with_w + held_back
 
 
 def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1):
@@ -113,13 +122,16 @@ def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1)
         return (chunk or 0) * num_stages + stage
     last = num_stages * num_chunks - 1
     order = compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks)
-    warmup, units = warmup_forwards(schedule, num_stages, stage, num_micro_batches, num_chunks), []
-    for k, (op, mb, chunk) in enumerate(order):   # units: steady (F, B) pairs interleaved, else ops
-        steady = k > warmup and op == "B" and order[k - 1][0] == "F" and schedule == "interleaved"
-        units[-1:] = [units[-1] + [(op, mb, chunk)]] if steady else units[-1:] + [[(op, mb, chunk)]]
+    warmup = warmup_forwards(schedule, num_stages, stage, num_micro_batches, num_chunks)
+    runs = []                                 # what runs back to back, no batch between
+    for k, (op, mb, chunk) in enumerate(order):
+        if schedule == "interleaved" and op == "B" and k > warmup and order[k - 1][0] == "F":
+            runs[-1].append((op, mb, chunk))  # a steady-state backward joins its forward
+        else:
+            runs.append([(op, mb, chunk)])
     actions, pending = [], []
-    for unit in units:
-        for op, mb, chunk in unit:
+    for run in runs:
+        for op, mb, chunk in run:             # what the run needs received first
             if op == "F" and virtual(chunk) > 0:
                 pending.append((RECV_ACT, mb, chunk))
             if op == "B" and virtual(chunk) < last:
@@ -127,79 +139,85 @@ def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1)
         if pending:                           # (a send due after B goes before a W, too)
             actions.append(Action("comm", comms=tuple(pending)))
             pending = []
-        for op, mb, chunk in unit:
+        for op, mb, chunk in run:             # the compute, and what it sends after
             actions.append(Action(op, mb, chunk))
             if op == "F" and virtual(chunk) < last:
                 pending.append((SEND_ACT, mb, chunk))
             if op == "B" and virtual(chunk) > 0:
                 pending.append((SEND_GRAD, mb, chunk))
-    return actions + ([Action("comm", comms=tuple(pending))] if pending else [])
+    if pending:
+        actions.append(Action("comm", comms=tuple(pending)))
+    return actions
 
 
 class Stage:
-    """One stage's layers (interleaved: one chunk's), run on what the caller hands in:
-    replica, step 2's holder of the weights and their gradients (weights_in, add_grad);
-    layers, the indices of this stage's layers in it; and blocks, each layer's forward
-    and input backward: step 2's own here, step 3's tensor-parallel ones in 3D. It keeps
-    each micro-batch's stash until that micro-batch's backward pops it: 2 x layers x [b, D]
-    (x and z of each layer). recompute: only the input, [b, D], and the backward runs the
-    forward again first, bitwise the same, at the cost of one more forward (under TP, with
-    its collectives): one stage's stash at a time, where 1F1B holds up to p - s."""
+    """One stage's layers (interleaved: one chunk's), run on what the caller hands in: replica,
+    step 2's holder of the weights and gradients; layers, their indices in it; blocks, each
+    layer's forward and backward (step 3's in 3D). A micro-batch's stash, 2 x layers x [b, D]
+    (each layer's x and z), stays until its B. recompute: the input alone, [b, D]; the runner
+    runs F again before B, at a forward's cost: one stash at a time, where 1F1B holds p - s."""
 
-    def __init__(self, replica, layers, first, last, targets=None, n=1, blocks=None,
-                 recompute=False):
+    def __init__(self, replica, layers, first, last, num_micro_batches, targets=None,
+                 mean_over=1, blocks=None, recompute=False):
         self.replica, self.layers, self.first, self.last = replica, list(layers), first, last
-        self.blocks = blocks or [(layer_forward, input_backward)] * len(self.layers)
-        self.targets, self.n, self.recompute = targets, n, recompute   # targets: last stage's
+        self.blocks = blocks or [(layer_forward, layer_backward)] * len(self.layers)
+        self.units = [(b, ls) for b, ls in enumerate(replica.buckets) if ls[0] in self.layers]
+        self.num_micro_batches, self.recompute = num_micro_batches, recompute
+        self.targets, self.mean_over = targets, mean_over   # the last's: a mean over this many
         self.stash = {}        # micro-batch -> its layers' (x, z), or its input: popped by B
-        self.for_w = {}        # micro-batch -> its layers' (x, dz), popped by its W
-        self.loss_grad = {}    # micro-batch -> dL/da of the last layer (last stage only)
-        self.loss = 0.0        # the last stage's sum of micro-batch losses, a tensor on its device
-        self.recomputed = 0    # bytes of the last B's stash, made again
+        self.for_w, self.loss_grad = {}, {}   # -> its layers' (x, dz), popped by W; dL/da (last)
+        self.recomputed = 0    # bytes of the stash made again for the last B (the stash table's)
 
-    def run(self, x, keep=True):                    # the layers in turn: output and stashes
-        stashes = []
-        for (i, w), (forward, _) in zip(self.replica.weights_in(self.layers), self.blocks):
-            x, stash = forward(x, w)
-            stashes.append(stash) if keep else None
-        return x, stashes
+    def begin_step(self):
+        self.loss, self.weight_passes = 0.0, 0   # the loss: a tensor on the device once summed
 
-    def forward(self, mb, x):
-        out, stashes = self.run(x, keep=not self.recompute)
+    def forward(self, mb, x, again=False):
+        """F: the layers in turn, x [b, D] in; the output out. Their stash is kept for B
+        (--recompute: the input alone; again=True makes the stash B needs, from it)."""
+        out, stashes = x, []
+        for b, layers in self.units:
+            self.replica.gather_weights(b)        # ZeRO-3 (in 3D): the unit's weights, whole
+            for i in layers:
+                out, stash = self.blocks[i - self.layers[0]][0](out, self.replica.weights[i])
+                stashes.append(stash)
+            self.replica.release_weights(b)
+        if again:
+            self.stash[mb] = stashes
+            self.recomputed = nbytes(t for pair in stashes for t in pair)
+            return out
         self.stash[mb] = x if self.recompute else stashes
-        if self.last:
-            loss, self.loss_grad[mb] = mse_loss(out, self.targets[mb], self.n)
-            self.loss = self.loss + loss    # on the device: .item() here would stall the GPU
+        if self.last:          # summed on the device: .item() here would stall a GPU
+            loss, self.loss_grad[mb] = mse_loss(out, self.targets[mb], self.mean_over)
+            self.loss = self.loss + loss
         return out
 
-    def backward(self, mb, g, defer_w=False):
-        """B: dL/dx of this stage's input. dW too, unless defer_w: then W(mb) computes it."""
-        g = self.loss_grad.pop(mb) if self.last else g
+    def backward(self, mb, g):
+        """B: dL/dx of this stage's input, layer by layer from its last; each layer's (x, dz)
+        is kept for W."""
+        if self.last:
+            g = self.loss_grad.pop(mb)
         stashes, self.for_w[mb] = self.stash.pop(mb), {}
-        if self.recompute:                           # the forward again, from the input
-            stashes = self.run(stashes)[1]
-            self.recomputed = nbytes(t for pair in stashes for t in pair)
-
-        def need_dx(i):                              # the model's input needs no gradient
-            return i != self.layers[0] or not self.first
-        back = list(reversed(range(len(self.layers))))
-        for k, (i, w) in zip(back, self.replica.weights_in([self.layers[k] for k in back],
-                                                            need_dx)):
-            g, self.for_w[mb][i] = self.blocks[k][1](g, stashes[k], w, need_dx(i))
-        if not defer_w:
-            self.weight_grads(mb)
+        for b, layers in reversed(self.units):
+            self.replica.gather_weights(b)
+            for i in reversed(layers):
+                need_dx = i != self.layers[0] or not self.first   # the model's input needs none
+                g, self.for_w[mb][i] = self.blocks[i - self.layers[0]][1](
+                    g, stashes[i - self.layers[0]], self.replica.weights[i], need_dx)
+            self.replica.release_weights(b)
         return g
 
     def weight_grads(self, mb):
-        """W: dW = x^T dz of every layer, from what B left: nobody waits for it."""
+        """W: dW = x^T dz of every layer, from what B left: nobody waits for it. Once the last
+        micro-batch's are in, each bucket is final: its exchange over dp (ZeRO-3: every time)."""
         for i, (x, dz) in self.for_w.pop(mb).items():
-            self.replica.add_grad(i, x, dz)           # dW = x^T dz, summed over micro-batches
+            self.replica.add_grad(i, x, dz)       # dW = x^T dz, summed over micro-batches
+        self.weight_passes += 1
+        if self.weight_passes == self.num_micro_batches or self.replica.exchange_each_micro_batch:
+            for b, _ in self.units:
+                self.replica.reduce_gradients(b)
 
-    def held(self):
-        return len(self.stash) + len(self.for_w)    # micro-batches whose activations it keeps
 
-
-def run_schedule(actions, chunks, inputs, prev_rank, next_rank, buffer_shape, group=None,
+def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, group=None,
                  outgoing=None, incoming=None, recorder=None):
     """Execute one stage's action list on its Stages, one per chunk. inputs: the
     micro-batches (first stage only; their dtype is what crosses). outgoing and incoming
@@ -218,45 +236,41 @@ def run_schedule(actions, chunks, inputs, prev_rank, next_rank, buffer_shape, gr
             for key in action.comms:
                 kind, peer = key[0], next_rank if key[0] in (SEND_ACT, RECV_GRAD) else prev_rank
                 if kind in (RECV_ACT, RECV_GRAD):
-                    received[key] = torch.empty(buffer_shape, dtype=inputs[0].dtype, device=device)
+                    received[key] = torch.empty(buffer_shape, dtype=inputs[0].dtype,
+                                                device=device)               # [b, D] (or D/tp)
                     ops.append(dist.P2POp(dist.irecv, received[key], peer, group))
                 else:
                     ops.append(dist.P2POp(dist.isend, to_send.pop(key), peer, group))
             works = dist.batch_isend_irecv(ops)   # NCCL: one Work for the batch; gloo: one an op
+            under_way = works           # sends only: the stage computes while they go
             if any(kind in (RECV_ACT, RECV_GRAD) for kind, _, _ in action.comms):
                 for work in works:      # every one, before F or B reads what arrived: on a GPU,
                     work.wait()         # wait() is what makes the compute stream wait for it
                 under_way = []
-            else:
-                under_way = works       # sends only: the stage computes while they go
             continue
-        mb, chunk, layers = action.mb, action.chunk, chunks[action.chunk or 0]
+        mb, chunk, stage = action.mb, action.chunk, stages[action.chunk or 0]
         if recorder:
             recorder.start(action)
         if action.op == "F":
-            x = inputs[mb] if layers.first else incoming(received.pop((RECV_ACT, mb, chunk)))
-            out = layers.forward(mb, x)
-            if not layers.last:
+            x = inputs[mb] if stage.first else incoming(received.pop((RECV_ACT, mb, chunk)))
+            out = stage.forward(mb, x)
+            if not stage.last:
                 to_send[SEND_ACT, mb, chunk] = outgoing(out).contiguous()
         elif action.op == "B":
-            g = None if layers.last else incoming(received.pop((RECV_GRAD, mb, chunk)))
-            dx = layers.backward(mb, g, defer_w)
-            if not layers.first:
+            g = None if stage.last else incoming(received.pop((RECV_GRAD, mb, chunk)))
+            if stage.recompute:         # the forward again, from the input: the stash B needs
+                stage.forward(mb, stage.stash.pop(mb), again=True)
+            dx = stage.backward(mb, g)
+            if not stage.first:
                 to_send[SEND_GRAD, mb, chunk] = outgoing(dx).contiguous()
+            if not defer_w:             # dW now; ZB-H1's W comes later, in the bubble
+                stage.weight_grads(mb)
         else:
-            layers.weight_grads(mb)
+            stage.weight_grads(mb)
         if recorder:
-            recorder.stop(action, chunks)
+            recorder.stop(action, stages)
     for work in under_way:
         work.wait()
-
-
-def stage_layers(num_layers, num_stages, stage, num_chunks=1, chunk=0):
-    """Stage s owns layers [s L/p, (s+1) L/p); interleaved, chunk c of stage s is virtual
-    stage c p + s, which owns layers [(c p + s) L/(v p), (c p + s + 1) L/(v p))."""
-    per_stage = num_layers // (num_stages * num_chunks)
-    virtual = chunk * num_stages + stage
-    return range(virtual * per_stage, (virtual + 1) * per_stage)
 
 
 def pp_worker(rank, world_size, args):
@@ -268,40 +282,34 @@ def pp_worker(rank, world_size, args):
     mine = [i for c in range(v) for i in stage_layers(args.num_layers, p, stage, v, c)]
     # The stage's weights live in step 2's replica over a data-parallel group of one rank:
     # nothing to exchange; the weights, dW buckets and optimizer. (3D's group is real.)
-    alone = dist.new_subgroups(1)[0]
-    replica = make_replica([full[i].to(device, copy=True) for i in mine], alone, args)
-    per_chunk = len(mine) // v
-    chunks = [Stage(replica, range(c * per_chunk, (c + 1) * per_chunk), c * p + stage == 0,
-                    c * p + stage == v * p - 1, targets.to(device).chunk(m),
+    per_chunk = len(mine) // v          # no bucket crosses from one chunk to the next
+    replica = DataParallel([full[i].to(device, copy=True) for i in mine], dist.new_subgroups(1)[0],
+                           optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
+                           breaks=range(0, len(mine), per_chunk))
+    stages = [Stage(replica, range(c * per_chunk, (c + 1) * per_chunk), c * p + stage == 0,
+                    c * p + stage == v * p - 1, m, targets.to(device).chunk(m),
                     args.batch_size * args.dim, recompute=args.recompute) for c in range(v)]
     actions = build_schedule(args.schedule, p, stage, m, v)
     micro_batches = inputs.to(device, replica.dtype).chunk(m)     # [B/m, D] each, bf16 or not
     losses, norms, check = [], [], SerialCheck(args)
     for step in range(args.steps):
-        replica.zero_grads(m)
-        for chunk in chunks:
-            chunk.loss = 0.0
-        recorder = Recorder(device) if step == args.steps - 1 else None   # the last step's
-        run_schedule(actions, chunks, micro_batches, (stage - 1) % p, (stage + 1) % p,
+        replica.begin_step()
+        for chunk in stages:
+            chunk.begin_step()
+        recorder = Recorder(device) if step == args.steps - 1 else None   # its timeline, stash
+        run_schedule(actions, stages, micro_batches, (stage - 1) % p, (stage + 1) % p,
                      (args.batch_size // m, args.dim), recorder=recorder)
         replica.average()                                         # a group of one: / 1
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
             check.step(in_layer_order(full_weights(replica), args, p),
                        in_layer_order(full_grads(replica), args, p))
-        norms += [replica.clip(args.clip_grad, [dist.group.WORLD])] if args.clip_grad else []
-        replica.step()                                            # (clipped over the stages)
-        losses.append(float(chunks[-1].loss))                     # one host sync a step
-        log(f"[stage {stage}]", step_line(step, losses, norms, args)) if stage == p - 1 else 0
-    if args.timeline:
-        show_timeline(recorder.events(), recorder.peak, args, p, rank, device)
-    show_stash(recorder.memory, args, p, rank, device)
-    if rank == 0:
-        print_schedules(args.schedule, p, m, v, args.num_layers)
-    final = in_layer_order(full_weights(replica), args, p)
-    losses = torch.tensor(losses, dtype=torch.float64, device=device)
-    dist.broadcast(losses, src=p - 1)    # the last stage alone knows them
-    if rank == 0:
-        finish_run(args, full, final, losses.tolist(), inputs, targets, check, norms)
+        if args.clip_grad:      # the norm's squares summed over the stages
+            norms.append(replica.clip(args.clip_grad, [dist.group.WORLD]))
+        replica.update()
+        losses.append(float(stages[-1].loss))                     # one host sync a step
+        if stage == p - 1:
+            log(f"[stage {stage}]", step_line(step, losses, norms, args))
+    finish_stages(args, recorder, replica, full, losses, inputs, targets, check, norms)
     cleanup()
 
 
@@ -350,7 +358,7 @@ class Recorder:
 
     def stop(self, action, chunks):
         self.spans.append((action.op, action.mb, action.chunk or 0, self.begin, self.now()))
-        self.peak = max(self.peak, sum(chunk.held() for chunk in chunks))
+        self.peak = max(self.peak, sum(len(c.stash) + len(c.for_w) for c in chunks))   # held
         again = chunks[action.chunk or 0].recomputed if action.op == "B" else 0
         self.memory.append((sum(len(c.stash) for c in chunks), sum(len(c.for_w) for c in chunks),
                             sum(map(stash_bytes, chunks)) + again, int(again > 0)))
@@ -363,6 +371,30 @@ class Recorder:
         t0, zero = self.zero
         return [(op, mb, chunk, t0 + zero.elapsed_time(begin) / 1e3,
                  t0 + zero.elapsed_time(end) / 1e3) for op, mb, chunk, begin, end in self.spans]
+
+
+def stage_layers(num_layers, num_stages, stage, num_chunks=1, chunk=0):
+    """Stage s owns layers [s L/p, (s+1) L/p); interleaved, chunk c of stage s is virtual
+    stage c p + s, which owns layers [(c p + s) L/(v p), (c p + s + 1) L/(v p))."""
+    per_stage = num_layers // (num_stages * num_chunks)
+    virtual = chunk * num_stages + stage
+    return range(virtual * per_stage, (virtual + 1) * per_stage)
+
+
+def finish_stages(args, recorder, replica, full, losses, inputs, targets, check, norms):
+    """The last step's pictures (timeline, stash table, the schedules), then the run's end on
+    rank 0: the weights in layer order, and the losses, which the last stage alone knows."""
+    p, rank, device = dist.get_world_size(), dist.get_rank(), replica.device
+    if args.timeline:
+        show_timeline(recorder.events(), recorder.peak, args, p, rank, device)
+    show_stash(recorder.memory, args, p, rank, device)
+    if rank == 0:
+        print_schedules(args.schedule, p, args.micro_batches, args.virtual_stages, args.num_layers)
+    final = in_layer_order(full_weights(replica), args, p)
+    losses = torch.tensor(losses, dtype=torch.float64, device=device)
+    dist.broadcast(losses, src=p - 1)
+    if rank == 0:
+        finish_run(args, full, final, losses.tolist(), inputs, targets, check, norms)
 
 
 def nbytes(tensors):   # each tensor once: a layer's output is the next layer's input

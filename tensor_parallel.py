@@ -35,51 +35,44 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import dp_step, input_backward, layer_backward, layer_forward, make_replica
+from data_parallel import DataParallel, layer_backward, layer_forward, mse_loss
 
 
-def column_forward(x, w_t, group=None):
-    """x [b, D], the same on every rank -> a [b, D], the same on every rank."""
-    a_t, stash = layer_forward(x, w_t)      # z_t = x W_t, a_t = gelu(z_t)   [b, D/T]
-    return all_gather_columns(a_t, group), stash
+def gather_forward(x, w_t, group=None):
+    """All-gather in forward: x [b, D], the same on every rank -> a [b, D], the same on every
+    rank. Each rank sends (T-1)/T x [b, D]."""
+    a_t, stash = layer_forward(x, w_t)        # z_t = x W_t, a_t = gelu(z_t)   [b, D/T]
+    if dist.get_world_size(group) == 1:
+        return a_t, stash
+    stacked = a_t.new_empty(dist.get_world_size(group) * a_t.shape[0], a_t.shape[1])   # [T b, D/T]
+    dist.all_gather_single(stacked, a_t.contiguous(), group=group)   # rank t's rows t b ..
+    return side_by_side(stacked, a_t.shape[0]), stash                # [b, D]
 
 
-def column_backward(g, stash, w_t, need_dx=True, group=None):
-    """g = dL/da [b, D], the same on every rank -> (dx [b, D], dW_t [D, D/T]).
-
-    need_dx=False skips dx (None), and its all-reduce, where nobody needs it: the
-    model's first layer."""
-    g_t = own_columns(g, stash, group)                    # the all-gather's backward: a slice
-    dx, dw_t = layer_backward(g_t, stash, w_t, need_dx)   # dW_t = x^T dz_t; dx = dz_t W_t^T here
-    return f_backward(dx, group) if need_dx else None, dw_t
-
-
-def own_columns(g, stash, group=None):
-    """g [b, D] -> this rank's columns of it, [b, D/T], as wide as its z_t."""
-    tp_rank, cols = dist.get_rank(group), stash[1].shape[1]
-    return g[:, tp_rank * cols:(tp_rank + 1) * cols]
+def gather_backward(g, stash, w_t, need_dx=True, group=None):
+    """Slice in backward, then the all-reduce of dx: g = dL/da [b, D], the same on every rank
+    -> (dx [b, D], the (x, dz_t) of dW_t = x^T dz_t). need_dx=False skips dx and its
+    all-reduce where nobody needs it: the model's first layer."""
+    cols = stash[1].shape[1]                  # D/T: as wide as z_t
+    g_t = g[:, dist.get_rank(group) * cols:(dist.get_rank(group) + 1) * cols]   # [b, D/T]
+    dx, x_dz = layer_backward(g_t, stash, w_t, need_dx)   # dz_t = g_t gelu'(z_t); dz_t W_t^T
+    if need_dx and dist.get_world_size(group) > 1:
+        dist.all_reduce(dx, group=group)      # dx = sum_t dz_t W_t^T   2(T-1)/T x [b, D]
+    return dx, x_dz
 
 
-def f_backward(dx, group=None):
-    """Megatron's f, where x enters a column layer: the identity in forward (x, the same on
-    every rank, is every shard's input), an all-reduce in backward (dx sums every shard's
-    part, dz_t W_t^T)."""
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(dx, group=group)                  # 2(T-1)/T x [b, D]
-    return dx
+def side_by_side(stacked, b):   # [T b, n]: rank t's [b, n] in rows t b .. -> [b, T n]
+    T, n = stacked.shape[0] // b, stacked.shape[1]
+    return stacked.view(T, b, n).permute(1, 0, 2).reshape(b, T * n)
 
 
 def all_gather_columns(a_t, group=None):
-    """[b, n] on each of T ranks -> [b, T n] on all: the pieces side by side, in rank order.
-
-    All-gather in forward, slice in backward. Each rank sends (T-1)/T x [b, T n]."""
-    tp_size = dist.get_world_size(group)
-    if tp_size == 1:
+    """[b, n] on each of T ranks -> [b, T n] on all: the pieces side by side, in rank order."""
+    if dist.get_world_size(group) == 1:
         return a_t
-    b, n = a_t.shape
-    stacked = torch.empty(tp_size * b, n, dtype=a_t.dtype, device=a_t.device)   # rank t: rows t b..
+    stacked = a_t.new_empty(dist.get_world_size(group) * a_t.shape[0], a_t.shape[1])   # [T b, n]
     dist.all_gather_single(stacked, a_t.contiguous(), group=group)
-    return stacked.view(tp_size, b, n).permute(1, 0, 2).reshape(b, tp_size * n)   # [b, T n]
+    return side_by_side(stacked, a_t.shape[0])
 
 
 def shard_columns(w, tp_rank, tp_size):
@@ -106,24 +99,41 @@ def shard_columns(w, tp_rank, tp_size):
 #             dz_t = da_t * gelu'(x W1_t)   dW1_t = x^T dz_t [D, D/T]
 #             dx = sum_t dz_t W1_t^T                         f: all-reduce  [b, D]
 #
-# f and g are conjugates: where one sums the ranks' parts, the other has one value on
-# every rank and passes it on. Per pair and micro-batch each rank sends 2(T-1)/T A with
-# g in forward and 2(T-1)/T A with f in backward: 4(T-1)/T A, where two all-gather
-# layers send 2 x (T-1)/T A + 2 x 2(T-1)/T A = 6(T-1)/T A.
+# f and g are conjugates, a forward/backward pair each: f copies in forward and all-reduces in
+# backward; g all-reduces in forward and copies in backward. Per pair and micro-batch each rank
+# sends 2(T-1)/T A with g in forward and 2(T-1)/T A with f in backward: 4(T-1)/T A, where two
+# all-gather layers send 2 x (T-1)/T A + 2 x 2(T-1)/T A = 6(T-1)/T A. Each layer below is its
+# forward/backward pair, with its half of f or g inside.
 
-def g_forward(z, group=None):
-    """Megatron's g, after a row layer's matmul: an all-reduce in forward (each rank holds
-    one term of z), the identity in backward (dz is the same on every rank)."""
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(z, group=group)                   # 2(T-1)/T x [b, D]
-    return z
+def column_forward(x, w_t, group=None):
+    """f in forward, the identity: x, the same on every rank, is every shard's input."""
+    return layer_forward(x, w_t)              # a_t = gelu(x W_t): it stays sharded  [b, D/T]
+
+
+def column_backward(g_t, stash, w_t, need_dx=True, group=None):
+    """f in backward, an all-reduce: dx sums every shard's part, dz_t W_t^T."""
+    dx, x_dz = layer_backward(g_t, stash, w_t, need_dx)   # dW1_t's (x, dz_t)
+    if need_dx and dist.get_world_size(group) > 1:
+        dist.all_reduce(dx, group=group)      # dx = sum_t dz_t W1_t^T   2(T-1)/T x [b, D]
+    return dx, x_dz
 
 
 def row_forward(a_t, w_t, group=None):
-    """a_t [b, D/T], this rank's columns of the activation -> a [b, D], the same on every
-    rank. The backward is step 2's layer_backward, with no communication at all."""
-    z = g_forward(a_t @ w_t, group)         # z = sum_t a_t W_t      [b, D/T] @ [D/T, D]
+    """g in forward, an all-reduce: each rank holds one term of z."""
+    z = a_t @ w_t                             # a_t W2_t, a term of z   [b, D/T] @ [D/T, D]
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(z, group=group)       # z = sum_t a_t W2_t       2(T-1)/T x [b, D]
     return F.gelu(z), (a_t, z)
+
+
+def row_backward(g, stash, w_t, need_dx=True, group=None):
+    """g in backward, the identity: dz is the same on every rank, and da_t = dz W2_t^T is
+    this rank's own: step 2's layer backward with no communication at all."""
+    return layer_backward(g, stash, w_t, need_dx)          # dW2_t's (a_t, dz)
+
+
+LAYERS = {"gather": (gather_forward, gather_backward), "column": (column_forward, column_backward),
+          "row": (row_forward, row_backward)}
 
 
 def layer_kinds(num_layers, tp_style):
@@ -134,35 +144,33 @@ def layer_kinds(num_layers, tp_style):
     return ["column", "row"] * (num_layers // 2) + ["gather"] * (num_layers % 2)
 
 
-def describe(kinds):   # what ran, for the output: "3 Megatron pairs and 1 all-gather layer"
-    pairs, gathers = kinds.count("row"), kinds.count("gather")
-    return " and ".join([f"{pairs} Megatron pair{'s' * (pairs != 1)} (column, row)"] * bool(pairs) +
-                        [f"{gathers} all-gather layer{'s' * (gathers != 1)}"] * bool(gathers))
+def tp_blocks(kinds, group=None):
+    """Each layer's forward and backward pair over group, as step 4's Stage runs them in 3D."""
+    return [(partial(LAYERS[kind][0], group=group), partial(LAYERS[kind][1], group=group))
+            for kind in kinds]
 
 
-def tp_forward(kind, x, w_t, group=None):
-    if kind == "column":
-        return layer_forward(x, w_t)                      # a_t = gelu(x W_t): it stays sharded
-    if kind == "row":
-        return row_forward(x, w_t, group)
-    return column_forward(x, w_t, group)
-
-
-def tp_backward(kind, g, stash, w_t, need_dx=True, group=None):
-    if kind == "gather":
-        return column_backward(g, stash, w_t, need_dx, group)
-    dx, (x, dz) = tp_input_backward(kind, g, stash, w_t, need_dx, group)
-    return dx, x.T @ dz                                   # dW_t = x^T dz_t, or a_t^T dz
-
-
-def tp_input_backward(kind, g, stash, w_t, need_dx=True, group=None):
-    """The backward but for dW: dx, and the (x, dz) that dW = x^T dz needs."""
-    if kind == "gather":
-        g = own_columns(g, stash, group)                  # the all-gather's backward: a slice
-    dx, x_dz = input_backward(g, stash, w_t, need_dx)     # a row layer: da_t = dz W_t^T, no more
-    if kind != "row" and need_dx:
-        dx = f_backward(dx, group)                        # dx = sum_t dz_t W_t^T
-    return dx, x_dz
+def tp_step(replica, kinds, xs, ys, n, group=None, recompute=False):
+    """One step of the model with every layer split over the ranks of group: each layer's
+    forward and backward pair above, with its collective; dW_t = x^T dz_t summed into step 2's
+    replica, a data-parallel group of one here. --recompute: the forward again, collectives too."""
+    loss = torch.zeros((), device=replica.device)
+    replica.begin_step()
+    for x, y in zip(xs, ys):                  # the whole micro-batch on every rank  [b, D]
+        for forward_pass in range(1 + recompute):
+            a, stashes = x.to(replica.dtype), []
+            for kind, w_t in zip(kinds, replica.weights):
+                a, stash = LAYERS[kind][0](a, w_t, group=group)
+                stashes.append(stash)
+            if forward_pass == 0:
+                mb_loss, g = mse_loss(a, y, n)     # a, and so the loss, on every rank
+                loss += mb_loss
+        for i in reversed(range(len(kinds))):
+            backward = LAYERS[kinds[i]][1]
+            g, (x_i, dz) = backward(g, stashes[i], replica.weights[i], need_dx=i > 0, group=group)
+            replica.add_grad(i, x_i, dz)      # dW_t = x^T dz_t: this rank's part of dW
+    replica.average()                         # a group of one: nothing to exchange, / 1
+    return loss
 
 
 def shard(w, kind, tp_rank, tp_size):
@@ -178,16 +186,9 @@ def unshard(w_t, kind, group=None):
     """The full matrix back from every rank's part: rows stacked, or columns side by side."""
     if kind != "row":
         return all_gather_columns(w_t, group)
-    stacked = w_t.new_empty(dist.get_world_size(group) * w_t.shape[0], w_t.shape[1])
+    stacked = w_t.new_empty(dist.get_world_size(group) * w_t.shape[0], w_t.shape[1])  # [D, D]
     dist.all_gather_single(stacked, w_t.contiguous(), group=group)
     return stacked
-
-
-def tp_blocks(kinds, group=None):
-    """Each layer's forward and input backward, tensor-parallel over group: what step 2's
-    dp_step runs here, and step 4's Stage in 3D, in place of their own."""
-    return [(partial(tp_forward, kind, group=group), partial(tp_input_backward, kind,
-                                                             group=group)) for kind in kinds]
 
 
 def tp_worker(rank, world_size, args):
@@ -197,29 +198,30 @@ def tp_worker(rank, world_size, args):
     full = init_weights(args.num_layers, args.dim, args.seed)              # drawn whole, then cut
     shards = [shard(w, k, tp_rank, tp_size).to(device) for w, k in zip(full, kinds)]   # [D, D/T]
     inputs, targets = (t.to(device) for t in make_batch(args))             # all of it, every rank
-    # The shards live in step 2's replica, over a data-parallel group of one rank: no
-    # exchange, only the weights, their gradients and the optimizer; its step runs ours.
-    replica = make_replica(shards, dist.new_subgroups(1)[0], args)
+    # The shards live in step 2's replica over a data-parallel group of one rank: no exchange,
+    # only the gradients' buckets, the optimizer, and bf16's copies.
+    replica = DataParallel(shards, dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
+                           bf16=args.bf16)
     n, m, losses, norms = args.batch_size * args.dim, args.micro_batches, [], []
     check = SerialCheck(args)
-    print(f"tensor parallel over {tp_size} ranks: {describe(kinds)}", flush=True) if rank == 0 \
-        else None
+    if rank == 0:
+        print(f"tensor parallel over {tp_size} ranks: {describe(kinds)}", flush=True)
     for step in range(args.steps):
-        loss = dp_step(replica, inputs.chunk(m), targets.chunk(m), n, tp_blocks(kinds),
-                       args.recompute)          # the output, and so the loss, on every rank
+        loss = tp_step(replica, kinds, inputs.chunk(m), targets.chunk(m), n,
+                       recompute=args.recompute)
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
             check.step([unshard(w_t, k) for w_t, k in zip(full_weights(replica), kinds)],
                        [unshard(g_t, k) for g_t, k in zip(full_grads(replica), kinds)])
-        norms += [replica.clip(args.clip_grad, [dist.group.WORLD])] if args.clip_grad else []
-        replica.step()
+        if args.clip_grad:     # the norm's squares summed over the shards
+            norms.append(replica.clip(args.clip_grad, [dist.group.WORLD]))
+        replica.update()
         losses.append(loss.item())
-        log(f"[rank {rank}]", step_line(step, losses, norms, args)) if rank == 0 else None
+        if rank == 0:
+            log(f"[rank {rank}]", step_line(step, losses, norms, args))
     final = [unshard(w_t, k) for w_t, k in zip(full_weights(replica), kinds)]   # put together
     if rank == 0:
         finish_run(args, full, final, losses, inputs, targets, check, norms)
     cleanup()
-
-
 # The vocabulary-parallel embedding (Megatron's VocabParallelEmbedding)
 
 def vocab_range(vocab_size, tp_rank, tp_size):
@@ -296,11 +298,20 @@ def main(argv=None):
         spawn(tp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
 
 
-# Below the fold: the command line and its rules. -------------------------------------------
+# Below the fold: the command line and its rules, and what the run says it ran. ---------------
 from collectives import check_launch_args, positive_int  # noqa: E402
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
                            full_grads, full_weights, init_weights, make_batch, step_line,
                            training_parser)
+
+
+def describe(kinds):   # what ran, for the output: "3 Megatron pairs and 1 all-gather layer"
+    pairs, gathers, parts = kinds.count("row"), kinds.count("gather"), []
+    if pairs:
+        parts.append(f"{pairs} Megatron pair{'s' * (pairs != 1)} (column, row)")
+    if gathers:
+        parts.append(f"{gathers} all-gather layer{'s' * (gathers != 1)}")
+    return " and ".join(parts)
 
 
 def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor

@@ -83,66 +83,87 @@ def coordinates(rank, groups):
 
 class ThreeDRank:
     """One rank's share of the job, composed from the earlier steps' blocks and handed down to
-    them: its groups and coordinates; its replica (step 2) of its TP shards (step 3) of its
-    stage's layers (step 4), over the dp group; its stages, each running step 3's layers; and
-    the schedule that step 4's runner executes on them."""
+    them, set up in five steps: its groups; its shards, held by step 2's replica over dp; its
+    replica's slice of the batch; its stages (step 4) running step 3's layers; its schedule."""
 
     def __init__(self, rank, args, device):
+        self.join_groups(rank, args)
+        self.hold_shards(args, device)
+        self.take_rows(args, device)
+        self.build_stages(args)
+        self.plan_schedule(args)
+
+    def join_groups(self, rank, args):
+        """Every rank creates every group, in the same order, and keeps its own. (A new group
+        waits PyTorch's default 30 minutes for a peer unless told otherwise: --timeout-s.)"""
         groups = rank_groups(args.dp, args.pp, args.tp, args.order)
-        # Every rank creates every group, in the same order, and keeps its own. (A new group
-        # waits PyTorch's default 30 minutes for a peer unless told otherwise: --timeout-s.)
         timeout = timedelta(seconds=args.timeout_s)
         self.groups = {name: dist.new_subgroups_by_enumeration(groups[name], timeout=timeout)[0]
                        for name in ("tp", "pp", "dp")}
-        self.d, self.p, self.t = d, p, t = coordinates(rank, groups)
-        self.tag = f"[dp{d} pp{p} tp{t}]"
-        pp_ranks = dist.get_process_group_ranks(self.groups["pp"])   # the stages of this pipeline
+        self.dp_rank, self.stage, self.tp_rank = coordinates(rank, groups)
+        self.tag = f"[dp{self.dp_rank} pp{self.stage} tp{self.tp_rank}]"
         dist.barrier()   # a collective on every rank before the first point-to-point (for NCCL)
 
-        # The layers of stage p (of each of its chunks, interleaved), each cut to TP rank t's
-        # part: its columns, or its rows for a Megatron row layer. Every rank draws the whole
-        # model to cut its shards (init_weights says what that costs). Megatron's pairs stay
-        # inside a chunk, where they begin and end with the whole activation on every rank.
+    def hold_shards(self, args, device):
+        """The layers of its stage (of each of its chunks, interleaved), each cut to its tp
+        part: its columns, or its rows for a Megatron row layer. Every rank draws the whole
+        model to cut its shards (init_weights says what that costs). Megatron's pairs stay
+        inside a chunk, where they begin and end with the whole activation on every rank.
+        Step 2's replica holds them over the dp group: with --zero, 1/dp of each."""
         self.full, v = init_weights(args.num_layers, args.dim, args.seed), args.virtual_stages
-        per_chunk = args.num_layers // (args.pp * v)
-        self.kinds = layer_kinds(per_chunk, args.tp_style)             # the same in every chunk
-        shards = [shard(self.full[i], kind, t, args.tp).to(device)   # [D, D/T] or [D/T, D]
+        self.per_chunk = args.num_layers // (args.pp * v)
+        self.kinds = layer_kinds(self.per_chunk, args.tp_style)       # the same in every chunk
+        shards = [shard(self.full[i], kind, self.tp_rank, args.tp).to(device)  # [D, D/T], [D/T, D]
                   for c in range(v)
-                  for i, kind in zip(stage_layers(args.num_layers, args.pp, p, v, c), self.kinds)]
-        # Step 2 over the dp group: with --zero, 1/dp of each; a bucket inside a chunk.
-        self.replica = make_replica(shards, self.groups["dp"], args,
-                                    breaks=range(0, len(shards), per_chunk))
+                  for i, kind in zip(stage_layers(args.num_layers, args.pp, self.stage, v, c),
+                                     self.kinds)]
+        self.replica = make_replica(shards, self.groups["dp"], zero=args.zero,
+                                    optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
+                                    bucket_mb=args.bucket_mb,      # no bucket crosses a chunk
+                                    breaks=range(0, len(shards), self.per_chunk))
 
-        # This replica's slice of the batch, by its DP coordinate; the same on every TP rank.
+    def take_rows(self, args, device):
+        """Its replica's slice of the batch, by its dp coordinate, the same on every tp rank."""
         self.inputs, self.targets = make_batch(args)
-        rows = replica_rows(args.batch_size, d, args.dp)
-        m, tp = args.micro_batches, self.groups["tp"]
-        self.micro_inputs = self.inputs[rows].to(device, self.replica.dtype).chunk(m)   # [b, D]
-        targets = self.targets[rows].to(device).chunk(m)
-        # Step 4's stages, each handed step 3's forward and input backward of its layers.
-        self.chunks = [Stage(self.replica, range(c * per_chunk, (c + 1) * per_chunk),
-                             c * args.pp + p == 0, c * args.pp + p == v * args.pp - 1, targets,
-                             len(rows) * args.dim, tp_blocks(self.kinds, tp), args.recompute)
-                       for c in range(v)]                    # n: the replica's mean divides by n
-        # With --p2p-shard (Megatron's scatter-gather) what crosses a stage boundary, the same
-        # on every TP rank, goes as each rank's 1/tp slice and is all-gathered on arrival:
-        # 1/tp of the point-to-point bytes, for one all-gather more.
-        self.boundary = dict(outgoing=partial(shard_columns, tp_rank=t, tp_size=args.tp),
-                             incoming=partial(all_gather_columns, group=tp)) \
-            if args.p2p_shard else {}
-        self.buffer_shape = (len(rows) // m, args.dim // args.tp if args.p2p_shard else args.dim)
-        self.actions = build_schedule(args.schedule, args.pp, p, m, v)
-        self.prev_rank = pp_ranks[(p - 1) % args.pp]    # interleaved, the last stage's chunk c
-        self.next_rank = pp_ranks[(p + 1) % args.pp]    # sends to the first stage's chunk c+1
+        self.rows, m = replica_rows(args.batch_size, self.dp_rank, args.dp), args.micro_batches
+        self.micro_inputs = self.inputs[self.rows].to(device, self.replica.dtype).chunk(m)  # [b, D]
+        self.micro_targets = self.targets[self.rows].to(device).chunk(m)
 
-    def gradients(self):
-        """Every micro-batch forward and backward through the pipeline, then the gradients
-        averaged over the replicas, once (reduce-scattered, with --zero)."""
-        self.replica.zero_grads(len(self.micro_inputs))
-        for chunk in self.chunks:
-            chunk.loss = 0.0
-        run_schedule(self.actions, self.chunks, self.micro_inputs, self.prev_rank, self.next_rank,
-                     self.buffer_shape, **self.boundary)
+    def build_stages(self, args):
+        """Step 4's stages, one a chunk, each handed step 3's forward and backward of its
+        layers over its tp group; the loss a mean over the replica's rows."""
+        v, pp, p = args.virtual_stages, args.pp, self.stage
+        self.stages = [Stage(self.replica, range(c * self.per_chunk, (c + 1) * self.per_chunk),
+                             c * pp + p == 0, c * pp + p == v * pp - 1, args.micro_batches,
+                             self.micro_targets, len(self.rows) * args.dim,
+                             tp_blocks(self.kinds, self.groups["tp"]), args.recompute)
+                       for c in range(v)]
+
+    def plan_schedule(self, args):
+        """The action list of its stage, its neighbours in the pipe, and what crosses to them.
+        With --p2p-shard (Megatron's scatter-gather) what crosses, the same on every tp rank,
+        goes as each rank's 1/tp slice and is all-gathered on arrival: 1/tp of the bytes, for
+        one all-gather more."""
+        pp_ranks = dist.get_process_group_ranks(self.groups["pp"])   # the stages of this pipe
+        self.prev_rank = pp_ranks[(self.stage - 1) % args.pp]        # interleaved, the last
+        self.next_rank = pp_ranks[(self.stage + 1) % args.pp]        # stage's chunk c sends to
+        self.actions = build_schedule(args.schedule, args.pp, self.stage, args.micro_batches,
+                                      args.virtual_stages)           # the first's chunk c+1
+        width, self.boundary = args.dim, {}
+        if args.p2p_shard:
+            width, self.boundary = args.dim // args.tp, dict(
+                outgoing=partial(shard_columns, tp_rank=self.tp_rank, tp_size=args.tp),
+                incoming=partial(all_gather_columns, group=self.groups["tp"]))
+        self.buffer_shape = (len(self.rows) // args.micro_batches, width)   # [b, D] or [b, D/tp]
+
+    def train_step(self):
+        """Every micro-batch forward and backward through the pipeline, each bucket's gradient
+        summed over the replicas once final (reduce-scattered, with --zero); then / dp."""
+        self.replica.begin_step()
+        for stage in self.stages:
+            stage.begin_step()
+        run_schedule(self.actions, self.stages, self.micro_inputs, self.prev_rank,
+                     self.next_rank, self.buffer_shape, **self.boundary)
         self.replica.average()
 
 
@@ -153,27 +174,20 @@ def three_d_worker(rank, world_size, args):
         show_rank_map(args.dp, args.pp, args.tp, args.order)
         print(f"each stage{' chunk' * (args.virtual_stages > 1)}: {describe(me.kinds)} over "
               f"tp={args.tp}", flush=True)
-    last, losses, norms, check = me.p == args.pp - 1, [], [], SerialCheck(args)
+    last, losses, norms, check = me.stage == args.pp - 1, [], [], SerialCheck(args)
     for step in range(args.steps):
-        me.gradients()
+        me.train_step()
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
             check.step(full_matrices(full_weights(me.replica), me.kinds, args),
                        full_matrices(full_grads(me.replica), me.kinds, args))
         if args.clip_grad:   # the norm's squares summed over tp and pp (and dp, if ZeRO shards)
             norms.append(me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]]))
-        me.replica.step()                     # each rank's optimizer steps its own shards
+        me.replica.update()                   # each rank's optimizer steps its own shards
         if last:   # the last stage knows the loss: the replicas' mean losses, averaged
-            losses.append(global_loss(me.chunks[-1].loss, me.groups["dp"]))
-            log(me.tag, step_line(step, losses, norms, args)) if me.d == me.t == 0 else None
-    final = full_matrices(full_weights(me.replica), me.kinds, args)
-    losses = torch.tensor(losses if last else [0.0] * args.steps, dtype=torch.float64,
-                          device=device)
-    dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
-    if rank == 0:
-        if args.zero:
-            show_memory(me.replica, args, f"rank 0: its replica of stage 0's layers, its tp "
-                                          f"shards of them (1/{args.tp})")
-        finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, check, norms)
+            losses.append(global_loss(me.stages[-1].loss, me.groups["dp"]))
+            if me.dp_rank == me.tp_rank == 0:
+                log(me.tag, step_line(step, losses, norms, args))
+    finish_ranks(me, args, losses, check, norms, device)
     cleanup()
 
 
@@ -219,6 +233,20 @@ def full_matrices(shards, kinds, args):
                 else:
                     full.append(torch.cat([w.view(D, -1) for w in parts], dim=1))
     return full
+
+
+def finish_ranks(me, args, losses, check, norms, device):
+    """The run's end: the full matrices put back together, the losses from the last stage,
+    rank 0's memory table (with --zero), --save and --check."""
+    final = full_matrices(full_weights(me.replica), me.kinds, args)
+    losses = torch.tensor(losses if me.stage == args.pp - 1 else [0.0] * args.steps,
+                          dtype=torch.float64, device=device)
+    dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
+    if dist.get_rank() == 0:
+        if args.zero:
+            show_memory(me.replica, args, f"rank 0: its replica of stage 0's layers, its tp "
+                                          f"shards of them (1/{args.tp})")
+        finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, check, norms)
 
 
 def show_rank_map(dp, pp, tp, order):

@@ -45,7 +45,7 @@ import three_d  # noqa: E402
 from collectives import RankFailed, cleanup, ring_all_reduce, setup, spawn, under_torchrun  # noqa: E402
 from data_parallel import init_weights, make_batch, replica_rows  # noqa: E402
 from pipeline_parallel import Recorder, Stage, build_schedule, run_schedule, stage_layers  # noqa: E402
-from race import (as_module, bench_sizes, check_and_race, dp_side, end_race, machine, mse_sum,  # noqa: E402
+from race import (as_module, bench_sizes, check_and_race, dp_side, end_race, machine, mse_sum, replica_options,  # noqa: E402
                   print_race, race, serial_side, sgd, sgd_side, spawn_returning)
 from tensor_parallel import layer_kinds, shard, tp_blocks  # noqa: E402
 
@@ -297,12 +297,13 @@ def memory_table(args):
 def memory_worker(rank, world_size, args):
     device = setup(rank, world_size)
     init = init_weights(args.num_layers, args.dim, args.seed)
-    replica = data_parallel.make_replica([w.to(device, copy=True) for w in init], None, args)
+    replica = data_parallel.make_replica([w.to(device, copy=True) for w in init], None, zero=args.zero,
+                                         **replica_options(args))
     inputs, targets = (t.to(device) for t in make_batch(args))
     rows, m = replica_rows(args.batch_size, rank, world_size), args.micro_batches
     for _ in range(2):   # AdamW's state is made in the first step: the second holds it throughout
         data_parallel.dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m), len(rows) * args.dim)
-        replica.step()
+        replica.update()
     if rank == 0:
         data_parallel.show_memory(replica, args, "each replica")
     cleanup()
@@ -333,11 +334,11 @@ def colwise_race(rank, world_size, args):
     full = init_weights(args.num_layers, args.dim, args.seed)
     kinds = layer_kinds(args.num_layers, args.tp_style)
     shards = [shard(w, kind, rank, world_size).to(device) for w, kind in zip(full, kinds)]
-    replica = data_parallel.make_replica(shards, dist.new_subgroups(1)[0], sgd(args))   # as tp_worker's
+    replica = data_parallel.DataParallel(shards, dist.new_subgroups(1)[0], **replica_options(sgd(args)))
 
-    def step():
-        data_parallel.dp_step(replica, xs, ys, n, tp_blocks(kinds))
-        replica.step()
+    def step():                       # as tp_worker's
+        tensor_parallel.tp_step(replica, kinds, xs, ys, n)
+        replica.update()
     sides = {"ours": (step, lambda: (replica.params, replica.grads())),
              TORCH_TP[args.tp_style]: colwise_side(as_module(full, device), kinds, xs, ys, n, args.lr),
              "serial: our step, whole batch, 1 rank": serial_side(args, device)}
@@ -424,11 +425,11 @@ def pp_side(full, chunk_layers, schedule, stage, num_stages, inputs, targets, ar
     actions = build_schedule(schedule, p, stage, m, v)
 
     def step():
-        replica.zero_grads(m)
+        begin_step(replica, chunks)
         run_schedule(actions, chunks, inputs.chunk(m), (stage - 1) % p, (stage + 1) % p,
                      (args.batch_size // m, args.dim))
         replica.average()
-        replica.step()
+        replica.update()
     return step, lambda: (replica.weights, replica.grads())
 
 
@@ -437,11 +438,18 @@ def stage_replica(full, chunk_layers, stage, num_stages, targets, n, device, arg
     pipeline_parallel.py holds them, and one Stage per chunk on it."""
     p, v = num_stages, len(chunk_layers)
     mine = [i for layers in chunk_layers for i in layers]
-    replica = data_parallel.make_replica([full[i].to(device, copy=True) for i in mine], dist.new_subgroups(1)[0],
-                                         args)
     per_chunk = len(mine) // v
+    replica = data_parallel.DataParallel([full[i].to(device, copy=True) for i in mine], dist.new_subgroups(1)[0],
+                                         breaks=range(0, len(mine), per_chunk), **replica_options(args))
     return replica, [Stage(replica, range(c * per_chunk, (c + 1) * per_chunk), c * p + stage == 0, c * p + stage == v * p - 1,
-                           targets, n, recompute=getattr(args, "recompute", False)) for c in range(v)]
+                           len(targets), targets, n, recompute=getattr(args, "recompute", False)) for c in range(v)]
+
+
+def begin_step(replica, stages):
+    """What a worker does before its schedule runs: the replica's and every stage's step begin."""
+    replica.begin_step()
+    for stage in stages:
+        stage.begin_step()
 
 
 def pipelining_side(modules, schedule_class, rank, num_stages, inputs, targets, args):
@@ -522,11 +530,11 @@ def our_3d_side(rank, args, device):
     """Our 3D step with SGD as (step, state) in our layout (this rank's shards); and the
     full weights and this replica's batch, for PyTorch's sides."""
     me = three_d.ThreeDRank(rank, sgd(args, zero=0), device)
-    rows = replica_rows(args.batch_size, me.d, args.dp)
+    rows = replica_rows(args.batch_size, me.dp_rank, args.dp)
 
     def step():
-        me.gradients()
-        me.replica.step()
+        me.train_step()
+        me.replica.update()
     return ((step, lambda: (me.replica.weights, me.replica.grads())), me.full, me.inputs[rows].to(device),
             me.targets[rows].to(device))
 
@@ -677,7 +685,7 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
             spans, times = [], []
             for i in range(steps + 1):    # the first step opens the connections: not measured
                 dist.barrier()            # every stage starts the step at once
-                replica.zero_grads(m)
+                begin_step(replica, chunks)
                 recorder = Recorder(device)
                 run_schedule(actions, chunks, x, (stage - 1) % p, (stage + 1) % p, (rows, dim), recorder=recorder)
                 events, peak = recorder.events(), recorder.peak

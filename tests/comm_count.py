@@ -29,9 +29,10 @@ import pipeline_parallel
 import tensor_parallel
 import three_d
 from collectives import cleanup, setup, spawn
-from data_parallel import dp_step, init_weights, make_batch, make_replica, replica_rows
+from data_parallel import DataParallel, dp_step, init_weights, make_batch, make_replica, replica_rows
 from pipeline_parallel import build_schedule, gather_on_rank0, run_schedule, stage_layers
-from tensor_parallel import layer_kinds, shard, tp_blocks
+from race import replica_options
+from tensor_parallel import layer_kinds, shard, tp_step
 
 RING_COST = {  # dist function -> (kind, the argument that holds N, factor)
     "all_reduce": ("all-reduce", "tensor", 2),
@@ -108,33 +109,29 @@ def nbytes(tensor):
 
 # ---- the formulas, per rank and step ------------------------------------------------
 
-def dp_formula(unit_bytes, dp_size, zero=0, num_micro_batches=1, skipped=0, bf16=False, recompute=False):
+def dp_formula(unit_bytes, dp_size, zero=0, num_micro_batches=1, bf16=False, recompute=False):
     """Over the data-parallel group, a collective per bucket; unit_bytes: each bucket's fp32
     bytes (ZeRO: padded to a multiple of d), P their sum; W = P, or P / 2 for --bf16's weights:
       ZeRO 0: an all-reduce of each bucket of gradients: 2(d-1)/d x P
       ZeRO 1, 2: a reduce-scatter of the gradients, (d-1)/d x P, then an all-gather of the
               weights, (d-1)/d x W: with fp32 weights, together one all-reduce's bytes
       ZeRO 3: per micro-batch, an all-gather of every unit for the forward, for --recompute's
-              second forward, and for the backward, but a unit whose layers need no W
-              (skipped bytes: the model's first layer alone computes no dx), and a
-              reduce-scatter of every unit's gradient"""
+              second forward, and for the backward, and a reduce-scatter of every unit's
+              gradient"""
     d, m, P = dp_size, num_micro_batches, sum(unit_bytes)
-    W, skipped, gathers = P // (1 + bf16), skipped // (1 + bf16), 2 + recompute
+    W, gathers = P // (1 + bf16), 2 + recompute
     if zero == 0:
         return {("dp", "all-reduce"): (Fraction(2 * (d - 1) * P, d), f"2({d}-1)/{d} x {P} gradient bytes")}
     if zero in (1, 2):
         return {("dp", "reduce-scatter"): (Fraction((d - 1) * P, d), f"({d}-1)/{d} x {P} gradient bytes"),
                 ("dp", "all-gather"): (Fraction((d - 1) * W, d), f"({d}-1)/{d} x {W} weight bytes")}
     return {("dp", "reduce-scatter"): (Fraction(m * (d - 1) * P, d), f"{m} mb x ({d}-1)/{d} x {P}"),
-            ("dp", "all-gather"): (Fraction(m * (d - 1) * (gathers * W - skipped), d),
-                                   f"{m} mb x ({d}-1)/{d} x ({gathers} x {W} - {skipped}, a unit of the first "
-                                   f"layer alone)")}
+            ("dp", "all-gather"): (Fraction(m * (d - 1) * gathers * W, d), f"{m} mb x ({d}-1)/{d} x {gathers} x {W}")}
 
 
-def replica_units(replica, first_stage=True):
-    """The bucket bytes of a replica, and those whose backward gathers nothing."""
-    units = [4 * n for n in replica.lengths]
-    return units, units[0] if first_stage and replica.buckets[0] == [0] else 0
+def replica_units(replica):
+    """The bucket bytes of a replica (ZeRO: padded to a multiple of d)."""
+    return [4 * n for n in replica.lengths]
 
 
 def tp_formula(kinds, first_stage, act_bytes, num_micro_batches, tp_size, recompute=False):
@@ -171,8 +168,7 @@ def three_d_formula(args, p, act_bytes, replica):
     kinds = layer_kinds(args.num_layers // (args.pp * v), args.tp_style) * v   # Megatron pairs per chunk
     formula = tp_formula(kinds, p == 0, act_bytes, m, t, args.recompute)
     formula.update(pp_formula(p, args.pp, act_bytes // t if args.p2p_shard else act_bytes, m, args.virtual_stages))
-    units, skipped = replica_units(replica, p == 0)
-    formula.update(dp_formula(units, args.dp, args.zero, m, skipped, args.bf16, args.recompute))
+    formula.update(dp_formula(replica_units(replica), args.dp, args.zero, m, args.bf16, args.recompute))
     if args.p2p_shard:   # every tensor received from a neighbouring stage is all-gathered over tp
         v = args.virtual_stages
         received = sum((j > 0) + (j < args.pp * v - 1) for j in (c * args.pp + p for c in range(v)))
@@ -219,12 +215,11 @@ def count_dp(rank, world_size, args):
     rows = replica_rows(args.batch_size, rank, world_size)
     m, n = args.micro_batches, len(rows) * args.dim
     counter = CommCounter({"dp": None})
-    replica = make_replica(weights, None, args, args.overlap)
+    replica = make_replica(weights, None, zero=args.zero, overlap=args.overlap, **replica_options(args))
     with counter.step():
         dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m), n, recompute=args.recompute)
-        replica.step()
-    units, skipped = replica_units(replica)
-    report(counter, dp_formula(units, world_size, args.zero, m, skipped, args.bf16, args.recompute))
+        replica.update()
+    report(counter, dp_formula(replica_units(replica), world_size, args.zero, m, args.bf16, args.recompute))
     cleanup()
 
 
@@ -235,11 +230,11 @@ def count_tp(rank, world_size, args):
     shards = [shard(w, kind, rank, world_size).to(device) for w, kind in zip(full, kinds)]
     inputs, targets = (t.to(device) for t in make_batch(args))
     L, m = args.num_layers, args.micro_batches
-    replica = make_replica(shards, dist.new_subgroups(1)[0], args)
+    replica = DataParallel(shards, dist.new_subgroups(1)[0], **replica_options(args))
     counter = CommCounter({"tp": None})
     with counter.step():
-        dp_step(replica, inputs.chunk(m), targets.chunk(m), args.batch_size * args.dim, tp_blocks(kinds),
-                args.recompute)
+        tp_step(replica, kinds, inputs.chunk(m), targets.chunk(m), args.batch_size * args.dim,
+                recompute=args.recompute)
     act_bytes = args.batch_size // m * args.dim * (2 if args.bf16 else 4)   # one micro-batch's [B/m, D]
     report(counter, tp_formula(kinds, True, act_bytes, m, world_size, args.recompute),
            megatron_comparison(L, act_bytes, m, world_size))
@@ -252,11 +247,11 @@ def count_pp(rank, world_size, args):
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
     full = init_weights(args.num_layers, args.dim, args.seed)
     inputs, targets = (t.to(device) for t in make_batch(args))
-    from bench import stage_replica
+    from bench import begin_step, stage_replica
     replica, chunks = stage_replica(full, [stage_layers(args.num_layers, p, stage, v, c) for c in range(v)], stage, p,
                                     targets.chunk(m), args.batch_size * args.dim, device, args)
     counter = CommCounter({"pp": None})
-    replica.zero_grads(m)
+    begin_step(replica, chunks)
     with counter.step():
         run_schedule(build_schedule(args.schedule, p, stage, m, v), chunks, inputs.to(replica.dtype).chunk(m),
                      (stage - 1) % p, (stage + 1) % p, (args.batch_size // m, args.dim))
@@ -269,10 +264,10 @@ def count_3d(rank, world_size, args):
     me = three_d.ThreeDRank(rank, args, device)
     counter = CommCounter(me.groups)
     with counter.step():
-        me.gradients()
-        me.replica.step()
+        me.train_step()
+        me.replica.update()
     act_bytes = me.buffer_shape[0] * args.dim * (2 if args.bf16 else 4)
-    report(counter, three_d_formula(args, me.p, act_bytes, me.replica),
+    report(counter, three_d_formula(args, me.stage, act_bytes, me.replica),
            megatron_comparison(args.num_layers, act_bytes, args.micro_batches, args.tp))
     cleanup()
 

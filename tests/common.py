@@ -29,6 +29,28 @@ def child_pids():
 CHECK_LINE = re.compile(r"^  (.+?) +largest difference (\S+) +tolerance (\S+) +(ok|FAILED)( \(.*\))?$")
 
 
+def serial_train(args):
+    """The same training in one process, with autograd, as a whole run: what the tests
+    compare every parallel run's --save with (--check compares each step instead). With
+    --bf16 the same casts: bf16 matmuls and activations on fp32 master weights."""
+    from data_parallel import init_weights, make_batch, make_optimizer, serial_loss
+    weights = [w.requires_grad_() for w in init_weights(args.num_layers, args.dim, args.seed)]
+    (inputs, targets) = make_batch(args)
+    optimizer = make_optimizer(weights, args.optimizer, args.lr)
+    losses, norms, first_grads = [], [], None
+    for _ in range(args.steps):
+        optimizer.zero_grad()
+        loss, _ = serial_loss(weights, inputs, targets, args.bf16)
+        loss.backward()
+        losses.append(loss.item())
+        first_grads = first_grads or [w.grad.clone() for w in weights]
+        if args.clip_grad:
+            norms.append(torch.nn.utils.clip_grad_norm_(weights, args.clip_grad).item())
+        optimizer.step()
+    return {"final_weights": [w.detach() for w in weights], "losses": losses,
+            "first_grads": first_grads, "grad_norms": norms}
+
+
 def check_report(out):
     """--check's report in a run's output: ({figure: (difference, tolerance, verdict)}, verdict).
     Exactly one report, with its three figures, each within its tolerance if and only if ok."""
@@ -56,8 +78,7 @@ def clip_between(config):
     """A --clip-grad for config that clips some steps and not others: the median of the
     norms that serial training (never clipping) meets."""
     import argparse
-    import data_parallel
-    norms = data_parallel.serial_train(argparse.Namespace(**{**config, "clip_grad": 1e9, "bf16": False}))["grad_norms"]
+    norms = serial_train(argparse.Namespace(**{**config, "clip_grad": 1e9, "bf16": False}))["grad_norms"]
     return sorted(norms)[len(norms) // 2]
 
 

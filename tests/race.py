@@ -186,17 +186,23 @@ def sgd_side(weights, compute_grads, lr):
 def dp_side(weights, group, args, xs, ys, n, zero=0, overlap=False):
     """Our data-parallel step (step 2's DataParallel, with SGD), as (step, state); state gives
     the full weights and gradients, gathered from the shards under ZeRO."""
-    replica = make_replica(weights, group, sgd(args, zero=zero), overlap)
+    replica = make_replica(weights, group, zero=zero, overlap=overlap, **replica_options(sgd(args)))
 
     def step():
         dp_step(replica, xs, ys, n)
-        replica.step()
+        replica.update()
     return step, lambda: (full_weights(replica), full_grads(replica))
 
 
 def sgd(args, **more):
     """args for our side of a race: SGD, as every side takes."""
     return type(args)(**{**vars(args), "optimizer": "sgd", **more})
+
+
+def replica_options(args):
+    """Step 2's replica's options, from a script's flags (steps 3 and 4 have no --bucket-mb)."""
+    return dict(optimizer=args.optimizer, lr=args.lr, bf16=getattr(args, "bf16", False),
+                bucket_mb=getattr(args, "bucket_mb", 25.0))
 
 
 def serial_side(args, device):

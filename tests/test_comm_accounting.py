@@ -98,8 +98,7 @@ def test_bf16_halves_what_crosses_and_recompute_repeats_the_forward_collectives(
 def test_bf16_halves_the_pipelines_messages_and_zeros_weight_gathers(capfd):
     """dp=2 pp=2 tp=1 with ZeRO-3, a layer a unit: the stage boundaries send bf16; the units
     are gathered in bf16, and --recompute gathers each a third time a micro-batch (forward,
-    the forward again, backward), but stage 0's first layer, which needs no W backward; the
-    gradients are reduced in fp32, as ever."""
+    the forward again, backward); the gradients are reduced in fp32, as ever."""
     comm_count.count("three_d", ["--dp", "2", "--pp", "2", "--tp", "1", "--num-layers", "4", "--dim", "8",
                                  "--batch-size", "8", "--micro-batches", "2", "--zero", "3", "--bucket-mb", "0",
                                  "--bf16", "--recompute", *COMMON])
@@ -110,7 +109,7 @@ def test_bf16_halves_the_pipelines_messages_and_zeros_weight_gathers(capfd):
             re.findall(r"^    (\w+) ([\w-]+)\s+(\d+) calls\s+counted\s+(\S+)", out, re.MULTILINE) if int(calls)]
     assert {counted for kind, counted in rows if kind == "send"} == {m * act}   # one each way, a mb
     assert {counted for kind, counted in rows if kind == "all-gather"} == {   # 2 layers a stage
-        m * (d - 1) * (3 * 2 - 1) * layer // 2 // d, m * (d - 1) * 3 * 2 * layer // 2 // d}
+        m * (d - 1) * 3 * 2 * layer // 2 // d}
     assert {counted for kind, counted in rows if kind == "reduce-scatter"} == {m * (d - 1) * 2 * layer // d}
 
 
@@ -129,10 +128,9 @@ def comparison(L, m, t, act):
 def test_data_parallel_with_zero(capfd, zero, bucket_mb):
     """3 replicas, D = 8. A layer a bucket: each layer's 64 parameters padded to 66, 264
     bytes; ZeRO-1 and 2: one reduce-scatter and one all-gather a layer; ZeRO-3: per
-    micro-batch an all-gather a layer for the forward and one for each backward but the
-    first layer's, and a reduce-scatter a layer. One bucket of the three layers: 192
-    parameters, no padding, 768 bytes, and one collective where there were three, but the
-    backward's gather, which the layers above the first need."""
+    micro-batch an all-gather a layer for the forward and one for its backward, as FSDP
+    does, and a reduce-scatter a layer. One bucket of the three layers: 192 parameters, no
+    padding, 768 bytes, and one collective where there were three."""
     d, L, D, B, m = 3, 3, 8, 12, 2
     comm_count.count("data_parallel", ["--world-size", str(d), "--num-layers", str(L), "--dim", str(D),
                                        "--batch-size", str(B), "--micro-batches", str(m), "--zero", str(zero),
@@ -140,7 +138,7 @@ def test_data_parallel_with_zero(capfd, zero, bucket_mb):
     units, unit = (L, 66 * F32) if bucket_mb == "0" else (1, 3 * 64 * F32)
     each = Fraction((d - 1) * unit, d)    # (d-1)/d of a unit's padded bytes
     assert each.denominator == 1
-    backward = units - 1 if bucket_mb == "0" else 1
+    backward = units
     if zero < 3:
         want = {("dp", "reduce-scatter"): (units, units * each), ("dp", "all-gather"): (units, units * each)}
     else:

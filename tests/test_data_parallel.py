@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import data_parallel as dp
 from collectives import RankFailed
-from common import (ATOL, RTOL, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
+from common import (serial_train, ATOL, RTOL, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
                     gelu_grad, model_forward)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -114,7 +114,8 @@ def test_layer_forward_and_backward_match_autograd(shape, scale, dtype):
     b, d_in, d_out = shape
     x, w, g = _layer_inputs(b, d_in, d_out, scale, dtype)
     a, stash = dp.layer_forward(x, w)
-    dx, dw = dp.layer_backward(g, stash, w)
+    dx, (x_again, dz) = dp.layer_backward(g, stash, w)
+    dw = x_again.T @ dz                                     # dW = x^T dz, as the replica sums it
 
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     ar = F.gelu(xr @ wr)
@@ -182,7 +183,8 @@ def test_full_model_backward_matches_autograd():
     loss, g = dp.mse_loss(out, y, out.numel())
     grads = [None] * len(weights)
     for i in reversed(range(len(weights))):
-        g, grads[i] = dp.layer_backward(g, stashes[i], weights[i])
+        g, (x_i, dz) = dp.layer_backward(g, stashes[i], weights[i])
+        grads[i] = x_i.T @ dz
 
     ref_w = [w.clone().requires_grad_() for w in weights]
     h = x
@@ -290,7 +292,7 @@ def test_serial_train_matches_torch_nn(optimizer):
         loss.backward()
         opt.step()
 
-    got = dp.serial_train(args)
+    got = serial_train(args)
     assert len(got["losses"]) == args.steps
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), atol=1e-6, rtol=1e-6)
     for w, layer in zip(got["final_weights"], layers):
@@ -343,7 +345,7 @@ def serial_for(config):
     args = dp.training_parser("t").parse_args([])
     for key, value in config.items():
         setattr(args, key, value)
-    return dp.serial_train(args)
+    return serial_train(args)
 
 
 def assert_matches_serial(result):
@@ -459,12 +461,18 @@ def test_buckets_are_runs_of_layers_from_the_last_within_the_cap():
     others bucket_mb; a layer larger than the cap is a bucket alone; 0: a layer each; no
     bucket spans a break."""
     mb = 2**20 // 4                                   # floats in 1 MB
-    assert dp.make_buckets([mb // 4] * 8, 25) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert dp.make_buckets([mb // 4] * 8, 0.5) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert dp.make_buckets([4 * mb] * 3, 25) == [[0, 1], [2]]       # 4 MB: alone past the first 1 MB
-    assert dp.make_buckets([10] * 4, 0) == [[0], [1], [2], [3]]
-    assert dp.make_buckets([10] * 8, 25, breaks=range(0, 8, 4)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert dp.make_buckets([10] * 6, 25, breaks=range(0, 6, 2)) == [[0, 1], [2, 3], [4, 5]]
+
+    def buckets(*args, **kwargs):
+        return dp.make_buckets(*args, **kwargs)[0]
+    assert buckets([mb // 4] * 8, 25) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert buckets([mb // 4] * 8, 0.5) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert buckets([4 * mb] * 3, 25) == [[0, 1], [2]]       # 4 MB: alone past the first 1 MB
+    assert buckets([10] * 4, 0) == [[0], [1], [2], [3]]
+    assert buckets([10] * 8, 25, breaks=range(0, 8, 4)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert buckets([10] * 6, 25, breaks=range(0, 6, 2)) == [[0, 1], [2, 3], [4, 5]]
+    # and where each layer sits: its bucket, its offset in it, each bucket's length
+    assert dp.make_buckets([3, 5, 7, 11], 0.5)[1:] == ({0: 0, 1: 0, 2: 0, 3: 0}, {0: 0, 1: 3, 2: 8, 3: 15},
+                                                        [26])
 
 
 MEMORY_ROW = re.compile(r"^  (weights|gradients|optimizer state|total)\s+(\d+) bytes\s+formula (.+?)\s*= +([\d.]+)$")
@@ -594,9 +602,7 @@ def test_check_fails_when_the_parallel_result_is_wrong(tmp_path, monkeypatch, ca
     """Break the averaging (sum over replicas, no division): --check must fail, at the
     gradients, and say so as a failed check (a Stop), not as a crashed rank."""
     def average_without_division(self):        # the all-reduce as usual, then no division by dp
-        for b in self.unsent:
-            self.exchange(b)
-        self.wait()
+        self.finish_reductions()
 
     monkeypatch.setattr(dp.DataParallel, "average", average_without_division)
     with pytest.raises(RankFailed) as failed:

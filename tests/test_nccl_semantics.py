@@ -395,15 +395,16 @@ def single_stage_worker(rank, world_size):
     args = SimpleNamespace(optimizer="sgd", lr=0.1)
     D, m = 8, 4
     weights = dp.init_weights(2, D, 0)
-    replica = dp.make_replica(weights, dist.new_subgroups(1)[0], args)
+    replica = dp.DataParallel(weights, dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr)
     x, y = torch.randn(8, D), torch.randn(8, D)
-    stage = pp.Stage(replica, range(2), True, True, y.chunk(m), n=8 * D)
+    stage = pp.Stage(replica, range(2), True, True, m, y.chunk(m), mean_over=8 * D)
     syncs = []
     real = {name: getattr(torch.Tensor, name) for name in ("item", "__float__", "tolist")}
     for name, fn in real.items():
         setattr(torch.Tensor, name, lambda self, *a, _fn=fn, _name=name: syncs.append(_name) or _fn(self, *a))
     try:
-        replica.zero_grads(m)
+        replica.begin_step()
+        stage.begin_step()
         pp.run_schedule(pp.build_schedule("1f1b", 1, 0, m), [stage], x.chunk(m), 0, 0, (2, D))
     finally:
         for name, fn in real.items():

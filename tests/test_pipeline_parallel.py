@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import data_parallel as dp
 import pipeline_parallel as pp
 from collectives import RankFailed, cleanup, setup, spawn
-from common import (assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report,
+from common import (serial_train, assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report,
                     clip_between)
 from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action
 
@@ -314,7 +314,7 @@ def assert_trained(result):
 
 def assert_matches_serial(result):
     config = result["config"]
-    ref = dp.serial_train(argparse.Namespace(**config))
+    ref = serial_train(argparse.Namespace(**config))
     assert len(result["losses"]) == config["steps"]
     assert_same_training(result, ref)
     assert_trained(result)
@@ -376,10 +376,10 @@ def test_a_stash_taken_for_the_wrong_micro_batch_or_chunk_is_caught(tmp_path, mo
     chunks, where chunk a's micro-batch 0 and chunk b's take the same place."""
     real_backward = pp.Stage.backward
 
-    def backward(self, mb, g, defer_w=False):   # B(mb) runs on the newest stash, and the newest
+    def backward(self, mb, g):                    # B(mb) runs on the newest stash, and the newest
         newest = next(reversed(self.stash))       # micro-batch gets mb's: nothing lost, all wrong
         self.stash[mb], self.stash[newest] = self.stash[newest], self.stash[mb]
-        return real_backward(self, mb, g, defer_w)
+        return real_backward(self, mb, g)
     monkeypatch.setattr(pp.Stage, "backward", backward)
     flags = ("--virtual-stages", "2") if schedule == "interleaved" else ()
     result = run_pp(tmp_path, 2, 4, schedule, num_layers=8, dim=8, steps=2, flags=flags)
@@ -398,7 +398,7 @@ def test_a_stash_taken_for_the_wrong_micro_batch_or_chunk_is_caught(tmp_path, mo
 
 def assert_wrong(result):
     """Far from serial training: correct runs stay within ATOL, float32's summation order."""
-    ref = dp.serial_train(argparse.Namespace(**result["config"]))
+    ref = serial_train(argparse.Namespace(**result["config"]))
     worst = max((a - b).abs().max().item() for a, b in zip(result["final_weights"], ref["final_weights"]))
     assert worst > 30 * ATOL, worst
 
@@ -411,31 +411,33 @@ class TracedStage(pp.Stage):
     """Stages that record which micro-batches they hold (a stash for B, or what W
     needs) around every F, B and W."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, separate_w=False, **kwargs):
         super().__init__(*args, **kwargs)
-        self.trace = []
+        self.trace, self.separate_w = [], separate_w
 
     def holding(self):
         return {("stash", mb) for mb in self.stash} | {("for W", mb) for mb in self.for_w}
 
-    def forward(self, mb, x):
+    def forward(self, mb, x, again=False):
         before = self.holding()
-        out = super().forward(mb, x)
+        out = super().forward(mb, x, again)
         self.trace.append(("F", mb, before, self.holding()))
         return out
 
-    def backward(self, mb, g, defer_w=False):
-        before, self.in_b = self.holding(), True
-        dx = super().backward(mb, g, defer_w)
+    def backward(self, mb, g):
+        before = self.holding()
+        dx = super().backward(mb, g)
         self.trace.append(("B", mb, before, self.holding()))
-        self.in_b = False
         return dx
 
     def weight_grads(self, mb):
         before = self.holding()
         super().weight_grads(mb)
-        if not getattr(self, "in_b", False):   # a W of its own, not B's own second half
+        if self.separate_w:                     # ZB-H1: a W of its own
             self.trace.append(("W", mb, before, self.holding()))
+        else:                                   # B's second half, run right after it
+            op, b_mb, b_before, _ = self.trace.pop()
+            self.trace.append((op, b_mb, b_before, self.holding()))
 
 
 DIRECT = {"dim": 12, "rows": 3, "layers_per_stage": 2, "seed": 5}
@@ -454,24 +456,26 @@ def direct_worker(rank, world_size, out_dir):
     D, L = DIRECT["dim"], DIRECT["layers_per_stage"] * world_size
     full = dp.init_weights(L, D, DIRECT["seed"])
     weights = [full[i] for i in pp.stage_layers(L, world_size, rank)]
-    replica = dp.make_replica(weights, dist.new_subgroups(1)[0], argparse.Namespace(optimizer="sgd", lr=0.1))
+    replica = dp.DataParallel(weights, dist.new_subgroups(1)[0], optimizer="sgd", lr=0.1)
     first, last = rank == 0, rank == world_size - 1
     results = {}
     for schedule, m in DIRECT_CASES:
         batch_size = DIRECT["rows"] * m
         inputs, targets = direct_batch(L, batch_size)
-        layers = TracedStage(replica, range(len(weights)), first, last, targets.chunk(m), n=batch_size * D)
+        layers = TracedStage(replica, range(len(weights)), first, last, m, targets.chunk(m),
+                             mean_over=batch_size * D, separate_w=schedule == "zb-h1")
         actions = pp.build_schedule(schedule, world_size, rank, m)
         steps = []
         for _ in range(2):   # two steps on one Stage: nothing may be left over from the first
-            replica.zero_grads(m)
-            layers.loss, layers.trace = 0.0, []
+            replica.begin_step()
+            layers.begin_step()
+            layers.trace = []
             recorder = pp.Recorder(inputs.device)
             pp.run_schedule(actions, [layers], inputs.chunk(m), rank - 1, rank + 1, (batch_size // m, D),
                             recorder=recorder)
             replica.average()
             steps.append({"grads": [g.clone() for g in replica.grads()], "loss": float(layers.loss),
-                          "stash_left": layers.held(), "loss_grad_left": len(layers.loss_grad),
+                          "stash_left": len(layers.stash) + len(layers.for_w), "loss_grad_left": len(layers.loss_grad),
                           "peak_stash": recorder.peak, "trace": layers.trace})
         results[schedule, m] = steps
     torch.save(results, out_dir / f"rank{rank}.pt")

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 import data_parallel as dp
 import tensor_parallel as tp
 from collectives import RankFailed, cleanup, setup, spawn
-from common import assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between, model_forward
+from common import (serial_train, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
+                    model_forward)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -75,9 +76,10 @@ def _column_worker(rank, world_size, cases, pieces, folder):
     results = []
     for x, w, g in cases:
         w_t = tp.shard_columns(w, rank, world_size)                       # [D, D/T]
-        a, stash = tp.column_forward(x, w_t)                               # [b, D]
-        dx, dw_t = tp.column_backward(g, stash, w_t, need_dx=True)
-        dx_local, dw_t_again = tp.column_backward(g, stash, w_t, need_dx=False)
+        a, stash = tp.gather_forward(x, w_t)                               # [b, D]
+        dx, (x_in, dz_t) = tp.gather_backward(g, stash, w_t, need_dx=True)
+        dx_local, (x_again, dz_again) = tp.gather_backward(g, stash, w_t, need_dx=False)
+        dw_t, dw_t_again = x_in.T @ dz_t, x_again.T @ dz_again            # dW_t = x^T dz_t
         results.append({"w_t": w_t, "a": a, "dx": dx, "dw_t": dw_t,
                         "dx_local": dx_local, "dw_t_again": dw_t_again})
     gathered = tp.all_gather_columns(pieces[rank])
@@ -147,11 +149,12 @@ def _pair_worker(rank, world_size, cases, folder):
     results = []
     for x, w1, w2, g in cases:
         w1_t, w2_t = tp.shard(w1, "column", rank, world_size), tp.shard(w2, "row", rank, world_size)
-        a_t, stash1 = tp.tp_forward("column", x, w1_t)              # [b, D/T], not gathered
-        a, stash2 = tp.tp_forward("row", a_t, w2_t)                 # [b, D], after g's all-reduce
-        da_t, dw2_t = tp.tp_backward("row", g, stash2, w2_t)        # no communication
-        dx, dw1_t = tp.tp_backward("column", da_t, stash1, w1_t)    # f's all-reduce of dx
-        none, dw1_again = tp.tp_backward("column", da_t, stash1, w1_t, need_dx=False)
+        a_t, stash1 = tp.column_forward(x, w1_t)                    # [b, D/T], not gathered
+        a, stash2 = tp.row_forward(a_t, w2_t)                       # [b, D], after g's all-reduce
+        da_t, (a_in, dz) = tp.row_backward(g, stash2, w2_t)         # no communication
+        dx, (x_in, dz_t) = tp.column_backward(da_t, stash1, w1_t)   # f's all-reduce of dx
+        none, (x_again, dz_again) = tp.column_backward(da_t, stash1, w1_t, need_dx=False)
+        dw2_t, dw1_t, dw1_again = a_in.T @ dz, x_in.T @ dz_t, x_again.T @ dz_again   # x^T dz
         results.append(dict(w1_t=w1_t, w2_t=w2_t, a_t=a_t, a=a, z=stash2[1], da_t=da_t, dw2_t=dw2_t, dx=dx,
                             dw1_t=dw1_t, none=none, dw1_again=dw1_again))
     torch.save(results, folder / f"rank{rank}.pt")
@@ -195,19 +198,33 @@ def test_megatron_pair_matches_autograd_piece_by_piece(tmp_path, world_size):
 
 
 def test_f_and_g_are_conjugate_all_reduces(tmp_path):
-    """f: the identity forward, the sum over ranks backward; g: the sum forward, the
-    identity backward. Checked on 3 ranks with values whose sum is exact."""
+    """f: the identity forward (column_forward sends nothing), the sum over ranks backward
+    (column_backward's dx is every rank's term summed); g: the sum forward (row_forward's z),
+    the identity backward (row_backward sends nothing). On 3 ranks, every term computed here."""
     spawn(_f_and_g_worker, 3, tmp_path)
-    for rank in range(3):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
-        assert torch.equal(got["f_backward"], torch.full((2, 2), 0.0 + 1 + 2))
-        assert torch.equal(got["g_forward"], torch.full((2, 2), 10.0 + 11 + 12))
+    terms = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(3)]
+    for got in terms:
+        assert got["sent_by_identities"] == 0 and got["sent"] == 2
+        torch.testing.assert_close(got["dx"], sum(t["dx_term"] for t in terms), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got["z"], sum(t["z_term"] for t in terms), atol=ATOL, rtol=RTOL)
 
 
 def _f_and_g_worker(rank, world_size, folder):
     setup(rank, world_size)
-    torch.save({"f_backward": tp.f_backward(torch.full((2, 2), float(rank))),
-                "g_forward": tp.g_forward(torch.full((2, 2), 10.0 + rank))}, folder / f"rank{rank}.pt")
+    gen = torch.Generator().manual_seed(rank)                  # every rank's own inputs
+    x, w1, g1 = torch.randn(2, 4, generator=gen), torch.randn(4, 3, generator=gen), torch.randn(2, 3, generator=gen)
+    w2, g2 = torch.randn(3, 4, generator=gen), torch.randn(2, 4, generator=gen)
+    sent, all_reduce = [], dist.all_reduce
+    dist.all_reduce = lambda *a, **k: sent.append(a) or all_reduce(*a, **k)
+    a_t, stash1 = tp.column_forward(x, w1)                     # f forward, the identity: nothing sent
+    tp.row_backward(g2, (a_t, a_t @ w2), w2)                   # g backward, the identity: nothing sent
+    sent_by_identities = len(sent)
+    dx, _ = tp.column_backward(g1, stash1, w1)                 # f backward: every rank's term summed
+    _, (_, z) = tp.row_forward(a_t, w2)                        # g forward: every rank's term summed
+    dist.all_reduce = all_reduce
+    dx_term, _ = dp.layer_backward(g1, stash1, w1)             # this rank's own terms
+    torch.save({"dx": dx, "dx_term": dx_term, "z": z, "z_term": a_t @ w2, "sent": len(sent),
+                "sent_by_identities": sent_by_identities}, folder / f"rank{rank}.pt")
     cleanup()
 
 
@@ -300,7 +317,7 @@ def _spy_on_shards(monkeypatch, folder):
     """Every rank saves its shards when its replica is made (before any step) and again
     at cleanup (after training). Forked ranks inherit the patched names."""
     kept = {}
-    make_replica, original_cleanup = tp.make_replica, tp.cleanup
+    make_replica, original_cleanup = tp.DataParallel, tp.cleanup
 
     def spy_replica(weights, *args, **kwargs):
         torch.save([p.detach().clone() for p in weights], folder / f"init{dist.get_rank()}.pt")
@@ -311,7 +328,7 @@ def _spy_on_shards(monkeypatch, folder):
         torch.save([p.detach().clone() for p in kept["replica"].params], folder / f"final{dist.get_rank()}.pt")
         original_cleanup()
 
-    monkeypatch.setattr(tp, "make_replica", spy_replica)
+    monkeypatch.setattr(tp, "DataParallel", spy_replica)
     monkeypatch.setattr(tp, "cleanup", spy_cleanup)
 
 
@@ -369,7 +386,7 @@ def assert_shards_are_slices(result):
 
 
 def assert_matches_serial(result):
-    ref = dp.serial_train(argparse.Namespace(**result["config"]))
+    ref = serial_train(argparse.Namespace(**result["config"]))
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), atol=ATOL, rtol=RTOL)
     for got, want in zip(result["final_weights"], ref["final_weights"]):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
@@ -418,14 +435,18 @@ def test_check_passes_from_the_command_line():
 def test_check_fails_when_dx_is_not_all_reduced(tmp_path, monkeypatch, capfd):
     """Skip the all-reduce of dx everywhere: each rank backpropagates only its own term,
     training goes wrong, and --check must say FAILED and exit 1 (spawn: RankFailed)."""
-    monkeypatch.setattr(tp, "f_backward", lambda dx, group=None: dx)   # dx: this rank's term only
+    def backward_without_all_reduce(g, stash, w_t, need_dx=True, group=None):   # dx: this rank's term
+        cols = stash[1].shape[1]
+        return dp.layer_backward(g[:, dist.get_rank(group) * cols:(dist.get_rank(group) + 1) * cols], stash, w_t,
+                                 need_dx)
+    monkeypatch.setitem(tp.LAYERS, "gather", (tp.gather_forward, backward_without_all_reduce))
     with pytest.raises(RankFailed) as failed:
         run_tp(tmp_path, monkeypatch, 2, flags=("--check",))
     assert failed.value.rank == 0 and failed.value.stopped.startswith("check FAILED")
     figures, verdict = check_report(capfd.readouterr().out)
     assert verdict == "FAILED" and figures["gradients"][2] == "FAILED"
     saved = torch.load(tmp_path / "run.pt")   # saved before the check: really far from serial
-    ref = dp.serial_train(argparse.Namespace(**saved["config"]))
+    ref = serial_train(argparse.Namespace(**saved["config"]))
     assert max((a - b).abs().max().item() for a, b in zip(saved["final_weights"], ref["final_weights"])) > 1e-3
 
 

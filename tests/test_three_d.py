@@ -27,7 +27,7 @@ import torch.distributed as dist
 import data_parallel as dp
 import three_d
 from collectives import RankFailed
-from common import (assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report,
+from common import (serial_train, assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report,
                     clip_between)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -215,7 +215,7 @@ def run_3d(tmp_path, dp_size, pp_size, tp_size, schedule="1f1b", order="tp-pp-dp
 
 
 def serial_reference(result):
-    return dp.serial_train(argparse.Namespace(**result["config"]))
+    return serial_train(argparse.Namespace(**result["config"]))
 
 
 def assert_follows_the_contract(result):
