@@ -213,18 +213,32 @@ class ZeRO1(DataParallel):
 
 class ZeRO2(ZeRO1):
     """Stage 2 = stage 1, but a bucket is reduce-scattered into a part of its own and the full
-    bucket let go at once: a replica keeps 1/d of the gradients (4 P + 12 P/d)."""
+    bucket let go at once: a replica keeps 1/d of the gradients (4 P + 12 P/d). A bucket
+    exchanged again within the step (ZeRO-3's, after every micro-batch) adds to its part."""
 
     def begin_step(self):
         super().begin_step()
-        self.grad_parts = [None] * len(self.buckets)
+        self.grad_parts, self.later_parts = [None] * len(self.buckets), []
 
     def reduce_gradients(self, b):
         part = self.grad_buckets[b].new_empty(self.lengths[b] // self.dp_size)   # [S]
         work = dist.reduce_scatter_single(part, self.grad_buckets[b], group=self.group,
                                           async_op=self.overlap)
         self.reductions.append(work)
-        self.grad_parts[b], self.grad_buckets[b] = part, None   # the Work holds what it sends
+        self.grad_buckets[b] = None               # let go: the Work holds what it sends
+        if self.grad_parts[b] is None:
+            self.grad_parts[b] = part
+        elif self.overlap:                        # summed once it has come in (average)
+            self.later_parts.append((b, part))
+        else:
+            self.grad_parts[b] += part
+
+    def average(self):
+        self.finish_reductions()
+        for b, part in self.later_parts:
+            self.grad_parts[b] += part
+        self.later_parts = []
+        super().average()                         # nothing left under way: each / d
 
     def grads(self):
         return self.grad_parts
@@ -240,7 +254,7 @@ class ZeRO3(ZeRO2):
         super().store_weights(weights)
         self.params, self.flat = [param.clone() for param in self.params], None   # [S] each
         self.weights, self.gathering = [None] * len(weights), {}   # unit -> (Work, [d S])
-        self.micro_parts, self.peak = [[] for _ in self.buckets], 0   # parts [S] of a step
+        self.peak = 0                                     # the memory table's largest moment
 
     def gather_weights(self, b, prefetch=None):
         """Unit b's weights, whole: every replica's part, (d-1)/d of its bytes come in. The
@@ -259,23 +273,6 @@ class ZeRO3(ZeRO2):
     def release_weights(self, b):
         for i in self.buckets[b]:
             self.weights[i] = None
-
-    def reduce_gradients(self, b):      # each micro-batch's dW: a new bucket next, and a new part
-        earlier = self.grad_parts[b]                  # the micro-batches before's sum, or None
-        super().reduce_gradients(b)                   # grad_parts[b]: this one's part
-        if earlier is not None and not self.overlap:  # in already: summed at once
-            self.grad_parts[b] += earlier
-        elif earlier is not None:                     # --overlap: summed once it has come in
-            self.micro_parts[b].append(earlier)
-
-    def average(self):                  # the parts still apart summed, then each / d
-        self.finish_reductions()
-        for part, earlier in zip(self.grad_parts, self.micro_parts):
-            for other in earlier:
-                part += other
-        self.micro_parts = [[] for _ in self.buckets]
-        for grad in self.grads():
-            grad.div_(self.dp_size)
 
     def update(self):                   # nothing to all-gather: a unit is gathered when used
         self.step_optimizer()
@@ -427,7 +424,7 @@ def held(replica):   # bytes held now, by kind; a view of another tensor counts 
     kinds = {"weights": [replica.weights, getattr(replica, "flat", 0), replica.params *
                          (not masters), gathering],
              "gradients": [replica.grad_buckets, getattr(replica, "grad_parts", 0),
-                           [p for parts in getattr(replica, "micro_parts", []) for p in parts]],
+                           [part for _, part in getattr(replica, "later_parts", [])]],
              "optimizer state": [state, masters]}
     return {kind: sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                        for ts in lists if ts for t in ts if t is not None}.values())
@@ -509,7 +506,8 @@ def training_parser(description, dp=False):
         p.add_argument(flag, type=kind, default=default, help=help)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw",
                    help="plain SGD, or AdamW with PyTorch's defaults (SGD shows scale errors)")
-    p.add_argument("--check", action="store_true", help="also train serially, with autograd")
+    p.add_argument("--check", action="store_true",
+                   help="check every step against serial autograd training from the same weights")
     p.add_argument("--recompute", action="store_true", help="keep each micro-batch's input "
                    "alone, and run the forward again in its backward")
     p.add_argument("--bf16", action="store_true", help="compute in bf16 on fp32 master weights, "
@@ -615,31 +613,17 @@ class SerialCheck:
     """--check: every step of this run against serial autograd training from the same weights.
 
     If each step equals serial training's from the same start, the whole run does, by
-    induction; and one step holds one step's rounding, at any number of steps. Two whole
-    runs do not stay that close: rounding differences grow, slowly with a small --lr and
-    fast where training is chaotic (SGD at lr 1 here: losses 0.5 apart after 30 steps), and
-    AdamW moves an element whose gradient is near its eps by up to lr in one run and less in
-    the other. So, at each step t, from this run's weights W_t (fp32; --bf16: the masters):
-      gradients  autograd's gradient at W_t against this run's (averaged, before clipping).
-                 A rounding moves a sum by a fraction of its terms, not of the result, and
-                 near convergence the two differ: the residual a - y is a small difference
-                 of numbers near 1, and a dW sums rows' terms x^T dz that cancel. So each
-                 layer's difference is measured against its terms: the largest of |x|^T |dz|
-                 for the backward of the residual's terms, 2 (|a| + |y|) / n (or the
-                 gradient's own largest, if more). Float32 summation order moves that by
-                 ~1e-7, a bug by far more (a doubled gradient: the gradient itself). Some
-                 weights leave a gradient that float32 cannot pin down (a network gone dead
-                 but for units whose gelu' underflows): the same step summed in another order
-                 (halves) measures that, and ten times its spread is allowed on top;
-                 with --clip-grad, the norm too;
-      losses     autograd's loss L at W_t against this run's. If the output a moves by d
-                 (root mean square), L moves by at most 2 sqrt(L) d + d^2 (Cauchy-Schwarz),
-                 and summing L in another order by tol L at most; so the difference over
-                 L + 2 r sqrt(L) + tol r^2, r = rms(a), is at most tol for an output that
-                 agrees to tol (d = tol r);
-      weights    the optimizer's step from W_t with this run's gradients, clipped by this
-                 run's --clip-grad, against this run's W_t+1: the same arithmetic on the same
-                 numbers, so a few roundings of one step, each 2^-24 of a weight.
+    induction, and one step holds one step's rounding, at any number of steps; two whole runs
+    drift apart (chaotic training; AdamW's eps). At step t, from this run's W_t (--bf16: the
+    fp32 masters), the README's "--check" derives each tolerance:
+      gradients  autograd's at W_t against this run's, each layer's difference over its terms
+                 (|x|^T |dz| for the residual's terms 2 (|a| + |y|) / n: near convergence the
+                 gradient is a small sum of larger terms), within 1e-4 (bf16: bf16_tolerance)
+                 plus ten times what the same step summed in another order (halves) moves;
+      losses     within tol of L + 2 r sqrt(L) + tol r^2, r = rms(a): how far an output that
+                 agrees to tol moves the mean squared error L, and summing L in another order;
+      weights    the optimizer's step from W_t with this run's gradients (clipped as it clips)
+                 against its W_t+1: the same arithmetic on the same numbers, 2^-20.
     Only rank 0 computes; step() takes what every rank gathered (None off rank 0)."""
 
     def __init__(self, args):
@@ -768,9 +752,6 @@ def bf16_tolerance(tp_size=1, layers_above=0):
     backward of every layer above, each rounding as often again: (1 + layers above) times.
     (A doubled gradient differs by 1: caught at the last layers, whatever the depth.)"""
     return 2**-8 * (4 + 2 * (tp_size - 1)) * (1 + layers_above)
-
-
-CHECK_TOLERANCE_BF16 = bf16_tolerance()
 
 
 if __name__ == "__main__":

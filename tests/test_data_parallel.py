@@ -706,7 +706,7 @@ def test_recompute_is_bitwise_the_same_training(tmp_path, monkeypatch, zero, ove
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_bf16_checks_within_its_tolerance_and_learns_as_fp32_does(tmp_path, monkeypatch, capfd, zero):
     """bf16 matmuls and activations on fp32 masters: --check against serial training that
-    makes the same casts, within CHECK_TOLERANCE_BF16; and the loss falls step by step as
+    makes the same casts, within bf16_tolerance(); and the loss falls step by step as
     fp32's does, within that tolerance."""
     runs = {}
     for bf16 in (False, True):
@@ -716,9 +716,9 @@ def test_bf16_checks_within_its_tolerance_and_learns_as_fp32_does(tmp_path, monk
                             flags=("--zero", str(zero), "--check", "--steps", "8", *(["--bf16"] if bf16 else [])))
     out = capfd.readouterr().out
     assert out.count("check OK") == 2
-    assert_check_passed(out.partition("check OK")[2], dp.CHECK_TOLERANCE_BF16)
+    assert_check_passed(out.partition("check OK")[2], dp.bf16_tolerance())
     fp32, bf16 = torch.tensor(runs[False]["losses"]), torch.tensor(runs[True]["losses"])
-    assert bf16[-1] < bf16[0] / 2 and (bf16 - fp32).abs().max() < dp.CHECK_TOLERANCE_BF16
+    assert bf16[-1] < bf16[0] / 2 and (bf16 - fp32).abs().max() < dp.bf16_tolerance()
     assert all(w.dtype == torch.float32 for w in runs[True]["final_weights"])   # the masters, saved
 
 

@@ -738,4 +738,4 @@ def test_clip_grad_sums_the_norm_over_the_stages(tmp_path, capfd, schedule):
 
 def test_bf16_pipeline_checks_within_its_tolerance(tmp_path, capfd):
     run_pp(tmp_path, 2, 4, "1f1b", optimizer="adamw", lr=0.01, flags=("--bf16", "--check"))
-    assert_check_passed(capfd.readouterr().out, dp.CHECK_TOLERANCE_BF16)
+    assert_check_passed(capfd.readouterr().out, dp.bf16_tolerance())

@@ -507,4 +507,4 @@ def test_bf16_tensor_parallel_checks_within_its_tolerance(tmp_path, monkeypatch,
     """bf16 activations cross the tp ranks (all-gathers, and all-reduces summed in bf16 by
     gloo, which takes bf16 for every collective here: nothing is sent as int16 bits)."""
     run_tp(tmp_path, monkeypatch, 3, micro_batches=2, flags=("--bf16", "--check", "--tp-style", "megatron"))
-    assert_check_passed(capfd.readouterr().out, dp.CHECK_TOLERANCE_BF16)
+    assert_check_passed(capfd.readouterr().out, dp.bf16_tolerance())

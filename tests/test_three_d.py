@@ -475,4 +475,4 @@ def test_recompute_is_bitwise_the_same_in_3d(tmp_path):
 def test_bf16_in_3d_checks_within_its_tolerance(tmp_path, capfd):
     run_3d(tmp_path, 2, 2, 2, tp_style="megatron", zero=1, p2p_shard=True, steps=4,
            flags=("--bf16", "--check", "--recompute"))
-    assert_check_passed(capfd.readouterr().out, dp.CHECK_TOLERANCE_BF16)
+    assert_check_passed(capfd.readouterr().out, dp.bf16_tolerance())
