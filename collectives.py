@@ -20,14 +20,16 @@ The gaps in the lecture that this step fills:
   values that no real run produces. Here, under a debugger, rank 0 runs inside the
   debugged process and the other ranks run beside it: every sum is real.
 
-The launcher is below the fold: spawn(fn, world_size, *args) runs fn(rank, world_size,
-*args) on every rank and names the one that failed first; setup(rank, world_size) joins
-the process group and returns the rank's device; cleanup() leaves it.
+collective_cost() says what each costs, in bytes and seconds. The launcher is below the
+fold: spawn(fn, world_size, *args) runs fn(rank, world_size, *args) on every rank and names
+the one that failed first; setup(rank, world_size) joins the process group and returns the
+rank's device; cleanup() leaves it.
 
 What PyTorch gives you: torch.distributed's collectives; torch.multiprocessing.spawn and
 torchrun. tests/bench.py times each collective, bus bandwidth as nccl-tests defines it.
 """
 import warnings
+from fractions import Fraction
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
@@ -196,6 +198,19 @@ def exchange(to_send, to_recv, right, left, group):
            dist.P2POp(dist.irecv, to_recv, left, group)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+
+
+def collective_cost(kind, nbytes, n, alpha=0.0, beta=1.0):
+    """What a collective of a tensor of nbytes over n ranks costs a rank on the ring above:
+    (bytes it sends, seconds). nbytes: the all-gather's output, the reduce-scatter's input.
+    Each of n-1 steps sends 1/n of it: (n-1)/n x S bytes in (n-1) alpha + (n-1)/n x S / beta
+    seconds, alpha a message's latency, beta the link's bytes a second; an all-reduce is a
+    reduce-scatter then an all-gather, twice both; a send, S bytes in alpha + S / beta."""
+    if kind == "send":
+        return Fraction(nbytes), alpha + nbytes / beta
+    rounds = 2 if kind == "all-reduce" else 1
+    sent = Fraction(rounds * (n - 1) * nbytes, n)
+    return sent, rounds * (n - 1) * alpha + float(sent) / beta
 
 
 def ring_demo(rank, world_size, device):

@@ -15,11 +15,11 @@ shape. Its backward is derived by hand here, once; every later step splits these
     loss       L = sum (a - y)^2 / n      dL/da = 2 (a - y) / n
 
 Data parallelism: each of d replicas holds every weight and trains on its own slice of the
-batch; they sum their gradients with an all-reduce, 2(d-1)/d x P bytes each for P bytes of
-gradients, and divide by d, so every replica takes the same step. dp_step() reads as that:
-forward; backward layer by layer, each dW into its bucket; each bucket's exchange once final
-(--overlap: under the backward below); divide. ZeRO (--zero 1, 2, 3): three classes, each the
-stage before plus its change; PyTorch's DDP, ZeroRedundancyOptimizer, FSDP2 (tests/bench.py).
+batch; they sum their gradients with an all-reduce and divide by d, so every replica takes
+the same step. dp_step() reads as that: forward; backward layer by layer, each dW into its
+bucket; each bucket's exchange once final (--overlap: under the backward below); divide.
+ZeRO (--zero 1, 2, 3): three classes, each the stage before plus its change; dp_costs() the
+bytes and memory. PyTorch's: DDP, ZeroRedundancyOptimizer, FSDP2 (tests/bench.py).
 """
 import warnings
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
@@ -37,9 +37,8 @@ def layer_forward(x, w):
 
 
 def layer_backward(g, stash, w, need_dx=True):
-    """Given g = dL/da: dx = dz W^T, and what dW = x^T dz needs, (x, dz). The replica sums
-    dW into its bucket (add_grad); step 4's zero-bubble schedule does it later. need_dx=False
-    skips dx (None) where nobody needs it: the model's first layer, one matmul in three."""
+    """Given g = dL/da: dx = dz W^T, and (x, dz) for dW = x^T dz, which the replica sums into
+    its bucket. need_dx=False skips dx (None): the model's input needs none, a matmul saved."""
     x, z = stash
     dz = torch.ops.aten.gelu_backward(g, z)   # dz = g * gelu'(z)  [b, n], one fused kernel
     dx = dz @ w.T if need_dx else None        # dx = dz W^T        [b, D]
@@ -47,15 +46,13 @@ def layer_backward(g, stash, w, need_dx=True):
 
 
 def mse_loss(a, y, n):
-    """This piece's squared error / n, and dL/da = 2 (a - y) / n: n counts the elements of the
-    batch whose mean we want, so the pieces add up to the mean's. dL/da in a's dtype (bf16)."""
+    """This piece's squared error / n and dL/da = 2 (a - y) / n, n the batch's elements (in all)."""
     diff = a.to(y.dtype) - y
     return diff.square().sum() / n, (diff * (2.0 / n)).to(a.dtype)
 
 
 def dp_step(replica, xs, ys, n, recompute=False):
-    """One replica's step on its micro-batches xs, ys [B/(d m), D]; returns its loss.
-    --recompute: the forward runs again before the backward, to make its stashes."""
+    """One replica's step on micro-batches xs, ys [B/(d m), D], its loss. --recompute: F again."""
     loss = torch.zeros((), device=replica.device)
     units, last = list(enumerate(replica.buckets)), len(xs) - 1   # a bucket: consecutive layers
     replica.begin_step()
@@ -85,9 +82,8 @@ def dp_step(replica, xs, ys, n, recompute=False):
 
 class DataParallel:
     """ZeRO stage 0, DDP: a replica of d over `group` holds all weights, gradients and optimizer
-    state, 16 P bytes for P fp32 parameters with AdamW (4 + 4 + 8); buckets of consecutive
-    layers' dW, a flat buffer each, are exchanged as one message. --bf16: layers compute with
-    bf16 copies; gradients and optimizer stay fp32 (a small update vanishes in bf16's 8 bits)."""
+    state; a bucket, consecutive layers' dW in one flat buffer, is exchanged as one message.
+    --bf16: layers compute with bf16 copies; gradients and optimizer stay fp32 (dp_costs)."""
     exchange_each_micro_batch = False   # ZeRO-3 keeps no gradient from a micro-batch to the next
 
     def __init__(self, weights, group, optimizer="adamw", lr=1e-2, bucket_mb=25.0, bf16=False,
@@ -100,12 +96,10 @@ class DataParallel:
             [w.numel() for w in weights], bucket_mb, breaks)
         self.store_weights(weights)
         self.optimizer = make_optimizer(self.params, optimizer, lr)
-        self.grad_buckets = [None] * len(self.buckets)   # fp32 [length] each, from its first dW
-        self.reductions = []                             # exchanges under way (--overlap)
+        self.grad_buckets, self.reductions = [None] * len(self.buckets), []   # exchanges going
 
-    def store_weights(self, weights):   # params: the optimizer's, fp32; weights: what layers use
-        self.params = weights
-        self.weights = [w.to(self.dtype) for w in weights]   # --bf16: a copy; fp32: the same
+    def store_weights(self, weights):   # params: the optimizer's, fp32; weights: the layers'
+        self.params, self.weights = weights, [w.to(self.dtype) for w in weights]   # bf16: a copy
 
     def view(self, flat, i):            # layer i's part of its bucket's flat buffer   [D, D]
         return flat[self.offset[i]:self.offset[i] + self.shapes[i].numel()].view(self.shapes[i])
@@ -113,15 +107,14 @@ class DataParallel:
     def begin_step(self):               # a layer's first dW of the step overwrites its part
         self.fresh = set(range(len(self.shapes)))
 
-    def gather_weights(self, b, prefetch=None):   # every weight is here (ZeRO-3 gathers)
-        pass
+    def gather_weights(self, b, prefetch=None):   # every weight is here and stays (ZeRO-3
+        pass                                      # gathers a unit, and lets it go)
 
-    def release_weights(self, b):                 # and stays (ZeRO-3 lets its units go)
+    def release_weights(self, b):
         pass
 
     def add_grad(self, i, x, dz):
-        """dW = x^T dz of one micro-batch, summed into its bucket by the matmul itself (Megatron's
-        gradient-accumulation fusion): nothing is zeroed, nothing is copied."""
+        """dW = x^T dz summed into its bucket by the matmul itself (Megatron's fusion)."""
         b = self.bucket_of[i]
         if self.grad_buckets[b] is None:
             self.grad_buckets[b] = torch.zeros(self.lengths[b], device=self.device)   # padding: 0
@@ -133,8 +126,8 @@ class DataParallel:
             grad.addmm_(x.T, dz)              # dW += x^T dz
 
     def reduce_gradients(self, b):
-        """Bucket b is final: its sum over the replicas, in place, 2(d-1)/d of its bytes each.
-        --overlap starts it and goes on (average() waits): it runs under the backward below."""
+        """Bucket b is final: its sum over the replicas, in place. --overlap starts it and goes
+        on (average() waits), so it runs under the backward below."""
         if self.dp_size > 1:
             work = dist.all_reduce(self.grad_buckets[b], group=self.group, async_op=self.overlap)
             self.reductions.append(work)
@@ -169,9 +162,8 @@ class DataParallel:
 
 
 class ZeRO1(DataParallel):
-    """Stage 1 = stage 0, but the optimizer steps this replica's 1/d of each bucket alone (8 P +
-    8 P/d bytes): the all-reduce splits into a reduce-scatter of gradients and an all-gather of
-    new weights. A bucket holds d S elements (zeros pad it); replica r owns [r S, (r+1) S)."""
+    """Stage 1 = stage 0, but the optimizer steps this replica's 1/d of each bucket alone: the
+    all-reduce splits in two around it. A bucket: d S elements, zero-padded; r owns the r-th S."""
 
     def store_weights(self, weights):
         lengths = [-(-n // self.dp_size) * self.dp_size for n in self.lengths]   # d S each
@@ -201,8 +193,7 @@ class ZeRO1(DataParallel):
         return clip_grads(self.grads(), max_norm, (*groups, self.group))
 
     def update(self):
-        """The optimizer's step on this replica's part of each bucket, then the new part to every
-        replica: an all-gather of the weights, (d-1)/d of their bytes each."""
+        """The optimizer's step on this replica's part of each bucket, then all-gathered."""
         self.step_optimizer()
         for flat, param in zip(self.flat, self.params):
             part = self.own(flat)
@@ -212,9 +203,8 @@ class ZeRO1(DataParallel):
 
 
 class ZeRO2(ZeRO1):
-    """Stage 2 = stage 1, but a bucket is reduce-scattered into a part of its own and the full
-    bucket let go at once: a replica keeps 1/d of the gradients (4 P + 12 P/d). A bucket
-    exchanged again within the step (ZeRO-3's, after every micro-batch) adds to its part."""
+    """Stage 2 = stage 1, but a bucket is reduce-scattered into a part of its own, the bucket let
+    go at once; exchanged again in the step (ZeRO-3's), it adds to its part."""
 
     def begin_step(self):
         super().begin_step()
@@ -240,14 +230,13 @@ class ZeRO2(ZeRO1):
         self.later_parts = []
         super().average()                         # nothing left under way: each / d
 
-    def grads(self):
+    def grads(self):                    # the parts, [S] each
         return self.grad_parts
 
 
 class ZeRO3(ZeRO2):
-    """Stage 3 (FSDP) = stage 2, but a replica keeps only its 1/d of the weights too (16 P/d):
-    a bucket is FSDP's unit, all-gathered for its layers' forward and again for their backward,
-    then let go. Its gradient is reduce-scattered after every micro-batch: 3(d-1)/d P each."""
+    """Stage 3 (FSDP) = stage 2, but a replica keeps only its 1/d of the weights: a bucket is
+    FSDP's unit, gathered for its forward and its backward, let go, exchanged each micro-batch."""
     exchange_each_micro_batch = True
 
     def store_weights(self, weights):
@@ -276,6 +265,27 @@ class ZeRO3(ZeRO2):
 
     def update(self):                   # nothing to all-gather: a unit is gathered when used
         self.step_optimizer()
+
+
+def dp_costs(lengths, dp_size, zero=0, num_micro_batches=1, optimizer="adamw", bf16=False,
+             recompute=False):
+    """A replica's costs a step, for buckets of these lengths (ZeRO: padded to d S): collectives
+    (kind, bytes of the tensor, times), and what it holds at the step's end {kind: (bytes,
+    formula)}: weights 4 P (bf16 2 P, 0 at stage 3), gradients 4 P, AdamW's state 8 P (bf16: +
+    the fp32 masters' 4 P), each over d from stage 3, 2, 1 on: 16 P, 8 P + 8 P/d, 4 P + 12 P/d."""
+    m, w = num_micro_batches, 2 if bf16 else 4          # bytes of a weight as the layers hold it
+    each = [("all-reduce", 4, 1)]                   # a bucket's: (kind, bytes a parameter, times)
+    if zero in (1, 2):
+        each = [("reduce-scatter", 4, 1), ("all-gather", w, 1)]
+    if zero == 3:
+        each = [("reduce-scatter", 4, m), ("all-gather", w, m * (2 + recompute))]
+    runs = [(kind, size * n, times) for n in lengths for kind, size, times in each]
+    size = {"weights": w * (not bf16 or zero < 3), "gradients": 4,   # bytes a parameter
+            "optimizer state": 8 * (optimizer == "adamw") + 4 * bf16}
+    split = {"weights": zero == 3 and not bf16, "gradients": zero >= 2, "optimizer state": zero > 0}
+    held = {kind: (size[kind] * sum(lengths) / (dp_size if split[kind] else 1),
+                   f"{size[kind]}P{'/d' * split[kind]}" if size[kind] else "0") for kind in size}
+    return runs, held
 
 
 def dp_worker(rank, world_size, args):
@@ -431,20 +441,10 @@ def held(replica):   # bytes held now, by kind; a view of another tensor counts 
             for kind, lists in kinds.items()}
 
 
-def zero_formula(zero, num_params, dp_size, optimizer="adamw", bf16=False):
-    """{kind: (bytes, formula)} a replica holds for P parameters: 4 P of weights, 4 P of gradients,
-    8 P of AdamW state, split over d from stage 1, 2, 3 on. bf16: 2 P of weights (none at stage
-    3 but while gathered), and the fp32 masters' 4 P join the optimizer's state."""
-    sizes = [(2 * (zero < 3), 4) if bf16 else (4, 3), (4, 2), (8 * (optimizer == "adamw") +
-                                                               4 * bf16, 1)]
-    return {kind: (size * num_params / (dp_size if zero >= stage else 1),
-                   f"{size}P{'/d' * (zero >= stage)}" if size else "0")
-            for kind, (size, stage) in zip(("weights", "gradients", "optimizer state"), sizes)}
-
-
 def show_memory(replica, args, whose):
     now, P = held(replica), sum(replica.lengths)
-    want = zero_formula(args.zero, P, replica.dp_size, args.optimizer, args.bf16)
+    want = dp_costs(replica.lengths, replica.dp_size, args.zero, optimizer=args.optimizer,
+                    bf16=args.bf16)[1]
     want["total"] = (sum(b for b, _ in want.values()), " + ".join(f for _, f in want.values()))
     print(f"memory held at the end of a step by {whose}: --zero {args.zero}, d={replica.dp_size}, "
           f"P = {P} parameters{' (buckets padded to a multiple of d)' * bool(args.zero)}, "
@@ -546,7 +546,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
         (old, f"--bf16: GPU {oldest[0]} has compute capability {oldest[1]} ({len(old)} of "
               f"{len(gpus)} GPUs here are older than 8.0, Ampere); bf16 needs 8.0 or newer, and "
               f"below that it is only emulated: drop --bf16")])
-    state = sum(b for b, _ in zero_formula(getattr(args, "zero", 0), L * D * D, replicas).values())
+    state = sum(b for b, _ in dp_costs([L * D * D], replicas, getattr(args, "zero", 0))[1].values())
     check_launch_args(parser, args, world_size, ranks_flag,
                       4 * (2 * L * D * D + 2 * B * D + 2 * L * B * D) + state,
                       f"--num-layers {L} --dim {D} --batch-size {B}")

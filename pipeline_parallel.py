@@ -17,22 +17,18 @@ runner executes, printed, tested and drawn.
     B(i) on stage s: receive g_i from s+1, run its layers' backward (dW summed over
                      micro-batches), send dL/dx_i to s-1; one [B/m, D] each way
 
-1F1B at p = 3 stages and m = 4 micro-batches, as build_schedule() writes it:
-[a>0] sends activation 0 on, [>a0] receives it, [<g0] sends gradient 0 back, [g<0]
-receives it; what shares brackets is posted together.
+1F1B at p = 3, m = 4, as build_schedule() writes it: [a>0] sends activation 0 on, [>a0]
+receives it, [<g0] sends gradient 0 back, [g<0] receives it; brackets post together.
 
     stage 0  F0 [a>0] F1 [a>1] F2 [a>2 g<0] B0 F3 [a>3 g<1] B1 [g<2] B2 [g<3] B3
     stage 1  [>a0] F0 [a>0 >a1] F1 [a>1 g<0] B0 [<g0 >a2] F2 [a>2 g<1] B1 [<g1 >a3] F3 ...
     stage 2  [>a0] F0 B0 [<g0 >a1] F1 B1 [<g1 >a2] F2 B2 [<g2 >a3] F3 B3 [<g3]
 
-GPipe runs all m forwards, then all m backwards: a stage stashes m micro-batches. 1F1B
-(PipeDream-flush) runs p-s-1 forwards to fill the pipe, then one forward, one backward,
-then drains: stage s holds at most p-s. Both idle (p-1)/(m+p-1) of the time, when the
-stages take equal time. ZB-H1 (zero bubble, Qi et al. 2023) splits B into dx = dz W^T,
-which the stage before waits for, and W, dW = x^T dz, which nobody waits for: stage s
-holds back s W passes to fill its bubble, (p-1)/(3m+p-1) with F, B and W equal.
-Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): stage s holds v chunks, chunk c
-being virtual stage c p + s, so micro-batches go round v times: (p-1)/(v m + p-1).
+GPipe runs all m forwards, then all m backwards; 1F1B (PipeDream-flush) fills the pipe
+with p-s-1 forwards, then runs one forward, one backward, then drains; ZB-H1 (zero bubble,
+Qi et al. 2023) splits B into dx, which the stage before waits for, and W, dW, which nobody
+waits for; interleaved 1F1B (Megatron-LM, Narayanan et al. 2021) gives stage s v chunks,
+chunk c being virtual stage c p + s. pipeline_costs() gives each one's bubble and stash.
 
 PyTorch's: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
 ScheduleInterleavedZeroBubble (tests/bench.py races them).
@@ -46,8 +42,7 @@ import torch.distributed as dist
 from collectives import cleanup, log, run_main, setup, spawn
 from data_parallel import DataParallel, layer_backward, layer_forward, mse_loss
 
-# Point-to-point: after F an activation goes on to the next stage, after B a gradient back
-SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "a>", ">a", "<g", "g<"   # printed a>3 >a3 <g3 g<3
+SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "a>", ">a", "<g", "g<"   # activations on, gradients back
 
 
 class Action(NamedTuple):
@@ -65,8 +60,7 @@ class Action(NamedTuple):
 
 
 def warmup_forwards(schedule, num_stages, stage, num_micro_batches, num_chunks=1):
-    """How many forwards a stage runs before its first backward: enough to fill the pipe.
-    Interleaved (Megatron's rule): 2 (p-s-1) + (v-1) p, or all of them when m = p."""
+    """Forwards before the first backward, to fill the pipe (interleaved, Megatron's rule)."""
     p, s, m, v = num_stages, stage, num_micro_batches, num_chunks
     if schedule == "gpipe" or (schedule == "interleaved" and m == p):
         return m * v
@@ -76,16 +70,12 @@ def warmup_forwards(schedule, num_stages, stage, num_micro_batches, num_chunks=1
 
 
 def compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks=1):
-    """The compute actions of one stage, in order: (op, micro-batch, chunk or None).
-
-    Three phases: warm-up, forwards alone, enough to fill the pipe; steady state, one forward
-    then one backward; cool-down, the backwards left. GPipe is all warm-up. Interleaved,
-    forward k runs chunk (k // p) mod v of micro-batch (k // (v p)) p + k mod p: p micro-batches
-    through one chunk, then the same p through the next; backwards run the chunks in reverse."""
+    """The compute actions of one stage, in order, (op, micro-batch, chunk or None), in three
+    phases: warm-up, forwards alone, to fill the pipe; steady state, one forward then one
+    backward; cool-down, the backwards left. GPipe is all warm-up. Interleaved, forward k runs
+    chunk (k // p) mod v of micro-batch (k // (v p)) p + k mod p: p micro-batches a chunk."""
     p, s, m, v = num_stages, stage, num_micro_batches, num_chunks
-    chunks = [None] * v
-    if schedule == "interleaved":
-        chunks = list(range(v))
+    chunks = list(range(v)) if schedule == "interleaved" else [None] * v
     forwards = [("F", k // (p * v) * p + k % p, chunks[k // p % v]) for k in range(m * v)]
     backwards = [("B", k // (p * v) * p + k % p, chunks[v - 1 - k // p % v]) for k in range(m * v)]
     warmup = warmup_forwards(schedule, p, s, m, v)
@@ -108,16 +98,14 @@ def compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks=1):
 def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1):
     """One stage's whole action list: the compute, and the point-to-point it needs.
 
-    Before F(i) a stage receives micro-batch i's activation (unless it is the first stage,
-    virtual stage 0 when interleaved), after F(i) it sends its own output on (unless it
-    is the last); the backward mirrors that with gradients, and W needs neither. The sends
-    and receives that fall between the same two computations are fused into one batch.
-    Why: in 1F1B's steady state stage s sends activation i and then waits for gradient j,
-    while stage s+1 sends gradient j and then waits for activation i. Two blocking sends
-    facing each other deadlock (NCCL's send waits for its receive; gloo's too, past a tiny
-    buffer). Posted as one batch on each side, each send finds its receive waiting.
-    Interleaved, a batch between F and B closes a cycle of waits: as Megatron does, each
-    steady-state forward and the backward after it run back to back, with one batch."""
+    Before F(i) a stage receives micro-batch i's activation (but the first), after it sends
+    its output on (but the last); B mirrors that with gradients; W needs neither. Sends and
+    receives between the same two computations are one batch. Why: in 1F1B's steady state
+    stage s sends activation i, then waits for gradient j, while s+1 sends gradient j, then
+    waits for activation i: two sends facing each other deadlock (NCCL's waits for its
+    receive; gloo's too, past a tiny buffer), where in one batch each finds its receive.
+    Interleaved, as Megatron does, each steady forward and the backward after it run back to back
+    (a batch between them would close a cycle of waits)."""
     def virtual(chunk):   # chunk c of stage s is virtual stage c p + s
         return (chunk or 0) * num_stages + stage
     last = num_stages * num_chunks - 1
@@ -150,12 +138,32 @@ def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1)
     return actions
 
 
+def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1, layers=1,
+                   act_bytes=1, recompute=False, times=(1, 1, 1)):
+    """Stage s's costs a step: the bubble, a step's idle share for stages of equal speed and free
+    communication (GPipe, 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v m+p-1); ZB-H1, for times
+    (T_F, T_B, T_W): (p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W))); the most bytes
+    it stashes (2 l [b, D] a micro-batch from F to B, l layers a chunk; --recompute: [b, D], and
+    B's made again; ZB-H1's (x, dz), 2 l [b, D], from B to W); its sends, (kind, bytes, times)."""
+    p, s, m, v = num_stages, stage, num_micro_batches, num_chunks
+    bubble = (p - 1) / (v * m + p - 1)
+    if schedule == "zb-h1":
+        t_f, t_b, t_w = times
+        bubble = (p - 1) * (t_f + t_b - t_w) / (m * (t_f + t_b + t_w) + (p - 1) * (t_f + t_b - t_w))
+    kept, stashes, for_w, most = 1 if recompute else 2 * layers, 0, 0, 0
+    for op, _, _ in compute_order(schedule, p, s, m, v):        # held after each action
+        stashes += {"F": 1, "B": -1, "W": 0}[op]
+        for_w += {"F": 0, "B": 1, "W": -1}[op] if schedule == "zb-h1" else 0
+        again = 2 * layers if recompute and op == "B" else 0
+        most = max(most, (stashes * kept + for_w * 2 * layers + again) * act_bytes)
+    neighbours = sum((c * p + s > 0) + (c * p + s < p * v - 1) for c in range(v))
+    return bubble, most, [("send", act_bytes, neighbours * m)]
+
+
 class Stage:
-    """One stage's layers (interleaved: one chunk's), run on what the caller hands in: replica,
-    step 2's holder of the weights and gradients; layers, their indices in it; blocks, each
-    layer's forward and backward (step 3's in 3D). A micro-batch's stash, 2 x layers x [b, D]
-    (each layer's x and z), stays until its B. recompute: the input alone, [b, D]; the runner
-    runs F again before B, at a forward's cost: one stash at a time, where 1F1B holds p - s."""
+    """A stage's layers (a chunk's) on what the caller hands in: replica, step 2's holder of weights
+    and gradients; layers, their indices in it; blocks, each's forward and backward (3D: step 3's).
+    A micro-batch's stash, x and z a layer, stays until its B (recompute: its input alone)."""
 
     def __init__(self, replica, layers, first, last, num_micro_batches, targets=None,
                  mean_over=1, blocks=None, recompute=False):
@@ -172,8 +180,7 @@ class Stage:
         self.loss, self.weight_passes = 0.0, 0   # the loss: a tensor on the device once summed
 
     def forward(self, mb, x, again=False):
-        """F: the layers in turn, x [b, D] in; the output out. Their stash is kept for B
-        (--recompute: the input alone; again=True makes the stash B needs, from it)."""
+        """F: the layers in turn on x [b, D], their stash kept for B; again: B's, from the input."""
         out, stashes = x, []
         for b, layers in self.units:
             self.replica.gather_weights(b)        # ZeRO-3 (in 3D): the unit's weights, whole
@@ -192,8 +199,7 @@ class Stage:
         return out
 
     def backward(self, mb, g):
-        """B: dL/dx of this stage's input, layer by layer from its last; each layer's (x, dz)
-        is kept for W."""
+        """B: dL/dx of this stage's input, from its last layer; each one's (x, dz) kept for W."""
         if self.last:
             g = self.loss_grad.pop(mb)
         stashes, self.for_w[mb] = self.stash.pop(mb), {}
@@ -207,8 +213,7 @@ class Stage:
         return g
 
     def weight_grads(self, mb):
-        """W: dW = x^T dz of every layer, from what B left: nobody waits for it. Once the last
-        micro-batch's are in, each bucket is final: its exchange over dp (ZeRO-3: every time)."""
+        """W: dW = x^T dz, which nobody waits for; after the last micro-batch's, the exchange."""
         for i, (x, dz) in self.for_w.pop(mb).items():
             self.replica.add_grad(i, x, dz)       # dW = x^T dz, summed over micro-batches
         self.weight_passes += 1
@@ -219,13 +224,10 @@ class Stage:
 
 def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, group=None,
                  outgoing=None, incoming=None, recorder=None):
-    """Execute one stage's action list on its Stages, one per chunk. inputs: the
-    micro-batches (first stage only; their dtype is what crosses). outgoing and incoming
-    change what crosses a stage boundary, as it leaves and as it arrives (3D's --p2p-shard:
-    a 1/tp slice, all-gathered). recorder, if given, is told when each F, B and W starts
-    and stops (the timeline and the stash table; below the fold)."""
+    """Execute one stage's action list on its Stages, one a chunk. inputs: the micro-batches
+    (the first stage's). outgoing, incoming: 3D's --p2p-shard, 1/tp sent, all-gathered on
+    arrival. recorder: told when each F, B and W starts and stops (the timeline and stash)."""
     received, to_send, under_way = {}, {}, []   # (kind, mb, chunk) -> a tensor on its way
-    device = inputs[0].device
     defer_w = any(action.op == "W" for action in actions)
     outgoing, incoming = outgoing or (lambda t: t), incoming or (lambda t: t)
     for action in actions:
@@ -237,7 +239,7 @@ def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, gr
                 kind, peer = key[0], next_rank if key[0] in (SEND_ACT, RECV_GRAD) else prev_rank
                 if kind in (RECV_ACT, RECV_GRAD):
                     received[key] = torch.empty(buffer_shape, dtype=inputs[0].dtype,
-                                                device=device)               # [b, D] (or D/tp)
+                                                device=inputs[0].device)     # [b, D] (or D/tp)
                     ops.append(dist.P2POp(dist.irecv, received[key], peer, group))
                 else:
                     ops.append(dist.P2POp(dist.isend, to_send.pop(key), peer, group))
@@ -280,9 +282,7 @@ def pp_worker(rank, world_size, args):
     full = init_weights(args.num_layers, args.dim, args.seed)
     inputs, targets = make_batch(args)
     mine = [i for c in range(v) for i in stage_layers(args.num_layers, p, stage, v, c)]
-    # The stage's weights live in step 2's replica over a data-parallel group of one rank:
-    # nothing to exchange; the weights, dW buckets and optimizer. (3D's group is real.)
-    per_chunk = len(mine) // v          # no bucket crosses from one chunk to the next
+    per_chunk = len(mine) // v   # in step 2's replica over a dp group of one (3D's is real)
     replica = DataParallel([full[i].to(device, copy=True) for i in mine], dist.new_subgroups(1)[0],
                            optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
                            breaks=range(0, len(mine), per_chunk))
@@ -428,16 +428,6 @@ def in_layer_order(tensors, args, num_stages):
             for c in range(v) for s in range(num_stages) for i in range(per_chunk)]
 
 
-def bubble_theory(schedule, num_stages, num_micro_batches, num_chunks=1, times=(1, 1, 1)):
-    """The idle share of a step, for stages of equal speed and free communication. times:
-    (T_F, T_B, T_W) of one micro-batch; B is the whole backward except in ZB-H1."""
-    p, m, v = num_stages, num_micro_batches, num_chunks
-    if schedule == "zb-h1":   # the bubble: (p-1)(T_F + T_B + T_W) shrinks to (p-1)(T_F + T_B - T_W)
-        t_f, t_b, t_w = times
-        return (p - 1) * (t_f + t_b - t_w) / (m * (t_f + t_b + t_w) + (p - 1) * (t_f + t_b - t_w))
-    return (p - 1) / (v * m + p - 1)
-
-
 def simulate(stages, times=None):
     """Every stage's action list run with fixed step times (times: {op: length}, 1 each by
     default) and free communication, under NCCL's rule, as run_schedule() waits: a batch's
@@ -482,7 +472,8 @@ def show_stash(memory, args, num_stages, rank, device):
     """Rank 0: each stage's stash at its largest (the last step's), counted from the tensors
     held, beside the formula for what was held then: a micro-batch's stash 2 l [b, D] (x and z
     of l layers), 1 [b, D] with --recompute (its input), and what W waits for, 2 l [b, D]
-    (x and dz); with --recompute, a B's own stash made again, 2 l [b, D], while it runs."""
+    (x and dz); with --recompute, a B's own stash made again, 2 l [b, D], while it runs; and
+    pipeline_costs()'s prediction of the largest, from the schedule alone."""
     allocator = allocator_peak(device)   # on a GPU: what the allocator held at most, all in all
     peaks = gather_on_rank0(torch.tensor([*max(memory, key=lambda entry: entry[2]), allocator or 0],
                                          device=device))
@@ -497,8 +488,10 @@ def show_stash(memory, args, num_stages, rank, device):
     print(f"  {'stage':<6}{'stashes':>8}{'for W':>7}{'bytes held':>12}   formula", flush=True)
     for s, (n, w, counted, recomputing, peak) in enumerate(peaks.tolist()):
         again = 2 * l * recomputing
+        predicted = pipeline_costs(args.schedule, num_stages, s, args.micro_batches,
+                                   args.virtual_stages, l, A, args.recompute)[1]
         print(f"  {s:<6}{n:>8}{w:>7}{counted:>12}   ({n} x {kept} + {w} x {2 * l} + {again}) x "
-              f"[b, D] = {(n * kept + w * 2 * l + again) * A}", flush=True)
+              f"[b, D] = {(n * kept + w * 2 * l + again) * A}   predicted {predicted}", flush=True)
     if allocator is not None:
         say("the CUDA allocator's peak over the run, by stage (torch.cuda.max_memory_allocated: "
             "the weights, gradients, optimizer state and batch too): " +
@@ -571,7 +564,7 @@ def show_timeline(events, peak, args, num_stages, rank, device):
             print(f"  stage {s} |{line}| idle {idle[s]:5.1%}", flush=True)
     theory = {"zb-h1": "(p-1)/(3m+p-1)", "interleaved": "(p-1)/(vm+p-1)"}.get(args.schedule,
                                                                              "(p-1)/(m+p-1)")
-    say(f"bubble: theory {theory} = {bubble_theory(args.schedule, p, m, v):.1%}; the most "
+    say(f"bubble: theory {theory} = {pipeline_costs(args.schedule, p, 0, m, v)[0]:.1%}; the most "
         f"micro-batches a stage held at once: {', '.join(map(str, peaks.flatten().tolist()))}")
     if device.type == "cpu" and p > cores:
         say(f"note: {p} stages share {cores} CPU cores, so a stage often waits for a core, not "

@@ -144,6 +144,17 @@ def layer_kinds(num_layers, tp_style):
     return ["column", "row"] * (num_layers // 2) + ["gather"] * (num_layers % 2)
 
 
+def tp_costs(kinds, act_bytes, num_micro_batches=1, first_stage=True, recompute=False):
+    """A tp rank's collectives a step, (kind, bytes of the tensor, times), A = act_bytes for one
+    activation [b, D]: each micro-batch, an all-gather layer all-gathers its A forward and
+    all-reduces its dx backward; Megatron's column layer all-reduces dx (f), its row layer z
+    (g). The model's first layer needs no dx; --recompute runs each forward's again."""
+    m, gathers = num_micro_batches, kinds.count("gather")
+    reduces = len(kinds) - first_stage + kinds.count("row") * recompute   # dx, or z
+    return [("all-gather", act_bytes, gathers * (1 + recompute) * m),
+            ("all-reduce", act_bytes, reduces * m)]
+
+
 def tp_blocks(kinds, group=None):
     """Each layer's forward and backward pair over group, as step 4's Stage runs them in 3D."""
     return [(partial(LAYERS[kind][0], group=group), partial(LAYERS[kind][1], group=group))

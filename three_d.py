@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import make_replica, replica_rows
-from pipeline_parallel import Stage, build_schedule, run_schedule, stage_layers
-from tensor_parallel import all_gather_columns, layer_kinds, shard, shard_columns, tp_blocks
+from data_parallel import dp_costs, make_replica, replica_rows
+from pipeline_parallel import Stage, build_schedule, pipeline_costs, run_schedule, stage_layers
+from tensor_parallel import (all_gather_columns, layer_kinds, shard, shard_columns, tp_blocks,
+                             tp_costs)
 
 AXES = ("dp", "pp", "tp")
 
@@ -167,6 +168,26 @@ class ThreeDRank:
         self.replica.average()
 
 
+def three_d_costs(args, stage):
+    """What a rank of stage `stage` costs a step, from steps 2-4's costs: its collectives on
+    each group, {"tp", "pp", "dp": [(kind, bytes of the tensor, times)]}; what its replica holds
+    at the step's end, {kind: (bytes, formula)}; its most stash, in bytes; its stage's bubble."""
+    v, m, tp = args.virtual_stages, args.micro_batches, args.tp
+    per_chunk = args.num_layers // (args.pp * v)
+    act = args.batch_size // (args.dp * m) * args.dim * (2 if args.bf16 else 4)   # [b, D]
+    tp_runs = tp_costs(layer_kinds(per_chunk, args.tp_style) * v, act, m, stage == 0,
+                       args.recompute)
+    sent = act // tp if args.p2p_shard else act                 # --p2p-shard: 1/tp crosses
+    bubble, stash, pp_runs = pipeline_costs(args.schedule, args.pp, stage, m, v, per_chunk, act,
+                                            args.recompute)
+    pp_runs = [(kind, sent, times) for kind, _, times in pp_runs]
+    if args.p2p_shard:                                          # and is all-gathered on arrival
+        tp_runs += [("all-gather", act, times) for _, _, times in pp_runs]
+    dp_runs, held = dp_costs(replica_lengths(args), args.dp, args.zero, m, args.optimizer,
+                             args.bf16, args.recompute)
+    return {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs}, held, stash, bubble
+
+
 def three_d_worker(rank, world_size, args):
     device = setup(rank, world_size)
     me = ThreeDRank(rank, args, device)
@@ -209,7 +230,7 @@ import os  # noqa: E402
 from collectives import positive_int  # noqa: E402
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
                            full_grads, full_weights, global_loss, init_weights, make_batch,
-                           show_memory, step_line, training_parser)
+                           make_buckets, show_memory, step_line, training_parser)
 from pipeline_parallel import add_schedule_args, gather_on_rank0, schedule_rules  # noqa: E402
 from tensor_parallel import describe, divides, refuse_unused  # noqa: E402
 
@@ -247,6 +268,17 @@ def finish_ranks(me, args, losses, check, norms, device):
             show_memory(me.replica, args, f"rank 0: its replica of stage 0's layers, its tp "
                                           f"shards of them (1/{args.tp})")
         finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, check, norms)
+
+
+def replica_lengths(args):
+    """The elements of each of a rank's buckets, as its replica lays them out: a stage's
+    layers, each D^2/tp, cut by --bucket-mb, never across a chunk; ZeRO: padded to d S."""
+    layers = args.num_layers // args.pp
+    lengths = make_buckets([args.dim * args.dim // args.tp] * layers, args.bucket_mb,
+                           range(0, layers, layers // args.virtual_stages))[3]
+    if args.zero:
+        return [-(-n // args.dp) * args.dp for n in lengths]
+    return lengths
 
 
 def show_rank_map(dp, pp, tp, order):

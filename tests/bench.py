@@ -723,8 +723,8 @@ def print_bubble_table(table, dim, rows, steps):
     for r in table:
         p, m, schedule = r["p"], r["m"], r["schedule"]
         t_f, t_b, t_w = r["times"]
-        theory = pipeline_parallel.bubble_theory(schedule, p, m, 2 if schedule == "interleaved" else 1,
-                                                 (t_f, t_b, t_w) if schedule == "zb-h1" else (1, 1, 1))
+        theory = pipeline_parallel.pipeline_costs(schedule, p, 0, m, 2 if schedule == "interleaved" else 1,
+                                                  times=(t_f, t_b, t_w) if schedule == "zb-h1" else (1, 1, 1))[0]
         bound = [peak_bound(schedule, p, s, m) for s in range(p)]
         extra = f"   T_F {t_f * 1e3:.2f} T_B {t_b * 1e3:.2f} T_W {t_w * 1e3:.2f} ms" if schedule == "zb-h1" else ""
         print(f"{p:>3}{m:>3}  {schedule:<12}{theory:>8.1%}{r['bubble']:>10.1%}{r['step_ms']:>8.1f}   "

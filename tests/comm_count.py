@@ -29,10 +29,11 @@ import pipeline_parallel
 import tensor_parallel
 import three_d
 from collectives import cleanup, setup, spawn
-from data_parallel import DataParallel, dp_step, init_weights, make_batch, make_replica, replica_rows
-from pipeline_parallel import build_schedule, gather_on_rank0, run_schedule, stage_layers
+from collectives import collective_cost
+from data_parallel import DataParallel, dp_costs, dp_step, init_weights, make_batch, make_replica, replica_rows
+from pipeline_parallel import build_schedule, gather_on_rank0, pipeline_costs, run_schedule, stage_layers
 from race import replica_options
-from tensor_parallel import layer_kinds, shard, tp_step
+from tensor_parallel import layer_kinds, shard, tp_costs, tp_step
 
 RING_COST = {  # dist function -> (kind, the argument that holds N, factor)
     "all_reduce": ("all-reduce", "tensor", 2),
@@ -107,81 +108,35 @@ def nbytes(tensor):
     return tensor.numel() * tensor.element_size()
 
 
-# ---- the formulas, per rank and step ------------------------------------------------
+# ---- the formulas, per rank and step: the scripts' own cost functions --------------
 
-def dp_formula(unit_bytes, dp_size, zero=0, num_micro_batches=1, bf16=False, recompute=False):
-    """Over the data-parallel group, a collective per bucket; unit_bytes: each bucket's fp32
-    bytes (ZeRO: padded to a multiple of d), P their sum; W = P, or P / 2 for --bf16's weights:
-      ZeRO 0: an all-reduce of each bucket of gradients: 2(d-1)/d x P
-      ZeRO 1, 2: a reduce-scatter of the gradients, (d-1)/d x P, then an all-gather of the
-              weights, (d-1)/d x W: with fp32 weights, together one all-reduce's bytes
-      ZeRO 3: per micro-batch, an all-gather of every unit for the forward, for --recompute's
-              second forward, and for the backward, and a reduce-scatter of every unit's
-              gradient"""
-    d, m, P = dp_size, num_micro_batches, sum(unit_bytes)
-    W, gathers = P // (1 + bf16), 2 + recompute
-    if zero == 0:
-        return {("dp", "all-reduce"): (Fraction(2 * (d - 1) * P, d), f"2({d}-1)/{d} x {P} gradient bytes")}
-    if zero in (1, 2):
-        return {("dp", "reduce-scatter"): (Fraction((d - 1) * P, d), f"({d}-1)/{d} x {P} gradient bytes"),
-                ("dp", "all-gather"): (Fraction((d - 1) * W, d), f"({d}-1)/{d} x {W} weight bytes")}
-    return {("dp", "reduce-scatter"): (Fraction(m * (d - 1) * P, d), f"{m} mb x ({d}-1)/{d} x {P}"),
-            ("dp", "all-gather"): (Fraction(m * (d - 1) * gathers * W, d), f"{m} mb x ({d}-1)/{d} x {gathers} x {W}")}
+def formula(dimension, runs, n):
+    """{(dimension, kind): (bytes, how)} for a step's collectives, (kind, bytes of the tensor,
+    times) as a script's cost function gives them, over n ranks (collectives.collective_cost)."""
+    out = {}
+    for kind, nbytes, times in runs:
+        sent, how = out.get((dimension, kind), (0, ""))
+        if times:
+            how = f"{how} + " * bool(how) + f"{times} x {nbytes}"
+        out[dimension, kind] = (sent + times * collective_cost(kind, nbytes, n)[0], how)
+    ring = {"all-reduce": "2({n}-1)/{n} x", "send": "", "all-gather": "({n}-1)/{n} x",
+            "reduce-scatter": "({n}-1)/{n} x"}
+    return {key: (sent, f"{ring[key[1]].format(n=n)} ({how or 0})".strip())
+            for key, (sent, how) in out.items()}
 
 
-def replica_units(replica):
-    """The bucket bytes of a replica (ZeRO: padded to a multiple of d)."""
-    return [4 * n for n in replica.lengths]
-
-
-def tp_formula(kinds, first_stage, act_bytes, num_micro_batches, tp_size, recompute=False):
-    """Per layer and micro-batch, A = act_bytes of one activation [b, D] (halved by --bf16):
-      all-gather layer: its output's all-gather, (t-1)/t A; the all-reduce of dx, 2(t-1)/t A
-      Megatron's column layer: f's all-reduce of dx, 2(t-1)/t A
-      Megatron's row layer: g's all-reduce of z, 2(t-1)/t A
-    The model's first layer (on the first stage) needs no dx: no all-reduce for it.
-    --recompute runs each forward twice: its all-gathers, and g's all-reduces, twice."""
-    t, m, A = tp_size, num_micro_batches, act_bytes
-    gathers = kinds.count("gather") * (1 + recompute)
-    reduces = len(kinds) - first_stage + kinds.count("row") * recompute   # dx or z, but the first's
-    return {("tp", "all-gather"): (Fraction(gathers * m * (t - 1) * A, t),
-                                   f"{gathers} all-gathers x {m} mb x ({t}-1)/{t} x {A}"),
-            ("tp", "all-reduce"): (Fraction(reduces * m * 2 * (t - 1) * A, t),
-                                   f"{reduces} dx or z x {m} mb x 2({t}-1)/{t} x {A}")}
-
-
-def pp_formula(stage, num_stages, act_bytes, num_micro_batches, num_chunks=1):
-    """Per micro-batch and chunk (virtual stage c p + s), the output activation to the next
-    virtual stage (unless last) and the input's gradient to the previous (unless first),
-    act_bytes each: interleaving sends v times the messages of one chunk per stage."""
-    p, v, m = num_stages, num_chunks, num_micro_batches
-    virtual = [c * p + stage for c in range(v)]
-    boundaries = sum((j > 0) + (j < p * v - 1) for j in virtual)
-    return {("pp", "send"): (boundaries * m * act_bytes,
-                             f"{m} mb x {act_bytes} x {boundaries} (one per neighbouring virtual stage)")}
-
-
-def three_d_formula(args, p, act_bytes, replica):
-    """The blocks' formulas for one rank of stage p: tp for its stage's layers, pp for
-    its stage boundaries, dp for its shards (param_bytes)."""
-    m, t, v = args.micro_batches, args.tp, args.virtual_stages
-    kinds = layer_kinds(args.num_layers // (args.pp * v), args.tp_style) * v   # Megatron pairs per chunk
-    formula = tp_formula(kinds, p == 0, act_bytes, m, t, args.recompute)
-    formula.update(pp_formula(p, args.pp, act_bytes // t if args.p2p_shard else act_bytes, m, args.virtual_stages))
-    formula.update(dp_formula(replica_units(replica), args.dp, args.zero, m, args.bf16, args.recompute))
-    if args.p2p_shard:   # every tensor received from a neighbouring stage is all-gathered over tp
-        v = args.virtual_stages
-        received = sum((j > 0) + (j < args.pp * v - 1) for j in (c * args.pp + p for c in range(v)))
-        gathered, how = formula[("tp", "all-gather")]
-        formula[("tp", "all-gather")] = (gathered + Fraction(received * m * (t - 1) * act_bytes, t),
-                                         f"{how} + {received} received x {m} mb x ({t}-1)/{t} x {act_bytes}")
-    return formula
+def three_d_formula(args, stage):
+    """The rank's collectives by three_d.three_d_costs(), over its tp, pp and dp groups."""
+    runs = three_d.three_d_costs(args, stage)[0]
+    sizes = {"tp": args.tp, "pp": args.pp, "dp": args.dp}
+    return {key: value for group, group_runs in runs.items()
+            for key, value in formula(group, group_runs, sizes[group]).items()}
 
 
 def style_bytes(num_layers, tp_style, act_bytes, num_micro_batches, tp_size):
-    """A TP rank's bytes per step over the model's layers, by the formula, in one style."""
-    formula = tp_formula(layer_kinds(num_layers, tp_style), True, act_bytes, num_micro_batches, tp_size)
-    return sum(count for count, _ in formula.values())
+    """A TP rank's bytes per step over the model's layers, in one style (tp_costs)."""
+    runs = tp_costs(layer_kinds(num_layers, tp_style), act_bytes, num_micro_batches)
+    return sum(sent for sent, _ in formula("tp", runs, tp_size).values())
 
 
 def megatron_comparison(num_layers, act_bytes, num_micro_batches, tp_size):
@@ -219,7 +174,8 @@ def count_dp(rank, world_size, args):
     with counter.step():
         dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m), n, recompute=args.recompute)
         replica.update()
-    report(counter, dp_formula(replica_units(replica), world_size, args.zero, m, args.bf16, args.recompute))
+    report(counter, formula("dp", dp_costs(replica.lengths, world_size, args.zero, m, args.optimizer, args.bf16,
+                                           args.recompute)[0], world_size))
     cleanup()
 
 
@@ -236,7 +192,7 @@ def count_tp(rank, world_size, args):
         tp_step(replica, kinds, inputs.chunk(m), targets.chunk(m), args.batch_size * args.dim,
                 recompute=args.recompute)
     act_bytes = args.batch_size // m * args.dim * (2 if args.bf16 else 4)   # one micro-batch's [B/m, D]
-    report(counter, tp_formula(kinds, True, act_bytes, m, world_size, args.recompute),
+    report(counter, formula("tp", tp_costs(kinds, act_bytes, m, True, args.recompute), world_size),
            megatron_comparison(L, act_bytes, m, world_size))
     cleanup()
 
@@ -255,7 +211,9 @@ def count_pp(rank, world_size, args):
     with counter.step():
         run_schedule(build_schedule(args.schedule, p, stage, m, v), chunks, inputs.to(replica.dtype).chunk(m),
                      (stage - 1) % p, (stage + 1) % p, (args.batch_size // m, args.dim))
-    report(counter, pp_formula(stage, p, args.batch_size // m * args.dim * (2 if args.bf16 else 4), m, v))
+    act_bytes = args.batch_size // m * args.dim * (2 if args.bf16 else 4)
+    layers = args.num_layers // (p * v)
+    report(counter, formula("pp", pipeline_costs(args.schedule, p, stage, m, v, layers, act_bytes)[2], p))
     cleanup()
 
 
@@ -267,7 +225,7 @@ def count_3d(rank, world_size, args):
         me.train_step()
         me.replica.update()
     act_bytes = me.buffer_shape[0] * args.dim * (2 if args.bf16 else 4)
-    report(counter, three_d_formula(args, me.stage, act_bytes, me.replica),
+    report(counter, three_d_formula(args, me.stage),
            megatron_comparison(args.num_layers, act_bytes, args.micro_batches, args.tp))
     cleanup()
 
