@@ -20,10 +20,9 @@ The gaps in the lecture that this step fills:
   values that no real run produces. Here, under a debugger, rank 0 runs inside the
   debugged process and the other ranks run beside it: every sum is real.
 
-collective_cost() says what each costs, in bytes and seconds. The launcher is below the
-fold: spawn(fn, world_size, *args) runs fn(rank, world_size, *args) on every rank and names
-the one that failed first; setup(rank, world_size) joins the process group and returns the
-rank's device; cleanup() leaves it.
+collective_cost() says what each costs, in bytes and seconds. Below the fold, the launcher:
+spawn(fn, world_size, *args) runs fn(rank, world_size, *args) on every rank, naming the first
+to fail; setup(rank, world_size) joins the group, returning the device; cleanup() leaves it.
 
 What PyTorch gives you: torch.distributed's collectives; torch.multiprocessing.spawn and
 torchrun. tests/bench.py times each collective, bus bandwidth as nccl-tests defines it.
@@ -123,13 +122,10 @@ def point_to_point(rank, world_size, device):
     heading(rank, "send/recv (blocking): every rank passes its tensor to the right")
     received = torch.zeros(2, device=device)
     show(rank, "before", sending=x, received=received)
-    # On gloo a blocking send() returns only once the peer has received, even one float. On
-    # NCCL it returns once queued, but the GPU runs it only when the peer's receive is there,
-    # and runs nothing queued after it until then. Either way, if every rank sent first,
-    # every rank would wait on a receive that nobody posts. So even ranks send first and
-    # odd ranks receive first.
-    # With an odd world size ranks n-1 and 0 are both even: rank n-1 then waits until
-    # rank 0 has sent to rank 1, and no longer.
+    # On gloo a blocking send() returns once the peer has received, even one float; on NCCL
+    # once queued, but the GPU runs nothing queued after it until the peer's receive is there.
+    # If every rank sent first, each would wait on a receive nobody posts: so even ranks send
+    # first, odd ranks receive first (n odd: rank n-1 waits for rank 0's send to 1, no more).
     if rank % 2 == 0:
         dist.send(x, dst=right)
         dist.recv(received, src=left)
@@ -141,8 +137,7 @@ def point_to_point(rank, world_size, device):
     heading(rank, "isend/irecv (non-blocking): every rank passes its tensor to the left")
     received = torch.zeros(2, device=device)
     show(rank, "before", sending=x, received=received)
-    # Both are posted before we wait on either, so their order no longer matters. The
-    # tensors must not be touched until wait() returns.
+    # Both posted before either is waited, so their order no longer matters. Hands off until wait().
     works = [dist.isend(x, dst=left), dist.irecv(received, src=right)]
     for work in works:
         work.wait()
@@ -165,9 +160,8 @@ def ring_all_reduce(tensor, group=None):
     right = dist.get_global_rank(group, (r + 1) % n)
     left = dist.get_global_rank(group, (r - 1) % n)
 
-    # n chunks of the flattened tensor, views into it. A length that n does not divide
-    # gives chunks that differ by one element, longest first (some are empty when the
-    # tensor has fewer than n elements). Every rank cuts the same way.
+    # n chunks of the flattened tensor, views into it, cut alike on every rank. When n does not
+    # divide its length they differ by one element, longest first (empty ones if it is < n).
     chunks = tensor.view(-1).tensor_split(n)
     incoming = torch.empty_like(chunks[0])   # room for the longest chunk
 

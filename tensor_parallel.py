@@ -209,8 +209,7 @@ def tp_worker(rank, world_size, args):
     full = init_weights(args.num_layers, args.dim, args.seed)              # drawn whole, then cut
     shards = [shard(w, k, tp_rank, tp_size).to(device) for w, k in zip(full, kinds)]   # [D, D/T]
     inputs, targets = (t.to(device) for t in make_batch(args))             # all of it, every rank
-    # The shards live in step 2's replica over a data-parallel group of one rank: no exchange,
-    # only the gradients' buckets, the optimizer, and bf16's copies.
+    # The shards live in step 2's replica over a dp group of one: buckets, optimizer, no exchange.
     replica = DataParallel(shards, dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
                            bf16=args.bf16)
     n, m, losses, norms = args.batch_size * args.dim, args.micro_batches, [], []
@@ -288,8 +287,7 @@ def embedding_worker(rank, world_size, vocab_size, dim):
     same_out = torch.allclose(out.cpu(), ref_out)
     same_grad = torch.allclose(d_table_t.cpu(), reference.weight.grad[start:end])
     if rank == 0:
-        print(f"an embedding table [{vocab_size}, {dim}], its rows split over {tp_size} ranks",
-              flush=True)
+        print(f"a table [{vocab_size}, {dim}], its rows split over {tp_size} ranks", flush=True)
     for turn in range(tp_size):
         dist.barrier()
         if turn == tp_rank:

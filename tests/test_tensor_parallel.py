@@ -305,7 +305,7 @@ def test_embedding_demo_says_true_on_every_rank(capfd, world_size):
     out = capfd.readouterr().out
     verdicts = [line for line in out.splitlines() if "forward matches nn.Embedding" in line]
     assert [line.split("]")[0] for line in verdicts] == [f"[rank {r}" for r in range(world_size)]   # in order
-    assert out.splitlines()[0] == f"an embedding table [10, 64], its rows split over {world_size} ranks"
+    assert out.splitlines()[0] == f"a table [10, 64], its rows split over {world_size} ranks"
     assert all(line.endswith("nn.Embedding: True, gradient of my rows matches: True") for line in verdicts)
 
 
