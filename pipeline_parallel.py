@@ -139,23 +139,23 @@ def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1)
 
 
 def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1, layers=1,
-                   act_bytes=1, recompute=False, times=(1, 1, 1)):
+                   act_bytes=1, recompute=False, times=(1, 1, 1), layer_bytes=None):
     """Stage s's costs a step: the bubble, a step's idle share for stages of equal speed and free
     communication (GPipe, 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v m+p-1); ZB-H1, for times
-    (T_F, T_B, T_W): (p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W))); the most bytes
-    it stashes (2 l [b, D] a micro-batch from F to B, l layers a chunk; --recompute: [b, D], and
-    B's made again; ZB-H1's (x, dz), 2 l [b, D], from B to W); its sends, (kind, bytes, times)."""
-    p, s, m, v = num_stages, stage, num_micro_batches, num_chunks
+    (T_F, T_B, T_W): (p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W))); its most stash
+    (l layers a chunk, each layer_bytes, x and z: 2 [b, D] of act_bytes, F to B; --recompute:
+    [b, D], and B's again; ZB-H1's (x, dz), as much, B to W); its sends (kind, bytes, times)."""
+    p, s, m, v, (t_f, t_b, t_w) = num_stages, stage, num_micro_batches, num_chunks, times
     bubble = (p - 1) / (v * m + p - 1)
     if schedule == "zb-h1":
-        t_f, t_b, t_w = times
         bubble = (p - 1) * (t_f + t_b - t_w) / (m * (t_f + t_b + t_w) + (p - 1) * (t_f + t_b - t_w))
-    kept, stashes, for_w, most = 1 if recompute else 2 * layers, 0, 0, 0
+    a_chunk = layers * (layer_bytes or 2 * act_bytes)       # a micro-batch's stash in a chunk
+    kept, stashes, for_w, most = act_bytes if recompute else a_chunk, 0, 0, 0   # kept from F to B
     for op, _, _ in compute_order(schedule, p, s, m, v):        # held after each action
         stashes += {"F": 1, "B": -1, "W": 0}[op]
         for_w += {"F": 0, "B": 1, "W": -1}[op] if schedule == "zb-h1" else 0
-        again = 2 * layers if recompute and op == "B" else 0
-        most = max(most, (stashes * kept + for_w * 2 * layers + again) * act_bytes)
+        again = a_chunk if recompute and op == "B" else 0
+        most = max(most, stashes * kept + for_w * a_chunk + again)
     neighbours = sum((c * p + s > 0) + (c * p + s < p * v - 1) for c in range(v))
     return bubble, most, [("send", act_bytes, neighbours * m)]
 
