@@ -68,7 +68,8 @@ test-ray: ray-deps
 
 # bench (tests/bench.py): each step against PyTorch's own API for it and against serial,
 # at a compute-heavy size (D=1024) and where communication dominates (the defaults, D=64);
-# the collectives' bandwidth, start-up, the pipeline bubble, and the bytes each rank sends
+# the collectives' bandwidth, start-up, the pipeline bubble, the bytes each rank sends, and
+# three_d.py --plan's predicted step times against every shape of 4 ranks run (about 2 minutes)
 BIG = --num-layers 4 --dim 1024 --batch-size 2048 --steps 5
 bench: deps
 	$(PYTHON) tests/bench.py collectives
@@ -101,4 +102,5 @@ bench: deps
 	$(PYTHON) tests/bench.py count-comm pipeline_parallel --schedule interleaved --micro-batches 4
 	$(PYTHON) tests/bench.py count-comm three_d
 	$(PYTHON) tests/bench.py count-comm three_d --p2p-shard --tp-style megatron --zero 3
+	$(PYTHON) tests/bench.py plan
 	$(PYTHON) tests/bench.py machine

@@ -10,6 +10,8 @@ figures that are not the lecture. The scripts never import this; it imports them
     python tests/bench.py memory [data_parallel's flags] # ZeRO's memory table, stages 0 to 3
     python tests/bench.py bubble-table                   # pipeline bubble and stash, p = 2, 4 and m = 4, 8
     python tests/bench.py count-comm SCRIPT [its flags]  # bytes sent per step, counted, beside the formula
+    python tests/bench.py plan [--world-size --num-layers --dim --batch-size --steps]
+                                                        # three_d.py --plan's step times against runs
     python tests/bench.py machine                        # one line naming this machine
 
 Each comparison takes the script's own flags (--steps: the timed steps, at least 5), runs
@@ -787,11 +789,14 @@ def main(argv):
     elif what == "count-comm":
         import comm_count
         comm_count.main(rest)
+    elif what == "plan":
+        import plan_check
+        plan_check.bench(rest)
     elif what == "machine":
         print(machine())
     else:
         refuse(f"the first word names what to bench: collectives, {', '.join(COMPARISONS)}, "
-               f"memory, bubble-table, count-comm or machine; got {what!r}")
+               f"memory, bubble-table, count-comm, plan or machine; got {what!r}")
 
 
 if __name__ == "__main__":

@@ -136,3 +136,27 @@ def test_the_memory_table_holds_the_formulas_at_every_stage(capfd):
     assert totals == [16 * 2 * 256, 8 * 2 * 258 + 8 * 2 * 86, 4 * 2 * 258 + 12 * 2 * 86, 16 * 2 * 86]
     peak = re.search(r"largest at any moment of the last step: (\d+) bytes", out)
     assert int(peak[1]) == totals[3] + 2 * 4 * 258   # at layer 1's gather: layer 0 in use
+
+
+@pytest.mark.deadline(120)
+def test_plan_bench_prints_each_layout_predicted_and_measured(capsys):
+    """bench.py plan at a tiny size: a row a layout, best measured first, its error the two
+    times' as printed, and the last line's summary of them. No time is asserted."""
+    import plan_check
+    plan_check.bench(["--world-size", "2", "--num-layers", "2", "--dim", "64",
+                      "--batch-size", "16", "--steps", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    row = re.compile(r" +#(\d+) +([\d.]+) ms +#(\d+) +([\d.]+) ms +([+-]\d+)% +(dp\d pp\d tp\d.*)")
+    rows = [row.match(line).groups() for line in lines if row.match(line)]
+    assert len(rows) >= 3   # dp2, pp2 (each schedule), tp2 (each style)
+    measured = [float(r[3]) for r in rows]
+    assert measured == sorted(measured) and [int(r[2]) for r in rows] == list(range(1, len(rows) + 1))
+    assert sorted(int(r[0]) for r in rows) == list(range(1, len(rows) + 1))
+    for r in rows:   # the error from the times as printed, to 0.05 ms each
+        predicted, got = float(r[1]), float(r[3])
+        slack = 100 * 0.05 * (1 / got + predicted / got**2) + 0.5
+        assert abs(100 * (predicted - got) / got - int(r[4])) <= slack, r
+    summary = re.match(r"median error (\d+)%, worst ([+-]\d+)%, measured best is predicted #(\d+)$",
+                       lines[-1])
+    assert summary, lines[-1]
+    assert int(summary[3]) == int(rows[0][0])

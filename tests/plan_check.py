@@ -1,0 +1,136 @@
+"""three_d.py --plan checked against real runs.
+
+    python tests/bench.py plan [--world-size 4 --num-layers 4 --dim 1024 --batch-size 1024]
+
+count(): each layout of a world, one step, with what every rank sent on each group counted
+(comm_count's CommCounter), what its replica holds at the step's end (the memory table's
+count), its stash at its largest (the stash table's) and the most its replica held at any
+moment; tests/test_plan.py holds them against the planner's row, stage by stage.
+
+bench(): the planner's prediction for every shape and schedule of 4 ranks at a compute-heavy
+size, then each run, taking turns, and the two side by side.
+"""
+import argparse
+import os
+import statistics
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+import three_d
+from collectives import cleanup, setup
+from comm_count import CommCounter
+from data_parallel import held
+from pipeline_parallel import Recorder, gather_on_rank0
+from race import race, spawn_returning
+
+
+class Sampler(Recorder):
+    """The stash table's Recorder, and the most the replica held: after every action, and
+    after every dW summed into a bucket (ZeRO-3: while the unit's weights are gathered)."""
+
+    def __init__(self, device, replica):
+        super().__init__(device)
+        self.replica, self.most, add_grad = replica, 0, replica.add_grad
+
+        def add_grad_and_sample(*args):
+            add_grad(*args)
+            self.sample()
+        replica.add_grad = add_grad_and_sample
+
+    def sample(self):
+        self.most = max(self.most, sum(held(self.replica).values()))
+
+    def stop(self, action, chunks):
+        super().stop(action, chunks)
+        self.sample()
+
+
+def count_worker(rank, world_size, layouts):
+    """Each layout (three_d's args) for one step. On rank 0, every rank's figures, [ranks,
+    layouts, 7]: its stage; the bytes it sent on tp, pp and dp; what its replica held at the
+    step's end; its stash at its largest; the most its replica held beyond the end."""
+    device = setup(rank, world_size)
+    figures = []
+    for args in layouts:
+        me = three_d.ThreeDRank(rank, args, device)
+        me.train_step()              # a step first: AdamW makes its state in its first one
+        me.replica.update()
+        me.replica.peak = 0
+        counter, sampler = CommCounter(me.groups), Sampler(device, me.replica)
+        with counter.step():
+            me.train_step(sampler)
+            me.replica.update()
+        sent = [float(sum(count for (group, _), (_, count) in counter.counts.items()
+                          if group == name)) for name in ("tp", "pp", "dp")]
+        end = sum(held(me.replica).values())
+        most = max(sampler.most, me.replica.peak)
+        stash = max(entry[2] for entry in sampler.memory)
+        figures.append([me.stage, *sent, end, stash, max(most - end, 0)])
+    everyone = gather_on_rank0(torch.tensor(figures, dtype=torch.float64))
+    cleanup()
+    return everyone
+
+
+# ---- the bench: predicted against measured -------------------------------------------
+
+def bench(argv):
+    """Predict every shape and schedule of the world at a compute-heavy size, run each (the
+    predicted best of its micro-batches, ZeRO stage, p2p and recompute choices), and print the
+    two side by side."""
+    parser = argparse.ArgumentParser(prog="tests/bench.py plan")
+    for flag, default in [("--world-size", 4), ("--num-layers", 4), ("--dim", 1024),
+                          ("--batch-size", 1024), ("--steps", 5)]:
+        parser.add_argument(flag, type=int, default=default)
+    sizes = parser.parse_args(argv)
+    args = three_d.parse_args(["--plan", "--world-size", str(sizes.world_size), "--num-layers",
+                               str(sizes.num_layers), "--dim", str(sizes.dim), "--batch-size",
+                               str(sizes.batch_size)])
+    start = time.perf_counter()
+    machine = three_d.ThisMachine(args.world_size, len(os.sched_getaffinity(0)))
+    rows = [three_d.predict(layout, machine) for layout in three_d.layouts(args, args.world_size)]
+    calibrated = time.perf_counter() - start
+    best = {}    # one a shape, schedule, TP style and ZeRO stage: the predicted best
+    for row in sorted(rows, key=lambda row: row["step_s"]):
+        a = row["args"]
+        best.setdefault((a.dp, a.pp, a.tp, a.schedule, a.virtual_stages, a.tp_style, a.zero), row)
+    chosen = sorted(best.values(), key=lambda row: row["step_s"])
+    layouts = [three_d.parse_args(row["flags"].split() + ["--steps", "1"]) for row in chosen]
+    measured = spawn_returning(measure_worker, args.world_size, layouts, sizes.steps)
+    show_bench(args, machine, chosen, measured, calibrated, sizes.steps)
+
+
+def measure_worker(rank, world_size, layouts, steps):
+    """Each layout in turn, built, warmed up and timed alone (race.race): its median step."""
+    device = setup(rank, world_size)
+    times = []
+    for args in layouts:
+        me = three_d.ThreeDRank(rank, args, device)
+        times.append(race({"step": partial(train_and_update, me)}, device, warmup=2,
+                          repeats=steps)["step"])
+        del me
+    cleanup()
+    return times
+
+
+def train_and_update(me):
+    me.train_step()
+    me.replica.update()
+
+
+def show_bench(args, machine, chosen, measured, calibrated, steps):
+    print(f"plan bench: {args.world_size} ranks on {machine.cores} cores (gloo, 1 thread each), "
+          f"L={args.num_layers} D={args.dim} B={args.batch_size}, {args.optimizer}; the planner "
+          f"timed this machine in {calibrated:.1f} s; each layout's step predicted, then run "
+          f"(median of {steps} steps, one layout at a time)")
+    order = sorted(range(len(chosen)), key=lambda j: measured[j])
+    errors = [(chosen[j]["step_s"] - measured[j]) / measured[j] for j in range(len(chosen))]
+    print(f"  {'predicted':>14}{'measured':>16}{'error':>7}   layout")
+    for j in order:
+        print(f"  #{j + 1:<3}{chosen[j]['step_s'] * 1e3:>7.1f} ms  #{order.index(j) + 1:<3}"
+              f"{measured[j] * 1e3:>7.1f} ms{errors[j]:>+7.0%}   {three_d.short_layout(chosen[j]['args'])}")
+    worst = max(errors, key=abs)
+    print(f"median error {statistics.median(map(abs, errors)):.0%}, worst {worst:+.0%}, "
+          f"measured best is predicted #{order[0] + 1}")
