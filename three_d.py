@@ -4,6 +4,7 @@
     python three_d.py --dp 2 --pp 2 --tp 2 --check      # ...and compare with serial training
     python three_d.py --dp 1 --pp 4 --tp 2 --schedule gpipe --order tp-dp-pp
     python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
+    python three_d.py --plan --hardware h100            # which layout? 8 H100s, ranked
     torchrun --nproc-per-node 8 three_d.py              # one node; the README has two nodes
     python three_d.py --ray                             # the ranks as Ray Train workers
 
@@ -193,9 +194,7 @@ def three_d_worker(rank, world_size, args):
     device = setup(rank, world_size)
     me = ThreeDRank(rank, args, device)
     if rank == 0:
-        show_rank_map(args.dp, args.pp, args.tp, args.order)
-        print(f"each stage{' chunk' * (args.virtual_stages > 1)}: {describe(me.kinds)} over "
-              f"tp={args.tp}", flush=True)
+        show_layout(args, me.kinds)   # the rank map, and the layers of a stage (below the fold)
     last, losses, norms, check = me.stage == args.pp - 1, [], [], SerialCheck(args)
     for step in range(args.steps):
         me.train_step()
@@ -285,6 +284,12 @@ def replica_lengths(args):
     if args.zero:
         return [-(-n // args.dp) * args.dp for n in lengths]
     return lengths
+
+
+def show_layout(args, kinds):
+    show_rank_map(args.dp, args.pp, args.tp, args.order)
+    print(f"each stage{' chunk' * (args.virtual_stages > 1)}: {describe(kinds)} over "
+          f"tp={args.tp}", flush=True)
 
 
 def show_rank_map(dp, pp, tp, order):
