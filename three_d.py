@@ -373,15 +373,21 @@ class ThisMachine(Machine):
         spawn(sweep_worker, world_size, tests, self.SIZES, swept, backend="gloo")
         self.links = {}                              # (kind, n) -> (alpha, beta)
         for (kind, n), (small, large) in zip(tests[:-2], swept.tolist()):
-            steps = (n - 1) * (2 if kind == "all-reduce" else 1) if kind != "send" else 1
+            steps = 1                                # ring steps: a send is one
+            if kind != "send":
+                steps = (n - 1) * (2 if kind == "all-reduce" else 1)
             sent = [collective_cost(kind, size, n)[0] for size in self.SIZES]
             beta = float(sent[1] - sent[0]) / max(large - small, 1e-9)
             self.links[kind, n] = (max(small - float(sent[0]) / beta, 0) / steps, beta)
         x, w = torch.randn(256, 1024), torch.randn(1024, 1024)
         self.cores = min(cores, world_size * timed(lambda: x @ w) / swept[-1, 0].item())
         # A collective waits for its last rank; sharing cores, ranks drift apart between two:
-        self.sync_s = max(0.0, swept[-2, 0].item() - swept[-1, 0].item() - swept[
-            tests.index(("all-reduce", world_size)), 0].item()) if world_size > cores else 0.0
+        # what a matmul then an all-reduce takes beyond the two apart.
+        self.sync_s = 0.0
+        if world_size > cores:
+            matmul_then_all_reduce, matmul = swept[-2, 0].item(), swept[-1, 0].item()
+            all_reduce = swept[tests.index(("all-reduce", world_size)), 0].item()
+            self.sync_s = max(0.0, matmul_then_all_reduce - matmul - all_reduce)
         grads = torch.zeros(2**20, requires_grad=True)
         grads.grad = torch.zeros_like(grads)
         self.per_param = {}
@@ -472,7 +478,8 @@ def sweep_worker(rank, world_size, tests, nbytes, swept):
                 for _ in range(2):
                     once()
                 times.append((time.perf_counter() - start) / 2)
-            swept[i, j] = statistics.median(times[1:]) if rank == 0 else swept[i, j]
+            if rank == 0:
+                swept[i, j] = statistics.median(times[1:])
     cleanup()
 
 
@@ -780,7 +787,7 @@ def plan_rules(parser, args):
     used = {"plan", *PLAN_FLAGS, "num_layers", "dim", "batch_size", "optimizer", "bf16",
             "bucket_mb", "backend", "timeout_s"}
     refuse_unused(parser, args, used, "--plan, which chooses it")
-    told = "".join([name for name in H100 if name in vars(args)][:1])
+    told = next((name for name in H100 if name in vars(args)), "")   # a figure given
     parser.refuse([
         (args.hardware == "cpu" and told, f"--{told.replace('_', '-')}: --hardware cpu is "
                                           f"timed, not told; figures are for --hardware h100"),
@@ -821,7 +828,7 @@ def parse_args(argv=None):
     if args.plan:
         plan_rules(parser, args)
         return args
-    flag = "".join(plan_flags[:1]).replace("_", "-")
+    flag = next(iter(plan_flags), "").replace("_", "-")
     parser.refuse([(plan_flags, f"--{flag}: only with --plan (a run's world is --dp x --pp x "
                                 f"--tp)")])
     if args.show_rank_map:

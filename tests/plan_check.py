@@ -2,7 +2,7 @@
 
     python tests/bench.py plan [--world-size 4 --num-layers 4 --dim 1024 --batch-size 1024]
 
-count(): each layout of a world, one step, with what every rank sent on each group counted
+count_worker(): each layout of a world, one step, with what every rank sent on each group counted
 (comm_count's CommCounter), what its replica holds at the step's end (the memory table's
 count), its stash at its largest (the stash table's) and the most its replica held at any
 moment; tests/test_plan.py holds them against the planner's row, stage by stage.
@@ -121,16 +121,17 @@ def train_and_update(me):
 
 
 def show_bench(args, machine, chosen, measured, calibrated, steps):
-    print(f"plan bench: {args.world_size} ranks on {machine.cores} cores (gloo, 1 thread each), "
-          f"L={args.num_layers} D={args.dim} B={args.batch_size}, {args.optimizer}; the planner "
-          f"timed this machine in {calibrated:.1f} s; each layout's step predicted, then run "
-          f"(median of {steps} steps, one layout at a time)")
+    print(f"plan bench: {args.world_size} ranks on {machine.cores:.3g} cores (gloo, 1 thread "
+          f"each), L={args.num_layers} D={args.dim} B={args.batch_size}, {args.optimizer}; "
+          f"the planner timed this machine in {calibrated:.1f} s; each layout's step "
+          f"predicted, then run (median of {steps} steps, one layout at a time)")
     order = sorted(range(len(chosen)), key=lambda j: measured[j])
     errors = [(chosen[j]["step_s"] - measured[j]) / measured[j] for j in range(len(chosen))]
     print(f"  {'predicted':>14}{'measured':>16}{'error':>7}   layout")
     for j in order:
+        layout = three_d.short_layout(chosen[j]["args"])
         print(f"  #{j + 1:<3}{chosen[j]['step_s'] * 1e3:>7.1f} ms  #{order.index(j) + 1:<3}"
-              f"{measured[j] * 1e3:>7.1f} ms{errors[j]:>+7.0%}   {three_d.short_layout(chosen[j]['args'])}")
+              f"{measured[j] * 1e3:>7.1f} ms{errors[j]:>+7.0%}   {layout}")
     worst = max(errors, key=abs)
     print(f"median error {statistics.median(map(abs, errors)):.0%}, worst {worst:+.0%}, "
           f"measured best is predicted #{order[0] + 1}")

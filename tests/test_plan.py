@@ -97,7 +97,8 @@ def test_planned_bytes_and_memory_are_what_a_run_counts(world, dp, pp, tp):
         for rank in range(world):
             stage, tp_sent, pp_sent, dp_sent, end, stash, in_step = counted[rank, j].tolist()
             want = row["stages"][int(stage)]
-            assert {"tp": tp_sent, "pp": pp_sent, "dp": dp_sent} == want["bytes"], (row["flags"], rank)
+            assert {"tp": tp_sent, "pp": pp_sent, "dp": dp_sent} == want["bytes"], \
+                (row["flags"], rank)
             assert (end, stash, in_step) == (want["memory"]["held"], want["memory"]["stash"],
                                              want["memory"]["in step"]), (row["flags"], rank)
         assert row["memory_bytes"] == max(sum(stage["memory"].values()) for stage in row["stages"])
@@ -199,6 +200,11 @@ def test_cpu_hardware_times_this_machine(capsys):
     rows = json.loads(run_plan(["--world-size", "2", "--num-layers", "2", "--dim", "64",
                                 "--batch-size", "16", "--json"], capsys))
     assert rows and all(row["step_s"] > 0 for row in rows)
+    for row in rows:   # its parts, each timed here, add up to its step
+        assert sum(row["parts"].values()) == pytest.approx(row["step_s"], rel=1e-12)
+        assert row["parts"]["compute"] > 0 and row["parts"]["update"] > 0
+        dp, tp = int(row["flags"].split()[1]), int(row["flags"].split()[5])
+        assert (row["parts"]["dp"] > 0) == (dp > 1) and (row["parts"]["tp"] > 0) == (tp > 1)
     assert {(row["flags"].split()[1], row["flags"].split()[3]) for row in rows} == \
         {("2", "1"), ("1", "2"), ("1", "1")}   # dp2, pp2 and tp2 (pp1, dp1)
 
