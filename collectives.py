@@ -222,7 +222,7 @@ def ring_demo(rank, world_size, device):
 
 
 # Below the fold: the launcher (spawn, setup, cleanup and the process management behind
-# them), the command line that every script shares, and this step's printing. ----------
+# them, and Ray's), the command line that every script shares, and this step's printing. ---
 import argparse, contextlib, ctypes, glob, logging, math, os, pickle, re  # noqa: E401, E402
 import shutil, signal, socket, sys, tempfile, threading, time  # noqa: E401, E402
 from datetime import timedelta  # noqa: E402
@@ -471,6 +471,37 @@ def _culprit(context, first, here):
         return ended[0], f"stalled: {ranks[0]} timed out while {ranks[1]} still ran"
     rank = min(causes or failures, key=lambda rank: failures[rank][0])
     return rank, failures[rank][1]
+
+
+def ray_launch(fn, world_size, args):
+    """The ranks as Ray Train workers: TorchTrainer starts one a rank, on any node of the
+    cluster, gives it what torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) and
+    joins the process group; from there spawn() runs that one rank, as under torchrun."""
+    import ray
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    ray.init()   # joins the cluster of `ray start` (RAY_ADDRESS, or one here), else starts one
+    cluster = ray.cluster_resources()
+    use_gpu = args.backend == "nccl" or (args.backend == "auto" and
+                                         cluster.get("GPU", 0) >= world_size)
+    backend = "nccl" if use_gpu else "gloo"
+    # A share of the cluster's CPUs per rank, at most one: 8 ranks fit on a 2-core laptop.
+    resources = {"CPU": min(1.0, cluster.get("CPU", 1) / world_size)}
+    if use_gpu:
+        resources["GPU"] = 1
+    if args.save:
+        args.save = os.path.abspath(args.save)   # a worker may run in another directory
+    config = {"fn": fn, "world_size": world_size, "args": args, "backend": backend}
+    TorchTrainer(ray_worker, train_loop_config=config,
+                 scaling_config=ScalingConfig(num_workers=world_size, use_gpu=use_gpu,
+                                              resources_per_worker=resources),
+                 torch_config=TorchConfig(backend=backend, timeout_s=args.timeout_s)).fit()
+
+
+def ray_worker(config):   # one Ray Train worker: its rank of the run
+    spawn(config["fn"], config["world_size"], config["args"], backend=config["backend"],
+          timeout_s=config["args"].timeout_s)
 
 
 def run_main(main):

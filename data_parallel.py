@@ -14,14 +14,21 @@ shape. Its backward is derived by hand here, once; every later step splits these
                dx = dz W^T      [b, D]: the g of the layer below
     loss       L = sum (a - y)^2 / n      dL/da = 2 (a - y) / n
 
+A layer keeps (x, z) for its backward, its stash. --recompute (activation checkpointing, a
+layer at a time) keeps x alone and computes z = x W again in the layer's backward: L layers
+keep L [b, D], not 2 L, for one matmul more a layer (4/3 the FLOPs; the backward holds the z).
+
 Data parallelism: each of d replicas holds every weight and trains on its own slice of the
 batch; they sum their gradients with an all-reduce and divide by d, so every replica takes
 the same step. dp_step() reads as that: forward; backward layer by layer, each dW into its
 bucket; each bucket's exchange once final (--overlap: under the backward below); divide.
-ZeRO (--zero 1, 2, 3): three classes, each the stage before plus its change; dp_costs() the
-bytes and memory. PyTorch's: DDP, ZeroRedundancyOptimizer, FSDP2 (tests/bench.py).
+ZeRO (--zero 1, 2, 3): three classes, each the stage before plus its change; dp_costs(),
+below the fold, their bytes and memory. PyTorch's: DDP, ZeroRedundancyOptimizer, FSDP2.
 """
+import functools
+import math
 import warnings
+from typing import Callable, NamedTuple
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
@@ -30,9 +37,12 @@ import torch.nn.functional as F
 from collectives import cleanup, log, run_main, setup, spawn
 
 
-def layer_forward(x, w):
-    """a = gelu(x W). Returns a and what its backward needs: (x, z)."""
+def layer_forward(x, w, recompute=False):
+    """a = gelu(x W). Returns a and what its backward needs, (x, z); with recompute (x, None):
+    z is let go here, and the backward computes it again from x."""
     z = x @ w                                 # [b, D] @ [D, n] -> [b, n]
+    if recompute:
+        return F.gelu(z), (x, None)
     return F.gelu(z), (x, z)
 
 
@@ -40,9 +50,21 @@ def layer_backward(g, stash, w, need_dx=True):
     """Given g = dL/da: dx = dz W^T, and (x, dz) for dW = x^T dz, which the replica sums into
     its bucket. need_dx=False skips dx (None): the model's input needs none, a matmul saved."""
     x, z = stash
+    if z is None:                             # --recompute kept x alone: z = x W again
+        z = x @ w
     dz = torch.ops.aten.gelu_backward(g, z)   # dz = g * gelu'(z)  [b, n], one fused kernel
     dx = dz @ w.T if need_dx else None        # dx = dz W^T        [b, D]
     return dx, (x, dz)
+
+
+class Block(NamedTuple):
+    """A layer's forward and backward, the pair that every step runs a layer with:
+    forward(x, w, recompute) -> (a, stash); backward(g, stash, w, need_dx) -> (dx, (x, dz))."""
+    forward: Callable
+    backward: Callable
+
+
+LAYER = Block(layer_forward, layer_backward)   # step 3 adds its tensor-parallel pairs
 
 
 def mse_loss(a, y, n):
@@ -51,30 +73,56 @@ def mse_loss(a, y, n):
     return diff.square().sum() / n, (diff * (2.0 / n)).to(a.dtype)
 
 
+def init_weights(num_layers, dim, seed):
+    """L full D x D matrices from one generator, in layer order: every rank draws them alike
+    and keeps its part, so a layer's shards are pieces of one matrix (at scale: a generator
+    per shard, or the "meta" device). sqrt(2/D) keeps the signal through many GELU layers."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(dim, dim, generator=gen) * math.sqrt(2.0 / dim) for _ in range(num_layers)]
+
+
+def make_batch(args):   # X [B, D], and Y = teacher(X) from its own seed: the loss can reach 0
+    inputs = torch.randn(args.batch_size, args.dim,
+                         generator=torch.Generator().manual_seed(args.seed + 2))
+    teacher = init_weights(args.num_layers, args.dim, args.seed + 1)
+    return inputs, functools.reduce(lambda x, w: layer_forward(x, w)[0], teacher, inputs)
+
+
+def replica_rows(batch_size, dp_rank, dp_size, step=None, seed=0):
+    """The rows that replica dp_rank trains on: by its data-parallel rank, never the global
+    rank (in 3D they differ). With a step, from a permutation that every rank draws alike."""
+    rows = torch.arange(batch_size)
+    if step is not None:
+        shuffle = torch.Generator().manual_seed(seed * 100003 + step)
+        rows = torch.randperm(batch_size, generator=shuffle)
+    per_replica = batch_size // dp_size
+    return rows[dp_rank * per_replica:(dp_rank + 1) * per_replica]
+
+
 def dp_step(replica, xs, ys, n, recompute=False):
-    """One replica's step on micro-batches xs, ys [B/(d m), D], its loss. --recompute: F again."""
+    """One replica's step on micro-batches xs, ys [B/(d m), D], its loss."""
     loss = torch.zeros((), device=replica.device)
-    units, last = list(enumerate(replica.buckets)), len(xs) - 1   # a bucket: consecutive layers
+    buckets = list(enumerate(replica.buckets))        # a bucket: consecutive layers
+    last_micro_batch = len(xs) - 1
     replica.begin_step()
-    for mb, (x, y) in enumerate(zip(xs, ys)):
-        for forward_pass in range(1 + recompute):     # forward, unit by unit
-            a, stashes = x.to(replica.dtype), []
-            for b, layers in units:
-                replica.gather_weights(b, prefetch=b + 1)     # ZeRO-3: the unit's weights, whole
-                for i in layers:
-                    a, stash = layer_forward(a, replica.weights[i])       # [b, D] -> [b, D]
-                    stashes.append(stash)
-                replica.release_weights(b)
-            if forward_pass == 0:
-                mb_loss, g = mse_loss(a, y, n)
-                loss += mb_loss
-        for b, layers in reversed(units):             # backward, from the last layer's bucket
+    for micro_batch, (x, y) in enumerate(zip(xs, ys)):
+        a = x.to(replica.dtype)
+        stashes = []
+        for b, layers in buckets:                     # forward, bucket by bucket
+            replica.gather_weights(b, prefetch=b + 1)     # ZeRO-3: the bucket's weights, whole
+            for i in layers:
+                a, stash = layer_forward(a, replica.weights[i], recompute=recompute)   # [b, D]
+                stashes.append(stash)
+            replica.release_weights(b)
+        micro_batch_loss, g = mse_loss(a, y, n)
+        loss += micro_batch_loss
+        for b, layers in reversed(buckets):           # backward, from the last layer's bucket
             replica.gather_weights(b, prefetch=b - 1)
             for i in reversed(layers):
-                g, (x_i, dz) = layer_backward(g, stashes[i], replica.weights[i], need_dx=i > 0)
+                g, (x_i, dz) = layer_backward(g, stashes.pop(), replica.weights[i], need_dx=i > 0)
                 replica.add_grad(i, x_i, dz)          # dW = x^T dz, summed over micro-batches
             replica.release_weights(b)
-            if mb == last or replica.exchange_each_micro_batch:
+            if micro_batch == last_micro_batch or replica.exchange_each_micro_batch:
                 replica.reduce_gradients(b)           # final: summed over the replicas
     replica.average()                                 # every exchange done; each gradient / d
     return loss
@@ -87,43 +135,58 @@ class DataParallel:
     exchange_each_micro_batch = False   # ZeRO-3 keeps no gradient from a micro-batch to the next
 
     def __init__(self, weights, group, optimizer="adamw", lr=1e-2, bucket_mb=25.0, bf16=False,
-                 overlap=False, breaks=()):
-        self.group, self.overlap, self.device = group, overlap, weights[0].device
-        self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+                 overlap=False, chunk_starts=()):
+        self.group = group
+        self.overlap = overlap
+        self.device = weights[0].device
+        self.dp_size = dist.get_world_size(group)
+        self.dp_rank = dist.get_rank(group)
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         self.shapes = [w.shape for w in weights]
-        self.buckets, self.bucket_of, self.offset, self.lengths = make_buckets(
-            [w.numel() for w in weights], bucket_mb, breaks)
+        self.layout = make_buckets([w.numel() for w in weights], bucket_mb, chunk_starts)
+        self.buckets = self.layout.buckets            # the layers of each
+        self.lengths = self.layout.lengths            # the elements of each
         self.store_weights(weights)
         self.optimizer = make_optimizer(self.params, optimizer, lr)
-        self.grad_buckets, self.reductions = [None] * len(self.buckets), []   # exchanges going
+        self.grad_buckets = [None] * len(self.buckets)
+        self.reductions = []                          # exchanges under way
 
     def store_weights(self, weights):   # params: the optimizer's, fp32; weights: the layers'
-        self.params, self.weights = weights, [w.to(self.dtype) for w in weights]   # bf16: a copy
+        self.params = weights
+        self.weights = [w.to(self.dtype) for w in weights]   # --bf16: a copy
 
     def view(self, flat, i):            # layer i's part of its bucket's flat buffer   [D, D]
-        return flat[self.offset[i]:self.offset[i] + self.shapes[i].numel()].view(self.shapes[i])
+        start = self.layout.offset[i]
+        return flat[start:start + self.shapes[i].numel()].view(self.shapes[i])
 
     def begin_step(self):               # a layer's first dW of the step overwrites its part
-        self.fresh = set(range(len(self.shapes)))
+        self.first_dw = set(range(len(self.shapes)))
 
     def gather_weights(self, b, prefetch=None):   # every weight is here and stays (ZeRO-3
-        pass                                      # gathers a unit, and lets it go)
+        pass                                      # gathers a bucket, and lets it go)
 
     def release_weights(self, b):
         pass
 
     def add_grad(self, i, x, dz):
         """dW = x^T dz summed into its bucket by the matmul itself (Megatron's fusion)."""
-        b = self.bucket_of[i]
+        b = self.layout.bucket_of[i]
         if self.grad_buckets[b] is None:
             self.grad_buckets[b] = torch.zeros(self.lengths[b], device=self.device)   # padding: 0
-        grad, x, dz = self.view(self.grad_buckets[b], i), x.float(), dz.float()   # sums in fp32
-        if i in self.fresh:
-            torch.mm(x.T, dz, out=grad)       # dW = x^T dz     [D, D]
-            self.fresh.discard(i)
+        grad = self.view(self.grad_buckets[b], i)   # fp32 [D, D]: its part of the bucket
+        first = i in self.first_dw
+        self.first_dw.discard(i)
+        if x.dtype != grad.dtype and x.device.type != "cpu":
+            # --bf16 on a GPU: bf16 inputs on the tensor cores, summed into the fp32 gradient by
+            # the matmul itself (Megatron's fused wgrad); cast to fp32 they would run at 1/15
+            if first:
+                torch.mm(x.T, dz, out_dtype=torch.float32, out=grad)        # dW = x^T dz
+            else:
+                torch.addmm(grad, x.T, dz, out_dtype=torch.float32, out=grad)   # dW += x^T dz
+        elif first:       # fp32; --bf16 on the CPU casts, having no bf16 x bf16 -> fp32 kernel
+            torch.mm(x.T.float(), dz.float(), out=grad)                     # dW = x^T dz
         else:
-            grad.addmm_(x.T, dz)              # dW += x^T dz
+            grad.addmm_(x.T.float(), dz.float())                            # dW += x^T dz
 
     def reduce_gradients(self, b):
         """Bucket b is final: its sum over the replicas, in place. --overlap starts it and goes
@@ -144,7 +207,8 @@ class DataParallel:
         self.reductions = []
 
     def grads(self):                    # the gradients of self.params
-        return [self.view(self.grad_buckets[self.bucket_of[i]], i) for i in range(len(self.shapes))]
+        return [self.view(self.grad_buckets[self.layout.bucket_of[i]], i)
+                for i in range(len(self.shapes))]
 
     def clip(self, max_norm, groups=()):   # every replica holds the whole average: no dp
         return clip_grads(self.grads(), max_norm, groups)
@@ -167,27 +231,29 @@ class ZeRO1(DataParallel):
 
     def store_weights(self, weights):
         lengths = [-(-n // self.dp_size) * self.dp_size for n in self.lengths]   # d S each
-        flats = [torch.cat([*(weights[i].reshape(-1) for i in layers),
-                            weights[0].new_zeros(length - n)])                   # [d S]
-                 for layers, length, n in zip(self.buckets, lengths, self.lengths)]
+        flats = []
+        for layers, length, n in zip(self.buckets, lengths, self.lengths):
+            padding = weights[0].new_zeros(length - n)
+            flats.append(torch.cat([*(weights[i].reshape(-1) for i in layers), padding]))  # [d S]
         self.lengths = lengths
         self.flat = [flat.to(self.dtype) for flat in flats]       # the layers' (bf16: a copy)
-        self.weights = [self.view(self.flat[self.bucket_of[i]], i) for i in range(len(weights))]
-        self.params = [self.own(flat) for flat in flats]          # the optimizer's [S], fp32
+        self.weights = [self.view(self.flat[self.layout.bucket_of[i]], i)
+                        for i in range(len(weights))]
+        self.params = [self.my_part(flat) for flat in flats]      # the optimizer's [S], fp32
         if self.dtype != torch.float32:                           # bf16: the masters alone
             self.params = [param.clone() for param in self.params]
 
-    def own(self, flat):                # this replica's 1/d of a bucket: a view [S]
+    def my_part(self, flat):            # this replica's 1/d of a bucket: a view [S]
         return flat.view(self.dp_size, -1)[self.dp_rank]
 
     def reduce_gradients(self, b):      # this replica's part of the sum: (d-1)/d of the bytes
         bucket = self.grad_buckets[b]
-        work = dist.reduce_scatter_single(self.own(bucket), bucket, group=self.group,
+        work = dist.reduce_scatter_single(self.my_part(bucket), bucket, group=self.group,
                                           async_op=self.overlap)
         self.reductions.append(work)
 
     def grads(self):
-        return [self.own(bucket) for bucket in self.grad_buckets]
+        return [self.my_part(bucket) for bucket in self.grad_buckets]
 
     def clip(self, max_norm, groups=()):   # each replica holds 1/d: summed over dp too
         return clip_grads(self.grads(), max_norm, (*groups, self.group))
@@ -196,7 +262,7 @@ class ZeRO1(DataParallel):
         """The optimizer's step on this replica's part of each bucket, then all-gathered."""
         self.step_optimizer()
         for flat, param in zip(self.flat, self.params):
-            part = self.own(flat)
+            part = self.my_part(flat)
             if self.dtype != torch.float32:                   # bf16: the new part, rounded
                 part.copy_(param)
             dist.all_gather_single(flat, part, group=self.group)
@@ -208,7 +274,8 @@ class ZeRO2(ZeRO1):
 
     def begin_step(self):
         super().begin_step()
-        self.grad_parts, self.later_parts = [None] * len(self.buckets), []
+        self.grad_parts = [None] * len(self.buckets)
+        self.parts_in_flight = []       # (bucket, part) of an exchange again, --overlap's
 
     def reduce_gradients(self, b):
         part = self.grad_buckets[b].new_empty(self.lengths[b] // self.dp_size)   # [S]
@@ -219,15 +286,15 @@ class ZeRO2(ZeRO1):
         if self.grad_parts[b] is None:
             self.grad_parts[b] = part
         elif self.overlap:                        # summed once it has come in (average)
-            self.later_parts.append((b, part))
+            self.parts_in_flight.append((b, part))
         else:
             self.grad_parts[b] += part
 
     def average(self):
         self.finish_reductions()
-        for b, part in self.later_parts:
+        for b, part in self.parts_in_flight:
             self.grad_parts[b] += part
-        self.later_parts = []
+        self.parts_in_flight = []
         super().average()                         # nothing left under way: each / d
 
     def grads(self):                    # the parts, [S] each
@@ -241,19 +308,20 @@ class ZeRO3(ZeRO2):
 
     def store_weights(self, weights):
         super().store_weights(weights)
-        self.params, self.flat = [param.clone() for param in self.params], None   # [S] each
-        self.weights, self.gathering = [None] * len(weights), {}   # unit -> (Work, [d S])
-        self.peak = 0                                     # the memory table's largest moment
+        self.params = [param.clone() for param in self.params]   # [S] each
+        self.flat = None
+        self.weights = [None] * len(weights)
+        self.gathering = {}                               # bucket -> (Work, its flat [d S])
 
     def gather_weights(self, b, prefetch=None):
-        """Unit b's weights, whole: every replica's part, (d-1)/d of its bytes come in. The
-        next unit's all-gather starts too, to run meanwhile: two units are held at most."""
-        for unit in (b, prefetch):
-            if unit in range(len(self.buckets)) and unit not in self.gathering:
-                flat = self.params[unit].new_empty(self.lengths[unit], dtype=self.dtype)  # [d S]
-                self.gathering[unit] = (dist.all_gather_single(
-                    flat, self.params[unit].to(self.dtype), group=self.group, async_op=True), flat)
-                self.peak = max(self.peak, sum(held(self).values()))   # for the memory table
+        """Bucket b's weights, whole: every replica's part, (d-1)/d of its bytes come in. The
+        next bucket's all-gather starts too, to run meanwhile: two are held at most."""
+        for bucket in (b, prefetch):
+            if bucket in range(len(self.buckets)) and bucket not in self.gathering:
+                flat = self.params[bucket].new_empty(self.lengths[bucket], dtype=self.dtype)
+                work = dist.all_gather_single(flat, self.params[bucket].to(self.dtype),   # [d S]
+                                              group=self.group, async_op=True)
+                self.gathering[bucket] = (work, flat)
         work, flat = self.gathering.pop(b)
         work.wait()
         for i in self.buckets[b]:
@@ -263,53 +331,36 @@ class ZeRO3(ZeRO2):
         for i in self.buckets[b]:
             self.weights[i] = None
 
-    def update(self):                   # nothing to all-gather: a unit is gathered when used
+    def update(self):                   # nothing to all-gather: a bucket is gathered when used
         self.step_optimizer()
-
-
-def dp_costs(lengths, dp_size, zero=0, num_micro_batches=1, optimizer="adamw", bf16=False,
-             recompute=False):
-    """A replica's costs a step, for buckets of these lengths (ZeRO: padded to d S): collectives
-    (kind, bytes of the tensor, times), and what it holds at the step's end {kind: (bytes,
-    formula)}: weights 4 P (bf16 2 P, 0 at stage 3), gradients 4 P, AdamW's state 8 P (bf16: +
-    the fp32 masters' 4 P), each over d from stage 3, 2, 1 on: 16 P, 8 P + 8 P/d, 4 P + 12 P/d."""
-    m, w = num_micro_batches, 2 if bf16 else 4          # bytes of a weight as the layers hold it
-    each = [("all-reduce", 4, 1)]                   # a bucket's: (kind, bytes a parameter, times)
-    if zero in (1, 2):
-        each = [("reduce-scatter", 4, 1), ("all-gather", w, 1)]
-    if zero == 3:
-        each = [("reduce-scatter", 4, m), ("all-gather", w, m * (2 + recompute))]
-    runs = [(kind, size * n, times) for n in lengths for kind, size, times in each]
-    size = {"weights": w * (not bf16 or zero < 3), "gradients": 4,   # bytes a parameter
-            "optimizer state": 8 * (optimizer == "adamw") + 4 * bf16}
-    split = {"weights": zero == 3 and not bf16, "gradients": zero >= 2, "optimizer state": zero > 0}
-    held = {kind: (size[kind] * sum(lengths) / (dp_size if split[kind] else 1),
-                   f"{size[kind]}P{'/d' * split[kind]}" if size[kind] else "0") for kind in size}
-    return runs, held
 
 
 def dp_worker(rank, world_size, args):
     device = setup(rank, world_size)
-    m, init = args.micro_batches, init_weights(args.num_layers, args.dim, args.seed)
+    m = args.micro_batches
+    init = init_weights(args.num_layers, args.dim, args.seed)
     replica = make_replica([w.to(device, copy=True) for w in init], None, zero=args.zero,
                            optimizer=args.optimizer, lr=args.lr, bucket_mb=args.bucket_mb,
                            bf16=args.bf16, overlap=args.overlap)
+    memory = watch_memory(replica)                      # ZeRO-3's largest moment, for its table
     inputs, targets = (t.to(device) for t in make_batch(args))
-    losses, norms, check = [], [], SerialCheck(args)
+    losses = []
+    norms = []
+    check = SerialCheck(args)
     for step in range(args.steps):
-        rows = replica_rows(args.batch_size, rank, world_size, step if args.shuffle else None,
-                            args.seed)        # the world's ranks are the replicas: rank = dp rank
-        loss = dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m),   # [B/(d m), D]
-                       len(rows) * args.dim, args.recompute)     # n: this slice's mean
+        shuffle_step = step if args.shuffle else None
+        rows = replica_rows(args.batch_size, rank, world_size, shuffle_step, args.seed)   # the
+        loss = dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m),   # world's ranks
+                       len(rows) * args.dim, args.recompute)   # are the replicas: rank = dp rank
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
             check.step(full_weights(replica), full_grads(replica))
         if args.clip_grad:
-            norms.append(replica.clip(args.clip_grad))           # before the update
+            norms.append(replica.clip(args.clip_grad).item())    # before the update
         replica.update()
         losses.append(global_loss(loss, None))
         if rank == 0:
             log(f"[rank {rank}]", step_line(step, losses, norms, args))
-    finish_replicas(replica, args, init, losses, inputs, targets, check, norms)
+    finish_replicas(replica, memory, args, init, losses, inputs, targets, check, norms)
     cleanup()
 
 
@@ -318,9 +369,9 @@ def main(argv=None):
     spawn(dp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
 
 
-# Below the fold: the bucket layout and the clipping norm; what later steps share (weights,
-# data, training flags and rules, --save, --check); the memory table.
-import contextlib, functools, math, os  # noqa: E401, E402
+# Below the fold: each stage's costs, the bucket layout and the clipping norm; what later steps
+# share (training flags and rules, --save, --check); the memory table.
+import contextlib, os  # noqa: E401, E402
 
 from collectives import (Parser, Stop, allocator_peak, check_launch_args,  # noqa: E402
                          gpu_capabilities, pick_backend, positive_float, positive_int)
@@ -330,35 +381,59 @@ def make_replica(weights, group, zero=0, **options):   # the ZeRO stage asked fo
     return [DataParallel, ZeRO1, ZeRO2, ZeRO3][zero](weights, group, **options)
 
 
-def replica_rows(batch_size, dp_rank, dp_size, step=None, seed=0):
-    """The rows that replica dp_rank trains on: by its data-parallel rank, never the global
-    rank (in 3D they differ). With a step, from a permutation that every rank draws alike."""
-    rows = torch.arange(batch_size)
-    if step is not None:
-        shuffle = torch.Generator().manual_seed(seed * 100003 + step)
-        rows = torch.randperm(batch_size, generator=shuffle)
-    per_replica = batch_size // dp_size
-    return rows[dp_rank * per_replica:(dp_rank + 1) * per_replica]
+def dp_costs(lengths, dp_size, zero=0, num_micro_batches=1, optimizer="adamw", bf16=False):
+    """A replica's costs a step, for buckets of these lengths (ZeRO: padded to d S): collectives
+    (kind, bytes of the tensor, times), and what it holds at the step's end {kind: (bytes,
+    formula)}: weights 4 P (bf16 2 P, 0 at stage 3), gradients 4 P, AdamW's state 8 P (bf16: +
+    the fp32 masters' 4 P), each over d from stage 3, 2, 1 on: 16 P, 8 P + 8 P/d, 4 P + 12 P/d."""
+    m = num_micro_batches
+    w = 2 if bf16 else 4                      # bytes of a weight as the layers hold it
+    each = [("all-reduce", 4, 1)]             # a bucket's: (kind, bytes a parameter, times)
+    if zero in (1, 2):
+        each = [("reduce-scatter", 4, 1), ("all-gather", w, 1)]
+    if zero == 3:                             # a gather for the forward, one for the backward
+        each = [("reduce-scatter", 4, m), ("all-gather", w, 2 * m)]
+    runs = [(kind, size * n, times) for n in lengths for kind, size, times in each]
+    size = {"weights": w * (not bf16 or zero < 3), "gradients": 4,   # bytes a parameter
+            "optimizer state": 8 * (optimizer == "adamw") + 4 * bf16}
+    split = {"weights": zero == 3 and not bf16, "gradients": zero >= 2, "optimizer state": zero > 0}
+    held = {kind: (size[kind] * sum(lengths) / (dp_size if split[kind] else 1),
+                   f"{size[kind]}P{'/d' * split[kind]}" if size[kind] else "0") for kind in size}
+    return runs, held
 
 
-def make_buckets(numels, bucket_mb, breaks=()):
+class BucketLayout(NamedTuple):
+    buckets: list      # the layers of each bucket, in order
+    bucket_of: dict    # layer -> its bucket
+    offset: dict       # layer -> where its elements start in its bucket
+    lengths: list      # the elements of each bucket
+
+
+def make_buckets(numels, bucket_mb, chunk_starts=()):
     """Consecutive layers whose fp32 gradients fit in bucket_mb (0: a layer each). A collective
     costs a fixed time plus bytes / bandwidth: here (gloo, 2 ranks; tests/bench.py collectives)
     an all-reduce of 4 KB or of 1 MB takes 0.5-0.8 ms, 16 MB 11 ms, so one call for many layers
     saves. Cut from the last layer, whose gradient is final first; the first bucket holds 1 MB
-    at most, as DDP's, to start early. None crosses a break (3D: a chunk's). Returns the
-    buckets (lists of layers), each layer's bucket and offset in it, and each bucket's length."""
-    buckets, cap, size = [[]], min(bucket_mb, 1.0) * 2**20, 0
+    at most, as DDP's, to start early. None crosses the start of a chunk (3D's interleaving)."""
+    buckets = [[]]
+    cap = min(bucket_mb, 1.0) * 2**20
+    size = 0
     for i in reversed(range(len(numels))):
-        if buckets[-1] and (size + 4 * numels[i] > cap or i + 1 in breaks):
-            buckets, cap, size = buckets + [[]], bucket_mb * 2**20, 0
+        if buckets[-1] and (size + 4 * numels[i] > cap or i + 1 in chunk_starts):
+            buckets.append([])
+            cap = bucket_mb * 2**20
+            size = 0
         buckets[-1].insert(0, i)
         size += 4 * numels[i]
-    buckets, bucket_of, offset = buckets[::-1], {}, {}
+    buckets.reverse()
+    bucket_of = {}
+    offset = {}
     for b, layers in enumerate(buckets):
         for i in layers:
-            bucket_of[i], offset[i] = b, sum(numels[layers[0]:i])
-    return buckets, bucket_of, offset, [sum(numels[i] for i in layers) for layers in buckets]
+            bucket_of[i] = b
+            offset[i] = sum(numels[layers[0]:i])
+    return BucketLayout(buckets, bucket_of, offset,
+                        [sum(numels[i] for i in layers) for layers in buckets])
 
 
 def clip_grads(grads, max_norm, groups):
@@ -368,26 +443,12 @@ def clip_grads(grads, max_norm, groups):
     (A weight every tp rank holds whole, as LayerNorm's, would count once, not tp times.)"""
     squares = torch.stack([g.float().square().sum() for g in grads]).sum()
     for group in groups:
-        dist.all_reduce(squares, group=group)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(squares, group=group)
     norm = squares.sqrt()
     for g in grads:
         g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
-    return norm.item()
-
-
-def init_weights(num_layers, dim, seed):
-    """L full D x D matrices from one generator, in layer order: every rank draws them alike
-    and keeps its part, so a layer's shards are pieces of one matrix (at scale: a generator
-    per shard, or the "meta" device). sqrt(2/D) keeps the signal through many GELU layers."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(dim, dim, generator=gen) * math.sqrt(2.0 / dim) for _ in range(num_layers)]
-
-
-def make_batch(args):   # X [B, D], and Y = teacher(X) from its own seed: the loss can reach 0
-    inputs = torch.randn(args.batch_size, args.dim,
-                         generator=torch.Generator().manual_seed(args.seed + 2))
-    teacher = init_weights(args.num_layers, args.dim, args.seed + 1)
-    return inputs, functools.reduce(lambda x, w: layer_forward(x, w)[0], teacher, inputs)
+    return norm                         # on the device: reading it here would stall a GPU
 
 
 def make_optimizer(params, optimizer, lr):   # plain SGD, or AdamW with PyTorch's defaults
@@ -424,25 +485,46 @@ def whole(replica, parts):   # a tensor per layer from the optimizer's parts: Ze
     flats = [part.new_empty(n) for part, n in zip(parts, replica.lengths)]
     for flat, part in zip(flats, parts):
         dist.all_gather_single(flat, part.contiguous(), group=replica.group)
-    return [replica.view(flats[replica.bucket_of[i]], i) for i in range(len(replica.shapes))]
+    return [replica.view(flats[replica.layout.bucket_of[i]], i) for i in range(len(replica.shapes))]
 
 
-def held(replica):   # bytes held now, by kind; a view of another tensor counts once
+def memory_held(replica):   # bytes held now, by kind; a view of another tensor counts once
     state = [t for s in replica.optimizer.state.values() for t in s.values() if t.dim()]
     masters = replica.params if replica.params[0].dtype != replica.dtype else []   # bf16's
     gathering = [flat for _, flat in getattr(replica, "gathering", {}).values()]   # ZeRO-3's
     kinds = {"weights": [replica.weights, getattr(replica, "flat", 0), replica.params *
                          (not masters), gathering],
              "gradients": [replica.grad_buckets, getattr(replica, "grad_parts", 0),
-                           [part for _, part in getattr(replica, "later_parts", [])]],
+                           [part for _, part in getattr(replica, "parts_in_flight", [])]],
              "optimizer state": [state, masters]}
-    return {kind: sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                       for ts in lists if ts for t in ts if t is not None}.values())
-            for kind, lists in kinds.items()}
+    return {kind: sum({id(t.untyped_storage()): t.untyped_storage().nbytes()   # (the storage
+                       for ts in lists if ts for t in ts if t is not None}.values())  # object:
+            for kind, lists in kinds.items()}                   # a meta tensor has no address)
 
 
-def show_memory(replica, args, whose):
-    now, P = held(replica), sum(replica.lengths)
+class MemoryWatch:
+    """The most a replica held at any moment: sampled at each ZeRO-3 gather (where it peaks),
+    from outside the replica, for the memory table."""
+
+    def __init__(self, replica):
+        self.largest = 0
+        self.replica = replica
+        gather = replica.gather_weights
+
+        def gather_and_sample(*args, **kwargs):
+            gather(*args, **kwargs)
+            self.largest = max(self.largest, sum(memory_held(replica).values()))
+        replica.gather_weights = gather_and_sample
+
+
+def watch_memory(replica):   # ZeRO-3's gathers watched; nothing else moves within a step
+    if isinstance(replica, ZeRO3):
+        return MemoryWatch(replica)
+    return None
+
+
+def show_memory(replica, memory, args, whose):
+    now, P = memory_held(replica), sum(replica.lengths)
     want = dp_costs(replica.lengths, replica.dp_size, args.zero, optimizer=args.optimizer,
                     bf16=args.bf16)[1]
     want["total"] = (sum(b for b, _ in want.values()), " + ".join(f for _, f in want.values()))
@@ -451,21 +533,21 @@ def show_memory(replica, args, whose):
           f"{'bf16 on fp32 masters (in the optimizer state)' if args.bf16 else 'fp32'}")
     for kind, got in [*now.items(), ("total", sum(now.values()))]:
         print(f"  {kind:<16}{got:>12} bytes   formula {want[kind][1]:<18} = {want[kind][0]:>10.0f}")
-    if args.zero == 3:
-        print(f"  largest at any moment of the last step: {replica.peak} bytes, at a unit's "
-              f"gather: the shards, the gradient buckets then, and the units held (two at most)")
+    if memory is not None:
+        print(f"  largest at any moment of the last step: {memory.largest} bytes, at a bucket's "
+              f"gather: the shards, the gradient buckets then, and the buckets held (two at most)")
     if allocator_peak(replica.device) is not None:
         print(f"  the CUDA allocator's peak over the run: {allocator_peak(replica.device)} bytes "
               f"(torch.cuda.max_memory_allocated: activations, the batch and workspace too)")
 
 
-def finish_replicas(replica, args, init, losses, inputs, targets, check, norms):
+def finish_replicas(replica, memory, args, init, losses, inputs, targets, check, norms):
     weights = full_weights(replica)   # every rank: the replicas must agree, bit for bit
     drift = replica_drift(weights)
     if dist.get_rank() == 0:
         log("[rank 0]", f"replicas identical after training: {drift == 0.0} (largest "
                         f"difference {drift:g})")
-        show_memory(replica, args, "each replica")
+        show_memory(replica, memory, args, "each replica")
         finish_run(args, init, weights, losses, inputs, targets, check, norms,
                    {"replica_max_diff": drift})
 
@@ -546,7 +628,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
         (old, f"--bf16: GPU {oldest[0]} has compute capability {oldest[1]} ({len(old)} of "
               f"{len(gpus)} GPUs here are older than 8.0, Ampere); bf16 needs 8.0 or newer, and "
               f"below that it is only emulated: drop --bf16")])
-    state = sum(b for b, _ in dp_costs([L * D * D], replicas, getattr(args, "zero", 0))[1].values())
+    state = sum(b for b, _ in dp_costs([L * D * D], replicas, zero=getattr(args, "zero", 0))[1].values())
     check_launch_args(parser, args, world_size, ranks_flag,
                       4 * (2 * L * D * D + 2 * B * D + 2 * L * B * D) + state,
                       f"--num-layers {L} --dim {D} --batch-size {B}")

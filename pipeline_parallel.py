@@ -33,6 +33,7 @@ chunk c being virtual stage c p + s. pipeline_costs() gives each one's bubble an
 PyTorch's: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
 ScheduleInterleavedZeroBubble (tests/bench.py races them).
 """
+import functools
 import warnings
 from typing import NamedTuple
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import DataParallel, layer_backward, layer_forward, mse_loss
+from data_parallel import LAYER, DataParallel, init_weights, make_batch, mse_loss
 
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "a>", ">a", "<g", "g<"   # activations on, gradients back
 
@@ -57,6 +58,14 @@ class Action(NamedTuple):
         if self.op != "comm":
             return name(self.op, self.mb, self.chunk)
         return "[" + " ".join(name(*comm) for comm in self.comms) + "]"
+
+
+def stage_layers(num_layers, num_stages, stage, num_chunks=1, chunk=0):
+    """Stage s owns layers [s L/p, (s+1) L/p); interleaved, chunk c of stage s is virtual
+    stage c p + s, which owns layers [(c p + s) L/(v p), (c p + s + 1) L/(v p))."""
+    per_chunk = num_layers // (num_stages * num_chunks)
+    virtual = chunk * num_stages + stage
+    return range(virtual * per_chunk, (virtual + 1) * per_chunk)
 
 
 def warmup_forwards(schedule, num_stages, stage, num_micro_batches, num_chunks=1):
@@ -85,8 +94,9 @@ def compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks=1):
     order += backwards[m * v - warmup:]                # cool-down: drain it
     if schedule != "zb-h1":
         return order
-    with_w, held_back = [], []   # ZB-H1: B is dx alone; W, dW = x^T dz, waits for nobody, so
-    for action in order:         # stage s runs each W s backwards late, the last s at the end
+    with_w = []        # ZB-H1: B is dx alone; W, dW = x^T dz, waits for nobody, so stage s
+    held_back = []     # runs each W s backwards late, and the last s at the end
+    for action in order:
         with_w.append(action)
         if action[0] == "B":
             held_back.append(("W", *action[1:]))
@@ -117,7 +127,8 @@ def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1)
             runs[-1].append((op, mb, chunk))  # a steady-state backward joins its forward
         else:
             runs.append([(op, mb, chunk)])
-    actions, pending = [], []
+    actions = []
+    pending = []
     for run in runs:
         for op, mb, chunk in run:             # what the run needs received first
             if op == "F" and virtual(chunk) > 0:
@@ -138,87 +149,110 @@ def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1)
     return actions
 
 
-def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1, layers=1,
-                   act_bytes=1, recompute=False, times=(1, 1, 1), layer_bytes=None):
+def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1, *, act_bytes=0,
+                   kept_bytes=0, waiting_bytes=0, times=(1, 1, 1)):
     """Stage s's costs a step: the bubble, a step's idle share for stages of equal speed and free
     communication (GPipe, 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v m+p-1); ZB-H1, for times
-    (T_F, T_B, T_W): (p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W))); its most stash
-    (l layers a chunk, each layer_bytes, x and z: 2 [b, D] of act_bytes, F to B; --recompute:
-    [b, D], and B's again; ZB-H1's (x, dz), as much, B to W); its sends (kind, bytes, times)."""
-    p, s, m, v, (t_f, t_b, t_w) = num_stages, stage, num_micro_batches, num_chunks, times
+    (T_F, T_B, T_W): (p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W)), or none where W
+    fills it); its stash at its largest, after an action: each micro-batch between its F and B
+    keeps kept_bytes (a chunk's (x, z) a layer, --recompute: x alone), and ZB-H1's between B
+    and W waiting_bytes ((x, dz) a layer); its sends (kind, bytes, times), act_bytes each."""
+    p, s, m, v = num_stages, stage, num_micro_batches, num_chunks
+    t_f, t_b, t_w = times
     bubble = (p - 1) / (v * m + p - 1)
     if schedule == "zb-h1":
-        bubble = (p - 1) * (t_f + t_b - t_w) / (m * (t_f + t_b + t_w) + (p - 1) * (t_f + t_b - t_w))
-    a_chunk = layers * (layer_bytes or 2 * act_bytes)       # a micro-batch's stash in a chunk
-    kept, stashes, for_w, most = act_bytes if recompute else a_chunk, 0, 0, 0   # kept from F to B
-    for op, _, _ in compute_order(schedule, p, s, m, v):        # held after each action
-        stashes += {"F": 1, "B": -1, "W": 0}[op]
-        for_w += {"F": 0, "B": 1, "W": -1}[op] if schedule == "zb-h1" else 0
-        again = a_chunk if recompute and op == "B" else 0
-        most = max(most, stashes * kept + for_w * a_chunk + again)
+        idle = max(0, (p - 1) * (t_f + t_b - t_w))
+        bubble = idle / (m * (t_f + t_b + t_w) + idle)
+    most = max(kept * kept_bytes + waiting * waiting_bytes
+               for kept, waiting in held_counts(schedule, p, s, m, v))
     neighbours = sum((c * p + s > 0) + (c * p + s < p * v - 1) for c in range(v))
     return bubble, most, [("send", act_bytes, neighbours * m)]
+
+
+@functools.lru_cache(maxsize=None)
+def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
+    """After each action, (micro-batches between their F and B, between their B and W): those
+    of the pairs that no other pair has as many of both (the largest stash is at one of them)."""
+    kept = 0
+    waiting = 0
+    pairs = set()
+    for op, _, _ in compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks):
+        kept += {"F": 1, "B": -1, "W": 0}[op]
+        if schedule == "zb-h1":
+            waiting += {"F": 0, "B": 1, "W": -1}[op]
+        pairs.add((kept, waiting))
+    return [(k, w) for k, w in pairs if not any(a >= k and b >= w and (a, b) != (k, w)
+                                                for a, b in pairs)]
 
 
 class Stage:
     """A stage's layers (a chunk's) on what the caller hands in: replica, step 2's holder of weights
     and gradients; layers, their indices in it; blocks, each's forward and backward (3D: step 3's).
-    A micro-batch's stash, x and z a layer, stays until its B (recompute: its input alone)."""
+    A micro-batch keeps each layer's stash from its F to its B: (x, z), or x alone with
+    --recompute, whose backward computes z again, as in step 2."""
 
-    def __init__(self, replica, layers, first, last, num_micro_batches, targets=None,
+    def __init__(self, replica, layers, *, first, last, num_micro_batches, targets=None,
                  mean_over=1, blocks=None, recompute=False):
-        self.replica, self.layers, self.first, self.last = replica, list(layers), first, last
-        self.blocks = blocks or [(layer_forward, layer_backward)] * len(self.layers)
-        self.units = [(b, ls) for b, ls in enumerate(replica.buckets) if ls[0] in self.layers]
-        self.num_micro_batches, self.recompute = num_micro_batches, recompute
-        self.targets, self.mean_over = targets, mean_over   # the last's: a mean over this many
-        self.stash = {}        # micro-batch -> its layers' (x, z), or its input: popped by B
-        self.for_w, self.loss_grad = {}, {}   # -> its layers' (x, dz), popped by W; dL/da (last)
-        self.recomputed = 0    # bytes of the stash made again for the last B (the stash table's)
+        self.replica = replica
+        self.layers = list(layers)
+        self.first = first                    # the model's first layer is here: no dx for it
+        self.last = last                      # the model's last: the loss is here
+        self.blocks = blocks or [LAYER] * len(self.layers)
+        self.buckets = [(b, bucket) for b, bucket in enumerate(replica.buckets)
+                        if bucket[0] in self.layers]
+        self.num_micro_batches = num_micro_batches
+        self.recompute = recompute
+        self.targets = targets
+        self.mean_over = mean_over            # the loss: a mean over this many elements
+        self.stash = {}                       # micro-batch -> its layers' stashes, popped by B
+        self.waiting_for_w = {}               # -> its layers' (x, dz), popped by W (ZB-H1)
+        self.loss_grad = {}                   # -> dL/da of its output (the last stage)
 
     def begin_step(self):
-        self.loss, self.weight_passes = 0.0, 0   # the loss: a tensor on the device once summed
+        self.loss = 0.0                       # a tensor on the device once summed
+        self.weight_passes = 0
 
-    def forward(self, mb, x, again=False):
-        """F: the layers in turn on x [b, D], their stash kept for B; again: B's, from the input."""
-        out, stashes = x, []
-        for b, layers in self.units:
-            self.replica.gather_weights(b)        # ZeRO-3 (in 3D): the unit's weights, whole
-            for i in layers:
-                out, stash = self.blocks[i - self.layers[0]][0](out, self.replica.weights[i])
+    def forward(self, mb, x):
+        """F: the layers in turn on x [b, D], each one's stash kept for B."""
+        out = x
+        stashes = []
+        for b, bucket in self.buckets:
+            self.replica.gather_weights(b)    # ZeRO-3 (in 3D): the bucket's weights, whole
+            for i in bucket:
+                block = self.blocks[i - self.layers[0]]
+                out, stash = block.forward(out, self.replica.weights[i], recompute=self.recompute)
                 stashes.append(stash)
             self.replica.release_weights(b)
-        if again:
-            self.stash[mb] = stashes
-            self.recomputed = nbytes(t for pair in stashes for t in pair)
-            return out
-        self.stash[mb] = x if self.recompute else stashes
+        self.stash[mb] = stashes
         if self.last:          # summed on the device: .item() here would stall a GPU
             loss, self.loss_grad[mb] = mse_loss(out, self.targets[mb], self.mean_over)
             self.loss = self.loss + loss
         return out
 
     def backward(self, mb, g):
-        """B: dL/dx of this stage's input, from its last layer; each one's (x, dz) kept for W."""
+        """B: dL/dx of this stage's input, from its last layer; each layer's (x, dz) kept for W."""
         if self.last:
             g = self.loss_grad.pop(mb)
-        stashes, self.for_w[mb] = self.stash.pop(mb), {}
-        for b, layers in reversed(self.units):
+        stashes = self.stash.pop(mb)
+        self.waiting_for_w[mb] = {}
+        for b, bucket in reversed(self.buckets):
             self.replica.gather_weights(b)
-            for i in reversed(layers):
+            for i in reversed(bucket):
+                block = self.blocks[i - self.layers[0]]
                 need_dx = i != self.layers[0] or not self.first   # the model's input needs none
-                g, self.for_w[mb][i] = self.blocks[i - self.layers[0]][1](
-                    g, stashes[i - self.layers[0]], self.replica.weights[i], need_dx)
+                g, self.waiting_for_w[mb][i] = block.backward(g, stashes.pop(),
+                                                              self.replica.weights[i],
+                                                              need_dx=need_dx)
             self.replica.release_weights(b)
         return g
 
     def weight_grads(self, mb):
         """W: dW = x^T dz, which nobody waits for; after the last micro-batch's, the exchange."""
-        for i, (x, dz) in self.for_w.pop(mb).items():
+        for i, (x, dz) in self.waiting_for_w.pop(mb).items():
             self.replica.add_grad(i, x, dz)       # dW = x^T dz, summed over micro-batches
         self.weight_passes += 1
         if self.weight_passes == self.num_micro_batches or self.replica.exchange_each_micro_batch:
-            for b, _ in self.units:
+            for b, _ in self.buckets:
                 self.replica.reduce_gradients(b)
 
 
@@ -227,16 +261,22 @@ def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, gr
     """Execute one stage's action list on its Stages, one a chunk. inputs: the micro-batches
     (the first stage's). outgoing, incoming: 3D's --p2p-shard, 1/tp sent, all-gathered on
     arrival. recorder: told when each F, B and W starts and stops (the timeline and stash)."""
-    received, to_send, under_way = {}, {}, []   # (kind, mb, chunk) -> a tensor on its way
+    received = {}      # (kind, mb, chunk) -> a tensor come in
+    to_send = {}       # (kind, mb, chunk) -> a tensor to go out
+    under_way = []     # the Works of the batch before, sends only
     defer_w = any(action.op == "W" for action in actions)
-    outgoing, incoming = outgoing or (lambda t: t), incoming or (lambda t: t)
+    if outgoing is None:
+        outgoing = no_change
+    if incoming is None:
+        incoming = no_change
     for action in actions:
         if action.op == "comm":
             for work in under_way:      # the batch before, sends only: NCCL runs a group's
                 work.wait()             # batches in order, so it finishes before this one
             ops = []
             for key in action.comms:
-                kind, peer = key[0], next_rank if key[0] in (SEND_ACT, RECV_GRAD) else prev_rank
+                kind = key[0]
+                peer = next_rank if kind in (SEND_ACT, RECV_GRAD) else prev_rank
                 if kind in (RECV_ACT, RECV_GRAD):
                     received[key] = torch.empty(buffer_shape, dtype=inputs[0].dtype,
                                                 device=inputs[0].device)     # [b, D] (or D/tp)
@@ -250,7 +290,9 @@ def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, gr
                     work.wait()         # wait() is what makes the compute stream wait for it
                 under_way = []
             continue
-        mb, chunk, stage = action.mb, action.chunk, stages[action.chunk or 0]
+        mb = action.mb
+        chunk = action.chunk
+        stage = stages[chunk or 0]
         if recorder:
             recorder.start(action)
         if action.op == "F":
@@ -260,8 +302,6 @@ def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, gr
                 to_send[SEND_ACT, mb, chunk] = outgoing(out).contiguous()
         elif action.op == "B":
             g = None if stage.last else incoming(received.pop((RECV_GRAD, mb, chunk)))
-            if stage.recompute:         # the forward again, from the input: the stash B needs
-                stage.forward(mb, stage.stash.pop(mb), again=True)
             dx = stage.backward(mb, g)
             if not stage.first:
                 to_send[SEND_GRAD, mb, chunk] = outgoing(dx).contiguous()
@@ -275,23 +315,31 @@ def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, gr
         work.wait()
 
 
+def no_change(tensor):   # what crosses a stage boundary, as it is (but 3D's --p2p-shard)
+    return tensor
+
+
 def pp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
     full = init_weights(args.num_layers, args.dim, args.seed)
     inputs, targets = make_batch(args)
-    mine = [i for c in range(v) for i in stage_layers(args.num_layers, p, stage, v, c)]
-    per_chunk = len(mine) // v   # in step 2's replica over a dp group of one (3D's is real)
-    replica = DataParallel([full[i].to(device, copy=True) for i in mine], dist.new_subgroups(1)[0],
-                           optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
-                           breaks=range(0, len(mine), per_chunk))
-    stages = [Stage(replica, range(c * per_chunk, (c + 1) * per_chunk), c * p + stage == 0,
-                    c * p + stage == v * p - 1, m, targets.to(device).chunk(m),
-                    args.batch_size * args.dim, recompute=args.recompute) for c in range(v)]
+    my_layers = [i for c in range(v) for i in stage_layers(args.num_layers, p, stage, v, c)]
+    per_chunk = len(my_layers) // v   # in step 2's replica over a dp group of one (3D's is real)
+    replica = DataParallel([full[i].to(device, copy=True) for i in my_layers],
+                           dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
+                           bf16=args.bf16, chunk_starts=range(0, len(my_layers), per_chunk))
+    stages = [Stage(replica, range(c * per_chunk, (c + 1) * per_chunk),
+                    first=c * p + stage == 0, last=c * p + stage == v * p - 1,
+                    num_micro_batches=m, targets=targets.to(device).chunk(m),
+                    mean_over=args.batch_size * args.dim, recompute=args.recompute)
+              for c in range(v)]
     actions = build_schedule(args.schedule, p, stage, m, v)
     micro_batches = inputs.to(device, replica.dtype).chunk(m)     # [B/m, D] each, bf16 or not
-    losses, norms, check = [], [], SerialCheck(args)
+    losses = []
+    norms = []
+    check = SerialCheck(args)
     for step in range(args.steps):
         replica.begin_step()
         for chunk in stages:
@@ -304,7 +352,7 @@ def pp_worker(rank, world_size, args):
             check.step(in_layer_order(full_weights(replica), args, p),
                        in_layer_order(full_grads(replica), args, p))
         if args.clip_grad:      # the norm's squares summed over the stages
-            norms.append(replica.clip(args.clip_grad, [dist.group.WORLD]))
+            norms.append(replica.clip(args.clip_grad, [dist.group.WORLD]).item())
         replica.update()
         losses.append(float(stages[-1].loss))                     # one host sync a step
         if stage == p - 1:
@@ -327,8 +375,7 @@ import time  # noqa: E402
 
 from collectives import allocator_peak, positive_int  # noqa: E402
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
-                           full_grads, full_weights, init_weights, make_batch, step_line,
-                           training_parser)
+                           full_grads, full_weights, step_line, training_parser)
 from tensor_parallel import divides  # noqa: E402
 
 
@@ -358,10 +405,10 @@ class Recorder:
 
     def stop(self, action, chunks):
         self.spans.append((action.op, action.mb, action.chunk or 0, self.begin, self.now()))
-        self.peak = max(self.peak, sum(len(c.stash) + len(c.for_w) for c in chunks))   # held
-        again = chunks[action.chunk or 0].recomputed if action.op == "B" else 0
-        self.memory.append((sum(len(c.stash) for c in chunks), sum(len(c.for_w) for c in chunks),
-                            sum(map(stash_bytes, chunks)) + again, int(again > 0)))
+        kept = sum(len(c.stash) for c in chunks)              # micro-batches between F and B
+        waiting = sum(len(c.waiting_for_w) for c in chunks)   # between B and W
+        self.peak = max(self.peak, kept + waiting)
+        self.memory.append((kept, waiting, sum(map(stash_bytes, chunks))))
 
     def events(self):
         """(op, mb, chunk, start, end) of every F, B and W, in seconds."""
@@ -371,14 +418,6 @@ class Recorder:
         t0, zero = self.zero
         return [(op, mb, chunk, t0 + zero.elapsed_time(begin) / 1e3,
                  t0 + zero.elapsed_time(end) / 1e3) for op, mb, chunk, begin, end in self.spans]
-
-
-def stage_layers(num_layers, num_stages, stage, num_chunks=1, chunk=0):
-    """Stage s owns layers [s L/p, (s+1) L/p); interleaved, chunk c of stage s is virtual
-    stage c p + s, which owns layers [(c p + s) L/(v p), (c p + s + 1) L/(v p))."""
-    per_stage = num_layers // (num_stages * num_chunks)
-    virtual = chunk * num_stages + stage
-    return range(virtual * per_stage, (virtual + 1) * per_stage)
 
 
 def finish_stages(args, recorder, replica, full, losses, inputs, targets, check, norms):
@@ -397,15 +436,16 @@ def finish_stages(args, recorder, replica, full, losses, inputs, targets, check,
         finish_run(args, full, final, losses.tolist(), inputs, targets, check, norms)
 
 
-def nbytes(tensors):   # each tensor once: a layer's output is the next layer's input
-    return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
+def nbytes(tensors):   # each tensor once (a layer's output is the next one's input), by where
+    return sum({(id(t.untyped_storage()), t.storage_offset()): t.numel() * t.element_size()
+                for t in tensors if t is not None}.values())   # it is: no address on meta
 
 
-def stash_bytes(stage):   # what a Stage keeps for backward: stashes (or inputs), W's (x, dz)
-    kept = [[s] if torch.is_tensor(s) else [t for pair in s for t in pair]
-            for s in stage.stash.values()]
-    kept += [[t for pair in w.values() for t in pair] for w in stage.for_w.values()]
-    return nbytes([t for ts in kept for t in ts])
+def stash_bytes(stage):   # what a Stage keeps for B, its layers' stashes, and for W, (x, dz)
+    kept = [t for stashes in stage.stash.values() for stash in stashes for t in stash]
+    kept += [t for waiting in stage.waiting_for_w.values() for pair in waiting.values()
+             for t in pair]
+    return nbytes(kept)
 
 
 def gather_on_rank0(tensor):
@@ -469,11 +509,10 @@ def simulate(stages, times=None):
 
 
 def show_stash(memory, args, num_stages, rank, device):
-    """Rank 0: each stage's stash at its largest (the last step's), counted from the tensors
-    held, beside the formula for what was held then: a micro-batch's stash 2 l [b, D] (x and z
-    of l layers), 1 [b, D] with --recompute (its input), and what W waits for, 2 l [b, D]
-    (x and dz); with --recompute, a B's own stash made again, 2 l [b, D], while it runs; and
-    pipeline_costs()'s prediction of the largest, from the schedule alone."""
+    """Rank 0: each stage's stash at its largest (the last step's, after an action), counted
+    from the tensors held, beside the formula for what was held then: a micro-batch between
+    its F and B 2 l [b, D] (x and z of l layers), l [b, D] with --recompute (x alone); between
+    B and W, 2 l [b, D] (x and dz); and pipeline_costs()'s largest, from the schedule alone."""
     allocator = allocator_peak(device)   # on a GPU: what the allocator held at most, all in all
     peaks = gather_on_rank0(torch.tensor([*max(memory, key=lambda entry: entry[2]), allocator or 0],
                                          device=device))
@@ -481,17 +520,17 @@ def show_stash(memory, args, num_stages, rank, device):
         return
     l = args.num_layers // (num_stages * args.virtual_stages)
     A = args.batch_size // args.micro_batches * args.dim * (2 if args.bf16 else 4)
-    kept = 1 if args.recompute else 2 * l
+    kept = l if args.recompute else 2 * l
     say(f"stash at its largest, by stage: l = {l} layers a stage"
         f"{' (a chunk)' * (args.virtual_stages > 1)}, [b, D] = {A} bytes"
-        f"{', --recompute' * args.recompute}")
-    print(f"  {'stage':<6}{'stashes':>8}{'for W':>7}{'bytes held':>12}   formula", flush=True)
-    for s, (n, w, counted, recomputing, peak) in enumerate(peaks.tolist()):
-        again = 2 * l * recomputing
+        f"{', --recompute: x alone kept, z made again in its backward' * args.recompute}")
+    print(f"  {'stage':<6}{'F to B':>8}{'B to W':>8}{'bytes held':>12}   formula", flush=True)
+    for s, (n, w, counted, peak) in enumerate(peaks.tolist()):
         predicted = pipeline_costs(args.schedule, num_stages, s, args.micro_batches,
-                                   args.virtual_stages, l, A, args.recompute)[1]
-        print(f"  {s:<6}{n:>8}{w:>7}{counted:>12}   ({n} x {kept} + {w} x {2 * l} + {again}) x "
-              f"[b, D] = {(n * kept + w * 2 * l + again) * A}   predicted {predicted}", flush=True)
+                                   args.virtual_stages, act_bytes=A, kept_bytes=kept * A,
+                                   waiting_bytes=2 * l * A)[1]
+        print(f"  {s:<6}{n:>8}{w:>8}{counted:>12}   ({n} x {kept} + {w} x {2 * l}) x "
+              f"[b, D] = {(n * kept + w * 2 * l) * A}   predicted {predicted}", flush=True)
     if allocator is not None:
         say("the CUDA allocator's peak over the run, by stage (torch.cuda.max_memory_allocated: "
             "the weights, gradients, optimizer state and batch too): " +

@@ -24,6 +24,9 @@ all-gather (T-1)/T A forward, the all-reduce of dx 2(T-1)/T A backward. Real sys
 (Megatron-LM, torchtitan) pair the layers instead and send a third less: see the
 second section. The last shows Megatron's vocabulary-parallel embedding.
 
+--recompute keeps each layer's input alone, as in step 2: z_t = x W_t again in the backward,
+with no collective; a Megatron row layer's z again needs g's all-reduce again (tp_costs).
+
 What PyTorch gives you: ColwiseParallel and RowwiseParallel on a DeviceMesh
 (tests/bench.py races them against this).
 """
@@ -35,35 +38,28 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import DataParallel, layer_backward, layer_forward, mse_loss
+from data_parallel import (Block, DataParallel, init_weights, layer_backward, layer_forward,
+                           make_batch, mse_loss)
 
 
-def gather_forward(x, w_t, group=None):
+def gather_forward(x, w_t, recompute=False, group=None):
     """All-gather in forward: x [b, D], the same on every rank -> a [b, D], the same on every
     rank. Each rank sends (T-1)/T x [b, D]."""
-    a_t, stash = layer_forward(x, w_t)        # z_t = x W_t, a_t = gelu(z_t)   [b, D/T]
-    if dist.get_world_size(group) == 1:
-        return a_t, stash
-    stacked = a_t.new_empty(dist.get_world_size(group) * a_t.shape[0], a_t.shape[1])   # [T b, D/T]
-    dist.all_gather_single(stacked, a_t.contiguous(), group=group)   # rank t's rows t b ..
-    return side_by_side(stacked, a_t.shape[0]), stash                # [b, D]
+    a_t, stash = layer_forward(x, w_t, recompute=recompute)   # z_t = x W_t, a_t = gelu(z_t)
+    return all_gather_columns(a_t, group), stash              # [b, D/T] -> [b, D]
 
 
 def gather_backward(g, stash, w_t, need_dx=True, group=None):
     """Slice in backward, then the all-reduce of dx: g = dL/da [b, D], the same on every rank
     -> (dx [b, D], the (x, dz_t) of dW_t = x^T dz_t). need_dx=False skips dx and its
     all-reduce where nobody needs it: the model's first layer."""
-    cols = stash[1].shape[1]                  # D/T: as wide as z_t
-    g_t = g[:, dist.get_rank(group) * cols:(dist.get_rank(group) + 1) * cols]   # [b, D/T]
-    dx, x_dz = layer_backward(g_t, stash, w_t, need_dx)   # dz_t = g_t gelu'(z_t); dz_t W_t^T
+    cols = w_t.shape[1]                       # D/T
+    t = dist.get_rank(group)
+    g_t = g[:, t * cols:(t + 1) * cols]       # [b, D/T]
+    dx, x_dz = layer_backward(g_t, stash, w_t, need_dx=need_dx)   # dz_t = g_t gelu'(z_t)
     if need_dx and dist.get_world_size(group) > 1:
         dist.all_reduce(dx, group=group)      # dx = sum_t dz_t W_t^T   2(T-1)/T x [b, D]
     return dx, x_dz
-
-
-def side_by_side(stacked, b):   # [T b, n]: rank t's [b, n] in rows t b .. -> [b, T n]
-    T, n = stacked.shape[0] // b, stacked.shape[1]
-    return stacked.view(T, b, n).permute(1, 0, 2).reshape(b, T * n)
 
 
 def all_gather_columns(a_t, group=None):
@@ -71,8 +67,14 @@ def all_gather_columns(a_t, group=None):
     if dist.get_world_size(group) == 1:
         return a_t
     stacked = a_t.new_empty(dist.get_world_size(group) * a_t.shape[0], a_t.shape[1])   # [T b, n]
-    dist.all_gather_single(stacked, a_t.contiguous(), group=group)
+    dist.all_gather_single(stacked, a_t.contiguous(), group=group)   # rank t's rows t b ..
     return side_by_side(stacked, a_t.shape[0])
+
+
+def side_by_side(stacked, b):   # [T b, n]: rank t's [b, n] in rows t b .. -> [b, T n]
+    T = stacked.shape[0] // b
+    n = stacked.shape[1]
+    return stacked.view(T, b, n).permute(1, 0, 2).reshape(b, T * n)
 
 
 def shard_columns(w, tp_rank, tp_size):
@@ -105,35 +107,46 @@ def shard_columns(w, tp_rank, tp_size):
 # all-gather layers send 2 x (T-1)/T A + 2 x 2(T-1)/T A = 6(T-1)/T A. Each layer below is its
 # forward/backward pair, with its half of f or g inside.
 
-def column_forward(x, w_t, group=None):
+def column_forward(x, w_t, recompute=False, group=None):
     """f in forward, the identity: x, the same on every rank, is every shard's input."""
-    return layer_forward(x, w_t)              # a_t = gelu(x W_t): it stays sharded  [b, D/T]
+    return layer_forward(x, w_t, recompute=recompute)   # a_t = gelu(x W_t), sharded [b, D/T]
 
 
 def column_backward(g_t, stash, w_t, need_dx=True, group=None):
     """f in backward, an all-reduce: dx sums every shard's part, dz_t W_t^T."""
-    dx, x_dz = layer_backward(g_t, stash, w_t, need_dx)   # dW1_t's (x, dz_t)
+    dx, x_dz = layer_backward(g_t, stash, w_t, need_dx=need_dx)   # dW1_t's (x, dz_t)
     if need_dx and dist.get_world_size(group) > 1:
         dist.all_reduce(dx, group=group)      # dx = sum_t dz_t W1_t^T   2(T-1)/T x [b, D]
     return dx, x_dz
 
 
-def row_forward(a_t, w_t, group=None):
+def row_forward(a_t, w_t, recompute=False, group=None):
     """g in forward, an all-reduce: each rank holds one term of z."""
-    z = a_t @ w_t                             # a_t W2_t, a term of z   [b, D/T] @ [D/T, D]
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(z, group=group)       # z = sum_t a_t W2_t       2(T-1)/T x [b, D]
+    z = row_z(a_t, w_t, group)
+    if recompute:                             # a_t alone kept: the backward makes z again
+        return F.gelu(z), (a_t, None)
     return F.gelu(z), (a_t, z)
 
 
 def row_backward(g, stash, w_t, need_dx=True, group=None):
     """g in backward, the identity: dz is the same on every rank, and da_t = dz W2_t^T is
     this rank's own: step 2's layer backward with no communication at all."""
-    return layer_backward(g, stash, w_t, need_dx)          # dW2_t's (a_t, dz)
+    a_t, z = stash
+    if z is None:                             # --recompute: z again, and g's all-reduce too
+        z = row_z(a_t, w_t, group)
+    return layer_backward(g, (a_t, z), w_t, need_dx=need_dx)   # dW2_t's (a_t, dz)
 
 
-LAYERS = {"gather": (gather_forward, gather_backward), "column": (column_forward, column_backward),
-          "row": (row_forward, row_backward)}
+def row_z(a_t, w_t, group=None):
+    z = a_t @ w_t                             # a_t W2_t, a term of z   [b, D/T] @ [D/T, D]
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(z, group=group)       # z = sum_t a_t W2_t       2(T-1)/T x [b, D]
+    return z
+
+
+BLOCKS = {"gather": Block(gather_forward, gather_backward),
+          "column": Block(column_forward, column_backward),
+          "row": Block(row_forward, row_backward)}
 
 
 def layer_kinds(num_layers, tp_style):
@@ -144,41 +157,39 @@ def layer_kinds(num_layers, tp_style):
     return ["column", "row"] * (num_layers // 2) + ["gather"] * (num_layers % 2)
 
 
+def tp_blocks(kinds, group=None):
+    """Each layer's forward and backward over group: what tp_step runs, and 3D's stages."""
+    return [Block(partial(BLOCKS[kind].forward, group=group),
+                  partial(BLOCKS[kind].backward, group=group)) for kind in kinds]
+
+
 def tp_costs(kinds, act_bytes, num_micro_batches=1, first_stage=True, recompute=False):
     """A tp rank's collectives a step, (kind, bytes of the tensor, times), A = act_bytes for one
     activation [b, D]: each micro-batch, an all-gather layer all-gathers its A forward and
     all-reduces its dx backward; Megatron's column layer all-reduces dx (f), its row layer z
-    (g). The model's first layer needs no dx; --recompute runs each forward's again."""
-    m, gathers = num_micro_batches, kinds.count("gather")
+    (g), and with --recompute z again. The model's first layer needs no dx."""
+    m = num_micro_batches
     reduces = len(kinds) - first_stage + kinds.count("row") * recompute   # dx, or z
-    return [("all-gather", act_bytes, gathers * (1 + recompute) * m),
+    return [("all-gather", act_bytes, kinds.count("gather") * m),
             ("all-reduce", act_bytes, reduces * m)]
 
 
-def tp_blocks(kinds, group=None):
-    """Each layer's forward and backward pair over group, as step 4's Stage runs them in 3D."""
-    return [(partial(LAYERS[kind][0], group=group), partial(LAYERS[kind][1], group=group))
-            for kind in kinds]
-
-
-def tp_step(replica, kinds, xs, ys, n, group=None, recompute=False):
-    """One step of the model with every layer split over the ranks of group: each layer's
-    forward and backward pair above, with its collective; dW_t = x^T dz_t summed into step 2's
-    replica, a data-parallel group of one here. --recompute: the forward again, collectives too."""
+def tp_step(replica, blocks, xs, ys, n, recompute=False):
+    """One step of the model with every layer split over the ranks: each layer's forward and
+    backward pair above, with its collective; dW_t = x^T dz_t summed into step 2's replica, a
+    data-parallel group of one here."""
     loss = torch.zeros((), device=replica.device)
     replica.begin_step()
     for x, y in zip(xs, ys):                  # the whole micro-batch on every rank  [b, D]
-        for forward_pass in range(1 + recompute):
-            a, stashes = x.to(replica.dtype), []
-            for kind, w_t in zip(kinds, replica.weights):
-                a, stash = LAYERS[kind][0](a, w_t, group=group)
-                stashes.append(stash)
-            if forward_pass == 0:
-                mb_loss, g = mse_loss(a, y, n)     # a, and so the loss, on every rank
-                loss += mb_loss
-        for i in reversed(range(len(kinds))):
-            backward = LAYERS[kinds[i]][1]
-            g, (x_i, dz) = backward(g, stashes[i], replica.weights[i], need_dx=i > 0, group=group)
+        a = x.to(replica.dtype)
+        stashes = []
+        for block, w_t in zip(blocks, replica.weights):
+            a, stash = block.forward(a, w_t, recompute=recompute)
+            stashes.append(stash)
+        micro_batch_loss, g = mse_loss(a, y, n)    # a, and so the loss, on every rank
+        loss += micro_batch_loss
+        for i in reversed(range(len(blocks))):
+            g, (x_i, dz) = blocks[i].backward(g, stashes.pop(), replica.weights[i], need_dx=i > 0)
             replica.add_grad(i, x_i, dz)      # dW_t = x^T dz_t: this rank's part of dW
     replica.average()                         # a group of one: nothing to exchange, / 1
     return loss
@@ -204,7 +215,8 @@ def unshard(w_t, kind, group=None):
 
 def tp_worker(rank, world_size, args):
     device = setup(rank, world_size)
-    tp_rank, tp_size = rank, world_size
+    tp_rank = rank
+    tp_size = world_size
     kinds = layer_kinds(args.num_layers, args.tp_style)
     full = init_weights(args.num_layers, args.dim, args.seed)              # drawn whole, then cut
     shards = [shard(w, k, tp_rank, tp_size).to(device) for w, k in zip(full, kinds)]   # [D, D/T]
@@ -212,18 +224,22 @@ def tp_worker(rank, world_size, args):
     # The shards live in step 2's replica over a dp group of one: buckets, optimizer, no exchange.
     replica = DataParallel(shards, dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
                            bf16=args.bf16)
-    n, m, losses, norms = args.batch_size * args.dim, args.micro_batches, [], []
+    blocks = tp_blocks(kinds)                 # over the world: every rank shares every layer
+    n = args.batch_size * args.dim
+    m = args.micro_batches
+    losses = []
+    norms = []
     check = SerialCheck(args)
     if rank == 0:
         print(f"tensor parallel over {tp_size} ranks: {describe(kinds)}", flush=True)
     for step in range(args.steps):
-        loss = tp_step(replica, kinds, inputs.chunk(m), targets.chunk(m), n,
+        loss = tp_step(replica, blocks, inputs.chunk(m), targets.chunk(m), n,
                        recompute=args.recompute)
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
             check.step([unshard(w_t, k) for w_t, k in zip(full_weights(replica), kinds)],
                        [unshard(g_t, k) for g_t, k in zip(full_grads(replica), kinds)])
         if args.clip_grad:     # the norm's squares summed over the shards
-            norms.append(replica.clip(args.clip_grad, [dist.group.WORLD]))
+            norms.append(replica.clip(args.clip_grad, [dist.group.WORLD]).item())
         replica.update()
         losses.append(loss.item())
         if rank == 0:
@@ -267,7 +283,8 @@ def embedding_worker(rank, world_size, vocab_size, dim):
     """Split a table over the ranks, look up tokens at every shard's edges, and compare
     the output and the gradient with nn.Embedding's. The ranks print in turn."""
     device = setup(rank, world_size)
-    tp_rank, tp_size = rank, world_size
+    tp_rank = rank
+    tp_size = world_size
     table = torch.randn(vocab_size, dim, generator=torch.Generator().manual_seed(0))
     start, end = vocab_range(vocab_size, tp_rank, tp_size)
     # Every rank looks up the same tokens: the first and last row of every shard, and one
@@ -283,7 +300,7 @@ def embedding_worker(rank, world_size, vocab_size, dim):
     reference = torch.nn.Embedding.from_pretrained(table.clone(), freeze=False)
     ref_out = reference(tokens.cpu())
     ref_out.backward(g.cpu())
-    own = (d_table_t.abs().sum(1) > 0).nonzero().flatten().add(start).tolist()
+    rows_with_grad = (d_table_t.abs().sum(1) > 0).nonzero().flatten().add(start).tolist()
     same_out = torch.allclose(out.cpu(), ref_out)
     same_grad = torch.allclose(d_table_t.cpu(), reference.weight.grad[start:end])
     if rank == 0:
@@ -292,7 +309,7 @@ def embedding_worker(rank, world_size, vocab_size, dim):
         dist.barrier()
         if turn == tp_rank:
             log(f"[rank {rank}]", f"owns rows [{start}, {end}); tokens {tokens.tolist()}")
-            log(f"[rank {rank}]", f"rows with a gradient here: {own}")
+            log(f"[rank {rank}]", f"rows with a gradient here: {rows_with_grad}")
             log(f"[rank {rank}]", f"forward matches nn.Embedding: {same_out}, "
                 f"gradient of my rows matches: {same_grad}")
     cleanup()
@@ -310,12 +327,13 @@ def main(argv=None):
 # Below the fold: the command line and its rules, and what the run says it ran. ---------------
 from collectives import check_launch_args, positive_int  # noqa: E402
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
-                           full_grads, full_weights, init_weights, make_batch, step_line,
-                           training_parser)
+                           full_grads, full_weights, step_line, training_parser)
 
 
 def describe(kinds):   # what ran, for the output: "3 Megatron pairs and 1 all-gather layer"
-    pairs, gathers, parts = kinds.count("row"), kinds.count("gather"), []
+    pairs = kinds.count("row")
+    gathers = kinds.count("gather")
+    parts = []
     if pairs:
         parts.append(f"{pairs} Megatron pair{'s' * (pairs != 1)} (column, row)")
     if gathers:

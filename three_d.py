@@ -17,8 +17,7 @@ Nothing new is computed here: this file composes the blocks of steps 2-4.
   step 2's DataParallel, once (with --zero, sharded over the replicas), and the
   optimizer steps.
 What is new is the rank map: which ranks form each group. From-scratch 3D code often
-hard-codes it for 8 ranks (and a rank-group utility often used with it puts 6 of 8
-ranks in the wrong groups); rank_groups() derives it for any sizes and nesting order.
+hard-codes it for 8 ranks; rank_groups() derives it for any sizes and nesting order.
 
 What PyTorch gives you: a DeviceMesh of shape (dp, pp, tp) with pipelining over pp,
 ColwiseParallel over tp, and FSDP2 or DDP over dp (tests/bench.py races it against this).
@@ -30,8 +29,8 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns 
 import torch
 import torch.distributed as dist
 
-from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import dp_costs, make_replica, replica_rows
+from collectives import cleanup, log, ray_launch, run_main, setup, spawn
+from data_parallel import dp_costs, init_weights, make_batch, make_replica, replica_rows
 from pipeline_parallel import Stage, build_schedule, pipeline_costs, run_schedule, stage_layers
 from tensor_parallel import (all_gather_columns, layer_kinds, shard, shard_columns, tp_blocks,
                              tp_costs)
@@ -112,7 +111,8 @@ class ThreeDRank:
         model to cut its shards (init_weights says what that costs). Megatron's pairs stay
         inside a chunk, where they begin and end with the whole activation on every rank.
         Step 2's replica holds them over the dp group: with --zero, 1/dp of each."""
-        self.full, v = init_weights(args.num_layers, args.dim, args.seed), args.virtual_stages
+        self.full = init_weights(args.num_layers, args.dim, args.seed)
+        v = args.virtual_stages
         self.per_chunk = args.num_layers // (args.pp * v)
         self.kinds = layer_kinds(self.per_chunk, args.tp_style)       # the same in every chunk
         shards = [shard(self.full[i], kind, self.tp_rank, args.tp).to(device)  # [D, D/T], [D/T, D]
@@ -122,24 +122,29 @@ class ThreeDRank:
         self.replica = make_replica(shards, self.groups["dp"], zero=args.zero,
                                     optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
                                     bucket_mb=args.bucket_mb,      # no bucket crosses a chunk
-                                    breaks=range(0, len(shards), self.per_chunk))
+                                    chunk_starts=range(0, len(shards), self.per_chunk))
 
     def take_rows(self, args, device):
         """Its replica's slice of the batch, by its dp coordinate, the same on every tp rank."""
         self.inputs, self.targets = make_batch(args)
-        self.rows, m = replica_rows(args.batch_size, self.dp_rank, args.dp), args.micro_batches
+        self.rows = replica_rows(args.batch_size, self.dp_rank, args.dp)
+        m = args.micro_batches
         self.micro_inputs = self.inputs[self.rows].to(device, self.replica.dtype).chunk(m)  # [b, D]
         self.micro_targets = self.targets[self.rows].to(device).chunk(m)
 
     def build_stages(self, args):
         """Step 4's stages, one a chunk, each handed step 3's forward and backward of its
         layers over its tp group; the loss a mean over the replica's rows."""
-        v, pp, p = args.virtual_stages, args.pp, self.stage
-        self.stages = [Stage(self.replica, range(c * self.per_chunk, (c + 1) * self.per_chunk),
-                             c * pp + p == 0, c * pp + p == v * pp - 1, args.micro_batches,
-                             self.micro_targets, len(self.rows) * args.dim,
-                             tp_blocks(self.kinds, self.groups["tp"]), args.recompute)
-                       for c in range(v)]
+        p, v = args.pp, args.virtual_stages
+        self.stages = []
+        for c in range(v):                   # chunk c of stage s: virtual stage c p + s
+            virtual = c * p + self.stage
+            self.stages.append(Stage(
+                self.replica, range(c * self.per_chunk, (c + 1) * self.per_chunk),
+                first=virtual == 0, last=virtual == v * p - 1,
+                num_micro_batches=args.micro_batches, targets=self.micro_targets,
+                mean_over=len(self.rows) * args.dim, recompute=args.recompute,
+                blocks=tp_blocks(self.kinds, self.groups["tp"])))
 
     def plan_schedule(self, args):
         """The action list of its stage, its neighbours in the pipe, and what crosses to them.
@@ -151,11 +156,13 @@ class ThreeDRank:
         self.next_rank = pp_ranks[(self.stage + 1) % args.pp]        # stage's chunk c sends to
         self.actions = build_schedule(args.schedule, args.pp, self.stage, args.micro_batches,
                                       args.virtual_stages)           # the first's chunk c+1
-        width, self.boundary = args.dim, {}
+        width = args.dim
+        self.boundary = {}
         if args.p2p_shard:
-            width, self.boundary = args.dim // args.tp, dict(
-                outgoing=partial(shard_columns, tp_rank=self.tp_rank, tp_size=args.tp),
-                incoming=partial(all_gather_columns, group=self.groups["tp"]))
+            width = args.dim // args.tp
+            self.boundary = dict(outgoing=partial(shard_columns, tp_rank=self.tp_rank,
+                                                  tp_size=args.tp),
+                                 incoming=partial(all_gather_columns, group=self.groups["tp"]))
         self.buffer_shape = (len(self.rows) // args.micro_batches, width)   # [b, D] or [b, D/tp]
 
     def train_step(self, recorder=None):
@@ -172,43 +179,62 @@ class ThreeDRank:
 def three_d_costs(args, stage, times=(1, 1, 1)):
     """What a rank of stage `stage` costs a step, from steps 2-4's costs: its collectives on
     each group, {"tp", "pp", "dp": [(kind, bytes of the tensor, times)]}; what its replica holds
-    at the step's end, {kind: (bytes, formula)}; its most stash (a layer keeps one of x and z
-    whole, the other's 1/tp), in bytes; its stage's bubble (ZB-H1's for times (T_F, T_B, T_W))."""
+    at the step's end, {kind: (bytes, formula)}; its stash at its largest, in bytes; its stage's
+    bubble (ZB-H1's for times (T_F, T_B, T_W))."""
     v, m, tp = args.virtual_stages, args.micro_batches, args.tp
-    per_chunk = args.num_layers // (args.pp * v)
+    kinds = layer_kinds(args.num_layers // (args.pp * v), args.tp_style)
     act = args.batch_size // (args.dp * m) * args.dim * (2 if args.bf16 else 4)   # [b, D]
-    tp_runs = tp_costs(layer_kinds(per_chunk, args.tp_style) * v, act, m, stage == 0,
-                       args.recompute)
+    tp_runs = tp_costs(kinds * v, act, num_micro_batches=m, first_stage=stage == 0,
+                       recompute=args.recompute)
     sent = act // tp if args.p2p_shard else act                 # --p2p-shard: 1/tp crosses
-    bubble, stash, pp_runs = pipeline_costs(args.schedule, args.pp, stage, m, v, per_chunk, act,
-                                            args.recompute, times, layer_bytes=act + act // tp)
-    pp_runs = [(kind, sent, count) for kind, _, count in pp_runs]
+    kept, waiting = stash_bytes(args)
+    bubble, stash, pp_runs = pipeline_costs(args.schedule, args.pp, stage, m, v, act_bytes=sent,
+                                            kept_bytes=kept, waiting_bytes=waiting, times=times)
     if args.p2p_shard:                                          # and is all-gathered on arrival
         tp_runs += [("all-gather", act, count) for _, _, count in pp_runs]
-    dp_runs, held = dp_costs(replica_lengths(args), args.dp, args.zero, m, args.optimizer,
-                             args.bf16, args.recompute)
-    return {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs}, held, stash, bubble
+    dp_runs, held = dp_costs(replica_lengths(args), args.dp, zero=args.zero,
+                             num_micro_batches=m, optimizer=args.optimizer, bf16=args.bf16)
+    runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs}
+    if args.clip_grad:    # the norm's squares, one float, summed over tp, pp (and dp, if ZeRO)
+        for group in ("tp", "pp", "dp")[:2 + (args.zero > 0)]:
+            runs[group].append(("all-reduce", 4, 1))
+    return runs, held, stash, bubble
+
+
+def stash_bytes(args):
+    """A micro-batch's stash in a chunk from its F to its B, and from its B to its W: a layer's
+    (x, z) is one [b, D] whole and one 1/tp (a row layer's x is the column layer's sharded
+    output), (x, dz) as much; --recompute keeps x alone from F to B."""
+    kinds = layer_kinds(args.num_layers // (args.pp * args.virtual_stages), args.tp_style)
+    act = args.batch_size // (args.dp * args.micro_batches) * args.dim * (2 if args.bf16 else 4)
+    pairs = len(kinds) * (act + act // args.tp)                 # (x, z) of every layer
+    if args.recompute:
+        return sum(act // args.tp if kind == "row" else act for kind in kinds), pairs
+    return pairs, pairs
 
 
 def three_d_worker(rank, world_size, args):
     device = setup(rank, world_size)
     me = ThreeDRank(rank, args, device)
+    memory = watch_memory(me.replica)         # ZeRO-3's largest moment, for its table
     if rank == 0:
         show_layout(args, me.kinds)   # the rank map, and the layers of a stage (below the fold)
-    last, losses, norms, check = me.stage == args.pp - 1, [], [], SerialCheck(args)
+    losses = []
+    norms = []
+    check = SerialCheck(args)
     for step in range(args.steps):
         me.train_step()
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
             check.step(full_matrices(full_weights(me.replica), me.kinds, args),
                        full_matrices(full_grads(me.replica), me.kinds, args))
         if args.clip_grad:   # the norm's squares summed over tp and pp (and dp, if ZeRO shards)
-            norms.append(me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]]))
+            norms.append(me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]]).item())
         me.replica.update()                   # each rank's optimizer steps its own shards
-        if last:   # the last stage knows the loss: the replicas' mean losses, averaged
-            losses.append(global_loss(me.stages[-1].loss, me.groups["dp"]))
+        if me.stage == args.pp - 1:   # the last stage knows the loss: the replicas' mean
+            losses.append(global_loss(me.stages[-1].loss, me.groups["dp"]))   # losses, averaged
             if me.dp_rank == me.tp_rank == 0:
                 log(me.tag, step_line(step, losses, norms, args))
-    finish_ranks(me, args, losses, check, norms, device)
+    finish_ranks(me, memory, args, losses, check, norms, device)
     cleanup()
 
 
@@ -218,72 +244,76 @@ def main(argv=None):
         show_rank_map(args.dp, args.pp, args.tp, args.order)
     elif args.plan:  # which layout? every one, costed by three_d_costs() (below)
         plan(args)
-    elif args.ray:   # the same ranks, started by Ray instead of spawn (below)
-        ray_launch(args)
+    elif args.ray:   # the same ranks, started by Ray instead of spawn (step 1's launcher)
+        ray_launch(three_d_worker, args.dp * args.pp * args.tp, args)
     else:
         spawn(three_d_worker, args.dp * args.pp * args.tp, args, backend=args.backend,
               timeout_s=args.timeout_s)
 
 
-# Below the fold: the shards put back together, the rank map's print, the command line and
-# --ray. -----------------------------------------------------------------------------------
-import argparse, itertools, json, math, os, statistics, time  # noqa: E401, E402
+# Below the fold: the shards put back together, the rank map's print, --plan (the search and
+# the GPU figures), the command line and --ray. ----------------------------------------------
+import argparse, functools, itertools, json, math, os, sys, time  # noqa: E401, E402
+from collections import Counter  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
-from collectives import (RANK_BYTES, collective_cost, positive_float, positive_int,  # noqa: E402
+from collectives import (Stop, collective_cost, positive_float, positive_int,  # noqa: E402
                          under_torchrun)
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
-                           full_grads, full_weights, global_loss, init_weights, layer_backward,
-                           layer_forward, make_batch, make_buckets, mse_loss, show_memory,
-                           step_line, training_parser)
-from pipeline_parallel import (RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,  # noqa: E402
-                               add_schedule_args, gather_on_rank0, schedule_rules)
-from tensor_parallel import describe, divides, refuse_unused, side_by_side  # noqa: E402
+                           full_grads, full_weights, global_loss, make_buckets, show_memory,
+                           step_line, training_parser, watch_memory)
+from pipeline_parallel import (add_schedule_args, gather_on_rank0, held_counts,  # noqa: E402
+                               schedule_rules)
+from tensor_parallel import describe, divides, refuse_unused  # noqa: E402
 
 
 def full_matrices(shards, kinds, args):
     """On rank 0, the L full [D, D] matrices put back together from replica 0's shards:
-    stage p holds layers p L/pp .. (p+1) L/pp - 1 (interleaved, chunk c holds those of
-    virtual stage c pp + p), TP rank t their columns t D/tp .. (their rows, for a row
+    stage s holds layers s L/pp .. (s+1) L/pp - 1 (interleaved, chunk c holds those of
+    virtual stage c pp + s), TP rank t their columns t D/tp .. (their rows, for a row
     layer). Every rank sends its shards flat, [L/pp, D D/tp]."""
     everyone = gather_on_rank0(torch.stack([w.reshape(-1) for w in shards]))  # [world, L/pp, D D/T]
     if everyone is None:
         return None
-    grid, D = rank_grid(args.dp, args.pp, args.tp, args.order), args.dim   # [dp, pp, tp] -> rank
+    grid = rank_grid(args.dp, args.pp, args.tp, args.order)    # [dp, pp, tp] -> rank
     full = []
-    for c in range(args.virtual_stages):             # in layer order: virtual stage c pp + p
-        for p in range(args.pp):
+    for c in range(args.virtual_stages):             # in layer order: virtual stage c pp + s
+        for stage in range(args.pp):
             for i, kind in enumerate(kinds):
-                parts = [everyone[grid[0, p, t], c * len(kinds) + i] for t in range(args.tp)]
+                parts = [everyone[grid[0, stage, t], c * len(kinds) + i] for t in range(args.tp)]
                 if kind == "row":   # rows stacked, or columns side by side
-                    full.append(torch.cat([w.view(-1, D) for w in parts], dim=0))
+                    full.append(torch.cat([w.view(-1, args.dim) for w in parts], dim=0))
                 else:
-                    full.append(torch.cat([w.view(D, -1) for w in parts], dim=1))
+                    full.append(torch.cat([w.view(args.dim, -1) for w in parts], dim=1))
     return full
 
 
-def finish_ranks(me, args, losses, check, norms, device):
+def finish_ranks(me, memory, args, losses, check, norms, device):
     """The run's end: the full matrices put back together, the losses from the last stage,
     rank 0's memory table (with --zero), --save and --check."""
     final = full_matrices(full_weights(me.replica), me.kinds, args)
-    losses = torch.tensor(losses if me.stage == args.pp - 1 else [0.0] * args.steps,
-                          dtype=torch.float64, device=device)
+    if me.stage != args.pp - 1:
+        losses = [0.0] * args.steps
+    losses = torch.tensor(losses, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
     if dist.get_rank() == 0:
         if args.zero:
-            show_memory(me.replica, args, f"rank 0: its replica of stage 0's layers, its tp "
-                                          f"shards of them (1/{args.tp})")
+            show_memory(me.replica, memory, args, f"rank 0: its replica of stage 0's layers, "
+                                                  f"its tp shards of them (1/{args.tp})")
         finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, check, norms)
 
 
 def replica_lengths(args):
     """The elements of each of a rank's buckets, as its replica lays them out: a stage's
     layers, each D^2/tp, cut by --bucket-mb, never across a chunk; ZeRO: padded to d S."""
-    layers = args.num_layers // args.pp
-    lengths = make_buckets([args.dim * args.dim // args.tp] * layers, args.bucket_mb,
-                           range(0, layers, layers // args.virtual_stages))[3]
-    if args.zero:
-        return [-(-n // args.dp) * args.dp for n in lengths]
-    return lengths
+    return bucket_lengths(args.num_layers // args.pp, args.dim * args.dim // args.tp,
+                          args.bucket_mb, args.virtual_stages, args.dp if args.zero else 1)
+
+
+@functools.lru_cache(maxsize=None)
+def bucket_lengths(layers, numel, bucket_mb, chunks, pad_to):
+    lengths = make_buckets([numel] * layers, bucket_mb, range(0, layers, layers // chunks)).lengths
+    return [-(-n // pad_to) * pad_to for n in lengths]
 
 
 def show_layout(args, kinds):
@@ -305,182 +335,302 @@ def show_rank_map(dp, pp, tp, order):
         print(f"{rank:>5} {coords}   {cells}".rstrip(), flush=True)
 
 
-# --plan: which layout? Every layout of --world-size ranks is costed by three_d_costs(), the
-# steps' own cost functions, stage by stage: bytes and memory exactly (tests/test_plan.py
-# counts them in real runs). Its step time is a model: each layer's matmuls at the machine's
-# speed, each collective alpha (n-1) + bytes / beta (collective_cost), none overlapped with
-# compute (none is, in this 3D), the pipeline's bubble; on a CPU, the ranks' compute shared
-# among its cores. The README's "Which layout" says where the model is wrong, and by how much.
+# --plan: which layout? Each layout of --world-size GPUs, priced as the code runs it: a rank's
+# matmuls as rank_matmuls() lists them (tests/gpu_path.py records the same list, op by op, in
+# a step on the meta device), its collectives and sends and its memory from three_d_costs() (the
+# tests count them in real runs), each on a GPU's published figures. The README's "Which
+# layout" gives the inequalities behind the ranking.
 
-# H100 SXM 80 GB, as published: 989 TFLOP/s dense bf16, NVLink 450 GB/s a direction, 8 a
-# node, InfiniBand NDR 400 Gb/s (50 GB/s) a GPU, HBM3 3.35 TB/s. In a node, NCCL's measured
-# bus bandwidth where it differs: about 370 GB/s (the link's, less its protocol's ~20%), 480
-# for an all-reduce on NVLink SHARP (nccl-tests, 8 GPUs). Latency: 2 us a ring step, a guess.
-H100 = dict(flops=989e12, memory_gb=80, intra_gbps=370, all_reduce_gbps=480, inter_gbps=50,
-            latency_us=2, hbm_gbps=3350)
+class Matmul(NamedTuple):
+    """[m, k] x [k, n], inputs of in_bytes an element into an output of out_bytes; accumulate:
+    it adds into what its output held, reading that too (dW summed over micro-batches)."""
+    m: int
+    k: int
+    n: int
+    in_bytes: int
+    out_bytes: int
+    accumulate: bool
+
+    def flops(self):
+        return 2 * self.m * self.k * self.n
+
+    def bytes_moved(self):   # both inputs read; the output written (and read, to add into)
+        inputs = (self.m * self.k + self.k * self.n) * self.in_bytes
+        return inputs + self.m * self.n * self.out_bytes * (1 + self.accumulate)
+
+
+def layer_matmuls(kind, rows, dim, tp, bf16):
+    """A tp rank's layer, a micro-batch: its forward z = x W, its dx = dz W^T, its dW = x^T dz
+    into the fp32 gradient (the step's first; the later ones add into it)."""
+    size = 2 if bf16 else 4
+    n_in = dim // tp if kind == "row" else dim
+    n_out = dim if kind == "row" else dim // tp
+    return (Matmul(rows, n_in, n_out, size, size, False), Matmul(rows, n_out, n_in, size, size, False),
+            Matmul(n_in, rows, n_out, size, 4, False))
+
+
+def rank_matmuls(args, stage):
+    """Every matmul a rank of this stage runs in a step, {Matmul: calls}: each micro-batch, each
+    layer's forward (again in its backward with --recompute), its dx but the model's input's,
+    and its dW."""
+    v, m = args.virtual_stages, args.micro_batches
+    kinds = layer_kinds(args.num_layers // (args.pp * v), args.tp_style)
+    calls = Counter()
+    for c in range(v):
+        for i, kind in enumerate(kinds):
+            forward, dx, dw = layer_matmuls(kind, args.batch_size // (args.dp * m), args.dim,
+                                            args.tp, args.bf16)
+            calls[forward] += m * (1 + args.recompute)
+            calls[dx] += m * (c * args.pp + stage + i > 0)
+            calls[dw] += 1
+            calls[dw._replace(accumulate=True)] += m - 1
+    return +calls
+
+
+# Each GPU's published figures, their sources beside them. Collectives: nccl-tests' bus
+# bandwidth (busbw: the bytes a ring sends a rank, over the time), which rises with the size:
+# an all-reduce on 8 H100 SXM with NVLink SHARP, GB/s at these bytes. Every curve here rises as
+# this one, to its own plateau (no other curve published for these sizes was at hand).
+RISE = [(4e6, 129), (16e6, 234), (64e6, 362), (256e6, 423), (1e9, 466)]
+GPUS = {
+    "h100": dict(name="H100 SXM 80 GB",
+                 flops=989e12, fp32_flops=67e12,   # datasheet: bf16 dense; fp32 (no TF32)
+                 gemm_best=0.80,   # 795 TFLOP/s, the best bf16 GEMM measured on an H100 SXM
+                 sms=132, memory_gb=80, hbm_gbps=3350,          # datasheet: HBM3
+                 all_reduce_gbps=466,   # RISE's; ~480 at its peak (nccl-tests#212)
+                 intra_gbps=360,   # reduce-scatter, all-gather: NVLink's 450 less NCCL's ~20%
+                 latency_us=20,    # an all-reduce of 4 B to 1 MB on 8 H100s: 20-25 us
+                 send_gbps=180, send_latency_us=3,      # sendrecv: ~180 (nccl-tests#268), ~3 us
+                 inter_gbps=47, inter_latency_us=30),   # NDR 400 Gb/s: 46-48 GB/s a NIC
+    "a100": dict(name="A100 SXM 80 GB",                 # (nccl-tests#290), IB ~30 us (#214)
+                 flops=312e12, fp32_flops=19.5e12,      # datasheet: bf16 dense; fp32
+                 gemm_best=0.80, sms=108, memory_gb=80, hbm_gbps=2039,   # datasheet: HBM2e
+                 all_reduce_gbps=208,   # 8 A100 SXM, no NVLink SHARP (nccl-tests#178)
+                 intra_gbps=208,   # NVLink 3: 300 GB/s a direction, less NCCL's ~20%
+                 latency_us=20, send_gbps=150, send_latency_us=3,
+                 inter_gbps=24, inter_latency_us=30),   # HDR 200 Gb/s: 96% (nccl-tests#119)
+}
+FIGURE_FLAGS = {"flops": "bf16 FLOP/s a GPU", "memory_gb": "GB a GPU",
+                "hbm_gbps": "GB/s of its memory", "all_reduce_gbps": "an all-reduce's busbw "
+                "in a node, at its largest", "intra_gbps": "reduce-scatter's and all-gather's",
+                "inter_gbps": "GB/s a GPU across nodes", "latency_us": "a collective's floor"}
 UPDATE_BYTES = {"adamw": 36, "sgd": 20}   # a parameter's, read and written: g / d, then p
                                           # (and AdamW's m and v)
 
 
 class Machine:
-    """What the planner knows of a machine, from its figures: a layer's F, B and W, the loss,
-    a collective, the optimizer's pass, in seconds; its memory a rank; ranks a node; cores."""
+    """A GPU as its figures say: each matmul at max(its FLOPs at the peak a GEMM of its shape
+    reaches, its bytes at HBM's speed); each collective NCCL's floor plus its bytes over the bus
+    bandwidth measured for its size; elementwise passes at HBM's speed. gpus_per_node: a node."""
 
-    def __init__(self, flops, memory_gb, intra_gbps, all_reduce_gbps, inter_gbps, latency_us,
-                 hbm_gbps, gpus_per_node, cores):
-        self.flops, self.memory, self.gpus_per_node, self.cores = (
-            flops, memory_gb * 1e9, gpus_per_node, cores)
-        self.intra, self.all_reduce, self.inter, self.hbm = (
-            gbps * 1e9 for gbps in (intra_gbps, all_reduce_gbps, inter_gbps, hbm_gbps))
-        self.alpha = latency_us * 1e-6
+    def __init__(self, figures, gpus_per_node):
+        self.figures = figures
+        self.flops = figures["flops"]
+        self.memory = figures["memory_gb"] * 1e9
+        self.hbm = figures["hbm_gbps"] * 1e9
+        self.gpus_per_node = gpus_per_node
+        self.collective_s = functools.lru_cache(maxsize=None)(self.collective_s)   # many alike
 
-    def layer_s(self, kind, rows, dim, tp, bf16, need_dx=True):
-        """(F, B, W) of a tp rank's layer of this kind: 2 rows dim dim/tp FLOPs each (B's dx:
-        none for the model's input)."""
-        t = 2 * rows * dim * dim / tp / self.flops
-        return t, t * need_dx, t
+    def efficiency(self, m, k, n):
+        """The share of peak a GEMM of this shape reaches: the best measured, times how full
+        its 128 x 128 output tiles and its waves over the SMs are (NVIDIA's "Matrix
+        Multiplication Background": tile and wave quantization); few tiles split k to fill SMs."""
+        tiles = math.ceil(m / 128) * math.ceil(n / 128)
+        splits = max(1, min(self.figures["sms"] // tiles, k // 512))
+        waves = math.ceil(tiles * splits / self.figures["sms"])
+        tile_fill = m * n / (tiles * 128 * 128)
+        return self.figures["gemm_best"] * tile_fill * tiles * splits / (waves * self.figures["sms"])
 
-    def loss_s(self, rows, dim, bf16):   # a few passes over [b, D]: memory-bound
-        return 4 * rows * dim * 4 / self.hbm
+    def matmul_s(self, mm):
+        peak = self.flops if mm.in_bytes == 2 else self.figures["fp32_flops"]
+        compute = mm.flops() / (peak * self.efficiency(mm.m, mm.k, mm.n))
+        return max(compute, mm.bytes_moved() / self.hbm)
 
-    def collective_s(self, kind, nbytes, n, crosses):
-        beta = self.inter if crosses else self.all_reduce if kind == "all-reduce" else self.intra
-        return collective_cost(kind, nbytes, n, self.alpha, beta)[1] if n > 1 else 0.0
+    def layer_s(self, kind, rows, dim, tp, bf16, need_dx, recompute, micro_batches):
+        """(F, B, W) of a tp rank's layer, a micro-batch (W: the step's average): matmuls, and
+        the elementwise passes: gelu (z in, a out), gelu' (g and z in, dz out), the gather
+        layer's pieces put side by side."""
+        forward, dx, dw = layer_matmuls(kind, rows, dim, tp, bf16)
+        out = forward.m * forward.n * forward.in_bytes
+        f = self.matmul_s(forward) + (2 * out + 2 * rows * dim * forward.in_bytes *
+                                      (kind == "gather" and tp > 1)) / self.hbm
+        b = 3 * out / self.hbm + self.matmul_s(dx) * need_dx + self.matmul_s(forward) * recompute
+        later = self.matmul_s(dw._replace(accumulate=True))
+        return f, b, (self.matmul_s(dw) + (micro_batches - 1) * later) / micro_batches
+
+    def loss_s(self, rows, dim, bf16):   # the loss's few passes over [b, D], fp32
+        return 6 * rows * dim * 4 / self.hbm
 
     def update_s(self, params, optimizer):
         return params * UPDATE_BYTES[optimizer] / self.hbm
 
-
-class ThisMachine(Machine):
-    """This machine, timed. Alone, on one thread as a rank runs: each layer's F, B and W at the
-    shapes asked (step 3's blocks' own work: the gather layer's copies too), the loss, the
-    average and the optimizer's pass. With every rank at once, as in a step: each collective
-    and a send, of 1 and 16 MB, over groups of each size (beta from the difference, alpha what
-    is left); and a matmul, whose slowdown over the one alone counts the cores ranks share."""
-    SIZES, KINDS = (2**20, 2**24), ("all-reduce", "reduce-scatter", "all-gather")
-
-    def __init__(self, world_size, cores):
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world_size
-        super().__init__(flops=0, memory_gb=(memory - RANK_BYTES) / 1e9, intra_gbps=1,
-                         all_reduce_gbps=1, inter_gbps=1, latency_us=0, hbm_gbps=1,
-                         gpus_per_node=world_size, cores=cores)   # the figures: timed below
-        torch.set_num_threads(1)
-        self.timed, self.flops = {}, 0.0             # (kind, rows, ...) -> (F, B, W)
-        sizes = [n for n in range(2, world_size + 1) if world_size % n == 0]
-        tests = [(kind, n) for n in sizes for kind in self.KINDS] + [
-            ("send", 2), ("matmul then all-reduce", world_size), ("matmul", 1)]
-        swept = torch.zeros(len(tests), 2, dtype=torch.float64).share_memory_()
-        spawn(sweep_worker, world_size, tests, self.SIZES, swept, backend="gloo")
-        self.links = {}                              # (kind, n) -> (alpha, beta)
-        for (kind, n), (small, large) in zip(tests[:-2], swept.tolist()):
-            steps = 1                                # ring steps: a send is one
-            if kind != "send":
-                steps = (n - 1) * (2 if kind == "all-reduce" else 1)
-            sent = [collective_cost(kind, size, n)[0] for size in self.SIZES]
-            beta = float(sent[1] - sent[0]) / max(large - small, 1e-9)
-            self.links[kind, n] = (max(small - float(sent[0]) / beta, 0) / steps, beta)
-        x, w = torch.randn(256, 1024), torch.randn(1024, 1024)
-        self.cores = min(cores, world_size * timed(lambda: x @ w) / swept[-1, 0].item())
-        # A collective waits for its last rank; sharing cores, ranks drift apart between two:
-        # what a matmul then an all-reduce takes beyond the two apart.
-        self.sync_s = 0.0
-        if world_size > cores:
-            matmul_then_all_reduce, matmul = swept[-2, 0].item(), swept[-1, 0].item()
-            all_reduce = swept[tests.index(("all-reduce", world_size)), 0].item()
-            self.sync_s = max(0.0, matmul_then_all_reduce - matmul - all_reduce)
-        grads = torch.zeros(2**20, requires_grad=True)
-        grads.grad = torch.zeros_like(grads)
-        self.per_param = {}
-        for name, optimizer in (("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)):
-            step = optimizer([grads], lr=1e-3).step
-            self.per_param[name] = timed(lambda: (grads.grad.div_(2), step())) / grads.numel()
-
-    def layer_s(self, kind, rows, dim, tp, bf16, need_dx=True):
-        key = (kind, rows, dim, tp, bf16, need_dx)
-        if key not in self.timed:
-            n, dtype = dim // tp, torch.bfloat16 if bf16 else torch.float32
-            inner, cols = (n, dim) if kind == "row" else (dim, n)
-            x, w = torch.randn(rows, inner, dtype=dtype), torch.randn(inner, cols, dtype=dtype)
-            g = torch.randn(rows, dim if kind == "gather" else cols, dtype=dtype)[:, :cols]
-            stash = layer_forward(x, w)[1]
-            dz = layer_backward(g, stash, w, need_dx)[1][1]
-
-            def forward():   # the gather layer puts the pieces side by side, a copy
-                a = layer_forward(x, w)[0]
-                if kind == "gather" and tp > 1:
-                    side_by_side(torch.cat([a] * tp), rows)
-            self.timed[key] = (timed(forward),
-                               timed(lambda: layer_backward(g, stash, w, need_dx)),
-                               timed(lambda: torch.mm(x.T, dz)))
-            self.flops = max(self.flops, 2 * rows * inner * cols / self.timed[key][2])
-        return self.timed[key]
-
-    def loss_s(self, rows, dim, bf16):
-        key = ("loss", rows, dim, bf16)
-        if key not in self.timed:
-            a = torch.randn(rows, dim, dtype=torch.bfloat16 if bf16 else torch.float32)
-            y = torch.randn(rows, dim)
-            self.timed[key] = timed(lambda: mse_loss(a, y, a.numel()))
-        return self.timed[key]
-
-    def collective_s(self, kind, nbytes, n, crosses):
+    def collective_s(self, kind, nbytes, n, per_node):
+        """NCCL's latency floor, plus the bytes a rank sends (the ring's) over the bus bandwidth
+        for this size: the published one, net of the floor, so that the two add up to the
+        measured time. A group across nodes (per_node of its ranks in one): InfiniBand's floor,
+        and a GPU's link for each of its ranks in a node (every GPU its own NIC)."""
         if n == 1:
             return 0.0
-        alpha, beta = self.links[kind, 2 if kind == "send" else n]
-        return collective_cost(kind, nbytes, n, alpha, beta)[1] + self.sync_s * (kind != "send")
+        sent = float(collective_cost(kind, nbytes, n)[0])
+        link = "send" if per_node > 1 else "inter"
+        if kind == "send":
+            return self.figures[f"{link}_latency_us"] * 1e-6 + sent / (self.figures[f"{link}_gbps"] * 1e9)
+        floor = self.figures["latency_us"] * 1e-6
+        bandwidth = self.bus_bandwidth(kind, nbytes, floor)
+        if per_node < n:
+            floor = self.figures["inter_latency_us"] * 1e-6
+            bandwidth = min(bandwidth, per_node * self.figures["inter_gbps"] * 1e9)
+        return floor + sent / bandwidth
 
-    def update_s(self, params, optimizer):
-        return params * self.per_param[optimizer]
+    def bus_bandwidth(self, kind, nbytes, floor):
+        """RISE to this kind's plateau, net of the floor (at each size, floor + bytes / this =
+        bytes / busbw, the time measured), interpolated log-log between its sizes."""
+        plateau = self.figures["all_reduce_gbps" if kind == "all-reduce" else "intra_gbps"]
+        points = []
+        for size, busbw in RISE:
+            sent = 2 * 7 / 8 * size                      # an all-reduce's ring, 8 GPUs
+            measured = sent / (busbw * plateau / RISE[-1][1] * 1e9)
+            points.append((size, sent / max(measured - floor, 1e-9)))
+        size = min(max(nbytes, points[0][0]), points[-1][0])
+        k = max(j for j in range(len(points)) if points[j][0] <= size)
+        if k == len(points) - 1:
+            return points[k][1]
+        (s0, b0), (s1, b1) = points[k], points[k + 1]
+        return b0 * (b1 / b0) ** (math.log(size / s0) / math.log(s1 / s0))
+
+    def pipeline_s(self, args, slowest, stages):
+        """The pipeline's seconds, its slowest stage's work spread by the bubble, and any other
+        parts of it (tests' CPU machine plays the schedule out, where ranks share cores)."""
+        return slowest["inside"] / (1 - slowest["bubble"]), {}
 
 
-def timed(fn, at_least_s=0.03):
-    """The median seconds of fn, run until at_least_s has passed, 3 times at least."""
-    fn()
-    times, start = [], time.perf_counter()
-    while len(times) < 3 or time.perf_counter() - start < at_least_s:
-        begin = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+@functools.lru_cache(maxsize=None)
+def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved):
+    """Each stage's {group kind: the fewest of one of its groups' ranks that share a node};
+    "pp": 2 where every send of the stage stays in a node, else 1."""
+    node = (rank_grid(dp, pp, tp, order) // gpus_per_node).tolist()   # [dp][pp][tp] -> node
+    stages = []
+    for s in range(pp):
+        tp_groups = [node[d][s] for d in range(dp)]
+        dp_groups = [[node[d][s][t] for d in range(dp)] for t in range(tp)]
+        peers = [s + k for k in (-1, 1) if interleaved or 0 <= s + k < pp]
+        apart = any(node[d][s][t] != node[d][peer % pp][t]
+                    for d in range(dp) for t in range(tp) for peer in peers)
+        stages.append({"tp": min(min(Counter(group).values()) for group in tp_groups),
+                       "dp": min(min(Counter(group).values()) for group in dp_groups),
+                       "pp": 1 if apart else 2})
+    return stages
 
 
-def sweep_worker(rank, world_size, tests, nbytes, swept):
-    """Every rank at once: each (kind, n) of tests, in groups of n consecutive ranks (a send:
-    both ways between pairs; a matmul: on its own). Rank 0 writes the median seconds."""
-    setup(rank, world_size)
-    groups = {n: dist.new_subgroups(n)[0] for n in sorted({n for _, n in tests})}
-    peer = rank ^ 1 if rank ^ 1 < world_size else rank
-    x, w = torch.randn(256, 1024), torch.randn(1024, 1024)
-    for i, (kind, n) in enumerate(tests):
-        for j, size in enumerate(nbytes):
-            whole, part, came = (torch.zeros(size // 4), torch.zeros(size // 4 // n),
-                                 torch.zeros(size // 4))
+@functools.lru_cache(maxsize=None)
+def chunk_s(machine, kinds, rows, dim, tp, bf16, recompute, micro_batches, first, last):
+    """(F, B, W) of a chunk's layers, a micro-batch, on machine: the model's first layer needs
+    no dx; the last chunk computes the loss."""
+    times = [machine.layer_s(kind, rows, dim, tp, bf16, need_dx=not (first and i == 0),
+                             recompute=recompute, micro_batches=micro_batches)
+             for i, kind in enumerate(kinds)]
+    f, b, w = (sum(column) for column in zip(*times))
+    return f + machine.loss_s(rows, dim, bf16) * last, b, w
 
-            def once():
-                if kind.startswith("matmul"):
-                    x @ w
-                if kind == "matmul then all-reduce":
-                    dist.all_reduce(whole[:2**18], group=groups[n])   # 1 MB
-                elif kind == "all-reduce":
-                    dist.all_reduce(whole, group=groups[n])
-                elif kind == "reduce-scatter":
-                    dist.reduce_scatter_single(part, whole, group=groups[n])
-                elif kind == "all-gather":
-                    dist.all_gather_single(whole, part, group=groups[n])
-                elif kind == "send" and peer != rank:
-                    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, whole, peer),
-                                                        dist.P2POp(dist.irecv, came, peer)]):
-                        work.wait()
-            times = []
-            for _ in range(5):
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(2):
-                    once()
-                times.append((time.perf_counter() - start) / 2)
-            if rank == 0:
-                swept[i, j] = statistics.median(times[1:])
-    cleanup()
+
+def in_step_bytes(args):
+    """What a replica holds for a while within a step beyond the memory table's end. ZeRO-2 and
+    3: a chunk's gradient buckets whole from its W to their reduce-scatter, 4 P/v (P: the stage's
+    parameters, v chunks), with the parts of the chunks exchanged before; ZeRO-2 keeps every
+    chunk's whole until the last micro-batch, and makes no part before it."""
+    whole = 4 * sum(replica_lengths(args))       # the stage's gradient: 4 P
+    chunk = whole // args.virtual_stages
+    if args.zero < 2:
+        return 0
+    if args.zero == 2 and args.micro_batches > 1:
+        return whole - whole // args.dp
+    if args.zero == 3 and args.micro_batches > 1:  # its parts made in the first micro-batch
+        return chunk
+    return chunk - chunk // args.dp
+
+
+def stage_costs(args, stage):
+    """A stage's rank: {group: bytes it sends a step}, and {"held", "stash", "in step": bytes}."""
+    runs, held, stash, _ = three_d_costs(args, stage)
+    memory = {"held": sum(size for size, _ in held.values()), "stash": stash,
+              "in step": in_step_bytes(args)}
+    return {group: sent_bytes(args, group, group_runs) for group, group_runs in runs.items()}, memory
+
+
+def sent_bytes(args, group, runs):   # what a rank sends on a group, for runs of collectives
+    n = {"tp": args.tp, "pp": args.pp, "dp": args.dp}[group]
+    return sum(calls * ring_bytes(kind, nbytes, n) for (kind, nbytes), calls in merged(runs).items())
+
+
+@functools.lru_cache(maxsize=None)
+def ring_bytes(kind, nbytes, n):   # what one rank sends of a collective, or a send
+    return float(collective_cost(kind, nbytes, n)[0]) * (n > 1)
+
+
+def merged(runs):   # {(kind, bytes): calls}: one entry a kind of message
+    calls = Counter()
+    for kind, nbytes, times in runs:
+        calls[kind, nbytes] += times
+    return calls
+
+
+@functools.lru_cache(maxsize=None)
+def held_anywhere(schedule, num_stages, num_micro_batches, num_chunks):
+    """held_counts() of every stage together: the largest stash of any stage is at one of them."""
+    return {pair for s in range(num_stages)
+            for pair in held_counts(schedule, num_stages, s, num_micro_batches, num_chunks)}
+
+
+def predict(args, machine):
+    """A layout's row. Its stages priced on machine: the first, the last, and the middle ones
+    that differ (in which of their groups cross nodes); the step: the slowest stage's time in
+    the pipeline, then the replicas' exchange (ZeRO-3's is inside), then the update. Memory:
+    the largest stage's. The step's parts add up to it."""
+    dp, pp, tp, v, m = args.dp, args.pp, args.tp, args.virtual_stages, args.micro_batches
+    rows = args.batch_size // (dp * m)
+    kinds = tuple(layer_kinds(args.num_layers // (pp * v), args.tp_style))
+    per_node = members_per_node(dp, pp, tp, args.order, machine.gpus_per_node,
+                                args.schedule == "interleaved")
+    sizes = {"tp": tp, "pp": pp, "dp": dp}
+    chosen = {}                                # one stage of each kind
+    for s in range(pp):
+        chosen.setdefault((s == 0, s == pp - 1, tuple(per_node[s].items())), s)
+    stages = []
+    for s in chosen.values():
+        chunks = [chunk_s(machine, kinds, rows, args.dim, tp, args.bf16, args.recompute, m,
+                          first=c * pp + s == 0, last=c * pp + s == v * pp - 1) for c in range(v)]
+        runs, held, _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
+        comm = {group: sum(calls * machine.collective_s(kind, nbytes, sizes[group],
+                                                        per_node[s][group])
+                           for (kind, nbytes), calls in merged(runs[group]).items())
+                for group in runs}
+        compute = m * sum(sum(chunk) for chunk in chunks)
+        inside = compute + comm["tp"] + comm["pp"] + comm["dp"] * (args.zero == 3)
+        stages.append(dict(stage=s, chunks=chunks, comm=comm, compute=compute, inside=inside,
+                           bubble=bubble, sent={group: sent_bytes(args, group, runs[group])
+                                                for group in runs}))
+    slowest = max(stages, key=lambda stage: stage["inside"])
+    pipeline, waits = machine.pipeline_s(args, slowest, stages)
+    parts = dict(compute=slowest["compute"], **slowest["comm"], bubble=pipeline - slowest["inside"],
+                 **waits)
+    params = sum(replica_lengths(args)) // (dp if args.zero else 1)   # a rank's optimizer's
+    parts["update"] = machine.update_s(params, args.optimizer)
+    kept, waiting = stash_bytes(args)
+    stash = max(k * kept + w * waiting for k, w in held_anywhere(args.schedule, pp, m, v))
+    memory = sum(size for size, _ in held.values()) + stash + in_step_bytes(args)
+    step = sum(parts.values())
+    matmuls = rank_matmuls(args, slowest["stage"])                # the slowest stage's rank's
+    return dict(flags=layout_flags(args), memory_bytes=memory, step_s=step, parts=parts,
+                bytes={group: max(stage["sent"][group] for stage in stages) for group in sizes},
+                bubble=slowest["bubble"], args=args, stage=slowest["stage"],
+                flops={"bf16" if size == 2 else "fp32": sum(calls * mm.flops() for mm, calls in
+                                                            matmuls.items() if mm.in_bytes == size)
+                       for size in {mm.in_bytes for mm in matmuls}},
+                matmul_bytes=sum(calls * mm.bytes_moved() for mm, calls in matmuls.items()),
+                mfu=6 * args.batch_size * args.num_layers * args.dim ** 2 /
+                (step * dp * pp * tp * machine.flops),
+                crosses=sorted(group for group in sizes if sizes[group] > 1 and min(
+                    stage[group] for stage in per_node) < (2 if group == "pp" else sizes[group])))
 
 
 def layouts(args, gpus_per_node):
@@ -489,9 +639,10 @@ def layouts(args, gpus_per_node):
     or 4 chunks interleaved; micro-batches 1 to 8 without a pipeline, p to 8 p with one; each
     ZeRO stage; each TP style; --p2p-shard and --recompute, with and without."""
     world, L, D, B = args.world_size, args.num_layers, args.dim, args.batch_size
-    for dp, pp in itertools.product(range(1, world + 1), repeat=2):
+    divisors = [n for n in range(1, world + 1) if world % n == 0]
+    for dp, pp in itertools.product(divisors, repeat=2):
         tp = world // (dp * pp)
-        if dp * pp * tp != world or D % tp or L % pp:
+        if dp * pp * tp != world or D % tp or L % pp or B % dp:
             continue
         orders = ["tp-pp-dp", "tp-dp-pp"][:1 + (world > gpus_per_node and dp * pp > 1)]
         schedules = [("1f1b", 1)]
@@ -526,162 +677,28 @@ def layout_flags(args):
     return " ".join(flag for flag in flags if flag)
 
 
-def in_step_bytes(args):
-    """What a replica holds for a while within a step beyond the memory table's end. ZeRO-2 and
-    3: a chunk's gradient buckets whole from its W to their reduce-scatter, 4 P/v (P: the stage's
-    parameters, v chunks), with the parts of the chunks exchanged before; ZeRO-2 keeps every
-    chunk's whole until the last micro-batch, and makes no part before it."""
-    whole = 4 * sum(replica_lengths(args))       # the stage's gradient: 4 P
-    chunk, d = whole // args.virtual_stages, args.dp
-    if args.zero < 2:
-        return 0
-    if args.zero == 2 and args.micro_batches > 1:
-        return whole - whole // d
-    if args.zero == 3 and args.micro_batches > 1:  # its parts made in the first micro-batch
-        return chunk
-    return chunk - chunk // d
-
-
-def predict(args, machine):
-    """A layout's row. Stage by stage, from three_d_costs(): what a rank sends a step on each
-    group, what it holds, its bubble; on machine, its compute and communication. Then the step:
-    the pipeline (the slowest stage's work spread by the bubble; where ranks outnumber cores, the
-    schedule played out with the cores shared), the replicas' exchange (ZeRO-3's is inside),
-    the update. The step time in parts that add up to it."""
-    L, D, B, dp, pp, tp, v, m = (args.num_layers, args.dim, args.batch_size, args.dp, args.pp,
-                                 args.tp, args.virtual_stages, args.micro_batches)
-    node = rank_grid(dp, pp, tp, args.order) // machine.gpus_per_node   # [dp, pp, tp]
-    b, kinds, sizes = B // (dp * m), layer_kinds(L // (pp * v), args.tp_style), dict(
-        tp=tp, pp=pp, dp=dp)
-    params = sum(replica_lengths(args)) // (dp if args.zero else 1)    # a rank's optimizer's
-    stages = []
-    for s in range(pp):
-        crosses = {"tp": bool((node[:, s] != node[:, s, :1]).any()),
-                   "pp": bool((node != node[:, s:s + 1]).any()),
-                   "dp": bool((node[:, s] != node[:1, s]).any())}
-        chunks = []                # each chunk's (F, B, W) compute a micro-batch
-        for c in range(v):
-            f = bwd = w = 0.0
-            for i, kind in enumerate(kinds):
-                t_f, t_b, t_w = machine.layer_s(kind, b, D, tp, args.bf16, need_dx=c + s + i > 0)
-                f, bwd, w = f + t_f, bwd + t_b + t_f * args.recompute, w + t_w
-            last = c * pp + s == v * pp - 1            # the model's last layers: the loss
-            chunks.append((f + machine.loss_s(b, D, args.bf16) * last, bwd, w))
-        runs, held, stash, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
-        sent = {group: sum(times * collective_cost(kind, nbytes, sizes[group])[0]
-                           for kind, nbytes, times in runs[group]) * (sizes[group] > 1)
-                for group in runs}
-        comm = {group: sum(times * machine.collective_s(kind, nbytes, sizes[group],
-                                                        crosses[group])
-                           for kind, nbytes, times in runs[group]) for group in runs}
-        memory = {"held": sum(size for size, _ in held.values()), "stash": stash,
-                  "in step": in_step_bytes(args)}
-        stages.append(dict(bytes={group: float(count) for group, count in sent.items()},
-                           memory=memory, bubble=bubble, chunks=chunks, comm_s=comm,
-                           compute_s=m * sum(sum(chunk) for chunk in chunks),
-                           link_s=machine.collective_s("send", runs["pp"][0][1], 2,
-                                                       crosses["pp"]),
-                           crosses=[group for group in crosses if crosses[group] and
-                                    sizes[group] > 1]))
-    pipeline, parts = time_pipeline(args, stages, machine)
-    parts["update"] = machine.update_s(params, args.optimizer)
-    parts["cores shared"] = 0.0   # ranks beyond the cores: the rest of the played-out step
-    if dp * pp * tp > machine.cores:   # (the update runs on every rank at once)
-        parts["cores shared"] = pipeline + parts["update"] * dp * pp * tp / machine.cores - \
-            sum(parts.values())
-    largest = max(stages, key=lambda stage: sum(stage["memory"].values()))
-    return dict(flags=layout_flags(args), memory_bytes=sum(largest["memory"].values()),
-                bytes={group: max(stage["bytes"][group] for stage in stages) for group in sizes},
-                bubble=stages[0]["bubble"], step_s=sum(parts.values()), parts=parts,
-                crosses=sorted({group for stage in stages for group in stage["crosses"]}),
-                stages=[{key: stage[key] for key in ("bytes", "memory", "crosses")}
-                        for stage in stages], args=args)
-
-
-def time_pipeline(args, stages, machine):
-    """The pipeline's seconds and the parts of the step until the update: the slowest stage's
-    compute, its communication on each group, the bubble's share of that work."""
-    def inside(stage):   # a stage's time in the pipeline: ZeRO-3 exchanges there
-        return stage["compute_s"] + stage["comm_s"]["tp"] + stage["comm_s"]["pp"] + \
-            stage["comm_s"]["dp"] * (args.zero == 3)
-    slowest = max(stages, key=inside)
-    parts = dict(compute=slowest["compute_s"], **slowest["comm_s"])
-    parts["bubble"] = inside(slowest) * slowest["bubble"] / (1 - slowest["bubble"])
-    pipeline = inside(slowest) + parts["bubble"]
-    if args.dp * args.pp * args.tp > machine.cores:
-        pipeline = play_schedule(args, stages, machine.cores)
-    return pipeline + slowest["comm_s"]["dp"] * (args.zero < 3), parts
-
-
-def play_schedule(args, stages, cores):
-    """The pipeline played out: each stage's action list as run_schedule() runs it. A transfer
-    arrives a send's time after both its sides are posted; a batch with a receive waits for
-    its transfers and the sends before it. Every rank computing at a moment gets an equal share
-    of the cores, one at most; a stage's tp (and ZeRO-3) exchanges, a wait of their own."""
-    p, v, m, width = args.pp, args.virtual_stages, args.micro_batches, args.dp * args.tp
-    actions = [build_schedule(args.schedule, p, s, m, v)[::-1] for s in range(p)]   # popped
-    link = max(stage["link_s"] for stage in stages)
-    posted, arrives, now = set(), {}, 0.0      # a transfer: (what, micro-batch, receiver)
-    waits, unwaited, running = [set() for _ in stages], [set() for _ in stages], {}
-    while True:
-        for s, stage in enumerate(stages):     # every stage as far as it goes without waiting
-            while s not in running and all(arrives.get(key, math.inf) <= now for key in waits[s]):
-                waits[s] = set()
-                if not actions[s]:
-                    waits[s], unwaited[s] = unwaited[s], set()   # its last sends, at the end
-                    break
-                action = actions[s].pop()
-                if action.op != "comm":
-                    f, bwd, w = stage["chunks"][action.chunk or 0]
-                    talk = stage["comm_s"]["tp"] + stage["comm_s"]["dp"] * (args.zero == 3)
-                    running[s] = [{"F": f, "B": bwd + w * (args.schedule != "zb-h1"), "W": w}[
-                        action.op], talk / (2 * m * v) * (action.op != "W")]
-                    continue
-                batch = set()
-                for kind, mb, chunk in action.comms:
-                    k = (chunk or 0) * p + s
-                    key = {SEND_ACT: ("a", mb, k + 1), RECV_ACT: ("a", mb, k),
-                           SEND_GRAD: ("g", mb, k - 1), RECV_GRAD: ("g", mb, k)}[kind]
-                    if key in posted:
-                        arrives[key] = now + link
-                    posted.add(key)
-                    batch.add(key)
-                if any(kind in (RECV_ACT, RECV_GRAD) for kind, _, _ in action.comms):
-                    waits[s], unwaited[s] = batch | unwaited[s], set()
-                else:
-                    unwaited[s] |= batch
-        computing = sum(left > 0 for left, _ in running.values()) * width
-        rate = min(1.0, cores / computing) if computing else 1.0
-        ends = [left / rate if left > 0 else talk for left, talk in running.values()]
-        ends += [when - now for when in arrives.values() if when > now]
-        if not ends:
-            return now
-        step = min(ends)
-        now += step
-        for s, action in list(running.items()):
-            if action[0] > 0:
-                action[0] -= step * rate
-            else:
-                action[1] -= step
-            if action[0] <= 1e-12 and action[1] <= 1e-12:
-                del running[s]
-
-
-def plan(args):
-    """Every layout that fits in a rank's memory, ranked by predicted step time: a table, or
-    --json; and a line on why the winner wins."""
-    if args.hardware == "cpu":
-        cores = len(os.sched_getaffinity(0))
-        machine = ThisMachine(args.world_size, cores)
-    else:
-        figures = {**H100, **{name: vars(args)[name] for name in H100 if name in vars(args)}}
-        machine = Machine(**figures, gpus_per_node=args.gpus_per_node, cores=args.world_size)
-    rows = [predict(layout, machine) for layout in layouts(args, machine.gpus_per_node)]
+def plan(args, machine=None):
+    """Every layout that fits in a GPU's memory, ranked by predicted step time: a table, or
+    --json, and a line on why the winner wins. A search of more than a second says how far it
+    has come, on stderr; nothing fitting ends the run in one line."""
+    if machine is None:
+        figures = {**GPUS[args.hardware], **{name: vars(args)[name] for name in FIGURE_FLAGS
+                                             if name in vars(args)}}
+        machine = Machine(figures, args.gpus_per_node)
+    candidates = list(layouts(args, machine.gpus_per_node))
+    said = time.perf_counter()
+    rows = []
+    for k, layout in enumerate(candidates):
+        rows.append(predict(layout, machine))
+        if time.perf_counter() - said > 1:
+            said = time.perf_counter()
+            sys.stderr.write(f"plan: {k + 1} of {len(candidates)} layouts weighed\n")
     fits = sorted((row for row in rows if row["memory_bytes"] <= machine.memory),
                   key=lambda row: row["step_s"])
-    for row in fits:   # the model's FLOPs over what the ranks could do at peak (a CPU: its cores)
-        peak = machine.flops * min(args.world_size, machine.cores)
-        row["mfu"] = 6 * args.batch_size * args.num_layers * args.dim**2 / (row["step_s"] * peak)
+    if not fits:
+        smallest = min(row["memory_bytes"] for row in rows)
+        raise Stop(f"--plan: no layout of {args.world_size} GPUs fits in {si(machine.memory)}B "
+                   f"a GPU (the smallest needs {si(smallest)}B): more GPUs, or a smaller model")
     if args.json:
         print(json.dumps([{key: value for key, value in row.items() if key != "args"}
                           for row in fits], indent=1))
@@ -690,26 +707,28 @@ def plan(args):
 
 
 def show_plan(args, machine, rows, fits):
-    nodes, shown = -(-args.world_size // machine.gpus_per_node), fits[:args.top or None]
-    print(f"plan: {args.world_size} ranks ({nodes} node{'s' * (nodes > 1)} of "
+    nodes = args.world_size // machine.gpus_per_node
+    shown = fits[:args.top or None]
+    print(f"plan: {args.world_size} GPUs ({nodes} node{'s' * (nodes > 1)} of "
           f"{machine.gpus_per_node}), the MLP of {args.num_layers} layers, D={args.dim}, "
-          f"B={args.batch_size}, {'bf16 on fp32 masters' if args.bf16 else 'fp32'}, "
-          f"{args.optimizer}; {describe_machine(args, machine)}")
-    print(f"{len(rows)} layouts weighed, {len(fits)} fit in {si(machine.memory)}B a rank; the "
+          f"B={args.batch_size}, bf16 on fp32 masters, {args.optimizer}; "
+          f"{machine.figures['name']}: {si(machine.flops)}FLOP/s, {si(machine.memory)}B, "
+          f"HBM {si(machine.hbm)}B/s")
+    print(f"{len(rows)} layouts weighed, {len(fits)} fit; the "
           f"{'' if len(shown) == len(fits) else f'{len(shown)} '}best by predicted step time "
           f"(--top 0: all). Bytes: what the busiest rank sends a step, * across nodes")
     width = max([len(short_layout(row["args"])) for row in shown] + [6]) + 2
-    print(f"{'#':>4}  {'layout':<{width}}{'memory':>9}{'tp':>9}{'pp':>9}{'dp':>9}{'bubble':>7}"
-          f"{'compute':>9}{'comm':>9}{'step':>9}{'MFU':>5}")
+    print(f"{'#':>4}  {'layout':<{width}}{'memory':>10}{'tp':>10}{'pp':>10}{'dp':>10}"
+          f"{'bubble':>8}{'compute':>10}{'comm':>10}{'step':>10}{'MFU':>6}")
     for k, row in enumerate(shown, 1):
-        parts, sent = row["parts"], [f"{si(row['bytes'][group])}B{'*' * (group in row['crosses'])}"
-                                     for group in ("tp", "pp", "dp")]
-        print(f"{k:>4}  {short_layout(row['args']):<{width}}{si(row['memory_bytes']) + 'B':>9}"
-              f"{sent[0]:>9}{sent[1]:>9}{sent[2]:>9}{row['bubble']:>7.1%}"
-              f"{seconds(parts['compute']):>9}{seconds(parts['tp'] + parts['pp'] + parts['dp']):>9}"
-              f"{seconds(row['step_s']):>9}{row['mfu']:>5.0%}")
-    print(why(fits) if fits else f"no layout fits in {si(machine.memory)}B a rank: more ranks, "
-                                 f"or a smaller model")
+        parts = row["parts"]
+        sent = [f"{si(row['bytes'][group])}B{'*' * (group in row['crosses'])}"
+                for group in ("tp", "pp", "dp")]
+        print(f"{k:>4}  {short_layout(row['args']):<{width}}{si(row['memory_bytes']) + 'B':>10}"
+              f"{sent[0]:>10}{sent[1]:>10}{sent[2]:>10}{row['bubble']:>8.1%}"
+              f"{seconds(parts['compute']):>10}{seconds(parts['tp'] + parts['pp'] + parts['dp']):>10}"
+              f"{seconds(row['step_s']):>10}{row['mfu']:>6.0%}")
+    print(why(fits))
 
 
 def short_layout(a):
@@ -724,8 +743,9 @@ def short_layout(a):
 def why(fits):
     """The winner against the best layout of another shape: the part of the step it saves most."""
     best = fits[0]
+    shape = (best["args"].dp, best["args"].pp, best["args"].tp)
     other = next((row for row in fits if (row["args"].dp, row["args"].pp, row["args"].tp) !=
-                  (best["args"].dp, best["args"].pp, best["args"].tp)), None)
+                  shape), None)
     if other is None:
         return f"why: {short_layout(best['args'])} is the only shape that fits"
     gains = {part: other["parts"][part] - best["parts"][part] for part in best["parts"]}
@@ -735,17 +755,6 @@ def why(fits):
             f"{part}: {seconds(best['parts'][part])} against {seconds(other['parts'][part])}")
 
 
-def describe_machine(args, machine):
-    if args.hardware == "cpu":
-        return (f"this machine, timed: {machine.cores:.3g} cores for its ranks, "
-                f"{si(machine.flops)}FLOP/s a core at best, an all-reduce of 4 MB over "
-                f"{args.world_size} ranks "
-                f"{seconds(machine.collective_s('all-reduce', 2**22, args.world_size, False))}")
-    return (f"H100 figures: {si(machine.flops)}FLOP/s, {si(machine.memory)}B, "
-            f"{si(machine.intra)}B/s in a node ({si(machine.all_reduce)}B/s all-reduce), "
-            f"{si(machine.inter)}B/s across")
-
-
 def si(value):   # 3 significant figures and a prefix: 1.23 G
     for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(value) >= scale:
@@ -753,31 +762,31 @@ def si(value):   # 3 significant figures and a prefix: 1.23 G
     return f"{value:.3g} "
 
 
-def seconds(value):
-    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
+def seconds(value):   # in the unit that fits: 12.3 us, 4.56 ms, 1.23 s
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value / 1e-6:.3g} us"
 
 
-PLAN_FLAGS = ["world_size", "hardware", "gpus_per_node", *H100, "json", "top"]
+PLAN_FLAGS = ["world_size", "hardware", "gpus_per_node", *FIGURE_FLAGS, "json", "top"]
 
 
 def add_plan_args(parser):
     plan = parser.add_argument_group("--plan: which layout? (the model's flags, and these)")
     plan.add_argument("--plan", action="store_true",
-                      help="rank every layout of --world-size ranks by predicted step time")
+                      help="rank every layout of --world-size GPUs by predicted step time")
     plan.add_argument("--world-size", type=positive_int, default=argparse.SUPPRESS,
-                      help="ranks to lay out (default 8)")
-    plan.add_argument("--hardware", choices=["cpu", "h100"], default="cpu",
-                      help="cpu: this machine, timed at start-up; h100: the published figures "
-                           "(and --bf16, which they are for), each changed by its flag below")
-    plan.add_argument("--gpus-per-node", type=positive_int, default=8, help="h100: GPUs a node")
-    for name, unit in [("flops", "FLOP/s a GPU"), ("memory_gb", "GB a GPU"),
-                       ("intra_gbps", "GB/s in a node: collectives and sends"),
-                       ("all_reduce_gbps", "GB/s in a node: an all-reduce's bus bandwidth"),
-                       ("inter_gbps", "GB/s a GPU across nodes"),
-                       ("latency_us", "microseconds a ring step"),
-                       ("hbm_gbps", "GB/s of memory: the optimizer's pass")]:
+                      help="GPUs to lay out (default 8)")
+    plan.add_argument("--hardware", choices=sorted(GPUS), default=argparse.SUPPRESS,
+                      help="the GPU whose published figures price a step (in bf16), each "
+                           "changed by its flag below (default h100)")
+    plan.add_argument("--gpus-per-node", type=positive_int, default=argparse.SUPPRESS,
+                      help="GPUs a node; divides --world-size (default 8)")
+    for name, unit in FIGURE_FLAGS.items():
+        defaults = ", ".join(f"{gpu} {figures[name]:g}" for gpu, figures in GPUS.items())
         plan.add_argument(f"--{name.replace('_', '-')}", type=positive_float,
-                          default=argparse.SUPPRESS, help=f"h100: {unit} (default {H100[name]:g})")
+                          default=argparse.SUPPRESS, help=f"{unit} (default {defaults})")
     plan.add_argument("--json", action="store_true", help="the rows as a JSON list, best first")
     plan.add_argument("--top", type=int, default=20, help="rows printed; 0: every one that fits")
 
@@ -787,19 +796,16 @@ def plan_rules(parser, args):
     used = {"plan", *PLAN_FLAGS, "num_layers", "dim", "batch_size", "optimizer", "bf16",
             "bucket_mb", "backend", "timeout_s"}
     refuse_unused(parser, args, used, "--plan, which chooses it")
-    told = next((name for name in H100 if name in vars(args)), "")   # a figure given
-    parser.refuse([
-        (args.hardware == "cpu" and told, f"--{told.replace('_', '-')}: --hardware cpu is "
-                                          f"timed, not told; figures are for --hardware h100"),
-        (args.hardware == "cpu" and args.gpus_per_node != 8,
-         "--gpus-per-node: --hardware cpu is one node, this machine"),
-        (args.top < 0, f"--top {args.top}: expected 0 (every row) or more"),
-        (under_torchrun(), "--plan: run it as a plain command, not under torchrun")])
     args.world_size = getattr(args, "world_size", 8)
-    if args.hardware == "h100":
-        args.bf16 = True
-    else:
-        args.gpus_per_node = args.world_size
+    args.hardware = getattr(args, "hardware", "h100")
+    args.gpus_per_node = getattr(args, "gpus_per_node", 8)
+    args.bf16 = True                          # the GPUs' figures are bf16's
+    parser.refuse([
+        (args.top < 0, f"--top {args.top}: expected 0 (every row) or more"),
+        (under_torchrun(), "--plan: run it as a plain command, not under torchrun"),
+        (args.world_size % args.gpus_per_node, f"--gpus-per-node {args.gpus_per_node} does not "
+                                               f"divide --world-size {args.world_size}: a plan "
+                                               f"is for whole nodes")])
     parser.refuse([(next(layouts(args, args.gpus_per_node), None) is None,
                     f"--world-size {args.world_size}: no layout of it divides --num-layers "
                     f"{args.num_layers}, --dim {args.dim} and --batch-size {args.batch_size}")])
@@ -855,40 +861,6 @@ def parse_args(argv=None):
     check_training_args(parser, args, args.dp * args.pp * args.tp, args.dp, "--dp",
                         "--dp x --pp x --tp")
     return args
-
-
-# Ray Train's TorchTrainer starts one worker process per rank, on any node of the cluster,
-# gives it what torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-# MASTER_PORT) and joins the process group before it calls ray_train_func. From there the
-# path is torchrun's: spawn() sees RANK and runs this one rank; setup() finds the group joined.
-
-def ray_train_func(config):
-    """One Ray Train worker: this rank of the run that config["args"] describes."""
-    args = config["args"]
-    spawn(three_d_worker, args.dp * args.pp * args.tp, args, backend=config["backend"],
-          timeout_s=args.timeout_s)
-
-
-def ray_launch(args):
-    import ray
-    from ray.train import ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    world_size = args.dp * args.pp * args.tp
-    ray.init()   # joins the cluster of `ray start` (RAY_ADDRESS, or one here), else starts one
-    cluster = ray.cluster_resources()
-    gpus = cluster.get("GPU", 0)
-    use_gpu = args.backend == "nccl" or (args.backend == "auto" and gpus >= world_size)
-    backend = "nccl" if use_gpu else "gloo"
-    # A share of the cluster's CPUs per rank, at most one: 8 ranks fit on a 2-core laptop.
-    resources = {"CPU": min(1.0, cluster.get("CPU", 1) / world_size)}
-    resources.update({"GPU": 1} if use_gpu else {})
-    if args.save:
-        args.save = os.path.abspath(args.save)   # a worker may run in another directory
-    TorchTrainer(ray_train_func, train_loop_config={"args": args, "backend": backend},
-                 scaling_config=ScalingConfig(num_workers=world_size, use_gpu=use_gpu,
-                                              resources_per_worker=resources),
-                 torch_config=TorchConfig(backend=backend, timeout_s=args.timeout_s)).fit()
 
 
 if __name__ == "__main__":

@@ -301,13 +301,14 @@ def memory_worker(rank, world_size, args):
     init = init_weights(args.num_layers, args.dim, args.seed)
     replica = data_parallel.make_replica([w.to(device, copy=True) for w in init], None, zero=args.zero,
                                          **replica_options(args))
+    memory = data_parallel.watch_memory(replica)
     inputs, targets = (t.to(device) for t in make_batch(args))
     rows, m = replica_rows(args.batch_size, rank, world_size), args.micro_batches
     for _ in range(2):   # AdamW's state is made in the first step: the second holds it throughout
         data_parallel.dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m), len(rows) * args.dim)
         replica.update()
     if rank == 0:
-        data_parallel.show_memory(replica, args, "each replica")
+        data_parallel.show_memory(replica, memory, args, "each replica")
     cleanup()
 
 # ----------------------------------------------------------------------------------
@@ -338,8 +339,10 @@ def colwise_race(rank, world_size, args):
     shards = [shard(w, kind, rank, world_size).to(device) for w, kind in zip(full, kinds)]
     replica = data_parallel.DataParallel(shards, dist.new_subgroups(1)[0], **replica_options(sgd(args)))
 
+    blocks = tensor_parallel.tp_blocks(kinds)
+
     def step():                       # as tp_worker's
-        tensor_parallel.tp_step(replica, kinds, xs, ys, n)
+        tensor_parallel.tp_step(replica, blocks, xs, ys, n)
         replica.update()
     sides = {"ours": (step, lambda: (replica.params, replica.grads())),
              TORCH_TP[args.tp_style]: colwise_side(as_module(full, device), kinds, xs, ys, n, args.lr),
@@ -442,9 +445,10 @@ def stage_replica(full, chunk_layers, stage, num_stages, targets, n, device, arg
     mine = [i for layers in chunk_layers for i in layers]
     per_chunk = len(mine) // v
     replica = data_parallel.DataParallel([full[i].to(device, copy=True) for i in mine], dist.new_subgroups(1)[0],
-                                         breaks=range(0, len(mine), per_chunk), **replica_options(args))
-    return replica, [Stage(replica, range(c * per_chunk, (c + 1) * per_chunk), c * p + stage == 0, c * p + stage == v * p - 1,
-                           len(targets), targets, n, recompute=getattr(args, "recompute", False)) for c in range(v)]
+                                         chunk_starts=range(0, len(mine), per_chunk), **replica_options(args))
+    return replica, [Stage(replica, range(c * per_chunk, (c + 1) * per_chunk), first=c * p + stage == 0,
+                           last=c * p + stage == v * p - 1, num_micro_batches=len(targets), targets=targets,
+                           mean_over=n, recompute=getattr(args, "recompute", False)) for c in range(v)]
 
 
 def begin_step(replica, stages):

@@ -16,6 +16,7 @@ Each script's step runs here from its own blocks (dp_step, tp_blocks, run_schedu
 ThreeDRank.gradients) inside CommCounter.step(), which swaps the torch.distributed
 functions they call for counting wrappers and puts the originals back afterwards.
 """
+import collections
 import contextlib
 import inspect
 import textwrap
@@ -33,7 +34,7 @@ from collectives import collective_cost
 from data_parallel import DataParallel, dp_costs, dp_step, init_weights, make_batch, make_replica, replica_rows
 from pipeline_parallel import build_schedule, gather_on_rank0, pipeline_costs, run_schedule, stage_layers
 from race import replica_options
-from tensor_parallel import layer_kinds, shard, tp_costs, tp_step
+from tensor_parallel import layer_kinds, shard, tp_blocks, tp_costs, tp_step
 
 RING_COST = {  # dist function -> (kind, the argument that holds N, factor)
     "all_reduce": ("all-reduce", "tensor", 2),
@@ -57,10 +58,12 @@ class CommCounter:
     def __init__(self, groups):
         self.groups = groups
         self.counts = {}   # (dimension, kind) -> [calls, bytes], of the last step()
+        self.calls = collections.Counter()   # (dimension, kind, bytes of the tensor) -> calls
 
     @contextlib.contextmanager
     def step(self):
         self.counts = {}
+        self.calls = collections.Counter()
         originals = {name: getattr(dist, name) for name in [*RING_COST, "send", "batch_isend_irecv"]}
         for name, fn in originals.items():
             setattr(dist, name, self._counting(name, fn))
@@ -76,21 +79,24 @@ class CommCounter:
             if name == "batch_isend_irecv":
                 for op in call["p2p_op_list"]:
                     if op.op is dist.isend:          # the receives send nothing
-                        self._add(self._dimension(peer=op.peer), "send", nbytes(op.tensor))
+                        self._add(self._dimension(peer=op.peer), "send", nbytes(op.tensor),
+                                  nbytes(op.tensor))
             elif name == "send":
-                self._add(self._dimension(peer=call["dst"]), "send", nbytes(call["tensor"]))
+                self._add(self._dimension(peer=call["dst"]), "send", nbytes(call["tensor"]),
+                          nbytes(call["tensor"]))
             else:
                 kind, tensor, factor = RING_COST[name]
                 n = dist.get_world_size(call.get("group"))
                 self._add(self._dimension(group=call.get("group")), kind,
-                          Fraction(factor * (n - 1) * nbytes(call[tensor]), n))
+                          Fraction(factor * (n - 1) * nbytes(call[tensor]), n), nbytes(call[tensor]))
             return fn(*args, **kwargs)
         return counted
 
-    def _add(self, dimension, kind, count):
+    def _add(self, dimension, kind, count, tensor_bytes):
         entry = self.counts.setdefault((dimension, kind), [0, 0])
         entry[0] += 1
         entry[1] += count
+        self.calls[dimension, kind, tensor_bytes] += 1
 
     def _dimension(self, group=None, peer=None):
         """The name of the group a collective runs on, or of the group that holds a peer."""
@@ -135,7 +141,7 @@ def three_d_formula(args, stage):
 
 def style_bytes(num_layers, tp_style, act_bytes, num_micro_batches, tp_size):
     """A TP rank's bytes per step over the model's layers, in one style (tp_costs)."""
-    runs = tp_costs(layer_kinds(num_layers, tp_style), act_bytes, num_micro_batches)
+    runs = tp_costs(layer_kinds(num_layers, tp_style), act_bytes, num_micro_batches=num_micro_batches)
     return sum(sent for sent, _ in formula("tp", runs, tp_size).values())
 
 
@@ -174,8 +180,8 @@ def count_dp(rank, world_size, args):
     with counter.step():
         dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m), n, recompute=args.recompute)
         replica.update()
-    report(counter, formula("dp", dp_costs(replica.lengths, world_size, args.zero, m, args.optimizer, args.bf16,
-                                           args.recompute)[0], world_size))
+    report(counter, formula("dp", dp_costs(replica.lengths, world_size, zero=args.zero, num_micro_batches=m,
+                                           optimizer=args.optimizer, bf16=args.bf16)[0], world_size))
     cleanup()
 
 
@@ -189,10 +195,11 @@ def count_tp(rank, world_size, args):
     replica = DataParallel(shards, dist.new_subgroups(1)[0], **replica_options(args))
     counter = CommCounter({"tp": None})
     with counter.step():
-        tp_step(replica, kinds, inputs.chunk(m), targets.chunk(m), args.batch_size * args.dim,
+        tp_step(replica, tp_blocks(kinds), inputs.chunk(m), targets.chunk(m), args.batch_size * args.dim,
                 recompute=args.recompute)
     act_bytes = args.batch_size // m * args.dim * (2 if args.bf16 else 4)   # one micro-batch's [B/m, D]
-    report(counter, formula("tp", tp_costs(kinds, act_bytes, m, True, args.recompute), world_size),
+    report(counter, formula("tp", tp_costs(kinds, act_bytes, num_micro_batches=m, recompute=args.recompute),
+                            world_size),
            megatron_comparison(L, act_bytes, m, world_size))
     cleanup()
 
@@ -212,8 +219,7 @@ def count_pp(rank, world_size, args):
         run_schedule(build_schedule(args.schedule, p, stage, m, v), chunks, inputs.to(replica.dtype).chunk(m),
                      (stage - 1) % p, (stage + 1) % p, (args.batch_size // m, args.dim))
     act_bytes = args.batch_size // m * args.dim * (2 if args.bf16 else 4)
-    layers = args.num_layers // (p * v)
-    report(counter, formula("pp", pipeline_costs(args.schedule, p, stage, m, v, layers, act_bytes)[2], p))
+    report(counter, formula("pp", pipeline_costs(args.schedule, p, stage, m, v, act_bytes=act_bytes)[2], p))
     cleanup()
 
 

@@ -22,26 +22,31 @@ import torch.distributed as dist
 import three_d
 from collectives import cleanup, setup
 from comm_count import CommCounter
-from data_parallel import held
+from data_parallel import memory_held
 from pipeline_parallel import Recorder, gather_on_rank0
+from plan_machine import ThisMachine
 from race import race, spawn_returning
 
 
 class Sampler(Recorder):
-    """The stash table's Recorder, and the most the replica held: after every action, and
-    after every dW summed into a bucket (ZeRO-3: while the unit's weights are gathered)."""
+    """The stash table's Recorder, and the most the replica held: after every action, after
+    every dW summed into a bucket, and after every gather of ZeRO-3's weights."""
 
     def __init__(self, device, replica):
         super().__init__(device)
-        self.replica, self.most, add_grad = replica, 0, replica.add_grad
+        self.replica = replica
+        self.most = 0
+        for name in ("add_grad", "gather_weights"):
+            setattr(replica, name, self.sampling(getattr(replica, name)))
 
-        def add_grad_and_sample(*args):
-            add_grad(*args)
+    def sampling(self, method):
+        def call_and_sample(*args, **kwargs):
+            method(*args, **kwargs)
             self.sample()
-        replica.add_grad = add_grad_and_sample
+        return call_and_sample
 
     def sample(self):
-        self.most = max(self.most, sum(held(self.replica).values()))
+        self.most = max(self.most, sum(memory_held(self.replica).values()))
 
     def stop(self, action, chunks):
         super().stop(action, chunks)
@@ -58,15 +63,14 @@ def count_worker(rank, world_size, layouts):
         me = three_d.ThreeDRank(rank, args, device)
         me.train_step()              # a step first: AdamW makes its state in its first one
         me.replica.update()
-        me.replica.peak = 0
         counter, sampler = CommCounter(me.groups), Sampler(device, me.replica)
         with counter.step():
             me.train_step(sampler)
             me.replica.update()
         sent = [float(sum(count for (group, _), (_, count) in counter.counts.items()
                           if group == name)) for name in ("tp", "pp", "dp")]
-        end = sum(held(me.replica).values())
-        most = max(sampler.most, me.replica.peak)
+        end = sum(memory_held(me.replica).values())
+        most = sampler.most
         stash = max(entry[2] for entry in sampler.memory)
         figures.append([me.stage, *sent, end, stash, max(most - end, 0)])
     everyone = gather_on_rank0(torch.tensor(figures, dtype=torch.float64))
@@ -85,11 +89,12 @@ def bench(argv):
                           ("--batch-size", 1024), ("--steps", 5)]:
         parser.add_argument(flag, type=int, default=default)
     sizes = parser.parse_args(argv)
-    args = three_d.parse_args(["--plan", "--world-size", str(sizes.world_size), "--num-layers",
-                               str(sizes.num_layers), "--dim", str(sizes.dim), "--batch-size",
-                               str(sizes.batch_size)])
+    args = three_d.parse_args(["--plan", "--world-size", str(sizes.world_size), "--gpus-per-node",
+                               str(sizes.world_size), "--num-layers", str(sizes.num_layers),
+                               "--dim", str(sizes.dim), "--batch-size", str(sizes.batch_size)])
+    args.bf16 = False                # the CPU's runs are fp32's (the GPUs' plans are bf16's)
     start = time.perf_counter()
-    machine = three_d.ThisMachine(args.world_size, len(os.sched_getaffinity(0)))
+    machine = ThisMachine(args.world_size, len(os.sched_getaffinity(0)))
     rows = [three_d.predict(layout, machine) for layout in three_d.layouts(args, args.world_size)]
     calibrated = time.perf_counter() - start
     best = {}    # one a shape, schedule, TP style and ZeRO stage: the predicted best

@@ -79,10 +79,11 @@ def test_data_parallel(capfd, overlap, bucket_mb):
 
 
 @pytest.mark.parametrize("flags", [("--bf16",), ("--recompute",), ("--bf16", "--recompute")])
-def test_bf16_halves_what_crosses_and_recompute_repeats_the_forward_collectives(capfd, flags):
+def test_bf16_halves_what_crosses_and_recompute_repeats_the_row_layers_all_reduce(capfd, flags):
     """--bf16: every activation and its gradient between tp ranks in 2 bytes, not 4. --recompute:
-    the forward runs twice, so its collectives do: the all-gather layers' all-gathers and
-    the row layers' all-reduces of z, once more each; the backward's are unchanged."""
+    each layer keeps its input and computes z again in its backward: a row layer's z needs g's
+    all-reduce again; an all-gather layer's z_t = x W_t needs none (its all-gather made the next
+    layer's input, which is kept); the backward's own collectives are unchanged."""
     t, L, D, B, m = 2, 4, 8, 12, 3
     comm_count.count("tensor_parallel", ["--world-size", str(t), "--num-layers", str(L), "--dim", str(D),
                                          "--batch-size", str(B), "--micro-batches", str(m), "--tp-style", "megatron",
@@ -90,15 +91,15 @@ def test_bf16_halves_what_crosses_and_recompute_repeats_the_forward_collectives(
     L, act = 5, B // m * D * (2 if "--bf16" in flags else F32)
     again = "--recompute" in flags
     assert_counts(capfd, t, lambda rank: {                            # 2 pairs and an all-gather layer
-        ("tp", "all-gather"): ((1 + again) * m, (1 + again) * m * all_gather(t, act)),
+        ("tp", "all-gather"): (m, m * all_gather(t, act)),
         ("tp", "all-reduce"): ((L - 1 + 2 * again) * m, (L - 1 + 2 * again) * m * all_reduce(t, act)),
     })
 
 
 def test_bf16_halves_the_pipelines_messages_and_zeros_weight_gathers(capfd):
     """dp=2 pp=2 tp=1 with ZeRO-3, a layer a unit: the stage boundaries send bf16; the units
-    are gathered in bf16, and --recompute gathers each a third time a micro-batch (forward,
-    the forward again, backward); the gradients are reduced in fp32, as ever."""
+    are gathered in bf16, twice a micro-batch (forward, backward), --recompute or not: z is
+    made again from the weights the backward gathers; the gradients are reduced in fp32."""
     comm_count.count("three_d", ["--dp", "2", "--pp", "2", "--tp", "1", "--num-layers", "4", "--dim", "8",
                                  "--batch-size", "8", "--micro-batches", "2", "--zero", "3", "--bucket-mb", "0",
                                  "--bf16", "--recompute", *COMMON])
@@ -109,7 +110,7 @@ def test_bf16_halves_the_pipelines_messages_and_zeros_weight_gathers(capfd):
             re.findall(r"^    (\w+) ([\w-]+)\s+(\d+) calls\s+counted\s+(\S+)", out, re.MULTILINE) if int(calls)]
     assert {counted for kind, counted in rows if kind == "send"} == {m * act}   # one each way, a mb
     assert {counted for kind, counted in rows if kind == "all-gather"} == {   # 2 layers a stage
-        m * (d - 1) * 3 * 2 * layer // 2 // d}
+        m * (d - 1) * 2 * 2 * layer // 2 // d}
     assert {counted for kind, counted in rows if kind == "reduce-scatter"} == {m * (d - 1) * 2 * layer // d}
 
 

@@ -459,20 +459,21 @@ def test_buckets_match_serial(tmp_path, monkeypatch, world_size, zero, micro_bat
 def test_buckets_are_runs_of_layers_from_the_last_within_the_cap():
     """Cut from the last layer; the first bucket (the last layers') holds 1 MB at most, the
     others bucket_mb; a layer larger than the cap is a bucket alone; 0: a layer each; no
-    bucket spans a break."""
+    bucket spans the start of a chunk."""
     mb = 2**20 // 4                                   # floats in 1 MB
 
     def buckets(*args, **kwargs):
-        return dp.make_buckets(*args, **kwargs)[0]
+        return dp.make_buckets(*args, **kwargs).buckets
     assert buckets([mb // 4] * 8, 25) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert buckets([mb // 4] * 8, 0.5) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert buckets([4 * mb] * 3, 25) == [[0, 1], [2]]       # 4 MB: alone past the first 1 MB
     assert buckets([10] * 4, 0) == [[0], [1], [2], [3]]
-    assert buckets([10] * 8, 25, breaks=range(0, 8, 4)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert buckets([10] * 6, 25, breaks=range(0, 6, 2)) == [[0, 1], [2, 3], [4, 5]]
+    assert buckets([10] * 8, 25, chunk_starts=range(0, 8, 4)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert buckets([10] * 6, 25, chunk_starts=range(0, 6, 2)) == [[0, 1], [2, 3], [4, 5]]
     # and where each layer sits: its bucket, its offset in it, each bucket's length
-    assert dp.make_buckets([3, 5, 7, 11], 0.5)[1:] == ({0: 0, 1: 0, 2: 0, 3: 0}, {0: 0, 1: 3, 2: 8, 3: 15},
-                                                        [26])
+    layout = dp.make_buckets([3, 5, 7, 11], 0.5)
+    assert (layout.bucket_of, layout.offset, layout.lengths) == ({0: 0, 1: 0, 2: 0, 3: 0},
+                                                                 {0: 0, 1: 3, 2: 8, 3: 15}, [26])
 
 
 MEMORY_ROW = re.compile(r"^  (weights|gradients|optimizer state|total)\s+(\d+) bytes\s+formula (.+?)\s*= +([\d.]+)$")

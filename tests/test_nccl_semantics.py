@@ -376,7 +376,7 @@ def test_the_timeline_times_a_gpu_with_cuda_events(monkeypatch):
     FakeEvent.clock = 0.0
     recorder = pp.Recorder(gpu)
     host_zero = recorder.zero[0]
-    stage = SimpleNamespace(stash={}, for_w={}, recomputed=0, held=lambda: 0)
+    stage = SimpleNamespace(stash={}, waiting_for_w={})
     for op, start, end in (("F", 0.5, 2.0), ("B", 2.0, 6.0)):
         FakeEvent.clock = start
         recorder.start(pp.Action(op, 0))
@@ -397,7 +397,8 @@ def single_stage_worker(rank, world_size):
     weights = dp.init_weights(2, D, 0)
     replica = dp.DataParallel(weights, dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr)
     x, y = torch.randn(8, D), torch.randn(8, D)
-    stage = pp.Stage(replica, range(2), True, True, m, y.chunk(m), mean_over=8 * D)
+    stage = pp.Stage(replica, range(2), first=True, last=True, num_micro_batches=m, targets=y.chunk(m),
+                     mean_over=8 * D)
     syncs = []
     real = {name: getattr(torch.Tensor, name) for name in ("item", "__float__", "tolist")}
     for name, fn in real.items():

@@ -1,42 +1,53 @@
-"""Tests for three_d.py --plan: the planner's bytes and memory against real runs, its rows,
-its time model on published figures worked by hand here, and its refusals.
+"""Tests for three_d.py --plan: what it counts against real runs and the GPU path's record, its
+prices against the published figures and physics, its table, and its refusals.
 
-- For every (dp, pp, tp) of 4 and 8 ranks, a layout of each flag family (every schedule,
-  interleaved with 2 and 4 chunks, each ZeRO stage with one micro-batch and with more,
-  Megatron's pairs, --p2p-shard, --recompute, the tp-dp-pp order, --bf16, and all at once)
-  runs a step, and what each rank counts (plan_check.count_worker: the bytes it sent on each
-  group, what its replica holds at the step's end, its stash at its largest, the most it
-  held in the step) equals the planner's row for its stage, exactly. The layout runs from
-  the row's own flags, parsed as three_d.py parses them.
-- --plan --json on H100 figures: best first, the keys outside checks read, the step's parts
-  adding up to it; a pure data-parallel and a pure pipeline layout's step time worked out here
-  from the published figures and the formulas.
-- The table: as many rows as --top, a line on why the winner wins.
-- --hardware cpu times this machine and plans for it.
-- Bad input: one line naming the flag, exit 2.
+- For every (dp, pp, tp) of 4 and 8 ranks, a layout of each flag family runs a step, and what
+  each rank counts (plan_check.count_worker: the bytes it sent on each group, what its replica
+  holds at the step's end, its stash at its largest, the most it held in the step) equals the
+  planner's figures for its stage (stage_costs), exactly.
+- A row's FLOPs by dtype and matmul bytes are what a rank of its stage executes, recorded by
+  tests/gpu_path.py on the meta device, at 8 and 1,024 GPUs.
+- A matmul costs its FLOPs at the peak a GEMM of its shape reaches or its bytes at HBM's speed,
+  whichever is longer; a collective, at each published size, the time nccl-tests measured.
+- No row, on several models and worlds, is faster than its matmuls' FLOPs and HBM traffic allow
+  at the best GEMM measured, nor has an MFU above it.
+- The table's rows and columns; --hardware cpu is gone: this machine's model lives in
+  tests/plan_machine.py, and prices every layout of 2 ranks.
+- Bad input: one line naming the flag, exit 2; nothing fitting: one line, exit 1.
 """
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
 import three_d
+from gpu_path import gpu_node_args, run_step
 from plan_check import count_worker
+from plan_machine import ThisMachine
 from race import spawn_returning
+from race import ROOT as REPO
 
 SMALL = ["--num-layers", "8", "--dim", "16", "--batch-size", "32"]
+MODEL = ["--num-layers", "64", "--dim", "8192", "--batch-size", "8192"]   # the README's
 FIELDS = ("dp", "pp", "tp", "order", "schedule", "virtual_stages", "micro_batches", "zero",
           "tp_style", "p2p_shard", "recompute", "bf16", "num_layers", "dim", "batch_size")
+H100 = three_d.GPUS["h100"]
+
+
+def plan_rows(argv, gpus_per_node=8, bf16=True):
+    """The planner's rows for a model and world on H100 figures."""
+    args = three_d.parse_args(["--plan", "--gpus-per-node", str(gpus_per_node), *argv])
+    args.bf16 = bf16
+    machine = three_d.Machine(H100, gpus_per_node)
+    return [three_d.predict(layout, machine) for layout in three_d.layouts(args, gpus_per_node)]
 
 
 def planned(world_size, bf16=False):
-    """The planner's rows for SMALL on a world of two nodes (so that both orders are weighed
-    and groups cross nodes), on H100 figures; bf16 as asked."""
-    args = three_d.parse_args(["--plan", "--world-size", str(world_size), "--hardware", "h100",
-                               "--gpus-per-node", str(world_size // 2), *SMALL])
-    args.bf16 = bf16
-    machine = three_d.Machine(**three_d.H100, gpus_per_node=world_size // 2, cores=world_size)
-    return [three_d.predict(layout, machine) for layout in three_d.layouts(args, world_size // 2)]
+    """SMALL's rows on a world of two nodes (so that both orders are weighed and groups cross
+    nodes); bf16 as asked."""
+    return plan_rows(["--world-size", str(world_size), *SMALL], world_size // 2, bf16)
 
 
 PLAIN = dict(order="tp-pp-dp", zero=0, tp_style="all-gather", p2p_shard=False, recompute=False)
@@ -94,19 +105,117 @@ def test_planned_bytes_and_memory_are_what_a_run_counts(world, dp, pp, tp):
         layouts.append(args)
     counted = spawn_returning(count_worker, world, layouts, timeout_s=30)   # [ranks, layouts, 7]
     for j, row in enumerate(chosen):
+        costs = [three_d.stage_costs(row["args"], s) for s in range(pp)]
         for rank in range(world):
             stage, tp_sent, pp_sent, dp_sent, end, stash, in_step = counted[rank, j].tolist()
-            want = row["stages"][int(stage)]
-            assert {"tp": tp_sent, "pp": pp_sent, "dp": dp_sent} == want["bytes"], \
-                (row["flags"], rank)
-            assert (end, stash, in_step) == (want["memory"]["held"], want["memory"]["stash"],
-                                             want["memory"]["in step"]), (row["flags"], rank)
-        assert row["memory_bytes"] == max(sum(stage["memory"].values()) for stage in row["stages"])
-        assert row["bytes"] == {group: max(stage["bytes"][group] for stage in row["stages"])
+            sent, memory = costs[int(stage)]
+            assert {"tp": tp_sent, "pp": pp_sent, "dp": dp_sent} == sent, (row["flags"], rank)
+            assert (end, stash, in_step) == (memory["held"], memory["stash"],
+                                             memory["in step"]), (row["flags"], rank)
+        assert row["memory_bytes"] == max(sum(memory.values()) for _, memory in costs)
+        assert row["bytes"] == {group: max(sent[group] for sent, _ in costs)
                                 for group in ("tp", "pp", "dp")}
     # the families really differ: more than one schedule, ZeRO stage or style among them
     assert len({(row["args"].schedule, row["args"].zero, row["args"].tp_style,
                  row["args"].recompute) for row in chosen}) >= 3
+
+
+def assert_priced_as_recorded(row, rank):
+    """A rank of the row's stage, its step recorded on the meta device: the FLOPs by dtype and
+    the bytes its matmuls move are the row's."""
+    ran = run_step("three_d", row["flags"].split(), rank)
+    assert ran.stage == row["stage"]
+    flops = {"bf16" if mm.in_bytes == 2 else "fp32": 0 for mm in ran.matmuls}
+    for mm, calls in ran.matmuls.items():
+        flops["bf16" if mm.in_bytes == 2 else "fp32"] += calls * mm.flops()
+    assert flops == row["flops"]
+    assert sum(calls * mm.bytes_moved() for mm, calls in ran.matmuls.items()) == row["matmul_bytes"]
+
+
+@pytest.mark.deadline(120)
+def test_a_row_prices_what_a_rank_of_8_gpus_executes():
+    rows = plan_rows(["--world-size", "8", "--num-layers", "16", "--dim", "256",
+                      "--batch-size", "256"])
+    for family in FAMILIES:
+        row = pick(rows, {key: value for key, value in family.items() if key != "bf16"})
+        if row is None:
+            continue
+        a = row["args"]
+        grid = three_d.rank_grid(a.dp, a.pp, a.tp, a.order)
+        assert_priced_as_recorded(row, grid[a.dp - 1, row["stage"], a.tp - 1].item())
+
+
+@pytest.mark.deadline(120)
+def test_a_row_prices_what_a_rank_of_1024_gpus_executes():
+    flags = ("--dp 16 --pp 8 --tp 8 --num-layers 64 --dim 8192 --batch-size 8192 "
+             "--micro-batches 16 --schedule interleaved --virtual-stages 2 --zero 3 --tp-style "
+             "megatron --p2p-shard --bf16").split()
+    args = gpu_node_args("three_d", flags)          # its door, as on a node of 8 GPUs
+    row = three_d.predict(args, three_d.Machine(H100, 8))
+    assert_priced_as_recorded(row, three_d.rank_grid(16, 8, 8)[5, row["stage"], 3].item())
+
+
+def test_a_matmul_costs_its_flops_or_its_bytes_whichever_is_longer():
+    """The issue's example: [128, 8192] x [8192, 8192] in bf16 does 17.2 GFLOP and moves 138 MB
+    through HBM, 124 FLOP a byte against the H100's 295: memory-bound, 41 us. A large square
+    GEMM is compute-bound, at most at the best GEMM measured, 80% of the peak."""
+    machine = three_d.Machine(H100, 8)
+    thin = three_d.Matmul(128, 8192, 8192, 2, 2, False)
+    assert thin.bytes_moved() == (128 * 8192 + 8192 * 8192 + 128 * 8192) * 2   # x, W in; z out
+    assert machine.matmul_s(thin) == pytest.approx(thin.bytes_moved() / 3.35e12)
+    assert 40e-6 < machine.matmul_s(thin) < 42e-6
+    square = three_d.Matmul(8192, 8192, 8192, 2, 2, False)
+    assert machine.matmul_s(square) >= square.flops() / (0.80 * 989e12)
+    assert machine.matmul_s(square) == pytest.approx(square.flops() / (989e12 * machine.efficiency(
+        8192, 8192, 8192)))
+    assert 0.7 < machine.efficiency(8192, 8192, 8192) <= 0.8
+    fp32 = square._replace(in_bytes=4, out_bytes=4)   # TF32 off: the CUDA cores, 1/15 the speed
+    assert machine.matmul_s(fp32) == pytest.approx(machine.matmul_s(square) * 989 / 67)
+    adding = three_d.Matmul(8192, 32, 1024, 2, 4, True)   # dW += x^T dz into fp32: reads it too
+    assert adding.bytes_moved() == (8192 * 32 + 32 * 1024) * 2 + 2 * 8192 * 1024 * 4
+
+
+def test_a_collective_costs_the_time_nccl_tests_measured():
+    """At each published size, an all-reduce over a node's 8 GPUs takes the measured time:
+    the floor plus its bytes over the bus bandwidth net of the floor; below them the floor and
+    a little; reduce-scatter and all-gather rise to 360 GB/s; across nodes, InfiniBand's."""
+    machine = three_d.Machine(H100, 8)
+    for size, busbw in three_d.RISE:
+        measured = 2 * 7 / 8 * size / (busbw * 1e9)
+        assert machine.collective_s("all-reduce", int(size), 8, 8) == pytest.approx(measured)
+    assert 20e-6 < machine.collective_s("all-reduce", 4, 8, 8) < 21e-6
+    big = 8 * 2**30                 # past the last size: its bandwidth, net of the floor
+    last = 2 * 7 / 8 * 1e9
+    net = last / (last / 360e9 - 20e-6)
+    assert machine.collective_s("all-gather", big, 8, 8) == pytest.approx(20e-6 + 7 / 8 * big / net)
+    across = machine.collective_s("all-gather", big, 16, 1)          # one GPU a node: its NIC
+    assert across == pytest.approx(30e-6 + 15 / 16 * big / 47e9, rel=1e-3)
+    assert machine.collective_s("send", 2**20, 2, 2) == pytest.approx(3e-6 + 2**20 / 180e9)
+    assert machine.collective_s("send", 2**20, 2, 1) == pytest.approx(30e-6 + 2**20 / 47e9)
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("argv", [["--world-size", "8", *MODEL],
+                                  ["--world-size", "16", *MODEL],
+                                  ["--world-size", "8", "--num-layers", "16", "--dim", "1024",
+                                   "--batch-size", "512"],
+                                  ["--world-size", "8", "--hardware", "a100", *MODEL]])
+def test_no_row_beats_its_matmuls_flops_and_hbm_traffic(argv):
+    """Every row's step takes at least what each stage's matmuls need at the best GEMM measured
+    or at HBM's speed, and no MFU passes that GEMM's share of the peak."""
+    gpu = three_d.GPUS["a100" if "a100" in argv else "h100"]
+    args = three_d.parse_args(["--plan", *argv])
+    machine = three_d.Machine(gpu, 8)
+    rows = [three_d.predict(layout, machine) for layout in three_d.layouts(args, 8)]
+    for row in rows:
+        bound = max(sum(calls * max(mm.flops() / (gpu["flops"] * gpu["gemm_best"]),
+                                    mm.bytes_moved() / (gpu["hbm_gbps"] * 1e9))
+                        for mm, calls in three_d.rank_matmuls(row["args"], s).items())
+                    for s in range(row["args"].pp))
+        assert row["step_s"] >= bound, row["flags"]
+        assert 0 < row["mfu"] <= gpu["gemm_best"], row["flags"]
+        assert sum(row["parts"].values()) == pytest.approx(row["step_s"], rel=1e-12)
+        assert 0 <= row["bubble"] < 1
 
 
 def run_plan(argv, capsys):
@@ -115,108 +224,79 @@ def run_plan(argv, capsys):
 
 
 def test_json_is_best_first_with_the_keys_outside_checks_read(capsys):
-    rows = json.loads(run_plan(["--hardware", "h100", "--world-size", "8", *SMALL, "--json"],
-                               capsys))
+    rows = json.loads(run_plan(["--world-size", "8", *SMALL, "--json"], capsys))
     assert len(rows) > 100
     steps = [row["step_s"] for row in rows]
     assert steps == sorted(steps)
     for row in rows:
-        assert {"flags", "memory_bytes", "bytes", "bubble", "step_s"} <= set(row)
+        assert {"flags", "memory_bytes", "bytes", "bubble", "step_s", "mfu", "flops",
+                "matmul_bytes"} <= set(row)
         assert set(row["bytes"]) == {"tp", "pp", "dp"}
         assert 0 <= row["bubble"] < 1 and row["memory_bytes"] <= 80e9
         assert sum(row["parts"].values()) == pytest.approx(row["step_s"], rel=1e-12)
         args = three_d.parse_args(row["flags"].split())   # each runs, as three_d.py reads it
-        assert args.dp * args.pp * args.tp == 8 and args.bf16   # H100's figures are bf16's
+        assert args.dp * args.pp * args.tp == 8 and args.bf16   # the GPUs' figures are bf16's
     assert len({row["flags"] for row in rows}) == len(rows)
 
 
-def figures_row(argv, flags):
-    """The planner's row for one layout, on H100 figures."""
-    args = three_d.parse_args(["--plan", "--hardware", "h100", *argv])
-    machine = three_d.Machine(**three_d.H100, gpus_per_node=args.gpus_per_node,
-                              cores=args.world_size)
-    rows = [three_d.predict(layout, machine) for layout in three_d.layouts(args, 8)]
-    return next(row for row in rows if row["flags"] == flags)
+def test_a_pipeline_is_its_slowest_stage_spread_by_the_bubble():
+    """GPipe, 8 stages of one layer, 8 micro-batches: the step is the slowest stage's compute and
+    sends over (1 - bubble), the bubble (p-1)/(m+p-1), then the update."""
+    rows = plan_rows(["--world-size", "8", "--num-layers", "8", "--dim", "1024",
+                      "--batch-size", "64"])
+    row = next(row for row in rows if row["flags"].startswith("--dp 1 --pp 8 --tp 1") and
+               row["args"].schedule == "gpipe" and row["args"].micro_batches == 8 and
+               not row["args"].recompute)
+    parts = row["parts"]
+    assert row["bubble"] == pytest.approx(7 / 15)
+    inside = parts["compute"] + parts["pp"]
+    assert parts["bubble"] == pytest.approx(inside * 7 / 15 / (1 - 7 / 15))
+    assert row["step_s"] == pytest.approx(inside / (1 - 7 / 15) + parts["update"])
+    assert row["bytes"]["pp"] == 2 * 8 * 8 * 1024 * 2          # a middle stage: both ways, bf16
 
 
-def test_data_parallel_step_time_from_the_published_figures():
-    """8 replicas of 8 layers of D = 1024, B = 64: each rank 8 rows, one micro-batch."""
-    L, D, B, d = 8, 1024, 64, 8
-    row = figures_row(["--world-size", "8", "--num-layers", str(L), "--dim", str(D),
-                       "--batch-size", str(B)],
-                      f"--dp 8 --pp 1 --tp 1 --num-layers {L} --dim {D} --batch-size {B} "
-                      f"--micro-batches 1 --schedule 1f1b --bf16")
-    flops, hbm, alpha = 989e12, 3350e9, 2e-6
-    matmul = 2 * (B // d) * D * D / flops
-    compute = L * 3 * matmul - matmul                      # F, B, W a layer; no dx for the input
-    loss = 4 * (B // d) * D * 4 / hbm
-    # the buckets as the replica cuts them from the last layer: 1 MB first (one layer of 4 MB
-    # here), then 25 MB at most (six layers)
-    layers_left, sizes = L - 1, [D * D * 4]
-    while layers_left:
-        take = min(layers_left, 25 * 2**20 // (D * D * 4))
-        sizes.append(take * D * D * 4)
-        layers_left -= take
-    all_reduce = sum(2 * (d - 1) * alpha + 2 * (d - 1) / d * size / 480e9 for size in sizes)
-    update = L * D * D * 36 / hbm
-    assert sizes == [4 * 2**20, 24 * 2**20, 4 * 2**20]
-    assert row["step_s"] == pytest.approx(compute + loss + all_reduce + update, rel=1e-9)
-    assert row["bubble"] == 0 and row["bytes"]["dp"] == sum(2 * (d - 1) / d * s for s in sizes)
-
-
-def test_pipeline_step_time_from_the_published_figures():
-    """8 stages of one layer each, GPipe, 8 micro-batches: (m + p - 1) slots of a stage's
-    F, B and W and its sends, then the update; a middle stage, sending both ways, is the
-    slowest (a send takes longer than the last stage's loss)."""
-    L, D, B, p, m = 8, 1024, 64, 8, 8
-    row = figures_row(["--world-size", "8", "--num-layers", str(L), "--dim", str(D),
-                       "--batch-size", str(B)],
-                      f"--dp 1 --pp 8 --tp 1 --num-layers {L} --dim {D} --batch-size {B} "
-                      f"--micro-batches {m} --schedule gpipe --bf16")
-    flops, hbm, alpha, b = 989e12, 3350e9, 2e-6, B // m
-    matmul = 2 * b * D * D / flops
-    middle = m * 3 * matmul                                # its F, B and W
-    sends = 2 * m * (alpha + b * D * 2 / 370e9)            # on and back, bf16
-    assert sends / (2 * m) > 4 * b * D * 4 / hbm           # more than the last stage's loss
-    bubble = (p - 1) / (m + p - 1)
-    update = D * D * 36 / hbm
-    assert row["bubble"] == pytest.approx(bubble)
-    assert row["step_s"] == pytest.approx((middle + sends) / (1 - bubble) + update, rel=1e-9)
-    assert row["bytes"]["pp"] == 2 * m * b * D * 2           # a middle stage: both ways
-
-
-def test_the_table_has_top_rows_and_says_why(capsys):
-    out = run_plan(["--hardware", "h100", "--world-size", "16", *SMALL, "--top", "5"], capsys)
+def test_the_table_has_top_rows_apart_columns_and_says_why(capsys):
+    out = run_plan(["--world-size", "16", *SMALL, "--top", "5"], capsys)
     lines = out.splitlines()
-    assert lines[0].startswith("plan: 16 ranks (2 nodes of 8)")
+    assert lines[0].startswith("plan: 16 GPUs (2 nodes of 8)")
     table = [line for line in lines if re.match(r" *\d+  dp\d", line)]
     assert [int(line.split()[0]) for line in table] == [1, 2, 3, 4, 5]
+    unit = r"[\d.]+ [kMGTP]?B\*?"
+    time = r"[\d.]+ (?:us|ms|s)"
+    for line in table:   # memory, bytes on tp, pp, dp, bubble, compute, comm, step, MFU: apart
+        assert re.search(rf" {unit} +{unit} +{unit} +{unit} +[\d.]+% +{time} +{time} +{time} +"
+                         rf"\d+%$", line), line
     assert lines[-1].startswith("why: ") and "beats the best of another shape" in lines[-1]
     assert "*" in out   # groups across the two nodes are marked
 
 
 @pytest.mark.deadline(120)
-def test_cpu_hardware_times_this_machine(capsys):
-    rows = json.loads(run_plan(["--world-size", "2", "--num-layers", "2", "--dim", "64",
-                                "--batch-size", "16", "--json"], capsys))
+def test_this_machine_prices_every_layout_of_2_ranks():
+    """tests/plan_machine.py's CPU model: timed here, it prices each layout of 2 ranks, its
+    parts adding up to its step, each group's exchange where the layout has one."""
+    args = three_d.parse_args(["--plan", "--world-size", "2", "--gpus-per-node", "2",
+                               "--num-layers", "2", "--dim", "64", "--batch-size", "16"])
+    args.bf16 = False
+    machine = ThisMachine(2, 2)
+    rows = [three_d.predict(layout, machine) for layout in three_d.layouts(args, 2)]
     assert rows and all(row["step_s"] > 0 for row in rows)
-    for row in rows:   # its parts, each timed here, add up to its step
+    for row in rows:
         assert sum(row["parts"].values()) == pytest.approx(row["step_s"], rel=1e-12)
         assert row["parts"]["compute"] > 0 and row["parts"]["update"] > 0
-        dp, tp = int(row["flags"].split()[1]), int(row["flags"].split()[5])
-        assert (row["parts"]["dp"] > 0) == (dp > 1) and (row["parts"]["tp"] > 0) == (tp > 1)
-    assert {(row["flags"].split()[1], row["flags"].split()[3]) for row in rows} == \
-        {("2", "1"), ("1", "2"), ("1", "1")}   # dp2, pp2 and tp2 (pp1, dp1)
+        a = row["args"]
+        assert (row["parts"]["dp"] > 0) == (a.dp > 1) and (row["parts"]["tp"] > 0) == (a.tp > 1)
+    assert {(row["args"].dp, row["args"].pp, row["args"].tp) for row in rows} == \
+        {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
 
 
 @pytest.mark.parametrize("argv,flag", [
     (["--plan", "--dp", "4"], "--dp"),
     (["--plan", "--schedule", "gpipe"], "--schedule"),
-    (["--plan", "--flops", "1e15"], "--flops"),
-    (["--plan", "--gpus-per-node", "4"], "--gpus-per-node"),
+    (["--plan", "--gpus-per-node", "3"], "--gpus-per-node"),
     (["--plan", "--top", "-1"], "--top"),
-    (["--plan", "--world-size", "7"], "--world-size"),
-    (["--plan", "--hardware", "tpu"], "--hardware"),
+    (["--plan", "--world-size", "7", "--gpus-per-node", "7"], "--world-size"),
+    (["--plan", "--hardware", "cpu"], "--hardware"),
+    (["--plan", "--flops", "-1"], "--flops"),
     (["--world-size", "8"], "--world-size"),
     (["--json"], "--json"),
     (["--hardware", "h100"], "--hardware"),
@@ -228,3 +308,12 @@ def test_bad_plan_input_exits_2_with_one_line(argv, flag, capsys):
     captured = capsys.readouterr()
     assert len(captured.err.splitlines()) == 1 and flag in captured.err, captured.err
     assert captured.out == ""
+
+
+@pytest.mark.deadline(60)
+def test_nothing_fitting_ends_in_one_line_and_exit_1():
+    proc = subprocess.run([sys.executable, "three_d.py", "--plan", "--num-layers", "64", "--dim",
+                           "65536", "--batch-size", "8192"], cwd=REPO, capture_output=True,
+                          text=True, timeout=55)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and "fits" in proc.stderr

@@ -392,7 +392,7 @@ SMALL = ["--dp", "2", "--pp", "2", "--tp", "2", "--num-layers", "4", "--dim", "1
     (6, "kill", "killed by SIGKILL"),
 ])
 def test_a_rank_that_dies_mid_step_is_named_and_every_rank_ends(rank, action, why, monkeypatch):
-    monkeypatch.setitem(tensor_parallel.LAYERS, "gather", failing_layer(rank, 6, action))
+    monkeypatch.setitem(tensor_parallel.BLOCKS, "gather", failing_layer(rank, 6, action))
     before = child_pids()
     start_time = time.monotonic()
     with pytest.raises(RankFailed) as failed:
@@ -452,7 +452,7 @@ def test_under_torchrun_the_failure_summary_carries_the_traceback():
 def test_a_stalled_rank_ends_the_run_at_the_timeout(monkeypatch):
     # Rank 1 sleeps for a minute inside step 1; its TP peer waits in the all-gather and
     # the next stage waits on a receive. --timeout-s 3 ends the run in seconds.
-    monkeypatch.setitem(tensor_parallel.LAYERS, "gather", failing_layer(1, 6, "stall"))
+    monkeypatch.setitem(tensor_parallel.BLOCKS, "gather", failing_layer(1, 6, "stall"))
     start_time = time.monotonic()
     with pytest.raises(RankFailed) as failed:
         three_d.main(["--dp", "1", "--pp", "2", "--tp", "2", "--num-layers", "4", "--dim", "16", "--batch-size", "8",
@@ -628,7 +628,7 @@ def test_the_same_run_twice_gives_bitwise_the_same_weights(tmp_path, monkeypatch
     # rank computes in a fixed order: arrival order must not change a single bit.
     argv = ["--dp", "2", "--pp", "2", "--tp", "2", "--schedule", "1f1b", *SHORT]
     three_d.main([*argv, "--save", str(tmp_path / "first.pt")])
-    monkeypatch.setitem(tensor_parallel.LAYERS, "gather", failing_layer(3, 2, lambda: time.sleep(0.3)))
+    monkeypatch.setitem(tensor_parallel.BLOCKS, "gather", failing_layer(3, 2, lambda: time.sleep(0.3)))
     three_d.main([*argv, "--save", str(tmp_path / "second.pt")])
     first, second = torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt")
     assert first["losses"] == second["losses"]

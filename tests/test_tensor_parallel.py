@@ -436,10 +436,10 @@ def test_check_fails_when_dx_is_not_all_reduced(tmp_path, monkeypatch, capfd):
     """Skip the all-reduce of dx everywhere: each rank backpropagates only its own term,
     training goes wrong, and --check must say FAILED and exit 1 (spawn: RankFailed)."""
     def backward_without_all_reduce(g, stash, w_t, need_dx=True, group=None):   # dx: this rank's term
-        cols = stash[1].shape[1]
+        cols = w_t.shape[1]
         return dp.layer_backward(g[:, dist.get_rank(group) * cols:(dist.get_rank(group) + 1) * cols], stash, w_t,
-                                 need_dx)
-    monkeypatch.setitem(tp.LAYERS, "gather", (tp.gather_forward, backward_without_all_reduce))
+                                 need_dx=need_dx)
+    monkeypatch.setitem(tp.BLOCKS, "gather", dp.Block(tp.gather_forward, backward_without_all_reduce))
     with pytest.raises(RankFailed) as failed:
         run_tp(tmp_path, monkeypatch, 2, flags=("--check",))
     assert failed.value.rank == 0 and failed.value.stopped.startswith("check FAILED")

@@ -1,0 +1,312 @@
+"""The GPU path, checked without a GPU: one rank's training step of any script, run on the meta
+device over torch's fake process group, with what it executes recorded.
+
+    python tests/gpu_path.py three_d --rank 229 --dp 16 --pp 8 --tp 8 --num-layers 64 --dim 8192 \\
+        --batch-size 8192 --micro-batches 16 --bf16 --zero 3 --tp-style megatron \\
+        --schedule interleaved --p2p-shard
+
+Tensors on the meta device have a shape and a dtype and compute nothing. torch's fake process
+group makes this one process rank r of a world of N: every group forms as usual, and each
+collective and send returns at once. So one process runs, op by op, what rank 229 of 1,024
+GPUs runs, in seconds. The meta device is not the CPU, and the scripts take the GPU's path
+wherever the device is not the CPU: what runs here is what a GPU runs. The command line goes
+through the script's own door as on a node of 8 GPUs (tests/nccl.py's fake_gpus), and the
+weights and the batch are drawn on meta by the scripts' own init_weights and make_batch.
+
+StepRecord, a TorchDispatchMode, sees every op of the step. It keeps
+- each matmul as three_d.Matmul, the planner's own record: (m, k, n), the bytes of an input's
+  and of an output's element, whether it adds into what its output held; from these its FLOPs,
+  2 m k n, and the bytes it moves; and the dtypes of every matmul's inputs;
+- each collective and send (comm_count's CommCounter): its group, kind and tensor bytes;
+- the bytes the step allocates, at their most while alive (a storage counts from the op that
+  makes it until its last reference goes);
+and it ends the step at the first op that touches a tensor on another device than meta, a
+CPU scalar aside (CUDA takes those, and AdamW keeps its step count there).
+"""
+import collections
+import contextlib
+import os
+import sys
+import weakref
+from typing import NamedTuple
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+
+import data_parallel  # noqa: E402
+import pipeline_parallel  # noqa: E402
+import tensor_parallel  # noqa: E402
+import three_d  # noqa: E402
+from comm_count import CommCounter  # noqa: E402
+from nccl import fake_gpus  # noqa: E402
+
+META = torch.device("meta")
+GPUS_PER_NODE = 8
+
+
+class OffDevice(RuntimeError):
+    """An op of the step touched a tensor that is not on the step's device."""
+
+
+MATMULS = {"mm": False, "addmm": True, "addmm_": True}   # an op's name -> it accumulates
+
+
+class StepRecord(TorchDispatchMode):
+    """Every op of the step, as the module's docstring says."""
+
+    def __init__(self, device=META):
+        super().__init__()
+        self.device = device
+        self.matmuls = collections.Counter()   # three_d.Matmul -> calls
+        self.input_dtypes = collections.Counter()   # a matmul's inputs' dtype -> calls
+        self.live = {}                         # id of a storage made in the step -> its bytes
+        self.now = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.check_devices(func, (args, kwargs))          # what it takes, before it runs
+        out = func(*args, **kwargs)
+        self.check_devices(func, out)                     # and what it makes
+        name = func.overloadpacket.__name__
+        if name in MATMULS:
+            self.add_matmul(name, args, out)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.note_alive(t.untyped_storage())
+        return out
+
+    def check_devices(self, func, tensors):
+        for t in tree_flatten(tensors)[0]:
+            if isinstance(t, torch.Tensor) and t.device != self.device and \
+                    not (t.device.type == "cpu" and t.dim() == 0):
+                raise OffDevice(f"{func}: a tensor {list(t.shape)} on {t.device}, where the step "
+                                f"runs on {self.device}")
+
+    def add_matmul(self, name, args, out):
+        accumulate = MATMULS[name]
+        a, b = args[1:3] if accumulate else args[:2]
+        if a.dtype != b.dtype:
+            raise TypeError(f"{name}: inputs of two dtypes, {a.dtype} and {b.dtype}")
+        self.input_dtypes[a.dtype] += 1
+        self.matmuls[three_d.Matmul(a.shape[0], a.shape[1], b.shape[1], a.element_size(),
+                                    out.element_size(), accumulate)] += 1
+
+    def note_alive(self, storage):
+        key = id(storage)
+        if key in self.live:
+            return
+        self.live[key] = storage.nbytes()
+        self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self.free, key)
+
+    def free(self, key):
+        self.now -= self.live.pop(key)
+
+    def flops(self, element_size=None):   # of every matmul, or of those of this input size
+        return sum(calls * mm.flops() for mm, calls in self.matmuls.items()
+                   if element_size in (None, mm.in_bytes))
+
+
+@contextlib.contextmanager
+def fake_world(rank, world_size):
+    """This process as rank `rank` of `world_size`, on torch's fake process group (named for
+    the meta device too, or batch_isend_irecv finds no backend for meta tensors)."""
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank,
+                            world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def drawn_on_meta():
+    """The scripts' own init_weights and make_batch, drawing on the meta device: shapes and
+    dtypes, no numbers (the whole model of a 1,024-GPU run fits in no CPU's memory)."""
+    real = {"init_weights": data_parallel.init_weights, "make_batch": data_parallel.make_batch}
+
+    def on_meta(fn):
+        def drawn(*args, **kwargs):
+            with torch.device(META):
+                return fn(*args, **kwargs)
+        return drawn
+    with contextlib.ExitStack() as stack:
+        for module in (data_parallel, tensor_parallel, pipeline_parallel, three_d):
+            for name, fn in real.items():
+                if hasattr(module, name):
+                    stack.enter_context(mock.patch.object(module, name, on_meta(fn)))
+        yield
+
+
+def gpu_node_args(script, argv):
+    """The script's own parse_args, as on a node of 8 GPUs that can run bf16."""
+    with fake_gpus(GPUS_PER_NODE), mock.patch.dict(os.environ,
+                                                  {"LOCAL_WORLD_SIZE": str(GPUS_PER_NODE)}):
+        return SCRIPTS[script].parse_args(argv)
+
+
+class Ran(NamedTuple):
+    """What one rank's recorded step did."""
+    script: str
+    args: object
+    rank: int
+    stage: int               # its pipeline stage (0 without one)
+    matmuls: collections.Counter
+    comms: collections.Counter   # (group, kind, bytes of the tensor) -> calls
+    peak_bytes: int          # allocated in the step, alive at once, at the most
+    held: dict               # what its replica holds at the step's end {kind: bytes}
+    record: StepRecord
+
+
+def run_step(script, argv, rank):
+    """Rank `rank`'s step of script (its module's name) with these flags, on meta: built, one
+    step taken (AdamW makes its state in its first), then one step recorded."""
+    args = gpu_node_args(script, argv)
+    world_size = world_of(script, args)
+    with fake_world(rank, world_size), drawn_on_meta():
+        step, replica, groups, stage = BUILDERS[script](args, rank, world_size)
+        with StepRecord():                # the first step, checked alike, its record let go
+            step()
+        counter = CommCounter(groups)
+        with counter.step(), StepRecord() as record:
+            step()
+        held = data_parallel.memory_held(replica)
+    comms = collections.Counter({key: calls for key, calls in counter.calls.items()})
+    return Ran(script, args, rank, stage, record.matmuls, comms, record.peak, held, record)
+
+
+def world_of(script, args):
+    if script == "three_d":
+        return args.dp * args.pp * args.tp
+    return args.world_size
+
+
+def build_data_parallel(args, rank, world_size):
+    """dp_worker's replica and step (steps 2): the world's ranks are the replicas."""
+    m = args.micro_batches
+    init = data_parallel.init_weights(args.num_layers, args.dim, args.seed)
+    replica = data_parallel.make_replica([w.to(META, copy=True) for w in init], None,
+                                         zero=args.zero, optimizer=args.optimizer, lr=args.lr,
+                                         bucket_mb=args.bucket_mb, bf16=args.bf16,
+                                         overlap=args.overlap)
+    inputs, targets = data_parallel.make_batch(args)
+    rows = data_parallel.replica_rows(args.batch_size, rank, world_size)
+    xs = inputs[rows].chunk(m)
+    ys = targets[rows].chunk(m)
+
+    def step():
+        data_parallel.dp_step(replica, xs, ys, len(rows) * args.dim, args.recompute)
+        if args.clip_grad:
+            replica.clip(args.clip_grad)
+        replica.update()
+    return step, replica, {"dp": None}, 0
+
+
+def build_tensor_parallel(args, rank, world_size):
+    """tp_worker's shards, replica and step (step 3)."""
+    m = args.micro_batches
+    kinds = tensor_parallel.layer_kinds(args.num_layers, args.tp_style)
+    full = data_parallel.init_weights(args.num_layers, args.dim, args.seed)
+    shards = [tensor_parallel.shard(w, kind, rank, world_size) for w, kind in zip(full, kinds)]
+    replica = data_parallel.DataParallel(shards, dist.new_subgroups(1)[0],
+                                         optimizer=args.optimizer, lr=args.lr, bf16=args.bf16)
+    inputs, targets = data_parallel.make_batch(args)
+
+    blocks = tensor_parallel.tp_blocks(kinds)
+
+    def step():
+        tensor_parallel.tp_step(replica, blocks, inputs.chunk(m), targets.chunk(m),
+                                args.batch_size * args.dim, recompute=args.recompute)
+        if args.clip_grad:
+            replica.clip(args.clip_grad, [dist.group.WORLD])
+        replica.update()
+    return step, replica, {"tp": None}, 0
+
+
+def build_pipeline_parallel(args, rank, world_size):
+    """pp_worker's replica, stages, action list and step (step 4)."""
+    p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
+    full = data_parallel.init_weights(args.num_layers, args.dim, args.seed)
+    inputs, targets = data_parallel.make_batch(args)
+    mine = [i for c in range(v)
+            for i in pipeline_parallel.stage_layers(args.num_layers, p, stage, v, c)]
+    per_chunk = len(mine) // v
+    replica = data_parallel.DataParallel([full[i].to(META, copy=True) for i in mine],
+                                         dist.new_subgroups(1)[0], optimizer=args.optimizer,
+                                         lr=args.lr, bf16=args.bf16,
+                                         chunk_starts=range(0, len(mine), per_chunk))
+    stages = [pipeline_parallel.Stage(replica, range(c * per_chunk, (c + 1) * per_chunk),
+                                      first=c * p + stage == 0, last=c * p + stage == v * p - 1,
+                                      num_micro_batches=m, targets=targets.chunk(m),
+                                      mean_over=args.batch_size * args.dim,
+                                      recompute=args.recompute) for c in range(v)]
+    actions = pipeline_parallel.build_schedule(args.schedule, p, stage, m, v)
+    micro_batches = inputs.to(replica.dtype).chunk(m)
+
+    def step():
+        replica.begin_step()
+        for chunk in stages:
+            chunk.begin_step()
+        pipeline_parallel.run_schedule(actions, stages, micro_batches, (stage - 1) % p,
+                                       (stage + 1) % p, (args.batch_size // m, args.dim))
+        replica.average()
+        if args.clip_grad:
+            replica.clip(args.clip_grad, [dist.group.WORLD])
+        replica.update()
+    return step, replica, {"pp": None}, stage
+
+
+def build_three_d(args, rank, world_size):
+    """three_d_worker's ThreeDRank and step (step 5)."""
+    me = three_d.ThreeDRank(rank, args, META)
+
+    def step():
+        me.train_step()
+        if args.clip_grad:
+            me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]])
+        me.replica.update()
+    return step, me.replica, me.groups, me.stage
+
+
+SCRIPTS = {"data_parallel": data_parallel, "tensor_parallel": tensor_parallel,
+           "pipeline_parallel": pipeline_parallel, "three_d": three_d}
+BUILDERS = {"data_parallel": build_data_parallel, "tensor_parallel": build_tensor_parallel,
+            "pipeline_parallel": build_pipeline_parallel, "three_d": build_three_d}
+
+
+def describe(ran):
+    """A few lines on what the step ran."""
+    lines = [f"rank {ran.rank} (stage {ran.stage}) of {world_of(ran.script, ran.args)}: "
+             f"{sum(ran.matmuls.values())} matmuls, {ran.record.flops() / 1e12:.3f} TFLOP, "
+             f"inputs {dict((str(k), v) for k, v in ran.record.input_dtypes.items())}"]
+    for mm, calls in sorted(ran.matmuls.items(), key=lambda item: -item[0].flops() * item[1]):
+        lines.append(f"  {calls:>4} x [{mm.m}, {mm.k}] x [{mm.k}, {mm.n}] "
+                     f"{SIZE_NAMES[mm.in_bytes]} -> {SIZE_NAMES[mm.out_bytes]}"
+                     f"{' (adds into its output)' * mm.accumulate}")
+    for (group, kind, nbytes), calls in sorted(ran.comms.items()):
+        lines.append(f"  {calls:>4} x {group} {kind} of {nbytes} bytes")
+    lines.append(f"  held at the step's end {sum(ran.held.values())} bytes; the step's "
+                 f"allocations at their most {ran.peak_bytes} bytes")
+    return "\n".join(lines)
+
+
+SIZE_NAMES = {2: "bf16", 4: "fp32"}
+
+
+if __name__ == "__main__":
+    script_name, argv = sys.argv[1], sys.argv[2:]
+    which = 0
+    if "--rank" in argv:
+        at = argv.index("--rank")
+        which = int(argv[at + 1])
+        argv = argv[:at] + argv[at + 2:]
+    print(describe(run_step(script_name, argv, which)))

@@ -1,0 +1,134 @@
+"""The GPU path, without a GPU: every script's step, each flag family, run as a rank of 8 and of
+1,024 GPUs on the meta device over torch's fake process group (tests/gpu_path.py).
+
+Each recorded step must
+- touch no tensor on the CPU, nor mix devices (the harness fails the step at once);
+- under --bf16, give every matmul bf16 inputs (dW summed into the fp32 gradient by the matmul,
+  out_dtype, not by casting its inputs: fp32 matmuls run at 1/15 of bf16's speed on a GPU);
+- run exactly the matmuls that three_d.py --plan prices for the same layout (rank_matmuls():
+  shapes, dtypes, whether each adds into its output), the collectives and sends that its cost
+  functions give (three_d_costs(): group, kind, bytes, calls), and hold at its end what they
+  say (dp_costs() through three_d_costs()). Steps 2, 3 and 4 are 3D with two of dp, pp, tp
+  at 1, so the plan's functions speak for them too.
+"""
+import argparse
+import collections
+
+import pytest
+import torch
+
+import data_parallel
+import three_d
+from gpu_path import OffDevice, run_step
+
+SMALL = ["--num-layers", "16", "--dim", "64", "--batch-size", "64", "--micro-batches", "8"]
+FAMILIES = {
+    "data_parallel": [["--zero", str(zero)] for zero in range(4)] + [
+        ["--overlap"], ["--zero", "2", "--overlap"], ["--recompute"], ["--bf16"],
+        ["--zero", "3", "--bf16", "--recompute"], ["--clip-grad", "0.5", "--zero", "1"],
+        ["--bucket-mb", "0", "--zero", "3"]],
+    "tensor_parallel": [[], ["--tp-style", "megatron"], ["--recompute"],
+                        ["--tp-style", "megatron", "--recompute", "--bf16"], ["--bf16"],
+                        ["--clip-grad", "0.5"]],
+    "pipeline_parallel": [["--schedule", schedule] for schedule in ("gpipe", "1f1b", "zb-h1")] + [
+        ["--schedule", "interleaved", "--virtual-stages", "2"], ["--recompute"],
+        ["--schedule", "zb-h1", "--recompute", "--bf16"], ["--bf16"], ["--clip-grad", "0.5"]],
+    "three_d": [["--schedule", schedule] for schedule in ("gpipe", "1f1b", "zb-h1")] + [
+        ["--schedule", "interleaved", "--virtual-stages", "2"], ["--tp-style", "megatron"],
+        ["--p2p-shard"], *[["--zero", str(zero)] for zero in (1, 2, 3)], ["--recompute"],
+        ["--bf16"], ["--clip-grad", "0.5"], ["--order", "tp-dp-pp", "--zero", "3"],
+        ["--zero", "3", "--tp-style", "megatron", "--p2p-shard", "--recompute", "--bf16",
+         "--schedule", "interleaved", "--virtual-stages", "2", "--clip-grad", "0.5"]],
+}
+WORLD = {"data_parallel": ["--world-size", "8"], "tensor_parallel": ["--world-size", "8"],
+         "pipeline_parallel": ["--world-size", "8"], "three_d": ["--dp", "2", "--pp", "2", "--tp", "2"]}
+RANKS = {"data_parallel": [0, 7], "tensor_parallel": [0, 5], "pipeline_parallel": [0, 3, 7],
+         "three_d": [0, 3, 6]}
+CASES = [(script, flags) for script, families in FAMILIES.items() for flags in families]
+
+
+def as_three_d(script, args):
+    """The 3D layout a script's step is: its world on one axis, the others 1."""
+    world = args.dp * args.pp * args.tp if script == "three_d" else args.world_size
+    layout = dict(dp=1, pp=1, tp=1, order="tp-pp-dp", schedule="1f1b", virtual_stages=1,
+                  tp_style="all-gather", p2p_shard=False, zero=0, bucket_mb=25.0)
+    if script == "three_d":
+        return args
+    if script == "data_parallel":
+        layout.update(dp=world, zero=args.zero, bucket_mb=args.bucket_mb)
+    if script == "tensor_parallel":
+        layout.update(tp=world, tp_style=args.tp_style)
+    if script == "pipeline_parallel":
+        layout.update(pp=world, schedule=args.schedule, virtual_stages=args.virtual_stages)
+    return argparse.Namespace(**{**vars(args), **layout})
+
+
+def planned(layout, stage):
+    """What the plan's functions say a rank of this stage runs: its matmuls, its collectives
+    {(group, kind, bytes): calls} on groups of more than one rank, and its memory at the end."""
+    runs, held, _, _ = three_d.three_d_costs(layout, stage)
+    sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
+    comms = collections.Counter()
+    for group, group_runs in runs.items():
+        for kind, nbytes, calls in group_runs:
+            if sizes[group] > 1 and calls:
+                comms[group, kind, nbytes] += calls
+    return three_d.rank_matmuls(layout, stage), comms, sum(size for size, _ in held.values())
+
+
+def assert_as_planned(ran):
+    bf16 = ran.args.bf16
+    want = {torch.bfloat16} if bf16 else {torch.float32}
+    assert set(ran.record.input_dtypes) == want, ran.record.input_dtypes   # no fp32 matmul in bf16
+    assert {mm.out_bytes for mm in ran.matmuls if mm.accumulate} == {4}     # dW: into fp32
+    layout = as_three_d(ran.script, ran.args)
+    matmuls, comms, held = planned(layout, ran.stage)
+    assert ran.matmuls == matmuls
+    assert ran.comms == comms
+    assert sum(ran.held.values()) == held
+    flops = ran.record.flops()
+    rows = layout.batch_size // (layout.dp * layout.micro_batches)
+    per_layer = 2 * rows * layout.dim * layout.dim // layout.tp * layout.micro_batches
+    layers = layout.num_layers // layout.pp
+    first = ran.stage == 0                   # the model's input needs no dx: one matmul fewer
+    assert flops == per_layer * (layers * (3 + layout.recompute) - first)
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("script,flags", CASES)
+def test_a_rank_of_8_gpus_runs_as_planned(script, flags):
+    for rank in RANKS[script]:
+        ran = run_step(script, [*WORLD[script], *SMALL, *flags], rank)
+        assert_as_planned(ran)
+
+
+LARGE = ["--dp", "16", "--pp", "8", "--tp", "8", "--num-layers", "64", "--dim", "8192",
+         "--batch-size", "8192", "--micro-batches", "16", "--bf16", "--zero", "3",
+         "--tp-style", "megatron", "--schedule", "interleaved", "--p2p-shard"]
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("rank", [0, 229, 1023])      # stages 0, 4 and 7 of dp16 pp8 tp8
+def test_a_rank_of_1024_gpus_runs_as_planned(rank):
+    ran = run_step("three_d", LARGE, rank)
+    assert ran.stage == {0: 0, 229: 4, 1023: 7}[rank]
+    assert_as_planned(ran)
+    # 16 micro-batches through 2 chunks of 4 layers: F, dx and dW each, but the model's input's dx
+    assert sum(ran.matmuls.values()) == 16 * 8 * 3 - 16 * (ran.stage == 0)
+
+
+ON_THE_CPU = torch.ones(64)      # made outside the step, as a CPU tensor left in a script
+
+
+@pytest.mark.parametrize("make", [lambda a: torch.zeros(a.shape),      # made on the CPU
+                                  lambda a: a + ON_THE_CPU])           # devices mixed
+def test_a_step_that_leaves_a_tensor_on_the_cpu_fails(monkeypatch, make):
+    """The harness stops the step at the first op that makes or takes a tensor off meta."""
+    real = data_parallel.mse_loss
+
+    def loss_beside_a_cpu_tensor(a, y, n):
+        make(a)
+        return real(a, y, n)
+    monkeypatch.setattr(data_parallel, "mse_loss", loss_beside_a_cpu_tensor)
+    with pytest.raises(OffDevice, match="on cpu"):
+        run_step("data_parallel", ["--world-size", "8", *SMALL], 0)
