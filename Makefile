@@ -103,4 +103,6 @@ bench: deps
 	$(PYTHON) tests/bench.py count-comm three_d
 	$(PYTHON) tests/bench.py count-comm three_d --p2p-shard --tp-style megatron --zero 3
 	$(PYTHON) tests/bench.py plan
+	$(PYTHON) tests/bench.py plan-speed
+	$(PYTHON) tests/bench.py recompute-memory
 	$(PYTHON) tests/bench.py machine

@@ -116,7 +116,8 @@ def point_to_point(rank, world_size, device):
     if world_size == 1:
         heading(rank, "send/recv: needs two ranks, skipped")
         return
-    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    right = (rank + 1) % world_size
+    left = (rank - 1) % world_size
     x = torch.arange(2, dtype=torch.float32, device=device) + 10 * rank  # [2]
 
     heading(rank, "send/recv (blocking): every rank passes its tensor to the right")
@@ -271,7 +272,7 @@ def spawn(fn, world_size, *args, backend="auto", timeout_s=DEFAULT_TIMEOUT_S):
     folder = tempfile.mkdtemp(prefix=f"parallel-{os.getpid()}-")
     env.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                PARALLEL_STORE=os.path.join(folder, "store"))
-    here = int(sys.gettrace() is not None)   # 1 under a debugger: rank 0 runs in this process
+    in_parent = int(sys.gettrace() is not None)   # 1 under a debugger: rank 0 runs in this process
     # A process that has initialised CUDA cannot hand it to a forked child: start by spawn then
     method = "spawn" if env["PARALLEL_BACKEND"] == "nccl" or torch.cuda.is_initialized() else "fork"
     if method == "fork":   # every rank's first optimizer step imports it (~1 s): once, here
@@ -284,16 +285,17 @@ def spawn(fn, world_size, *args, backend="auto", timeout_s=DEFAULT_TIMEOUT_S):
     context = None   # the child ranks, started by torch.multiprocessing
     try:
         with mock.patch.dict(os.environ, env):
-            context = mp.start_processes(_child, (here, os.getpid(), fn, world_size, args),
-                                         nprocs=world_size - here, join=False, start_method=method)
-        if here:   # rank 0 in the debugger: its exception, if any, stops the debugger here
+            context = mp.start_processes(_child, (in_parent, os.getpid(), fn, world_size, args),
+                                         nprocs=world_size - in_parent, join=False,
+                                         start_method=method)
+        if in_parent:   # rank 0 in the debugger: its exception, if any, stops the debugger here
             with mock.patch.dict(os.environ, {**env, "RANK": "0", "LOCAL_RANK": "0"}):
                 fn(0, world_size, *args)
         try:       # after the first failure, the others have half a second to end on their own
             while not context.join(grace_period=0.5):
                 pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            raise RankFailed(*_culprit(context, e.error_index, here)) from None
+            raise RankFailed(*_culprit(context, e.error_index, in_parent)) from None
     finally:       # what still runs ends here: a stopped rank needs SIGKILL
         processes = context.processes if context else []
         for process in processes:    # all at once: a rank that outlives a peer fails, and says so
@@ -431,7 +433,7 @@ def allocator_peak(device):
     return torch.cuda.max_memory_allocated(device)
 
 
-def _child(index, here, parent, fn, world_size, args):
+def _child(index, in_parent, parent, fn, world_size, args):
     # A child rank. If fn raises, torch.multiprocessing writes its traceback to a file.
     if sys.platform == "linux":   # when the parent dies, even by SIGKILL, so does this rank:
         # 1 = PR_SET_PDEATHSIG. torch sets SIGINT, which a background job's ranks ignore.
@@ -441,16 +443,16 @@ def _child(index, here, parent, fn, world_size, args):
     for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):   # Ctrl-C: end without a word;
         signal.signal(s, signal.SIG_DFL)
     sys.settrace(None)           # the parent's handlers are not ours, nor a debugger's tracer
-    os.environ.update(RANK=str(index + here), LOCAL_RANK=str(index + here))
-    fn(index + here, world_size, *args)
+    os.environ.update(RANK=str(index + in_parent), LOCAL_RANK=str(index + in_parent))
+    fn(index + in_parent, world_size, *args)
 
 
-def _culprit(context, first, here):
+def _culprit(context, first, in_parent):
     """(rank, text) of the rank to blame. A rank whose peer died or stalled fails too, with a
     closed connection or a timeout: a victim, blamed only if no rank failed otherwise."""
     failures, ended = {}, []   # ended: still running when we ended them, a stalled rank too
     for index, (process, error_file) in enumerate(zip(context.processes, context.error_files)):
-        rank, code = index + here, process.exitcode
+        rank, code = index + in_parent, process.exitcode
         if os.path.exists(error_file):   # fn raised: its traceback
             with open(error_file, "rb") as f:
                 failures[rank] = (os.path.getmtime(error_file), pickle.load(f))
@@ -471,6 +473,21 @@ def _culprit(context, first, here):
         return ended[0], f"stalled: {ranks[0]} timed out while {ranks[1]} still ran"
     rank = min(causes or failures, key=lambda rank: failures[rank][0])
     return rank, failures[rank][1]
+
+
+def measured_bandwidth(nbytes, points, floor, plateau):
+    """The bus bandwidth for a collective of nbytes on a GPU, from nccl-tests' measurements: at
+    each of points' (bytes, busbw in GB/s) of an all-reduce over 8 GPUs, scaled to this kind's
+    plateau, the bandwidth net of the latency floor (floor + bytes / it = bytes / busbw, the time
+    measured), interpolated log-log between them; past either end, the end's."""
+    net = []
+    for size, busbw in points:
+        ring = 2 * 7 / 8 * size                   # what an all-reduce's rank sends, of 8
+        net.append((size, ring / (ring / (busbw / points[-1][1] * plateau) - floor)))
+    size = min(max(nbytes, net[0][0]), net[-1][0])
+    k = min(sum(at <= size for at, _ in net), len(net) - 1)
+    (s0, b0), (s1, b1) = net[k - 1], net[k]
+    return b0 * (b1 / b0) ** (math.log(size / s0) / math.log(s1 / s0))
 
 
 def ray_launch(fn, world_size, args):
@@ -623,6 +640,21 @@ def fmt(value):   # [10 11], or a table as one bracket per row, on one line: [[0
         return str(value)
     return "[" + " ".join(fmt(row) if value.dim() > 1 else f"{row:g}" for row in
                           (value if value.dim() > 1 else value.tolist())) + "]"
+
+
+def si(value):   # 3 significant figures and a prefix: 1.23 G
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}"
+    return f"{value:.3g} "
+
+
+def seconds(value):   # in the unit that fits: 12.3 us, 4.56 ms, 1.23 s
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value / 1e-6:.3g} us"
+
 
 
 if __name__ == "__main__":

@@ -14,21 +14,19 @@ shape. Its backward is derived by hand here, once; every later step splits these
                dx = dz W^T      [b, D]: the g of the layer below
     loss       L = sum (a - y)^2 / n      dL/da = 2 (a - y) / n
 
-A layer keeps (x, z) for its backward, its stash. --recompute (activation checkpointing, a
-layer at a time) keeps x alone and computes z = x W again in the layer's backward: L layers
-keep L [b, D], not 2 L, for one matmul more a layer (4/3 the FLOPs; the backward holds the z).
+A layer keeps (x, z), its stash, for its backward; --recompute (activation checkpointing, a
+layer at a time) keeps x alone and makes z = x W again in the backward: L [b, D], not 2 L.
 
 Data parallelism: each of d replicas holds every weight and trains on its own slice of the
-batch; they sum their gradients with an all-reduce and divide by d, so every replica takes
-the same step. dp_step() reads as that: forward; backward layer by layer, each dW into its
-bucket; each bucket's exchange once final (--overlap: under the backward below); divide.
-ZeRO (--zero 1, 2, 3): three classes, each the stage before plus its change; dp_costs(),
-below the fold, their bytes and memory. PyTorch's: DDP, ZeroRedundancyOptimizer, FSDP2.
+batch; they sum their gradients with an all-reduce and divide by d: the same step on each.
+dp_step() reads as that: forward; backward layer by layer, each dW into its bucket; each
+bucket's exchange once final (--overlap: under the backward below); divide. ZeRO (--zero 1,
+2, 3): three classes, each the stage before plus its change; dp_costs their bytes and memory.
+PyTorch's: DDP, ZeroRedundancyOptimizer, FSDP2 (tests/bench.py).
 """
 import functools
 import math
 import warnings
-from typing import Callable, NamedTuple
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
@@ -38,8 +36,7 @@ from collectives import cleanup, log, run_main, setup, spawn
 
 
 def layer_forward(x, w, recompute=False):
-    """a = gelu(x W). Returns a and what its backward needs, (x, z); with recompute (x, None):
-    z is let go here, and the backward computes it again from x."""
+    """a = gelu(x W), and what its backward needs: (x, z); recompute: (x, None), z let go."""
     z = x @ w                                 # [b, D] @ [D, n] -> [b, n]
     if recompute:
         return F.gelu(z), (x, None)
@@ -57,16 +54,6 @@ def layer_backward(g, stash, w, need_dx=True):
     return dx, (x, dz)
 
 
-class Block(NamedTuple):
-    """A layer's forward and backward, the pair that every step runs a layer with:
-    forward(x, w, recompute) -> (a, stash); backward(g, stash, w, need_dx) -> (dx, (x, dz))."""
-    forward: Callable
-    backward: Callable
-
-
-LAYER = Block(layer_forward, layer_backward)   # step 3 adds its tensor-parallel pairs
-
-
 def mse_loss(a, y, n):
     """This piece's squared error / n and dL/da = 2 (a - y) / n, n the batch's elements (in all)."""
     diff = a.to(y.dtype) - y
@@ -75,8 +62,8 @@ def mse_loss(a, y, n):
 
 def init_weights(num_layers, dim, seed):
     """L full D x D matrices from one generator, in layer order: every rank draws them alike
-    and keeps its part, so a layer's shards are pieces of one matrix (at scale: a generator
-    per shard, or the "meta" device). sqrt(2/D) keeps the signal through many GELU layers."""
+    and keeps its part, so a layer's shards are pieces of one matrix (at scale: a generator per
+    shard, or the meta device: tests/gpu_path.py). sqrt(2/D) keeps the signal through GELUs."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(dim, dim, generator=gen) * math.sqrt(2.0 / dim) for _ in range(num_layers)]
 
@@ -130,8 +117,7 @@ def dp_step(replica, xs, ys, n, recompute=False):
 
 class DataParallel:
     """ZeRO stage 0, DDP: a replica of d over `group` holds all weights, gradients and optimizer
-    state; a bucket, consecutive layers' dW in one flat buffer, is exchanged as one message.
-    --bf16: layers compute with bf16 copies; gradients and optimizer stay fp32 (dp_costs)."""
+    state; a bucket (consecutive layers' dW, flat) goes as one message. --bf16: bf16 copies."""
     exchange_each_micro_batch = False   # ZeRO-3 keeps no gradient from a micro-batch to the next
 
     def __init__(self, weights, group, optimizer="adamw", lr=1e-2, bucket_mb=25.0, bf16=False,
@@ -174,19 +160,14 @@ class DataParallel:
         if self.grad_buckets[b] is None:
             self.grad_buckets[b] = torch.zeros(self.lengths[b], device=self.device)   # padding: 0
         grad = self.view(self.grad_buckets[b], i)   # fp32 [D, D]: its part of the bucket
-        first = i in self.first_dw
+        keep = 0.0 if i in self.first_dw else 1.0   # the step's first dW overwrites what was there
         self.first_dw.discard(i)
         if x.dtype != grad.dtype and x.device.type != "cpu":
             # --bf16 on a GPU: bf16 inputs on the tensor cores, summed into the fp32 gradient by
             # the matmul itself (Megatron's fused wgrad); cast to fp32 they would run at 1/15
-            if first:
-                torch.mm(x.T, dz, out_dtype=torch.float32, out=grad)        # dW = x^T dz
-            else:
-                torch.addmm(grad, x.T, dz, out_dtype=torch.float32, out=grad)   # dW += x^T dz
-        elif first:       # fp32; --bf16 on the CPU casts, having no bf16 x bf16 -> fp32 kernel
-            torch.mm(x.T.float(), dz.float(), out=grad)                     # dW = x^T dz
-        else:
-            grad.addmm_(x.T.float(), dz.float())                            # dW += x^T dz
+            torch.addmm(grad, x.T, dz, beta=keep, out_dtype=torch.float32, out=grad)   # dW +=
+        else:             # fp32; --bf16 on the CPU casts, having no bf16 x bf16 -> fp32 kernel
+            grad.addmm_(x.T.float(), dz.float(), beta=keep)                # dW += x^T dz [D, D]
 
     def reduce_gradients(self, b):
         """Bucket b is final: its sum over the replicas, in place. --overlap starts it and goes
@@ -200,10 +181,9 @@ class DataParallel:
         for grad in self.grads():
             grad.div_(self.dp_size)
 
-    def finish_reductions(self):
-        for work in self.reductions:
-            if work is not None:        # started with --overlap: wait for it now
-                work.wait()
+    def finish_reductions(self):        # started with --overlap: waited for now
+        for work in filter(None, self.reductions):
+            work.wait()
         self.reductions = []
 
     def grads(self):                    # the gradients of self.params
@@ -231,10 +211,9 @@ class ZeRO1(DataParallel):
 
     def store_weights(self, weights):
         lengths = [-(-n // self.dp_size) * self.dp_size for n in self.lengths]   # d S each
-        flats = []
-        for layers, length, n in zip(self.buckets, lengths, self.lengths):
-            padding = weights[0].new_zeros(length - n)
-            flats.append(torch.cat([*(weights[i].reshape(-1) for i in layers), padding]))  # [d S]
+        flats = [torch.cat([*(weights[i].reshape(-1) for i in layers),           # [d S], its
+                            weights[0].new_zeros(length - n)])                   # padding 0
+                 for layers, length, n in zip(self.buckets, lengths, self.lengths)]
         self.lengths = lengths
         self.flat = [flat.to(self.dtype) for flat in flats]       # the layers' (bf16: a copy)
         self.weights = [self.view(self.flat[self.layout.bucket_of[i]], i)
@@ -348,10 +327,10 @@ def dp_worker(rank, world_size, args):
     norms = []
     check = SerialCheck(args)
     for step in range(args.steps):
-        shuffle_step = step if args.shuffle else None
-        rows = replica_rows(args.batch_size, rank, world_size, shuffle_step, args.seed)   # the
-        loss = dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m),   # world's ranks
-                       len(rows) * args.dim, args.recompute)   # are the replicas: rank = dp rank
+        rows = replica_rows(args.batch_size, rank, world_size,  # the world's ranks are the
+                            step=step if args.shuffle else None, seed=args.seed)   # replicas
+        loss = dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m),   # [B/(d m), D]
+                       len(rows) * args.dim, recompute=args.recompute)   # n: this slice's
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
             check.step(full_weights(replica), full_grads(replica))
         if args.clip_grad:
@@ -372,6 +351,7 @@ def main(argv=None):
 # Below the fold: each stage's costs, the bucket layout and the clipping norm; what later steps
 # share (training flags and rules, --save, --check); the memory table.
 import contextlib, os  # noqa: E401, E402
+from typing import NamedTuple  # noqa: E402
 
 from collectives import (Parser, Stop, allocator_peak, check_launch_args,  # noqa: E402
                          gpu_capabilities, pick_backend, positive_float, positive_int)
@@ -397,9 +377,26 @@ def dp_costs(lengths, dp_size, zero=0, num_micro_batches=1, optimizer="adamw", b
     size = {"weights": w * (not bf16 or zero < 3), "gradients": 4,   # bytes a parameter
             "optimizer state": 8 * (optimizer == "adamw") + 4 * bf16}
     split = {"weights": zero == 3 and not bf16, "gradients": zero >= 2, "optimizer state": zero > 0}
-    held = {kind: (size[kind] * sum(lengths) / (dp_size if split[kind] else 1),
-                   f"{size[kind]}P{'/d' * split[kind]}" if size[kind] else "0") for kind in size}
-    return runs, held
+    holds = {kind: (size[kind] * sum(lengths) / (dp_size if split[kind] else 1),
+                    f"{size[kind]}P{'/d' * split[kind]}" if size[kind] else "0") for kind in size}
+    return runs, holds
+
+
+def in_step_bytes(lengths, num_chunks, dp_size, zero=0, num_micro_batches=1):
+    """What a replica of buckets of these lengths holds for a while within a step beyond its
+    end's (dp_costs's). ZeRO-2 and 3: a chunk's gradient buckets whole from its W to their
+    reduce-scatter, 4 P/v (P: the parameters, v chunks, 3D's), with the parts of the chunks
+    exchanged before; ZeRO-2 keeps every chunk's whole until the last micro-batch, and makes no
+    part before it."""
+    whole = 4 * sum(lengths)                      # the gradient: 4 P
+    chunk = whole // num_chunks
+    if zero < 2:
+        return 0
+    if zero == 2 and num_micro_batches > 1:
+        return whole - whole // dp_size
+    if zero == 3 and num_micro_batches > 1:       # its parts made in the first micro-batch
+        return chunk
+    return chunk - chunk // dp_size
 
 
 class BucketLayout(NamedTuple):
@@ -628,7 +625,8 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
         (old, f"--bf16: GPU {oldest[0]} has compute capability {oldest[1]} ({len(old)} of "
               f"{len(gpus)} GPUs here are older than 8.0, Ampere); bf16 needs 8.0 or newer, and "
               f"below that it is only emulated: drop --bf16")])
-    state = sum(b for b, _ in dp_costs([L * D * D], replicas, zero=getattr(args, "zero", 0))[1].values())
+    held = dp_costs([L * D * D], replicas, zero=getattr(args, "zero", 0))[1]
+    state = sum(size for size, _ in held.values())
     check_launch_args(parser, args, world_size, ranks_flag,
                       4 * (2 * L * D * D + 2 * B * D + 2 * L * B * D) + state,
                       f"--num-layers {L} --dim {D} --batch-size {B}")

@@ -33,7 +33,6 @@ chunk c being virtual stage c p + s. pipeline_costs() gives each one's bubble an
 PyTorch's: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
 ScheduleInterleavedZeroBubble (tests/bench.py races them).
 """
-import functools
 import warnings
 from typing import NamedTuple
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
@@ -41,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import LAYER, DataParallel, init_weights, make_batch, mse_loss
+from data_parallel import DataParallel, init_weights, make_batch, mse_loss
+from tensor_parallel import LAYER
 
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "a>", ">a", "<g", "g<"   # activations on, gradients back
 
@@ -167,22 +167,6 @@ def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1,
                for kept, waiting in held_counts(schedule, p, s, m, v))
     neighbours = sum((c * p + s > 0) + (c * p + s < p * v - 1) for c in range(v))
     return bubble, most, [("send", act_bytes, neighbours * m)]
-
-
-@functools.lru_cache(maxsize=None)
-def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
-    """After each action, (micro-batches between their F and B, between their B and W): those
-    of the pairs that no other pair has as many of both (the largest stash is at one of them)."""
-    kept = 0
-    waiting = 0
-    pairs = set()
-    for op, _, _ in compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks):
-        kept += {"F": 1, "B": -1, "W": 0}[op]
-        if schedule == "zb-h1":
-            waiting += {"F": 0, "B": 1, "W": -1}[op]
-        pairs.add((kept, waiting))
-    return [(k, w) for k, w in pairs if not any(a >= k and b >= w and (a, b) != (k, w)
-                                                for a, b in pairs)]
 
 
 class Stage:
@@ -315,10 +299,6 @@ def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, gr
         work.wait()
 
 
-def no_change(tensor):   # what crosses a stage boundary, as it is (but 3D's --p2p-shard)
-    return tensor
-
-
 def pp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
@@ -336,6 +316,7 @@ def pp_worker(rank, world_size, args):
                     mean_over=args.batch_size * args.dim, recompute=args.recompute)
               for c in range(v)]
     actions = build_schedule(args.schedule, p, stage, m, v)
+    grid = torch.arange(p).view(1, p, 1)      # [dp, pp, tp] -> rank: a stage a rank
     micro_batches = inputs.to(device, replica.dtype).chunk(m)     # [B/m, D] each, bf16 or not
     losses = []
     norms = []
@@ -349,8 +330,8 @@ def pp_worker(rank, world_size, args):
                      (args.batch_size // m, args.dim), recorder=recorder)
         replica.average()                                         # a group of one: / 1
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
-            check.step(in_layer_order(full_weights(replica), args, p),
-                       in_layer_order(full_grads(replica), args, p))
+            check.step(whole_layers(full_weights(replica), args, grid),
+                       whole_layers(full_grads(replica), args, grid))
         if args.clip_grad:      # the norm's squares summed over the stages
             norms.append(replica.clip(args.clip_grad, [dist.group.WORLD]).item())
         replica.update()
@@ -369,6 +350,7 @@ def main(argv=None):
 # Below the fold: gathering the stages' layers, the schedule's print and its timeline with
 # the bubble, the command line. ----------------------------------------------------------
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import os  # noqa: E402
 import textwrap  # noqa: E402
 import time  # noqa: E402
@@ -377,6 +359,26 @@ from collectives import allocator_peak, positive_int  # noqa: E402
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
                            full_grads, full_weights, step_line, training_parser)
 from tensor_parallel import divides  # noqa: E402
+
+
+@functools.lru_cache(maxsize=None)
+def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
+    """After each action, (micro-batches between their F and B, between their B and W): those
+    of the pairs that no other pair has as many of both (the largest stash is at one of them)."""
+    kept = 0
+    waiting = 0
+    pairs = set()
+    for op, _, _ in compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks):
+        kept += {"F": 1, "B": -1, "W": 0}[op]
+        if schedule == "zb-h1":
+            waiting += {"F": 0, "B": 1, "W": -1}[op]
+        pairs.add((kept, waiting))
+    return [(k, w) for k, w in pairs if not any(a >= k and b >= w and (a, b) != (k, w)
+                                                for a, b in pairs)]
+
+
+def no_change(tensor):   # what crosses a stage boundary, as it is (but 3D's --p2p-shard)
+    return tensor
 
 
 class Recorder:
@@ -429,7 +431,7 @@ def finish_stages(args, recorder, replica, full, losses, inputs, targets, check,
     show_stash(recorder.memory, args, p, rank, device)
     if rank == 0:
         print_schedules(args.schedule, p, args.micro_batches, args.virtual_stages, args.num_layers)
-    final = in_layer_order(full_weights(replica), args, p)
+    final = whole_layers(full_weights(replica), args, torch.arange(p).view(1, p, 1))
     losses = torch.tensor(losses, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=p - 1)
     if rank == 0:
@@ -457,15 +459,26 @@ def gather_on_rank0(tensor):
     return torch.stack(parts) if rank0 else None
 
 
-def in_layer_order(tensors, args, num_stages):
-    """On rank 0, every stage's layers (each stage's chunks in turn), put in the model's
-    layer order: [p, v L/(v p), D, D] gathered, then layer by virtual stage. None elsewhere."""
-    everyone = gather_on_rank0(torch.stack(tensors))
+def whole_layers(shards, args, grid, kinds=None):
+    """On rank 0, the L full [D, D] matrices in the model's layer order, put together from the
+    shards of the ranks at grid[0] ([dp, pp, tp] -> rank; 3D's too): stage s's chunk c holds
+    virtual stage c p + s's layers, tp rank t their columns (a "row" layer of kinds: its rows).
+    Every rank sends its own, flat. None elsewhere."""
+    everyone = gather_on_rank0(torch.stack([w.reshape(-1) for w in shards]))   # [world, .., ..]
     if everyone is None:
         return None
-    v, per_chunk = args.virtual_stages, args.num_layers // (num_stages * args.virtual_stages)
-    return [everyone[s, c * per_chunk + i]
-            for c in range(v) for s in range(num_stages) for i in range(per_chunk)]
+    num_stages = grid.shape[1]
+    per_chunk = args.num_layers // (num_stages * args.virtual_stages)
+    full = []
+    for c in range(args.virtual_stages):          # virtual stage c p + s, in layer order
+        for s in range(num_stages):
+            for i in range(per_chunk):
+                parts = [everyone[rank, c * per_chunk + i] for rank in grid[0, s].tolist()]
+                if kinds and kinds[i] == "row":   # rows stacked, or columns side by side
+                    full.append(torch.cat([w.view(-1, args.dim) for w in parts], dim=0))
+                else:
+                    full.append(torch.cat([w.view(args.dim, -1) for w in parts], dim=1))
+    return full
 
 
 def simulate(stages, times=None):

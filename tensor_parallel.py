@@ -31,15 +31,23 @@ What PyTorch gives you: ColwiseParallel and RowwiseParallel on a DeviceMesh
 (tests/bench.py races them against this).
 """
 import warnings
+from collections import Counter
 from functools import partial
+from typing import Callable, NamedTuple
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import (Block, DataParallel, init_weights, layer_backward, layer_forward,
-                           make_batch, mse_loss)
+from data_parallel import (DataParallel, init_weights, layer_backward, layer_forward, make_batch,
+                           mse_loss)
+
+
+# A layer's forward and backward, a pair, as every step runs a layer: forward(x, w, recompute) ->
+# (a, stash), backward(g, stash, w, need_dx) -> (dx, (x, dz)). Step 2's layer is one; here, three.
+Block = NamedTuple("Block", [("forward", Callable), ("backward", Callable)])
+LAYER = Block(layer_forward, layer_backward)
 
 
 def gather_forward(x, w_t, recompute=False, group=None):
@@ -328,6 +336,51 @@ def main(argv=None):
 from collectives import check_launch_args, positive_int  # noqa: E402
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
                            full_grads, full_weights, step_line, training_parser)
+
+
+class Matmul(NamedTuple):
+    """[m, k] x [k, n], inputs of in_bytes an element into an output of out_bytes; accumulate:
+    it adds into what its output held, reading that too (dW summed over micro-batches)."""
+    m: int
+    k: int
+    n: int
+    in_bytes: int
+    out_bytes: int
+    accumulate: bool
+
+    def flops(self):
+        return 2 * self.m * self.k * self.n
+
+    def bytes_moved(self):   # both inputs read; the output written (and read, to add into)
+        inputs = (self.m * self.k + self.k * self.n) * self.in_bytes
+        return inputs + self.m * self.n * self.out_bytes * (1 + self.accumulate)
+
+
+def layer_matmuls(kind, rows, dim, tp, bf16):
+    """A tp rank's layer of this kind, a micro-batch: its forward z = x W, its dx = dz W^T, its
+    dW = x^T dz into the fp32 gradient (the step's first; the later ones add into it): the
+    matmuls three_d.py's --plan prices, as tests/gpu_path.py records them."""
+    size = 2 if bf16 else 4
+    n_in = dim // tp if kind == "row" else dim
+    n_out = dim if kind == "row" else dim // tp
+    return (Matmul(rows, n_in, n_out, size, size, False),
+            Matmul(rows, n_out, n_in, size, size, False), Matmul(n_in, rows, n_out, size, 4, False))
+
+
+def tp_matmuls(kinds, rows, dim, tp, bf16=False, num_micro_batches=1, first_stage=True,
+               recompute=False):
+    """A tp rank's matmuls a step over layers of these kinds, {Matmul: calls}, as tp_costs()
+    gives its collectives: each micro-batch, each layer's forward (again in its backward with
+    --recompute), its dx (the model's first layer's none), and its dW."""
+    m = num_micro_batches
+    calls = Counter()
+    for i, kind in enumerate(kinds):
+        forward, dx, dw = layer_matmuls(kind, rows, dim, tp, bf16)
+        calls[forward] += m * (1 + recompute)
+        calls[dx] += m * (i > 0 or not first_stage)
+        calls[dw] += 1
+        calls[dw._replace(accumulate=True)] += m - 1
+    return +calls
 
 
 def describe(kinds):   # what ran, for the output: "3 Megatron pairs and 1 all-gather layer"

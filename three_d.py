@@ -9,13 +9,11 @@
     python three_d.py --ray                             # the ranks as Ray Train workers
 
 Nothing new is computed here: this file composes the blocks of steps 2-4.
-- Every layer is one of step 3's tensor-parallel layers over the stage's TP group: the
-  column layer with its all-gather, or Megatron's column-then-row pairs (--tp-style).
-- The stages run step 4's schedules and runner (interleaved: several chunks a stage);
-  the rank with TP coordinate t sends to the next stage's rank with the same t.
-- After the last micro-batch, each shard's gradient is averaged over its DP group by
-  step 2's DataParallel, once (with --zero, sharded over the replicas), and the
-  optimizer steps.
+- Every layer is one of step 3's tensor-parallel layers over the stage's TP group (the
+  all-gather layer, or Megatron's column-then-row pairs: --tp-style).
+- The stages run step 4's schedules and runner; tp rank t sends to the next stage's t.
+- After the last micro-batch step 2's DataParallel averages each shard's gradient over its
+  DP group (with --zero, sharded over the replicas), and the optimizer steps.
 What is new is the rank map: which ranks form each group. From-scratch 3D code often
 hard-codes it for 8 ranks; rank_groups() derives it for any sizes and nesting order.
 
@@ -43,19 +41,18 @@ HARD_CODED_MAP_2x2x2 = {
     "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],   # 0 -> 2, 1 -> 3, 4 -> 6, 5 -> 7
     "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],   # replicas
 }
-# It is rank = (d PP + p) TP + t: arange(8).view(dp, pp, tp), read along each axis.
+# It is rank = (d PP + s) TP + t: arange(8).view(dp, pp, tp), read along each axis.
 #   grid = arange(8).view(2, 2, 2) = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]      [dp, pp, tp]
-#   rank 6 = (1 * 2 + 1) * 2 + 0 sits at d=1, p=1, t=0, and grid[1, 1, 0] = 6. Its groups
+#   rank 6 = (1 * 2 + 1) * 2 + 0 sits at d=1, s=1, t=0, and grid[1, 1, 0] = 6. Its groups
 #   vary one coordinate: tp grid[1, 1, :] = [6, 7], pp grid[1, :, 0] = [4, 6],
 #   dp grid[:, 1, 0] = [2, 6].
-# Which axis varies fastest is a choice (--order, fastest first, as Megatron's order
-# string). TP is innermost in both orders offered: it talks at every layer, so its ranks
-# should share the fastest links, inside one node.
+# Which axis varies fastest is a choice (--order, fastest first, as Megatron's order string).
+# TP is innermost in both orders offered: it talks at every layer, so it keeps to a node.
 #   tp-pp-dp (the default, as that code does): replicas outermost. DP's all-reduce, once
 #     per step but as big as the model, crosses nodes.
-#   tp-dp-pp (Megatron, torchtitan): stages outermost, rank = (p DP + d) TP + t. Only the
+#   tp-dp-pp (Megatron, torchtitan): stages outermost, rank = (s DP + d) TP + t. Only the
 #     pipeline's point-to-point activations, the lightest traffic, cross nodes. Rank 5 =
-#     (1 * 2 + 0) * 2 + 1 sits at p=1, d=0, t=1: tp [4, 5], pp [1, 5], dp [5, 7].
+#     (1 * 2 + 0) * 2 + 1 sits at s=1, d=0, t=1: tp [4, 5], pp [1, 5], dp [5, 7].
 
 
 def rank_grid(dp, pp, tp, order="tp-pp-dp"):
@@ -107,10 +104,8 @@ class ThreeDRank:
 
     def hold_shards(self, args, device):
         """The layers of its stage (of each of its chunks, interleaved), each cut to its tp
-        part: its columns, or its rows for a Megatron row layer. Every rank draws the whole
-        model to cut its shards (init_weights says what that costs). Megatron's pairs stay
-        inside a chunk, where they begin and end with the whole activation on every rank.
-        Step 2's replica holds them over the dp group: with --zero, 1/dp of each."""
+        part: its columns, or its rows for a Megatron row layer (a pair stays in a chunk), from
+        the whole model every rank draws. Step 2's replica holds them over the dp group."""
         self.full = init_weights(args.num_layers, args.dim, args.seed)
         v = args.virtual_stages
         self.per_chunk = args.num_layers // (args.pp * v)
@@ -147,10 +142,9 @@ class ThreeDRank:
                 blocks=tp_blocks(self.kinds, self.groups["tp"])))
 
     def plan_schedule(self, args):
-        """The action list of its stage, its neighbours in the pipe, and what crosses to them.
-        With --p2p-shard (Megatron's scatter-gather) what crosses, the same on every tp rank,
-        goes as each rank's 1/tp slice and is all-gathered on arrival: 1/tp of the bytes, for
-        one all-gather more."""
+        """Its stage's action list, its neighbours in the pipe, and what crosses to them. With
+        --p2p-shard (Megatron's scatter-gather) each tp rank sends its 1/tp of what crosses, the
+        same on every tp rank, and the receivers all-gather it: 1/tp of the bytes."""
         pp_ranks = dist.get_process_group_ranks(self.groups["pp"])   # the stages of this pipe
         self.prev_rank = pp_ranks[(self.stage - 1) % args.pp]        # interleaved, the last
         self.next_rank = pp_ranks[(self.stage + 1) % args.pp]        # stage's chunk c sends to
@@ -177,10 +171,9 @@ class ThreeDRank:
 
 
 def three_d_costs(args, stage, times=(1, 1, 1)):
-    """What a rank of stage `stage` costs a step, from steps 2-4's costs: its collectives on
-    each group, {"tp", "pp", "dp": [(kind, bytes of the tensor, times)]}; what its replica holds
-    at the step's end, {kind: (bytes, formula)}; its stash at its largest, in bytes; its stage's
-    bubble (ZB-H1's for times (T_F, T_B, T_W))."""
+    """A rank of this stage's costs a step, from steps 2-4's: its collectives, {"tp", "pp", "dp":
+    [(kind, bytes of the tensor, times)]}; what its replica holds at the step's end {kind: (bytes,
+    formula)}; its stash at its largest, bytes; its bubble (ZB-H1's for times (T_F, T_B, T_W))."""
     v, m, tp = args.virtual_stages, args.micro_batches, args.tp
     kinds = layer_kinds(args.num_layers // (args.pp * v), args.tp_style)
     act = args.batch_size // (args.dp * m) * args.dim * (2 if args.bf16 else 4)   # [b, D]
@@ -217,8 +210,9 @@ def three_d_worker(rank, world_size, args):
     device = setup(rank, world_size)
     me = ThreeDRank(rank, args, device)
     memory = watch_memory(me.replica)         # ZeRO-3's largest moment, for its table
-    if rank == 0:
-        show_layout(args, me.kinds)   # the rank map, and the layers of a stage (below the fold)
+    if rank == 0:   # the rank map, and what a stage's (a chunk's) layers are
+        show_rank_map(args.dp, args.pp, args.tp, args.order, kinds=me.kinds,
+                      chunks=args.virtual_stages)
     losses = []
     norms = []
     check = SerialCheck(args)
@@ -251,50 +245,29 @@ def main(argv=None):
               timeout_s=args.timeout_s)
 
 
-# Below the fold: the shards put back together, the rank map's print, --plan (the search and
-# the GPU figures), the command line and --ray. ----------------------------------------------
-import argparse, functools, itertools, json, math, os, sys, time  # noqa: E401, E402
+# Below the fold: the run's end, the rank map's print, --plan (the search and the GPU figures),
+# the command line. ------------------------------------------------------------------------
+import argparse, functools, importlib.util, itertools, json, math, sys, time  # noqa: E401, E402
 from collections import Counter  # noqa: E402
-from typing import NamedTuple  # noqa: E402
 
-from collectives import (Stop, collective_cost, positive_float, positive_int,  # noqa: E402
-                         under_torchrun)
+from collectives import (Stop, collective_cost, measured_bandwidth, positive_float,  # noqa: E402
+                         positive_int, seconds, si, under_torchrun)
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
-                           full_grads, full_weights, global_loss, make_buckets, show_memory,
-                           step_line, training_parser, watch_memory)
-from pipeline_parallel import (add_schedule_args, gather_on_rank0, held_counts,  # noqa: E402
-                               schedule_rules)
-from tensor_parallel import describe, divides, refuse_unused  # noqa: E402
+                           full_grads, full_weights, global_loss, in_step_bytes, make_buckets,
+                           show_memory, step_line, training_parser, watch_memory)
+from pipeline_parallel import add_schedule_args, held_counts, schedule_rules, whole_layers  # noqa
+from tensor_parallel import describe, divides, layer_matmuls, refuse_unused, tp_matmuls  # noqa
 
 
-def full_matrices(shards, kinds, args):
-    """On rank 0, the L full [D, D] matrices put back together from replica 0's shards:
-    stage s holds layers s L/pp .. (s+1) L/pp - 1 (interleaved, chunk c holds those of
-    virtual stage c pp + s), TP rank t their columns t D/tp .. (their rows, for a row
-    layer). Every rank sends its shards flat, [L/pp, D D/tp]."""
-    everyone = gather_on_rank0(torch.stack([w.reshape(-1) for w in shards]))  # [world, L/pp, D D/T]
-    if everyone is None:
-        return None
-    grid = rank_grid(args.dp, args.pp, args.tp, args.order)    # [dp, pp, tp] -> rank
-    full = []
-    for c in range(args.virtual_stages):             # in layer order: virtual stage c pp + s
-        for stage in range(args.pp):
-            for i, kind in enumerate(kinds):
-                parts = [everyone[grid[0, stage, t], c * len(kinds) + i] for t in range(args.tp)]
-                if kind == "row":   # rows stacked, or columns side by side
-                    full.append(torch.cat([w.view(-1, args.dim) for w in parts], dim=0))
-                else:
-                    full.append(torch.cat([w.view(args.dim, -1) for w in parts], dim=1))
-    return full
+def full_matrices(shards, kinds, args):   # on rank 0, replica 0's shards put together (step 4)
+    return whole_layers(shards, args, rank_grid(args.dp, args.pp, args.tp, args.order), kinds)
 
 
 def finish_ranks(me, memory, args, losses, check, norms, device):
-    """The run's end: the full matrices put back together, the losses from the last stage,
-    rank 0's memory table (with --zero), --save and --check."""
+    """The full matrices, the last stage's losses, rank 0's memory table, --save and --check."""
     final = full_matrices(full_weights(me.replica), me.kinds, args)
-    if me.stage != args.pp - 1:
-        losses = [0.0] * args.steps
-    losses = torch.tensor(losses, dtype=torch.float64, device=device)
+    known = losses if me.stage == args.pp - 1 else [0.0] * args.steps   # the last stage's
+    losses = torch.tensor(known, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
     if dist.get_rank() == 0:
         if args.zero:
@@ -303,26 +276,18 @@ def finish_ranks(me, memory, args, losses, check, norms, device):
         finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, check, norms)
 
 
-def replica_lengths(args):
-    """The elements of each of a rank's buckets, as its replica lays them out: a stage's
-    layers, each D^2/tp, cut by --bucket-mb, never across a chunk; ZeRO: padded to d S."""
-    return bucket_lengths(args.num_layers // args.pp, args.dim * args.dim // args.tp,
-                          args.bucket_mb, args.virtual_stages, args.dp if args.zero else 1)
-
-
 @functools.lru_cache(maxsize=None)
 def bucket_lengths(layers, numel, bucket_mb, chunks, pad_to):
     lengths = make_buckets([numel] * layers, bucket_mb, range(0, layers, layers // chunks)).lengths
     return [-(-n // pad_to) * pad_to for n in lengths]
 
 
-def show_layout(args, kinds):
-    show_rank_map(args.dp, args.pp, args.tp, args.order)
-    print(f"each stage{' chunk' * (args.virtual_stages > 1)}: {describe(kinds)} over "
-          f"tp={args.tp}", flush=True)
+def replica_lengths(args):   # a rank's buckets' elements: its layers' D^2/tp (ZeRO: to d S)
+    return bucket_lengths(args.num_layers // args.pp, args.dim * args.dim // args.tp,
+                          args.bucket_mb, args.virtual_stages, args.dp if args.zero else 1)
 
 
-def show_rank_map(dp, pp, tp, order):
+def show_rank_map(dp, pp, tp, order, kinds=None, chunks=1):
     groups = rank_groups(dp, pp, tp, order)
     width = {name: max(len(str(groups[name][0])) + 2, 10) for name in AXES}
     print(f"rank map: dp={dp} pp={pp} tp={tp}, order {order} (fastest first)")
@@ -333,64 +298,25 @@ def show_rank_map(dp, pp, tp, order):
         coords = " ".join(f"{c:>3}" for c in coordinates(rank, groups))
         cells = "".join(f"{str(mine[name]):<{width[name]}}" for name in ("tp", "pp", "dp"))
         print(f"{rank:>5} {coords}   {cells}".rstrip(), flush=True)
+    if kinds:
+        print(f"each stage{' chunk' * (chunks > 1)}: {describe(kinds)} over tp={tp}", flush=True)
 
 
-# --plan: which layout? Each layout of --world-size GPUs, priced as the code runs it: a rank's
-# matmuls as rank_matmuls() lists them (tests/gpu_path.py records the same list, op by op, in
-# a step on the meta device), its collectives and sends and its memory from three_d_costs() (the
-# tests count them in real runs), each on a GPU's published figures. The README's "Which
-# layout" gives the inequalities behind the ranking.
+# --plan: which layout? Each layout of --world-size GPUs priced as the code runs it: a rank's
+# matmuls by rank_matmuls() (tests/gpu_path.py records the same on the meta device), its
+# collectives, sends and memory by three_d_costs(), on a GPU's published figures.
 
-class Matmul(NamedTuple):
-    """[m, k] x [k, n], inputs of in_bytes an element into an output of out_bytes; accumulate:
-    it adds into what its output held, reading that too (dW summed over micro-batches)."""
-    m: int
-    k: int
-    n: int
-    in_bytes: int
-    out_bytes: int
-    accumulate: bool
-
-    def flops(self):
-        return 2 * self.m * self.k * self.n
-
-    def bytes_moved(self):   # both inputs read; the output written (and read, to add into)
-        inputs = (self.m * self.k + self.k * self.n) * self.in_bytes
-        return inputs + self.m * self.n * self.out_bytes * (1 + self.accumulate)
+def rank_matmuls(args, stage):   # a rank of this stage's, a step: step 3's, over its chunks
+    kinds = layer_kinds(args.num_layers // (args.pp * args.virtual_stages), args.tp_style)
+    rows = args.batch_size // (args.dp * args.micro_batches)
+    return tp_matmuls(kinds * args.virtual_stages, rows, args.dim, args.tp, bf16=args.bf16,
+                      num_micro_batches=args.micro_batches, first_stage=stage == 0,
+                      recompute=args.recompute)
 
 
-def layer_matmuls(kind, rows, dim, tp, bf16):
-    """A tp rank's layer, a micro-batch: its forward z = x W, its dx = dz W^T, its dW = x^T dz
-    into the fp32 gradient (the step's first; the later ones add into it)."""
-    size = 2 if bf16 else 4
-    n_in = dim // tp if kind == "row" else dim
-    n_out = dim if kind == "row" else dim // tp
-    return (Matmul(rows, n_in, n_out, size, size, False), Matmul(rows, n_out, n_in, size, size, False),
-            Matmul(n_in, rows, n_out, size, 4, False))
-
-
-def rank_matmuls(args, stage):
-    """Every matmul a rank of this stage runs in a step, {Matmul: calls}: each micro-batch, each
-    layer's forward (again in its backward with --recompute), its dx but the model's input's,
-    and its dW."""
-    v, m = args.virtual_stages, args.micro_batches
-    kinds = layer_kinds(args.num_layers // (args.pp * v), args.tp_style)
-    calls = Counter()
-    for c in range(v):
-        for i, kind in enumerate(kinds):
-            forward, dx, dw = layer_matmuls(kind, args.batch_size // (args.dp * m), args.dim,
-                                            args.tp, args.bf16)
-            calls[forward] += m * (1 + args.recompute)
-            calls[dx] += m * (c * args.pp + stage + i > 0)
-            calls[dw] += 1
-            calls[dw._replace(accumulate=True)] += m - 1
-    return +calls
-
-
-# Each GPU's published figures, their sources beside them. Collectives: nccl-tests' bus
-# bandwidth (busbw: the bytes a ring sends a rank, over the time), which rises with the size:
-# an all-reduce on 8 H100 SXM with NVLink SHARP, GB/s at these bytes. Every curve here rises as
-# this one, to its own plateau (no other curve published for these sizes was at hand).
+# Each GPU's published figures, sources beside them. nccl-tests' bus bandwidth (the bytes a
+# ring sends a rank, over the time) rises with the size, as for an all-reduce on 8 H100 SXM with
+# NVLink SHARP (GB/s at these bytes); every curve here rises so, to its own plateau.
 RISE = [(4e6, 129), (16e6, 234), (64e6, 362), (256e6, 423), (1e9, 466)]
 GPUS = {
     "h100": dict(name="H100 SXM 80 GB",
@@ -410,18 +336,16 @@ GPUS = {
                  latency_us=20, send_gbps=150, send_latency_us=3,
                  inter_gbps=24, inter_latency_us=30),   # HDR 200 Gb/s: 96% (nccl-tests#119)
 }
-FIGURE_FLAGS = {"flops": "bf16 FLOP/s a GPU", "memory_gb": "GB a GPU",
-                "hbm_gbps": "GB/s of its memory", "all_reduce_gbps": "an all-reduce's busbw "
-                "in a node, at its largest", "intra_gbps": "reduce-scatter's and all-gather's",
-                "inter_gbps": "GB/s a GPU across nodes", "latency_us": "a collective's floor"}
-UPDATE_BYTES = {"adamw": 36, "sgd": 20}   # a parameter's, read and written: g / d, then p
-                                          # (and AdamW's m and v)
+FIGURE_FLAGS = {"flops": "bf16 FLOP/s a GPU", "memory_gb": "GB a GPU", "hbm_gbps": "its GB/s",
+                "all_reduce_gbps": "an all-reduce's busbw in a node, at its largest",
+                "intra_gbps": "reduce-scatter's and all-gather's", "inter_gbps": "GB/s a GPU "
+                "across nodes", "latency_us": "a collective's floor"}
+UPDATE_BYTES = {"adamw": 36, "sgd": 20}   # a parameter's read and written: g / d, p, m and v
 
 
 class Machine:
-    """A GPU as its figures say: each matmul at max(its FLOPs at the peak a GEMM of its shape
-    reaches, its bytes at HBM's speed); each collective NCCL's floor plus its bytes over the bus
-    bandwidth measured for its size; elementwise passes at HBM's speed. gpus_per_node: a node."""
+    """A GPU as its figures say: a matmul max(its FLOPs at its shape's GEMM efficiency, its bytes
+    at HBM's speed); a collective NCCL's floor and its bytes at the busbw measured for its size."""
 
     def __init__(self, figures, gpus_per_node):
         self.figures = figures
@@ -432,14 +356,13 @@ class Machine:
         self.collective_s = functools.lru_cache(maxsize=None)(self.collective_s)   # many alike
 
     def efficiency(self, m, k, n):
-        """The share of peak a GEMM of this shape reaches: the best measured, times how full
-        its 128 x 128 output tiles and its waves over the SMs are (NVIDIA's "Matrix
-        Multiplication Background": tile and wave quantization); few tiles split k to fill SMs."""
+        """The best GEMM's share of peak, times how full a GEMM of this shape fills its 128 x 128
+        tiles and its waves over the SMs (NVIDIA's "Matrix Multiplication Background"); split-K."""
+        sms = self.figures["sms"]
         tiles = math.ceil(m / 128) * math.ceil(n / 128)
-        splits = max(1, min(self.figures["sms"] // tiles, k // 512))
-        waves = math.ceil(tiles * splits / self.figures["sms"])
-        tile_fill = m * n / (tiles * 128 * 128)
-        return self.figures["gemm_best"] * tile_fill * tiles * splits / (waves * self.figures["sms"])
+        splits = max(1, min(sms // tiles, k // 512))
+        waves = math.ceil(tiles * splits / sms)
+        return self.figures["gemm_best"] * m * n / (128 * 128) * splits / (waves * sms)
 
     def matmul_s(self, mm):
         peak = self.flops if mm.in_bytes == 2 else self.figures["fp32_flops"]
@@ -447,13 +370,12 @@ class Machine:
         return max(compute, mm.bytes_moved() / self.hbm)
 
     def layer_s(self, kind, rows, dim, tp, bf16, need_dx, recompute, micro_batches):
-        """(F, B, W) of a tp rank's layer, a micro-batch (W: the step's average): matmuls, and
-        the elementwise passes: gelu (z in, a out), gelu' (g and z in, dz out), the gather
-        layer's pieces put side by side."""
+        """(F, B, W) of a tp rank's layer, a micro-batch (W's: the step's mean): its matmuls, gelu
+        (z in, a out), gelu' (g, z in, dz out), and the gather layer's pieces put side by side."""
         forward, dx, dw = layer_matmuls(kind, rows, dim, tp, bf16)
         out = forward.m * forward.n * forward.in_bytes
-        f = self.matmul_s(forward) + (2 * out + 2 * rows * dim * forward.in_bytes *
-                                      (kind == "gather" and tp > 1)) / self.hbm
+        pieces = 2 * rows * dim * forward.in_bytes * (kind == "gather" and tp > 1)
+        f = self.matmul_s(forward) + (2 * out + pieces) / self.hbm
         b = 3 * out / self.hbm + self.matmul_s(dx) * need_dx + self.matmul_s(forward) * recompute
         later = self.matmul_s(dw._replace(accumulate=True))
         return f, b, (self.matmul_s(dw) + (micro_batches - 1) * later) / micro_batches
@@ -465,67 +387,46 @@ class Machine:
         return params * UPDATE_BYTES[optimizer] / self.hbm
 
     def collective_s(self, kind, nbytes, n, per_node):
-        """NCCL's latency floor, plus the bytes a rank sends (the ring's) over the bus bandwidth
-        for this size: the published one, net of the floor, so that the two add up to the
-        measured time. A group across nodes (per_node of its ranks in one): InfiniBand's floor,
-        and a GPU's link for each of its ranks in a node (every GPU its own NIC)."""
+        """NCCL's floor plus a rank's ring bytes over RISE's busbw for this size; across nodes
+        (per_node ranks of the group in a node), InfiniBand's floor and a link a rank in a node."""
         if n == 1:
             return 0.0
+        figures = self.figures
         sent = float(collective_cost(kind, nbytes, n)[0])
-        link = "send" if per_node > 1 else "inter"
         if kind == "send":
-            return self.figures[f"{link}_latency_us"] * 1e-6 + sent / (self.figures[f"{link}_gbps"] * 1e9)
-        floor = self.figures["latency_us"] * 1e-6
-        bandwidth = self.bus_bandwidth(kind, nbytes, floor)
+            link = "send" if per_node > 1 else "inter"
+            return figures[f"{link}_latency_us"] * 1e-6 + sent / (figures[f"{link}_gbps"] * 1e9)
+        floor = figures["latency_us"] * 1e-6
+        plateau = figures["all_reduce_gbps" if kind == "all-reduce" else "intra_gbps"] * 1e9
+        bandwidth = measured_bandwidth(nbytes, RISE, floor, plateau)
         if per_node < n:
-            floor = self.figures["inter_latency_us"] * 1e-6
-            bandwidth = min(bandwidth, per_node * self.figures["inter_gbps"] * 1e9)
+            floor = figures["inter_latency_us"] * 1e-6
+            bandwidth = min(bandwidth, per_node * figures["inter_gbps"] * 1e9)
         return floor + sent / bandwidth
 
-    def bus_bandwidth(self, kind, nbytes, floor):
-        """RISE to this kind's plateau, net of the floor (at each size, floor + bytes / this =
-        bytes / busbw, the time measured), interpolated log-log between its sizes."""
-        plateau = self.figures["all_reduce_gbps" if kind == "all-reduce" else "intra_gbps"]
-        points = []
-        for size, busbw in RISE:
-            sent = 2 * 7 / 8 * size                      # an all-reduce's ring, 8 GPUs
-            measured = sent / (busbw * plateau / RISE[-1][1] * 1e9)
-            points.append((size, sent / max(measured - floor, 1e-9)))
-        size = min(max(nbytes, points[0][0]), points[-1][0])
-        k = max(j for j in range(len(points)) if points[j][0] <= size)
-        if k == len(points) - 1:
-            return points[k][1]
-        (s0, b0), (s1, b1) = points[k], points[k + 1]
-        return b0 * (b1 / b0) ** (math.log(size / s0) / math.log(s1 / s0))
-
-    def pipeline_s(self, args, slowest, stages):
-        """The pipeline's seconds, its slowest stage's work spread by the bubble, and any other
-        parts of it (tests' CPU machine plays the schedule out, where ranks share cores)."""
+    def pipeline_s(self, args, slowest, stages):   # the slowest stage spread by the bubble, and
+        """other parts (tests' CPU machine plays the schedule out: its ranks share cores)."""
         return slowest["inside"] / (1 - slowest["bubble"]), {}
 
 
 @functools.lru_cache(maxsize=None)
 def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved):
-    """Each stage's {group kind: the fewest of one of its groups' ranks that share a node};
-    "pp": 2 where every send of the stage stays in a node, else 1."""
+    """Each stage's {kind: fewest ranks of a group in one node}; "pp": 2 if its sends stay in."""
     node = (rank_grid(dp, pp, tp, order) // gpus_per_node).tolist()   # [dp][pp][tp] -> node
     stages = []
     for s in range(pp):
         tp_groups = [node[d][s] for d in range(dp)]
-        dp_groups = [[node[d][s][t] for d in range(dp)] for t in range(tp)]
-        peers = [s + k for k in (-1, 1) if interleaved or 0 <= s + k < pp]
-        apart = any(node[d][s][t] != node[d][peer % pp][t]
-                    for d in range(dp) for t in range(tp) for peer in peers)
+        peers = [(s + k) % pp for k in (-1, 1) if interleaved or 0 <= s + k < pp]
         stages.append({"tp": min(min(Counter(group).values()) for group in tp_groups),
-                       "dp": min(min(Counter(group).values()) for group in dp_groups),
-                       "pp": 1 if apart else 2})
+                       "dp": min(min(Counter(group).values()) for group in zip(*tp_groups)),
+                       "pp": 1 if any(node[d][s] != node[d][k] for d in range(dp) for k in peers)
+                       else 2})
     return stages
 
 
 @functools.lru_cache(maxsize=None)
 def chunk_s(machine, kinds, rows, dim, tp, bf16, recompute, micro_batches, first, last):
-    """(F, B, W) of a chunk's layers, a micro-batch, on machine: the model's first layer needs
-    no dx; the last chunk computes the loss."""
+    """(F, B, W) of a chunk's layers, a micro-batch: no dx for the input; the loss, last."""
     times = [machine.layer_s(kind, rows, dim, tp, bf16, need_dx=not (first and i == 0),
                              recompute=recompute, micro_batches=micro_batches)
              for i, kind in enumerate(kinds)]
@@ -533,111 +434,65 @@ def chunk_s(machine, kinds, rows, dim, tp, bf16, recompute, micro_batches, first
     return f + machine.loss_s(rows, dim, bf16) * last, b, w
 
 
-def in_step_bytes(args):
-    """What a replica holds for a while within a step beyond the memory table's end. ZeRO-2 and
-    3: a chunk's gradient buckets whole from its W to their reduce-scatter, 4 P/v (P: the stage's
-    parameters, v chunks), with the parts of the chunks exchanged before; ZeRO-2 keeps every
-    chunk's whole until the last micro-batch, and makes no part before it."""
-    whole = 4 * sum(replica_lengths(args))       # the stage's gradient: 4 P
-    chunk = whole // args.virtual_stages
-    if args.zero < 2:
-        return 0
-    if args.zero == 2 and args.micro_batches > 1:
-        return whole - whole // args.dp
-    if args.zero == 3 and args.micro_batches > 1:  # its parts made in the first micro-batch
-        return chunk
-    return chunk - chunk // args.dp
-
-
-def stage_costs(args, stage):
-    """A stage's rank: {group: bytes it sends a step}, and {"held", "stash", "in step": bytes}."""
-    runs, held, stash, _ = three_d_costs(args, stage)
-    memory = {"held": sum(size for size, _ in held.values()), "stash": stash,
-              "in step": in_step_bytes(args)}
-    return {group: sent_bytes(args, group, group_runs) for group, group_runs in runs.items()}, memory
-
-
-def sent_bytes(args, group, runs):   # what a rank sends on a group, for runs of collectives
-    n = {"tp": args.tp, "pp": args.pp, "dp": args.dp}[group]
-    return sum(calls * ring_bytes(kind, nbytes, n) for (kind, nbytes), calls in merged(runs).items())
-
-
 @functools.lru_cache(maxsize=None)
-def ring_bytes(kind, nbytes, n):   # what one rank sends of a collective, or a send
+def ring_bytes(kind, nbytes, n):   # what one rank sends of a collective (ring's), or a send
     return float(collective_cost(kind, nbytes, n)[0]) * (n > 1)
 
 
-def merged(runs):   # {(kind, bytes): calls}: one entry a kind of message
-    calls = Counter()
-    for kind, nbytes, times in runs:
-        calls[kind, nbytes] += times
-    return calls
-
-
-@functools.lru_cache(maxsize=None)
-def held_anywhere(schedule, num_stages, num_micro_batches, num_chunks):
-    """held_counts() of every stage together: the largest stash of any stage is at one of them."""
-    return {pair for s in range(num_stages)
-            for pair in held_counts(schedule, num_stages, s, num_micro_batches, num_chunks)}
-
-
 def predict(args, machine):
-    """A layout's row. Its stages priced on machine: the first, the last, and the middle ones
-    that differ (in which of their groups cross nodes); the step: the slowest stage's time in
-    the pipeline, then the replicas' exchange (ZeRO-3's is inside), then the update. Memory:
-    the largest stage's. The step's parts add up to it."""
+    """A layout's row: its stages priced (the first, the last, the middle ones that cross nodes
+    apart), the step the slowest stage's pipeline, then the replicas' exchange (ZeRO-3's is
+    inside) and the update, in parts that add up to it; memory, the largest stage's."""
     dp, pp, tp, v, m = args.dp, args.pp, args.tp, args.virtual_stages, args.micro_batches
-    rows = args.batch_size // (dp * m)
     kinds = tuple(layer_kinds(args.num_layers // (pp * v), args.tp_style))
     per_node = members_per_node(dp, pp, tp, args.order, machine.gpus_per_node,
                                 args.schedule == "interleaved")
     sizes = {"tp": tp, "pp": pp, "dp": dp}
-    chosen = {}                                # one stage of each kind
-    for s in range(pp):
-        chosen.setdefault((s == 0, s == pp - 1, tuple(per_node[s].items())), s)
+    chosen = {(s == 0, s == pp - 1, tuple(per_node[s].items())): s for s in reversed(range(pp))}
     stages = []
     for s in chosen.values():
-        chunks = [chunk_s(machine, kinds, rows, args.dim, tp, args.bf16, args.recompute, m,
-                          first=c * pp + s == 0, last=c * pp + s == v * pp - 1) for c in range(v)]
+        chunks = [chunk_s(machine, kinds, args.batch_size // (dp * m), args.dim, tp, args.bf16,
+                          args.recompute, m, first=c * pp + s == 0, last=c * pp + s == v * pp - 1)
+                  for c in range(v)]
         runs, held, _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
-        comm = {group: sum(calls * machine.collective_s(kind, nbytes, sizes[group],
+        comm = {group: sum(times * machine.collective_s(kind, nbytes, sizes[group],
                                                         per_node[s][group])
-                           for (kind, nbytes), calls in merged(runs[group]).items())
-                for group in runs}
+                           for kind, nbytes, times in runs[group]) for group in runs}
         compute = m * sum(sum(chunk) for chunk in chunks)
         inside = compute + comm["tp"] + comm["pp"] + comm["dp"] * (args.zero == 3)
+        sent = {group: sum(times * ring_bytes(kind, nbytes, sizes[group])
+                           for kind, nbytes, times in runs[group]) for group in runs}
         stages.append(dict(stage=s, chunks=chunks, comm=comm, compute=compute, inside=inside,
-                           bubble=bubble, sent={group: sent_bytes(args, group, runs[group])
-                                                for group in runs}))
+                           bubble=bubble, sent=sent))
     slowest = max(stages, key=lambda stage: stage["inside"])
     pipeline, waits = machine.pipeline_s(args, slowest, stages)
-    parts = dict(compute=slowest["compute"], **slowest["comm"], bubble=pipeline - slowest["inside"],
-                 **waits)
+    parts = dict(compute=slowest["compute"], **slowest["comm"], **waits,
+                 bubble=pipeline - slowest["inside"])
     params = sum(replica_lengths(args)) // (dp if args.zero else 1)   # a rank's optimizer's
     parts["update"] = machine.update_s(params, args.optimizer)
-    kept, waiting = stash_bytes(args)
-    stash = max(k * kept + w * waiting for k, w in held_anywhere(args.schedule, pp, m, v))
-    memory = sum(size for size, _ in held.values()) + stash + in_step_bytes(args)
+    kept, waiting = stash_bytes(args)                 # the largest stash of any stage
+    stash = max(k * kept + w * waiting for s in range(pp)
+                for k, w in held_counts(args.schedule, pp, s, m, v))
+    matmuls = rank_matmuls(args, slowest["stage"])    # the slowest stage's rank's
+    flops = {name: sum(calls * mm.flops() for mm, calls in matmuls.items() if mm.in_bytes == size)
+             for name, size in (("bf16", 2), ("fp32", 4))}
     step = sum(parts.values())
-    matmuls = rank_matmuls(args, slowest["stage"])                # the slowest stage's rank's
-    return dict(flags=layout_flags(args), memory_bytes=memory, step_s=step, parts=parts,
+    return dict(flags=layout_flags(args), step_s=step, parts=parts, bubble=slowest["bubble"],
+                memory_bytes=sum(size for size, _ in held.values()) + stash + in_step_bytes(
+                    replica_lengths(args), v, dp, zero=args.zero, num_micro_batches=m),
                 bytes={group: max(stage["sent"][group] for stage in stages) for group in sizes},
-                bubble=slowest["bubble"], args=args, stage=slowest["stage"],
-                flops={"bf16" if size == 2 else "fp32": sum(calls * mm.flops() for mm, calls in
-                                                            matmuls.items() if mm.in_bytes == size)
-                       for size in {mm.in_bytes for mm in matmuls}},
+                stage=slowest["stage"], flops=flops, args=args,
                 matmul_bytes=sum(calls * mm.bytes_moved() for mm, calls in matmuls.items()),
                 mfu=6 * args.batch_size * args.num_layers * args.dim ** 2 /
                 (step * dp * pp * tp * machine.flops),
-                crosses=sorted(group for group in sizes if sizes[group] > 1 and min(
-                    stage[group] for stage in per_node) < (2 if group == "pp" else sizes[group])))
+                crosses=[group for group in ("dp", "pp", "tp") if sizes[group] > 1 and min(
+                    stage[group] for stage in per_node) < (2 if group == "pp" else sizes[group])])
 
 
 def layouts(args, gpus_per_node):
-    """Every layout the planner weighs, as parse_args() would leave three_d's flags: each
-    (dp, pp, tp); both orders where a node is smaller than the world; each schedule, with 2
-    or 4 chunks interleaved; micro-batches 1 to 8 without a pipeline, p to 8 p with one; each
-    ZeRO stage; each TP style; --p2p-shard and --recompute, with and without."""
+    """Every layout weighed, as parse_args() leaves its flags: each (dp, pp, tp), order where a
+    node is smaller than the world, schedule (v = 2 and 4 interleaved), micro-batches (p to 8 p),
+    ZeRO stage, TP style, --p2p-shard and --recompute."""
     world, L, D, B = args.world_size, args.num_layers, args.dim, args.batch_size
     divisors = [n for n in range(1, world + 1) if world % n == 0]
     for dp, pp in itertools.product(divisors, repeat=2):
@@ -677,14 +532,21 @@ def layout_flags(args):
     return " ".join(flag for flag in flags if flag)
 
 
-def plan(args, machine=None):
-    """Every layout that fits in a GPU's memory, ranked by predicted step time: a table, or
-    --json, and a line on why the winner wins. A search of more than a second says how far it
-    has come, on stderr; nothing fitting ends the run in one line."""
-    if machine is None:
-        figures = {**GPUS[args.hardware], **{name: vars(args)[name] for name in FIGURE_FLAGS
-                                             if name in vars(args)}}
-        machine = Machine(figures, args.gpus_per_node)
+def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 megatron ...
+    words = [f"dp{a.dp} pp{a.pp} tp{a.tp}", a.order * (a.order != "tp-pp-dp"),
+             f"{a.schedule}{f' v{a.virtual_stages}' * (a.virtual_stages > 1)}" * (a.pp > 1),
+             f"m{a.micro_batches}", f"zero{a.zero}" * (a.zero > 0),
+             "megatron" * (a.tp_style == "megatron"), "p2p-shard" * a.p2p_shard,
+             "recompute" * a.recompute]
+    return " ".join(word for word in words if word)
+
+
+def plan(args):
+    """The layouts that fit a GPU's memory, by predicted step, as a table and why the winner
+    wins, or --json; a search of over a second says how far it has come; none fitting, a Stop."""
+    figures = {**GPUS[args.hardware], **{name: vars(args)[name] for name in FIGURE_FLAGS
+                                         if name in vars(args)}}
+    machine = Machine(figures, args.gpus_per_node)
     candidates = list(layouts(args, machine.gpus_per_node))
     said = time.perf_counter()
     rows = []
@@ -703,18 +565,17 @@ def plan(args, machine=None):
         print(json.dumps([{key: value for key, value in row.items() if key != "args"}
                           for row in fits], indent=1))
         return
-    show_plan(args, machine, rows, fits)
+    show_plan(args, machine, len(rows), fits)
 
 
-def show_plan(args, machine, rows, fits):
+def show_plan(args, machine, weighed, fits):
     nodes = args.world_size // machine.gpus_per_node
     shown = fits[:args.top or None]
     print(f"plan: {args.world_size} GPUs ({nodes} node{'s' * (nodes > 1)} of "
           f"{machine.gpus_per_node}), the MLP of {args.num_layers} layers, D={args.dim}, "
           f"B={args.batch_size}, bf16 on fp32 masters, {args.optimizer}; "
-          f"{machine.figures['name']}: {si(machine.flops)}FLOP/s, {si(machine.memory)}B, "
-          f"HBM {si(machine.hbm)}B/s")
-    print(f"{len(rows)} layouts weighed, {len(fits)} fit; the "
+          f"{machine.figures['name']}, {si(machine.memory)}B")
+    print(f"{weighed} layouts weighed, {len(fits)} fit; the "
           f"{'' if len(shown) == len(fits) else f'{len(shown)} '}best by predicted step time "
           f"(--top 0: all). Bytes: what the busiest rank sends a step, * across nodes")
     width = max([len(short_layout(row["args"])) for row in shown] + [6]) + 2
@@ -724,49 +585,24 @@ def show_plan(args, machine, rows, fits):
         parts = row["parts"]
         sent = [f"{si(row['bytes'][group])}B{'*' * (group in row['crosses'])}"
                 for group in ("tp", "pp", "dp")]
+        comm = parts["tp"] + parts["pp"] + parts["dp"]
         print(f"{k:>4}  {short_layout(row['args']):<{width}}{si(row['memory_bytes']) + 'B':>10}"
               f"{sent[0]:>10}{sent[1]:>10}{sent[2]:>10}{row['bubble']:>8.1%}"
-              f"{seconds(parts['compute']):>10}{seconds(parts['tp'] + parts['pp'] + parts['dp']):>10}"
+              f"{seconds(parts['compute']):>10}{seconds(comm):>10}"
               f"{seconds(row['step_s']):>10}{row['mfu']:>6.0%}")
     print(why(fits))
 
 
-def short_layout(a):
-    words = [f"dp{a.dp} pp{a.pp} tp{a.tp}", a.order * (a.order != "tp-pp-dp"),
-             f"{a.schedule}{f' v{a.virtual_stages}' * (a.virtual_stages > 1)}" * (a.pp > 1),
-             f"m{a.micro_batches}", f"zero{a.zero}" * (a.zero > 0),
-             "megatron" * (a.tp_style == "megatron"), "p2p-shard" * a.p2p_shard,
-             "recompute" * a.recompute]
-    return " ".join(word for word in words if word)
-
-
-def why(fits):
-    """The winner against the best layout of another shape: the part of the step it saves most."""
+def why(fits):   # the winner against the best of another shape: where it saves most
     best = fits[0]
-    shape = (best["args"].dp, best["args"].pp, best["args"].tp)
-    other = next((row for row in fits if (row["args"].dp, row["args"].pp, row["args"].tp) !=
-                  shape), None)
+    other = next((row for row in fits if row["flags"].split()[:6] != best["flags"].split()[:6]),
+                 None)                        # its --dp, --pp, --tp differ
     if other is None:
         return f"why: {short_layout(best['args'])} is the only shape that fits"
-    gains = {part: other["parts"][part] - best["parts"][part] for part in best["parts"]}
-    part = max(gains, key=gains.get)
+    part = max(best["parts"], key=lambda part: other["parts"][part] - best["parts"][part])
     return (f"why: {short_layout(best['args'])} ({seconds(best['step_s'])}) beats the best of "
             f"another shape, {short_layout(other['args'])} ({seconds(other['step_s'])}), most on "
             f"{part}: {seconds(best['parts'][part])} against {seconds(other['parts'][part])}")
-
-
-def si(value):   # 3 significant figures and a prefix: 1.23 G
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {prefix}"
-    return f"{value:.3g} "
-
-
-def seconds(value):   # in the unit that fits: 12.3 us, 4.56 ms, 1.23 s
-    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
-        if value >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value / 1e-6:.3g} us"
 
 
 PLAN_FLAGS = ["world_size", "hardware", "gpus_per_node", *FIGURE_FLAGS, "json", "top"]
@@ -779,10 +615,9 @@ def add_plan_args(parser):
     plan.add_argument("--world-size", type=positive_int, default=argparse.SUPPRESS,
                       help="GPUs to lay out (default 8)")
     plan.add_argument("--hardware", choices=sorted(GPUS), default=argparse.SUPPRESS,
-                      help="the GPU whose published figures price a step (in bf16), each "
-                           "changed by its flag below (default h100)")
+                      help="the GPU whose figures price a step, in bf16 (default h100)")
     plan.add_argument("--gpus-per-node", type=positive_int, default=argparse.SUPPRESS,
-                      help="GPUs a node; divides --world-size (default 8)")
+                      help="divides --world-size (default 8)")
     for name, unit in FIGURE_FLAGS.items():
         defaults = ", ".join(f"{gpu} {figures[name]:g}" for gpu, figures in GPUS.items())
         plan.add_argument(f"--{name.replace('_', '-')}", type=positive_float,
@@ -805,10 +640,10 @@ def plan_rules(parser, args):
         (under_torchrun(), "--plan: run it as a plain command, not under torchrun"),
         (args.world_size % args.gpus_per_node, f"--gpus-per-node {args.gpus_per_node} does not "
                                                f"divide --world-size {args.world_size}: a plan "
-                                               f"is for whole nodes")])
-    parser.refuse([(next(layouts(args, args.gpus_per_node), None) is None,
-                    f"--world-size {args.world_size}: no layout of it divides --num-layers "
-                    f"{args.num_layers}, --dim {args.dim} and --batch-size {args.batch_size}")])
+                                               f"is for whole nodes"),
+        (next(layouts(args, args.gpus_per_node), None) is None,
+         f"--world-size {args.world_size}: no layout of it divides --num-layers "
+         f"{args.num_layers}, --dim {args.dim} and --batch-size {args.batch_size}")])
 
 
 def parse_args(argv=None):
@@ -835,13 +670,11 @@ def parse_args(argv=None):
         plan_rules(parser, args)
         return args
     flag = next(iter(plan_flags), "").replace("_", "-")
-    parser.refuse([(plan_flags, f"--{flag}: only with --plan (a run's world is --dp x --pp x "
-                                f"--tp)")])
+    parser.refuse([(plan_flags, f"--{flag}: only with --plan (a run's world: --dp x --pp x --tp)")])
     if args.show_rank_map:
         used = {"show_rank_map", "dp", "pp", "tp", "order", "backend", "timeout_s"}
         refuse_unused(parser, args, used, "--show-rank-map")
         return args
-    import importlib.util
     parser.refuse([divides(args.dim, "--dim", args.tp, "--tp"),
                    (args.pp > args.num_layers, f"--pp {args.pp}: more stages than --num-layers "
                                                f"({args.num_layers})"),

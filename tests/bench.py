@@ -12,6 +12,8 @@ figures that are not the lecture. The scripts never import this; it imports them
     python tests/bench.py count-comm SCRIPT [its flags]  # bytes sent per step, counted, beside the formula
     python tests/bench.py plan [--world-size --num-layers --dim --batch-size --steps]
                                                         # three_d.py --plan's step times against runs
+    python tests/bench.py plan-speed                     # --plan's own time, 8 to 1,024 GPUs
+    python tests/bench.py recompute-memory [its sizes]   # steps 2, 3: peak memory, --recompute or not
     python tests/bench.py machine                        # one line naming this machine
 
 Each comparison takes the script's own flags (--steps: the timed steps, at least 5), runs
@@ -47,7 +49,7 @@ import three_d  # noqa: E402
 from collectives import RankFailed, cleanup, ring_all_reduce, setup, spawn, under_torchrun  # noqa: E402
 from data_parallel import init_weights, make_batch, replica_rows  # noqa: E402
 from pipeline_parallel import Recorder, Stage, build_schedule, run_schedule, stage_layers  # noqa: E402
-from race import (as_module, bench_sizes, check_and_race, dp_side, end_race, machine, mse_sum, replica_options,  # noqa: E402
+from race import (ROOT, as_module, bench_sizes, check_and_race, dp_side, end_race, machine, mse_sum, replica_options,  # noqa: E402
                   print_race, race, serial_side, sgd, sgd_side, spawn_returning)
 from tensor_parallel import layer_kinds, shard, tp_blocks  # noqa: E402
 
@@ -763,6 +765,60 @@ def refuse(message):
     sys.exit(2)
 
 
+# ----------------------------------------------------------------------------------
+# three_d.py --plan's own time, and --recompute's memory, each a fresh process
+# ----------------------------------------------------------------------------------
+
+PLAN_MODEL = ["--num-layers", "64", "--dim", "8192", "--batch-size", "8192"]   # the README's
+
+
+def plan_speed(argv):
+    """Seconds that `three_d.py --plan` takes (start-up included) for 8 to 1,024 GPUs on the
+    README's model, and for a world of 100,000, as a user runs it."""
+    print("three_d.py --plan, the README's model (L=64 D=8192 B=8192), H100: seconds to the answer")
+    for world in (8, 64, 256, 1024, 100000):
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "three_d.py", "--plan", "--world-size", str(world),
+                               *PLAN_MODEL, "--top", "1", *argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+        seconds = time.perf_counter() - start
+        answer = (proc.stdout.strip().splitlines() or proc.stderr.strip().splitlines())[-1]
+        print(f"  {world:>6} GPUs {seconds:6.1f} s  (exit {proc.returncode}) {answer[:60]}")
+
+
+RECOMPUTE_SIZES = ["--world-size", "1", "--num-layers", "32", "--dim", "256", "--batch-size",
+                   "32768", "--micro-batches", "1", "--steps", "1", "--optimizer", "sgd"]
+MEASURE = """import resource, sys, time
+sys.argv = sys.argv[1:]
+script = __import__(sys.argv[0].removesuffix(".py"))
+start = time.perf_counter()
+script.main(sys.argv[1:])
+peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+print(f"{peak * 1024} {time.perf_counter() - start}")"""
+
+
+def recompute_memory(argv):
+    """Steps 2 and 3 with and without --recompute, at one rank's sizes (default: L=32 D=256
+    B=32768, one micro-batch, one step): each run's peak resident memory (its largest process,
+    the rank) and its time, in a fresh process."""
+    sizes = argv or RECOMPUTE_SIZES
+    print(f"--recompute, {' '.join(sizes)}: peak resident memory and time, each run alone")
+    print(f"  {'script':<20}{'plain':>10}{'--recompute':>13}{'less':>9}{'time, plain':>13}"
+          f"{'--recompute':>13}")
+    for script in ("data_parallel.py", "tensor_parallel.py"):
+        runs = []
+        for flags in ([], ["--recompute"]):
+            proc = subprocess.run([sys.executable, "-c", MEASURE, script, *sizes, *flags],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=600)
+            if proc.returncode:
+                raise SystemExit(f"{script} {' '.join(flags)} failed: {proc.stderr[-400:]}")
+            peak, seconds = proc.stdout.split()[-2:]
+            runs.append((int(peak), float(seconds)))
+        (plain, t_plain), (again, t_again) = runs
+        print(f"  {script:<20}{plain / 1e9:>8.2f} GB{again / 1e9:>11.2f} GB{(plain - again) / 1e9:>7.2f} GB"
+              f"{t_plain:>11.1f} s{t_again:>11.1f} s")
+
+
 def main(argv):
     what, rest = (argv[0], argv[1:]) if argv else ("", [])
     if what in ("bubble-table", "machine") and rest:
@@ -796,11 +852,16 @@ def main(argv):
     elif what == "plan":
         import plan_check
         plan_check.bench(rest)
+    elif what == "plan-speed":
+        plan_speed(rest)
+    elif what == "recompute-memory":
+        recompute_memory(rest)
     elif what == "machine":
         print(machine())
     else:
         refuse(f"the first word names what to bench: collectives, {', '.join(COMPARISONS)}, "
-               f"memory, bubble-table, count-comm, plan or machine; got {what!r}")
+               f"memory, bubble-table, count-comm, plan, plan-speed, recompute-memory or "
+               f"machine; got {what!r}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ through the script's own door as on a node of 8 GPUs (tests/nccl.py's fake_gpus)
 weights and the batch are drawn on meta by the scripts' own init_weights and make_batch.
 
 StepRecord, a TorchDispatchMode, sees every op of the step. It keeps
-- each matmul as three_d.Matmul, the planner's own record: (m, k, n), the bytes of an input's
+- each matmul as tensor_parallel.Matmul, the planner's own record: (m, k, n), the bytes of an input's
   and of an output's element, whether it adds into what its output held; from these its FLOPs,
   2 m k n, and the bytes it moves; and the dtypes of every matmul's inputs;
 - each collective and send (comm_count's CommCounter): its group, kind and tensor bytes;
@@ -55,7 +55,7 @@ class OffDevice(RuntimeError):
     """An op of the step touched a tensor that is not on the step's device."""
 
 
-MATMULS = {"mm": False, "addmm": True, "addmm_": True}   # an op's name -> it accumulates
+MATMULS = {"mm": False, "addmm": True, "addmm_": True}   # an op's name -> it adds into its output
 
 
 class StepRecord(TorchDispatchMode):
@@ -64,7 +64,7 @@ class StepRecord(TorchDispatchMode):
     def __init__(self, device=META):
         super().__init__()
         self.device = device
-        self.matmuls = collections.Counter()   # three_d.Matmul -> calls
+        self.matmuls = collections.Counter()   # tensor_parallel.Matmul -> calls
         self.input_dtypes = collections.Counter()   # a matmul's inputs' dtype -> calls
         self.live = {}                         # id of a storage made in the step -> its bytes
         self.now = 0
@@ -77,7 +77,7 @@ class StepRecord(TorchDispatchMode):
         self.check_devices(func, out)                     # and what it makes
         name = func.overloadpacket.__name__
         if name in MATMULS:
-            self.add_matmul(name, args, out)
+            self.add_matmul(name, args, out, adds=MATMULS[name] and kwargs.get("beta", 1) != 0)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.note_alive(t.untyped_storage())
@@ -90,14 +90,13 @@ class StepRecord(TorchDispatchMode):
                 raise OffDevice(f"{func}: a tensor {list(t.shape)} on {t.device}, where the step "
                                 f"runs on {self.device}")
 
-    def add_matmul(self, name, args, out):
-        accumulate = MATMULS[name]
-        a, b = args[1:3] if accumulate else args[:2]
+    def add_matmul(self, name, args, out, adds):   # beta = 0: what the output held is ignored
+        a, b = args[1:3] if MATMULS[name] else args[:2]
         if a.dtype != b.dtype:
             raise TypeError(f"{name}: inputs of two dtypes, {a.dtype} and {b.dtype}")
         self.input_dtypes[a.dtype] += 1
-        self.matmuls[three_d.Matmul(a.shape[0], a.shape[1], b.shape[1], a.element_size(),
-                                    out.element_size(), accumulate)] += 1
+        self.matmuls[tensor_parallel.Matmul(a.shape[0], a.shape[1], b.shape[1], a.element_size(),
+                                            out.element_size(), adds)] += 1
 
     def note_alive(self, storage):
         key = id(storage)
@@ -190,15 +189,15 @@ def world_of(script, args):
     return args.world_size
 
 
-def build_data_parallel(args, rank, world_size):
+def build_data_parallel(args, rank, world_size, device=META):
     """dp_worker's replica and step (steps 2): the world's ranks are the replicas."""
     m = args.micro_batches
     init = data_parallel.init_weights(args.num_layers, args.dim, args.seed)
-    replica = data_parallel.make_replica([w.to(META, copy=True) for w in init], None,
+    replica = data_parallel.make_replica([w.to(device, copy=True) for w in init], None,
                                          zero=args.zero, optimizer=args.optimizer, lr=args.lr,
                                          bucket_mb=args.bucket_mb, bf16=args.bf16,
                                          overlap=args.overlap)
-    inputs, targets = data_parallel.make_batch(args)
+    inputs, targets = (t.to(device) for t in data_parallel.make_batch(args))
     rows = data_parallel.replica_rows(args.batch_size, rank, world_size)
     xs = inputs[rows].chunk(m)
     ys = targets[rows].chunk(m)
@@ -211,15 +210,16 @@ def build_data_parallel(args, rank, world_size):
     return step, replica, {"dp": None}, 0
 
 
-def build_tensor_parallel(args, rank, world_size):
+def build_tensor_parallel(args, rank, world_size, device=META):
     """tp_worker's shards, replica and step (step 3)."""
     m = args.micro_batches
     kinds = tensor_parallel.layer_kinds(args.num_layers, args.tp_style)
     full = data_parallel.init_weights(args.num_layers, args.dim, args.seed)
-    shards = [tensor_parallel.shard(w, kind, rank, world_size) for w, kind in zip(full, kinds)]
+    shards = [tensor_parallel.shard(w, kind, rank, world_size).to(device)
+              for w, kind in zip(full, kinds)]
     replica = data_parallel.DataParallel(shards, dist.new_subgroups(1)[0],
                                          optimizer=args.optimizer, lr=args.lr, bf16=args.bf16)
-    inputs, targets = data_parallel.make_batch(args)
+    inputs, targets = (t.to(device) for t in data_parallel.make_batch(args))
 
     blocks = tensor_parallel.tp_blocks(kinds)
 
@@ -232,15 +232,15 @@ def build_tensor_parallel(args, rank, world_size):
     return step, replica, {"tp": None}, 0
 
 
-def build_pipeline_parallel(args, rank, world_size):
+def build_pipeline_parallel(args, rank, world_size, device=META):
     """pp_worker's replica, stages, action list and step (step 4)."""
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
     full = data_parallel.init_weights(args.num_layers, args.dim, args.seed)
-    inputs, targets = data_parallel.make_batch(args)
+    inputs, targets = (t.to(device) for t in data_parallel.make_batch(args))
     mine = [i for c in range(v)
             for i in pipeline_parallel.stage_layers(args.num_layers, p, stage, v, c)]
     per_chunk = len(mine) // v
-    replica = data_parallel.DataParallel([full[i].to(META, copy=True) for i in mine],
+    replica = data_parallel.DataParallel([full[i].to(device, copy=True) for i in mine],
                                          dist.new_subgroups(1)[0], optimizer=args.optimizer,
                                          lr=args.lr, bf16=args.bf16,
                                          chunk_starts=range(0, len(mine), per_chunk))
@@ -265,9 +265,9 @@ def build_pipeline_parallel(args, rank, world_size):
     return step, replica, {"pp": None}, stage
 
 
-def build_three_d(args, rank, world_size):
+def build_three_d(args, rank, world_size, device=META):
     """three_d_worker's ThreeDRank and step (step 5)."""
-    me = three_d.ThreeDRank(rank, args, META)
+    me = three_d.ThreeDRank(rank, args, device)
 
     def step():
         me.train_step()

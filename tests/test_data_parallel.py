@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import data_parallel as dp
 from collectives import RankFailed
+from stash_check import stash_and_peak
 from common import (serial_train, ATOL, RTOL, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
                     gelu_grad, model_forward)
 
@@ -738,3 +739,20 @@ def test_bf16_memory_is_2_4_12_bytes_a_parameter_split_by_zero(tmp_path, monkeyp
     want = [weights * P / split[0], grads * P / split[1], state * P / split[2]]
     assert [rows[k][0] for k in ("weights", "gradients", "optimizer state")] == want
     assert rows["total"] == (sum(want), sum(want))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_recompute_keeps_each_layers_input_and_the_peak_falls_by_the_formula(zero):
+    """--recompute keeps each layer's x, not (x, z): a micro-batch's stash at its largest is
+    L [b, D], not 2 L, counted from the tensors alive (tests/stash_check.py); a layer's backward
+    makes its z again, so the step's peak, at the last layer's backward, falls by the z of every
+    layer but that one: (L - 1) [b, D]. With ZeRO's every stage. (In bf16 the step peaks at
+    the loss instead, where its fp32 copies of the output outweigh a z.)"""
+    L, D, B, m, d = 8, 16, 256, 2, 2
+    argv = ["--world-size", str(d), "--num-layers", str(L), "--dim", str(D), "--batch-size", str(B),
+            "--micro-batches", str(m), "--zero", str(zero), "--optimizer", "sgd"]
+    plain = stash_and_peak("data_parallel", argv)
+    recompute = stash_and_peak("data_parallel", [*argv, "--recompute"])
+    A = B // (d * m) * D * 4                             # [b, D]
+    assert plain[0] == 2 * L * A and recompute[0] == L * A
+    assert plain[1] - recompute[1] == (L - 1) * A

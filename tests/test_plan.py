@@ -4,7 +4,7 @@ prices against the published figures and physics, its table, and its refusals.
 - For every (dp, pp, tp) of 4 and 8 ranks, a layout of each flag family runs a step, and what
   each rank counts (plan_check.count_worker: the bytes it sent on each group, what its replica
   holds at the step's end, its stash at its largest, the most it held in the step) equals the
-  planner's figures for its stage (stage_costs), exactly.
+  planner's figures for its stage, exactly.
 - A row's FLOPs by dtype and matmul bytes are what a rank of its stage executes, recorded by
   tests/gpu_path.py on the meta device, at 8 and 1,024 GPUs.
 - A matmul costs its FLOPs at the peak a GEMM of its shape reaches or its bytes at HBM's speed,
@@ -22,6 +22,8 @@ import sys
 
 import pytest
 
+import data_parallel
+import tensor_parallel
 import three_d
 from gpu_path import gpu_node_args, run_step
 from plan_check import count_worker
@@ -82,6 +84,19 @@ def pick(rows, family):
     return fits[0]
 
 
+def stage_costs(args, stage):
+    """The plan's figures for a rank of this stage, from its own pieces, as predict() puts them
+    together: {group: bytes it sends a step}, {"held", "stash", "in step": bytes}."""
+    runs, held, stash, _ = three_d.three_d_costs(args, stage)
+    sizes = {"tp": args.tp, "pp": args.pp, "dp": args.dp}
+    sent = {group: sum(times * three_d.ring_bytes(kind, nbytes, sizes[group])
+                       for kind, nbytes, times in runs[group]) for group in runs}
+    in_step = data_parallel.in_step_bytes(three_d.replica_lengths(args), args.virtual_stages,
+                                          args.dp, zero=args.zero,
+                                          num_micro_batches=args.micro_batches)
+    return sent, {"held": sum(size for size, _ in held.values()), "stash": stash, "in step": in_step}
+
+
 SHAPES = [(world, dp, pp, world // (dp * pp)) for world in (4, 8)
           for dp in (1, 2, 4, 8) for pp in (1, 2, 4, 8) if world % (dp * pp) == 0]
 
@@ -105,7 +120,7 @@ def test_planned_bytes_and_memory_are_what_a_run_counts(world, dp, pp, tp):
         layouts.append(args)
     counted = spawn_returning(count_worker, world, layouts, timeout_s=30)   # [ranks, layouts, 7]
     for j, row in enumerate(chosen):
-        costs = [three_d.stage_costs(row["args"], s) for s in range(pp)]
+        costs = [stage_costs(row["args"], s) for s in range(pp)]
         for rank in range(world):
             stage, tp_sent, pp_sent, dp_sent, end, stash, in_step = counted[rank, j].tolist()
             sent, memory = costs[int(stage)]
@@ -125,10 +140,8 @@ def assert_priced_as_recorded(row, rank):
     the bytes its matmuls move are the row's."""
     ran = run_step("three_d", row["flags"].split(), rank)
     assert ran.stage == row["stage"]
-    flops = {"bf16" if mm.in_bytes == 2 else "fp32": 0 for mm in ran.matmuls}
-    for mm, calls in ran.matmuls.items():
-        flops["bf16" if mm.in_bytes == 2 else "fp32"] += calls * mm.flops()
-    assert flops == row["flops"]
+    assert row["flops"] == {"bf16": ran.record.flops(element_size=2),
+                            "fp32": ran.record.flops(element_size=4)}
     assert sum(calls * mm.bytes_moved() for mm, calls in ran.matmuls.items()) == row["matmul_bytes"]
 
 
@@ -160,18 +173,18 @@ def test_a_matmul_costs_its_flops_or_its_bytes_whichever_is_longer():
     through HBM, 124 FLOP a byte against the H100's 295: memory-bound, 41 us. A large square
     GEMM is compute-bound, at most at the best GEMM measured, 80% of the peak."""
     machine = three_d.Machine(H100, 8)
-    thin = three_d.Matmul(128, 8192, 8192, 2, 2, False)
+    thin = tensor_parallel.Matmul(128, 8192, 8192, 2, 2, False)
     assert thin.bytes_moved() == (128 * 8192 + 8192 * 8192 + 128 * 8192) * 2   # x, W in; z out
     assert machine.matmul_s(thin) == pytest.approx(thin.bytes_moved() / 3.35e12)
     assert 40e-6 < machine.matmul_s(thin) < 42e-6
-    square = three_d.Matmul(8192, 8192, 8192, 2, 2, False)
+    square = tensor_parallel.Matmul(8192, 8192, 8192, 2, 2, False)
     assert machine.matmul_s(square) >= square.flops() / (0.80 * 989e12)
     assert machine.matmul_s(square) == pytest.approx(square.flops() / (989e12 * machine.efficiency(
         8192, 8192, 8192)))
     assert 0.7 < machine.efficiency(8192, 8192, 8192) <= 0.8
     fp32 = square._replace(in_bytes=4, out_bytes=4)   # TF32 off: the CUDA cores, 1/15 the speed
     assert machine.matmul_s(fp32) == pytest.approx(machine.matmul_s(square) * 989 / 67)
-    adding = three_d.Matmul(8192, 32, 1024, 2, 4, True)   # dW += x^T dz into fp32: reads it too
+    adding = tensor_parallel.Matmul(8192, 32, 1024, 2, 4, True)   # dW += x^T dz into fp32: reads it too
     assert adding.bytes_moved() == (8192 * 32 + 32 * 1024) * 2 + 2 * 8192 * 1024 * 4
 
 

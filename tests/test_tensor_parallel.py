@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import data_parallel as dp
 import tensor_parallel as tp
 from collectives import RankFailed, cleanup, setup, spawn
+from stash_check import stash_and_peak
 from common import (serial_train, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
                     model_forward)
 
@@ -439,7 +440,7 @@ def test_check_fails_when_dx_is_not_all_reduced(tmp_path, monkeypatch, capfd):
         cols = w_t.shape[1]
         return dp.layer_backward(g[:, dist.get_rank(group) * cols:(dist.get_rank(group) + 1) * cols], stash, w_t,
                                  need_dx=need_dx)
-    monkeypatch.setitem(tp.BLOCKS, "gather", dp.Block(tp.gather_forward, backward_without_all_reduce))
+    monkeypatch.setitem(tp.BLOCKS, "gather", tp.Block(tp.gather_forward, backward_without_all_reduce))
     with pytest.raises(RankFailed) as failed:
         run_tp(tmp_path, monkeypatch, 2, flags=("--check",))
     assert failed.value.rank == 0 and failed.value.stopped.startswith("check FAILED")
@@ -508,3 +509,24 @@ def test_bf16_tensor_parallel_checks_within_its_tolerance(tmp_path, monkeypatch,
     gloo, which takes bf16 for every collective here: nothing is sent as int16 bits)."""
     run_tp(tmp_path, monkeypatch, 3, micro_batches=2, flags=("--bf16", "--check", "--tp-style", "megatron"))
     assert_check_passed(capfd.readouterr().out, dp.bf16_tolerance())
+
+
+@pytest.mark.parametrize("style", ["all-gather", "megatron"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_recompute_keeps_each_layers_input_and_the_peak_falls_by_the_formula(style, world_size):
+    """--recompute keeps each layer's input: an all-gather layer's x [b, D] (its z_t [b, D/T]
+    made again in its backward), a Megatron column layer's x [b, D] and row layer's a_t
+    [b, D/T] (z [b, D] made again, with g's all-reduce). The stash at its largest, counted from
+    the tensors alive (tests/stash_check.py), is the sum of the x's, not of (x, z); the step's
+    peak, at the last layer's backward, falls by every z but the last layer's."""
+    L, D, B, m, t = 8, 16, 256, 2, world_size
+    argv = ["--world-size", str(t), "--num-layers", str(L), "--dim", str(D), "--batch-size", str(B),
+            "--micro-batches", str(m), "--tp-style", style, "--optimizer", "sgd"]
+    plain = stash_and_peak("tensor_parallel", argv)
+    recompute = stash_and_peak("tensor_parallel", [*argv, "--recompute"])
+    A = B // m * D * 4                                   # [b, D], on every tp rank
+    kinds = tp.layer_kinds(L, style)
+    x = [A // t if kind == "row" else A for kind in kinds]
+    z = [A if kind == "row" else A // t for kind in kinds]
+    assert plain[0] == sum(x) + sum(z) and recompute[0] == sum(x)
+    assert plain[1] - recompute[1] == sum(z) - z[-1]
