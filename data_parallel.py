@@ -14,8 +14,8 @@ shape. Its backward is derived by hand here, once; every later step splits these
                dx = dz W^T      [b, D]: the g of the layer below
     loss       L = sum (a - y)^2 / n      dL/da = 2 (a - y) / n
 
-A layer keeps (x, z), its stash, for its backward; --recompute (activation checkpointing, a
-layer at a time) keeps x alone and makes z = x W again in the backward: L [b, D], not 2 L.
+A layer keeps (x, z), its stash, for its backward. --recompute (activation checkpointing, a
+layer at a time) keeps x, makes z = x W again in the backward: L [b, D], not 2 L, 4/3 the FLOPs.
 
 Data parallelism: each of d replicas holds every weight and trains on its own slice of the
 batch; they sum their gradients with an all-reduce and divide by d: the same step on each.

@@ -189,7 +189,7 @@ class Stage:
         self.targets = targets
         self.mean_over = mean_over            # the loss: a mean over this many elements
         self.stash = {}                       # micro-batch -> its layers' stashes, popped by B
-        self.waiting_for_w = {}               # -> its layers' (x, dz), popped by W (ZB-H1)
+        self.waiting_for_w = {}               # -> its layers' (x, dz), from B to W (ZB-H1: late)
         self.loss_grad = {}                   # -> dL/da of its output (the last stage)
 
     def begin_step(self):
