@@ -438,5 +438,5 @@ def test_the_memory_tables_add_the_allocators_peak_on_a_gpu(monkeypatch, capfd):
 
 def test_the_multinode_recipe_names_ncclsocket_ifname():
     readme = (REPO / "README.md").read_text()
-    recipe = readme[readme.index("**Two nodes of 4.**"):readme.index("**Under Slurm**")]
+    recipe = readme[readme.index("**Two nodes of 4**"):readme.index("**Under Slurm**")]
     assert "NCCL_SOCKET_IFNAME" in recipe and "GLOO_SOCKET_IFNAME" in recipe
