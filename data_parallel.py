@@ -695,7 +695,7 @@ class SerialCheck:
     If each step equals serial training's from the same start, the whole run does, by
     induction, and one step holds one step's rounding, at any number of steps; two whole runs
     drift apart (chaotic training; AdamW's eps). At step t, from this run's W_t (--bf16: the
-    fp32 masters), the README's "--check" derives each tolerance:
+    fp32 masters), each figure and its tolerance:
       gradients  autograd's at W_t against this run's, each layer's difference over its terms
                  (|x|^T |dz| for the residual's terms 2 (|a| + |y|) / n: near convergence the
                  gradient is a small sum of larger terms), within 1e-4 (bf16: bf16_tolerance)

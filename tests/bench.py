@@ -496,9 +496,9 @@ def pipelining_side(modules, schedule_class, rank, num_stages, inputs, targets, 
 # across dp: a manual all-reduce of the gradients, FSDP2 (fully_shard), or DDP. DDP with
 # its defaults goes wrong in this composition on torch 2.13 (gloo): its first step's
 # gradients are m times too large (after TP, DDP's module lists no parameters, so the
-# schedule's division by m finds none; ddp_as_composed, README "PyTorch's own 3D
-# composition"). DDP runs here with scale_grads=False and the division by m done by hand,
-# on our own references to the parameters.
+# schedule's division by m finds none; ddp_as_composed, and the README's "Measured").
+# DDP runs here with scale_grads=False and the division by m done by hand, on our own
+# references to the parameters.
 
 DP_WAYS = ("all-reduce", "FSDP2", "DDP")
 
