@@ -172,7 +172,8 @@ def ring_all_reduce(tensor, group=None):
     # ranks r-s-1 .. r, and the chunk sent at step s+1 is the one just completed that far.
     # After n-1 steps, chunk (r+1) mod n on rank r is the sum over all n ranks.
     for s in range(n - 1):
-        to_send, to_add = chunks[(r - s) % n], chunks[(r - s - 1) % n]
+        to_send = chunks[(r - s) % n]
+        to_add = chunks[(r - s - 1) % n]
         buf = incoming[:to_add.numel()]
         exchange(to_send, buf, right, left, group)
         to_add += buf
@@ -654,7 +655,6 @@ def seconds(value):   # in the unit that fits: 12.3 us, 4.56 ms, 1.23 s
         if value >= scale:
             return f"{value / scale:.3g} {unit}"
     return f"{value / 1e-6:.3g} us"
-
 
 
 if __name__ == "__main__":

@@ -6,11 +6,10 @@
     python pipeline_parallel.py --micro-batches 8 --schedule interleaved --timeline
     torchrun --nproc-per-node 4 pipeline_parallel.py
 
-The lecture sends activations forward one micro-batch at a time and stops: "Backward
-pass: homework exercise", and "Not handled: overlapping communication/computation to
-eliminate pipeline bubbles". This step adds both: the backward across stages, and schedules
-that keep several stages busy at once, as data: per stage, a list of actions that one
-runner executes, printed, tested and drawn.
+The lecture sends activations forward one micro-batch at a time and stops: "Backward pass: homework
+exercise", and "Not handled: overlapping communication/computation to eliminate pipeline bubbles".
+This step adds both: the backward across stages, and schedules that keep several stages busy at
+once, as data: per stage, a list of actions that one runner executes, printed, tested and drawn.
 
     stage s of p owns layers [s L/p, (s+1) L/p); micro-batch i: x_i [B/m, D]
     F(i) on stage s: receive x_i from s-1, run its layers, send a_i to s+1
@@ -43,7 +42,10 @@ from collectives import cleanup, log, run_main, setup, spawn
 from data_parallel import DataParallel, init_weights, make_batch, mse_loss
 from tensor_parallel import LAYER
 
-SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "a>", ">a", "<g", "g<"   # activations on, gradients back
+SEND_ACT = "a>"    # an activation, on to the next stage
+RECV_ACT = ">a"    # ... received from the stage before
+SEND_GRAD = "<g"   # a gradient, back to the stage before
+RECV_GRAD = "g<"   # ... received from the next stage
 
 
 class Action(NamedTuple):
@@ -170,10 +172,9 @@ def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1,
 
 
 class Stage:
-    """A stage's layers (a chunk's) on what the caller hands in: replica, step 2's holder of weights
-    and gradients; layers, their indices in it; blocks, each's forward and backward (3D: step 3's).
-    A micro-batch keeps each layer's stash from its F to its B: (x, z), or x alone with
-    --recompute, whose backward computes z again, as in step 2."""
+    """A stage's layers (a chunk's): replica, step 2's holder of weights and gradients; layers,
+    their indices in it; blocks, each's forward and backward (3D: step 3's). A micro-batch keeps
+    each layer's stash from its F to its B: (x, z), or x alone with --recompute (as in step 2)."""
 
     def __init__(self, replica, layers, *, first, last, num_micro_batches, targets=None,
                  mean_over=1, blocks=None, recompute=False):
@@ -240,8 +241,12 @@ class Stage:
                 self.replica.reduce_gradients(b)
 
 
+def no_change(tensor):   # what crosses a stage boundary, as it is (but 3D's --p2p-shard)
+    return tensor
+
+
 def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, group=None,
-                 outgoing=None, incoming=None, recorder=None):
+                 outgoing=no_change, incoming=no_change, recorder=None):
     """Execute one stage's action list on its Stages, one a chunk. inputs: the micro-batches
     (the first stage's). outgoing, incoming: 3D's --p2p-shard, 1/tp sent, all-gathered on
     arrival. recorder: told when each F, B and W starts and stops (the timeline and stash)."""
@@ -249,10 +254,6 @@ def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, gr
     to_send = {}       # (kind, mb, chunk) -> a tensor to go out
     under_way = []     # the Works of the batch before, sends only
     defer_w = any(action.op == "W" for action in actions)
-    if outgoing is None:
-        outgoing = no_change
-    if incoming is None:
-        incoming = no_change
     for action in actions:
         if action.op == "comm":
             for work in under_way:      # the batch before, sends only: NCCL runs a group's
@@ -338,7 +339,7 @@ def pp_worker(rank, world_size, args):
         losses.append(float(stages[-1].loss))                     # one host sync a step
         if stage == p - 1:
             log(f"[stage {stage}]", step_line(step, losses, norms, args))
-    finish_stages(args, recorder, replica, full, losses, inputs, targets, check, norms)
+    finish_stages(args, recorder, replica, grid, full, losses, inputs, targets, check, norms)
     cleanup()
 
 
@@ -375,10 +376,6 @@ def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
         pairs.add((kept, waiting))
     return [(k, w) for k, w in pairs if not any(a >= k and b >= w and (a, b) != (k, w)
                                                 for a, b in pairs)]
-
-
-def no_change(tensor):   # what crosses a stage boundary, as it is (but 3D's --p2p-shard)
-    return tensor
 
 
 class Recorder:
@@ -422,7 +419,7 @@ class Recorder:
                  t0 + zero.elapsed_time(end) / 1e3) for op, mb, chunk, begin, end in self.spans]
 
 
-def finish_stages(args, recorder, replica, full, losses, inputs, targets, check, norms):
+def finish_stages(args, recorder, replica, grid, full, losses, inputs, targets, check, norms):
     """The last step's pictures (timeline, stash table, the schedules), then the run's end on
     rank 0: the weights in layer order, and the losses, which the last stage alone knows."""
     p, rank, device = dist.get_world_size(), dist.get_rank(), replica.device
@@ -431,7 +428,7 @@ def finish_stages(args, recorder, replica, full, losses, inputs, targets, check,
     show_stash(recorder.memory, args, p, rank, device)
     if rank == 0:
         print_schedules(args.schedule, p, args.micro_batches, args.virtual_stages, args.num_layers)
-    final = whole_layers(full_weights(replica), args, torch.arange(p).view(1, p, 1))
+    final = whole_layers(full_weights(replica), args, grid)
     losses = torch.tensor(losses, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=p - 1)
     if rank == 0:

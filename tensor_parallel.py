@@ -31,7 +31,6 @@ What PyTorch gives you: ColwiseParallel and RowwiseParallel on a DeviceMesh
 (tests/bench.py races them against this).
 """
 import warnings
-from collections import Counter
 from functools import partial
 from typing import Callable, NamedTuple
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
@@ -44,9 +43,11 @@ from data_parallel import (DataParallel, init_weights, layer_backward, layer_for
                            mse_loss)
 
 
-# A layer's forward and backward, a pair, as every step runs a layer: forward(x, w, recompute) ->
-# (a, stash), backward(g, stash, w, need_dx) -> (dx, (x, dz)). Step 2's layer is one; here, three.
-Block = NamedTuple("Block", [("forward", Callable), ("backward", Callable)])
+class Block(NamedTuple):   # a layer's pair, as every step runs a layer: step 2's, and three here
+    forward: Callable         # (x, w, recompute) -> (a, stash)
+    backward: Callable        # (g, stash, w, need_dx) -> (dx, (x, dz))
+
+
 LAYER = Block(layer_forward, layer_backward)
 
 
@@ -333,6 +334,7 @@ def main(argv=None):
 
 
 # Below the fold: the command line and its rules, and what the run says it ran. ---------------
+from collections import Counter  # noqa: E402
 from collectives import check_launch_args, positive_int  # noqa: E402
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
                            full_grads, full_weights, step_line, training_parser)
@@ -363,8 +365,10 @@ def layer_matmuls(kind, rows, dim, tp, bf16):
     size = 2 if bf16 else 4
     n_in = dim // tp if kind == "row" else dim
     n_out = dim if kind == "row" else dim // tp
-    return (Matmul(rows, n_in, n_out, size, size, False),
-            Matmul(rows, n_out, n_in, size, size, False), Matmul(n_in, rows, n_out, size, 4, False))
+    forward = Matmul(rows, n_in, n_out, size, size, accumulate=False)   # z = x W
+    dx = Matmul(rows, n_out, n_in, size, size, accumulate=False)        # dx = dz W^T
+    dw = Matmul(n_in, rows, n_out, size, 4, accumulate=False)           # dW = x^T dz, fp32
+    return forward, dx, dw
 
 
 def tp_matmuls(kinds, rows, dim, tp, bf16=False, num_micro_batches=1, first_stage=True,
