@@ -1,9 +1,8 @@
-"""Step 3: tensor parallelism. Every layer is split across the ranks.
+"""Step 3: tensor parallelism. Every layer is split across the ranks, and so is the vocabulary.
 
     python tensor_parallel.py                           # 4 ranks share each layer
     python tensor_parallel.py --world-size 2 --check
     python tensor_parallel.py --tp-style megatron       # Megatron's column-then-row pairs
-    python tensor_parallel.py --embedding               # the vocab-parallel embedding
     torchrun --nproc-per-node 4 tensor_parallel.py
 
 The lecture's column-parallel layer: rank t of T holds the columns W_t of every W
@@ -21,34 +20,27 @@ homework exercise"). Here is the backward, derived by hand:
 
 Bytes each rank sends per layer and micro-batch, A for one activation [b, D]: the
 all-gather (T-1)/T A forward, the all-reduce of dx 2(T-1)/T A backward. Real systems
-(Megatron-LM, torchtitan) pair the layers instead and send a third less: see the
-second section. The last shows Megatron's vocabulary-parallel embedding.
+(Megatron-LM, torchtitan) pair the layers instead and send a third less: the second
+section. The third splits the vocabulary, the embedding's rows and the head's columns,
+and takes the softmax in pieces (Megatron's vocab-parallel embedding and cross-entropy).
 
 --recompute keeps each layer's input alone, as in step 2: z_t = x W_t again in the backward,
 with no collective; a Megatron row layer's z again needs g's all-reduce again (tp_costs).
 
-What PyTorch gives you: ColwiseParallel and RowwiseParallel on a DeviceMesh
+What PyTorch gives you: ColwiseParallel, RowwiseParallel and loss_parallel on a DeviceMesh
 (tests/bench.py races them against this).
 """
 import warnings
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import (DataParallel, init_weights, layer_backward, layer_forward, make_batch,
-                           mse_loss)
-
-
-class Block(NamedTuple):   # a layer's pair, as every step runs a layer: step 2's, and three here
-    forward: Callable         # (x, w, recompute) -> (a, stash)
-    backward: Callable        # (g, stash, w, need_dx) -> (dx, (x, dz))
-
-
-LAYER = Block(layer_forward, layer_backward)
+from data_parallel import (Block, DataParallel, dp_step, init_params, layer_backward,
+                           layer_forward, make_batch)
 
 
 def gather_forward(x, w_t, recompute=False, group=None):
@@ -153,9 +145,93 @@ def row_z(a_t, w_t, group=None):
     return z
 
 
+# The vocabulary over the tp ranks: rank t holds the classes [v_t, v_t+1), vocab_range's.
+#
+#   embedding  E_t = E[v_t:v_t+1] [V_t, D/k]: each rank looks up the tokens it holds, zeros
+#              for the rest, and an all-reduce adds the pieces (each token has one owner).
+#              Backward: g is the same on every rank; each adds into its own rows: no collective.
+#   head       H_t = H[:, v_t:v_t+1]: logits_t = a H_t [b, V_t], never gathered. f before it:
+#              da = sum_t dlogits_t H_t^T, all-reduced in the backward.
+#   loss       m = max of each row over all V             all-reduce MAX   [b]
+#              s = sum_t sum_v exp(logits_t - m)          all-reduce SUM   [b]
+#              l_y = logits[y] - m, from y's owner        all-reduce SUM   [b]
+#              loss = sum_rows (log s - l_y) / n          = -log softmax(logits)[y]: m cancels
+#   backward   dlogits_t = (exp(logits_t - m) / s - onehot_t(y)) / n: no collective
+#
+# Three [b] all-reduces, where gathering the logits moves (T-1)/T of [b, V]: at V = 128,256
+# the largest activation of the model. No class is padded: when T does not divide V the shards
+# differ by one class, where a padded class of logit 0 would add exp(-m) to s.
+
+def vocab_range(vocab_size, tp_rank, tp_size):
+    """Classes [start, end) of rank t: V // T each, and one more on the first V mod T ranks."""
+    size = vocab_size // tp_size
+    extra = vocab_size % tp_size
+    start = tp_rank * size + min(tp_rank, extra)
+    return start, start + size + (tp_rank < extra)
+
+
+def embedding_forward(tokens, e_t, recompute=False, group=None, vocab_size=None):
+    """The tokens [b, k] this rank holds, looked up; zeros for the rest; summed: x [b, D]."""
+    start, end = vocab_range(vocab_size, dist.get_rank(group), dist.get_world_size(group))
+    outside = (tokens < start) | (tokens >= end)                       # [b, k]
+    local = (tokens - start).masked_fill(outside, 0)                   # any row: masked below
+    x = e_t[local].masked_fill(outside[..., None], 0.0).reshape(len(tokens), -1)   # [b, D]
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)       # x = sum_t its tokens' rows   2(T-1)/T x [b, D]
+    return x, (local, outside)
+
+
+def embedding_backward(g, stash, e_t, need_dx=False, group=None):
+    """g [b, D], the same on every rank: each keeps its own tokens' blocks, for dE_t[local]."""
+    local, outside = stash
+    g = g.reshape(*local.shape, -1).masked_fill(outside[..., None], 0.0)   # [b, k, D/k]
+    return None, (local, g.reshape(local.numel(), -1))
+
+
+def head_forward(a, h_t, recompute=False, group=None):
+    """f in forward, the identity: logits_t = a H_t  [b, D] @ [D, V_t], kept sharded."""
+    return a @ h_t, (a, None)
+
+
+def head_backward(dlogits_t, stash, h_t, need_dx=True, group=None):
+    """f in backward: da = sum_t dlogits_t H_t^T, an all-reduce; dH_t = a^T dlogits_t."""
+    a, _ = stash
+    da = dlogits_t @ h_t.T                    # [b, V_t] @ [V_t, D]: one term of da
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(da, group=group)      # 2(T-1)/T x [b, D]
+    return da, (a, dlogits_t)
+
+
+def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
+    """The cross-entropy over all V classes from this rank's logits_t [b, V_t], in fp32, and its
+    dlogits_t; the same loss on every rank."""
+    start, end = vocab_range(vocab_size, dist.get_rank(group), dist.get_world_size(group))
+    logits_t = logits_t.float()
+    rows = torch.arange(len(y), device=y.device)
+    row_max = logits_t.max(dim=1).values                               # [b]
+    reduce_over(row_max, group, op=dist.ReduceOp.MAX)                  # m
+    exps = (logits_t - row_max[:, None]).exp()                         # [b, V_t]
+    sum_exps = exps.sum(dim=1)
+    reduce_over(sum_exps, group)                                       # s
+    mine = (y >= start) & (y < end)                                    # y's owner is this rank
+    local = (y - start).masked_fill(~mine, 0)
+    target = (logits_t[rows, local] - row_max).masked_fill(~mine, 0.0)
+    reduce_over(target, group)                                         # l_y
+    dlogits_t = exps / sum_exps[:, None]                               # softmax_t
+    dlogits_t[rows[mine], local[mine]] -= 1.0                          # - onehot_t(y)
+    return (sum_exps.log() - target).sum() / n, (dlogits_t / n).to(logits_t.dtype)
+
+
+def reduce_over(tensor, group, op=dist.ReduceOp.SUM):   # an all-reduce, where there are ranks
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
 BLOCKS = {"gather": Block(gather_forward, gather_backward),
           "column": Block(column_forward, column_backward),
-          "row": Block(row_forward, row_backward)}
+          "row": Block(row_forward, row_backward),
+          "embedding": Block(embedding_forward, embedding_backward),
+          "head": Block(head_forward, head_backward)}
 
 
 def layer_kinds(num_layers, tp_style):
@@ -166,178 +242,122 @@ def layer_kinds(num_layers, tp_style):
     return ["column", "row"] * (num_layers // 2) + ["gather"] * (num_layers % 2)
 
 
-def tp_blocks(kinds, group=None):
-    """Each layer's forward and backward over group: what tp_step runs, and 3D's stages."""
-    return [Block(partial(BLOCKS[kind].forward, group=group),
-                  partial(BLOCKS[kind].backward, group=group)) for kind in kinds]
+def tp_blocks(kinds, group=None, vocab_size=None):
+    """Each part's forward and backward over group: what tp_worker runs, and 3D's stages."""
+    blocks = []
+    for kind in kinds:
+        forward = partial(BLOCKS[kind].forward, group=group)
+        if kind == "embedding":
+            forward = partial(forward, vocab_size=vocab_size)
+        blocks.append(Block(forward, partial(BLOCKS[kind].backward, group=group)))
+    return blocks
 
 
-def tp_costs(kinds, act_bytes, num_micro_batches=1, first_stage=True, recompute=False):
+def tp_costs(kinds, act_bytes, rows, num_micro_batches=1, recompute=False):
     """A tp rank's collectives a step, (kind, bytes of the tensor, times), A = act_bytes for one
-    activation [b, D]: each micro-batch, an all-gather layer all-gathers its A forward and
-    all-reduces its dx backward; Megatron's column layer all-reduces dx (f), its row layer z
-    (g), and with --recompute z again. The model's first layer needs no dx."""
+    activation [b, D]: each micro-batch, each part all-reduces one A: an all-gather layer its dx
+    (and all-gathers its A forward), Megatron's column layer dx (f), its row layer z (g, again
+    with --recompute), the embedding x, the head da; the loss three [b] of fp32."""
     m = num_micro_batches
-    reduces = len(kinds) - first_stage + kinds.count("row") * recompute   # dx, or z
-    return [("all-gather", act_bytes, kinds.count("gather") * m),
+    reduces = len(kinds) + kinds.count("row") * recompute
+    runs = [("all-gather", act_bytes, kinds.count("gather") * m),
             ("all-reduce", act_bytes, reduces * m)]
-
-
-def tp_step(replica, blocks, xs, ys, n, recompute=False):
-    """One step of the model with every layer split over the ranks: each layer's forward and
-    backward pair above, with its collective; dW_t = x^T dz_t summed into step 2's replica, a
-    data-parallel group of one here."""
-    loss = torch.zeros((), device=replica.device)
-    replica.begin_step()
-    for x, y in zip(xs, ys):                  # the whole micro-batch on every rank  [b, D]
-        a = x.to(replica.dtype)
-        stashes = []
-        for block, w_t in zip(blocks, replica.weights):
-            a, stash = block.forward(a, w_t, recompute=recompute)
-            stashes.append(stash)
-        micro_batch_loss, g = mse_loss(a, y, n)    # a, and so the loss, on every rank
-        loss += micro_batch_loss
-        for i in reversed(range(len(blocks))):
-            g, (x_i, dz) = blocks[i].backward(g, stashes.pop(), replica.weights[i], need_dx=i > 0)
-            replica.add_grad(i, x_i, dz)      # dW_t = x^T dz_t: this rank's part of dW
-    replica.average()                         # a group of one: nothing to exchange, / 1
-    return loss
+    if "head" in kinds:
+        runs.append(("all-reduce", 4 * rows, 3 * m))   # m, s and l_y
+    return runs
 
 
 def shard(w, kind, tp_rank, tp_size):
     """Rank t's part of a full matrix, as a copy: its rows W[t D/T : (t+1) D/T, :] for a row
-    layer, else its columns."""
+    layer, its classes' rows of E or columns of H, else its columns."""
     if kind == "row":
         rows = w.shape[0] // tp_size
         return w[tp_rank * rows:(tp_rank + 1) * rows].clone()
+    if kind == "embedding":
+        start, end = vocab_range(w.shape[0], tp_rank, tp_size)
+        return w[start:end].clone()
+    if kind == "head":
+        start, end = vocab_range(w.shape[1], tp_rank, tp_size)
+        return w[:, start:end].clone()
     return shard_columns(w, tp_rank, tp_size)
-
-
-def unshard(w_t, kind, group=None):
-    """The full matrix back from every rank's part: rows stacked, or columns side by side."""
-    if kind != "row":
-        return all_gather_columns(w_t, group)
-    stacked = w_t.new_empty(dist.get_world_size(group) * w_t.shape[0], w_t.shape[1])  # [D, D]
-    dist.all_gather_single(stacked, w_t.contiguous(), group=group)
-    return stacked
 
 
 def tp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     tp_rank = rank
     tp_size = world_size
-    kinds = layer_kinds(args.num_layers, args.tp_style)
-    full = init_weights(args.num_layers, args.dim, args.seed)              # drawn whole, then cut
-    shards = [shard(w, k, tp_rank, tp_size).to(device) for w, k in zip(full, kinds)]   # [D, D/T]
-    inputs, targets = (t.to(device) for t in make_batch(args))             # all of it, every rank
+    kinds = ["embedding", *layer_kinds(args.num_layers, args.tp_style), "head"]
+    full = init_params(args)                                            # drawn whole, then cut
+    shards = [shard(w, k, tp_rank, tp_size).to(device) for w, k in zip(full, kinds)]
     # The shards live in step 2's replica over a dp group of one: buckets, optimizer, no exchange.
     replica = DataParallel(shards, dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
                            bf16=args.bf16)
-    blocks = tp_blocks(kinds)                 # over the world: every rank shares every layer
-    n = args.batch_size * args.dim
+    blocks = tp_blocks(kinds, vocab_size=args.vocab_size)   # every rank shares every part
+    loss_fn = partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size)
     m = args.micro_batches
+    text = training_text()
     losses = []
     norms = []
     check = SerialCheck(args)
     if rank == 0:
         print(f"tensor parallel over {tp_size} ranks: {describe(kinds)}", flush=True)
     for step in range(args.steps):
-        loss = tp_step(replica, blocks, inputs.chunk(m), targets.chunk(m), n,
-                       recompute=args.recompute)
+        inputs, targets = (t.to(device) for t in make_batch(text, args, step))   # every rank's
+        loss = dp_step(replica, blocks, loss_fn, inputs.chunk(m), targets.chunk(m),
+                       args.batch_size, recompute=args.recompute)   # step 2's, on tp blocks
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
-            check.step([unshard(w_t, k) for w_t, k in zip(full_weights(replica), kinds)],
-                       [unshard(g_t, k) for g_t, k in zip(full_grads(replica), kinds)])
+            check.step(whole_model(full_weights(replica), full, kinds),
+                       whole_model(full_grads(replica), full, kinds))
         if args.clip_grad:     # the norm's squares summed over the shards
             norms.append(replica.clip(args.clip_grad, [dist.group.WORLD]).item())
         replica.update()
         losses.append(loss.item())
         if rank == 0:
-            log(f"[rank {rank}]", step_line(step, losses, norms, args))
-    final = [unshard(w_t, k) for w_t, k in zip(full_weights(replica), kinds)]   # put together
+            log_step(f"[rank {rank}]", step, losses, norms, args)
+    final = whole_model(full_weights(replica), full, kinds)   # put together on rank 0
     if rank == 0:
-        finish_run(args, full, final, losses, inputs, targets, check, norms)
-    cleanup()
-# The vocabulary-parallel embedding (Megatron's VocabParallelEmbedding)
-
-def vocab_range(vocab_size, tp_rank, tp_size):
-    """Rows [start, end) of the table that rank t holds; when T does not divide the
-    vocabulary, the last ranks hold one row fewer."""
-    sizes = [len(part) for part in torch.arange(vocab_size).tensor_split(tp_size)]
-    start = sum(sizes[:tp_rank])
-    return start, start + sizes[tp_rank]
-
-
-def embedding_forward(tokens, table_t, start, group=None):
-    """tokens [b, s] -> vectors [b, s, E]. Each rank looks up the tokens it owns, writes
-    zeros for the rest, and an all-reduce adds the pieces: every token has one owner."""
-    outside = (tokens < start) | (tokens >= start + table_t.shape[0])
-    local = (tokens - start).masked_fill(outside, 0)               # any valid row; masked below
-    out = table_t[local].masked_fill(outside.unsqueeze(-1), 0.0)   # [b, s, E]
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(out, group=group)
-    return out, (local, outside)
-
-
-def embedding_backward(g, stash, rows):
-    """g = dL/dout [b, s, E], the same on every rank (the all-reduce's backward is the
-    identity when the upstream gradient is replicated) -> d table_t [rows, E]. Only this
-    rank's tokens contribute, and a repeated token adds up its gradients."""
-    local, outside = stash
-    g = g.masked_fill(outside.unsqueeze(-1), 0.0)
-    d_table = torch.zeros(rows, g.shape[-1], dtype=g.dtype, device=g.device)
-    return d_table.index_add_(0, local.reshape(-1), g.reshape(-1, g.shape[-1]))
-
-
-def embedding_worker(rank, world_size, vocab_size, dim):
-    """Split a table over the ranks, look up tokens at every shard's edges, and compare
-    the output and the gradient with nn.Embedding's. The ranks print in turn."""
-    device = setup(rank, world_size)
-    tp_rank = rank
-    tp_size = world_size
-    table = torch.randn(vocab_size, dim, generator=torch.Generator().manual_seed(0))
-    start, end = vocab_range(vocab_size, tp_rank, tp_size)
-    # Every rank looks up the same tokens: the first and last row of every shard, and one
-    # token three times over (cut to the row's length: one rank may hold a single row).
-    edges = [row for t in range(tp_size) for row in (vocab_range(vocab_size, t, tp_size)[0],
-                                                      vocab_range(vocab_size, t, tp_size)[1] - 1)]
-    repeated = [min(1, vocab_size - 1)] * 3
-    tokens = torch.tensor([edges, (repeated + edges[3:])[:len(edges)]], device=device)   # [2, 2T]
-    out, stash = embedding_forward(tokens, table[start:end].to(device), start)
-    g = torch.arange(out.numel(), dtype=out.dtype, device=device).view_as(out) / out.numel()
-    d_table_t = embedding_backward(g, stash, end - start)
-
-    reference = torch.nn.Embedding.from_pretrained(table.clone(), freeze=False)
-    ref_out = reference(tokens.cpu())
-    ref_out.backward(g.cpu())
-    rows_with_grad = (d_table_t.abs().sum(1) > 0).nonzero().flatten().add(start).tolist()
-    same_out = torch.allclose(out.cpu(), ref_out)
-    same_grad = torch.allclose(d_table_t.cpu(), reference.weight.grad[start:end])
-    if rank == 0:
-        print(f"a table [{vocab_size}, {dim}], its rows split over {tp_size} ranks", flush=True)
-    for turn in range(tp_size):
-        dist.barrier()
-        if turn == tp_rank:
-            log(f"[rank {rank}]", f"owns rows [{start}, {end}); tokens {tokens.tolist()}")
-            log(f"[rank {rank}]", f"rows with a gradient here: {rows_with_grad}")
-            log(f"[rank {rank}]", f"forward matches nn.Embedding: {same_out}, "
-                f"gradient of my rows matches: {same_grad}")
+        finish_run(args, full, final, losses, check, norms)
     cleanup()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.embedding:   # the vocab-parallel embedding, against nn.Embedding
-        spawn(embedding_worker, args.world_size, args.vocab_size, args.dim, backend=args.backend,
-              timeout_s=args.timeout_s)
-    else:                # training with column-parallel layers
-        spawn(tp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+    spawn(tp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
 
 
 # Below the fold: the command line and its rules, and what the run says it ran. ---------------
 from collections import Counter  # noqa: E402
-from collectives import check_launch_args, positive_int  # noqa: E402
+from collectives import positive_int  # noqa: E402
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
-                           full_grads, full_weights, step_line, training_parser)
+                           full_grads, full_weights, log_step, training_parser, training_text)
+
+
+def whole_model(owned, full, kinds, owners=None):
+    """On rank 0, every part of the model whole, fp32, in order (E, the layers, H); None
+    elsewhere. owned: this rank's pieces, a list in part order or {part: tensor}; owners(j): the
+    ranks that hold part j's tp pieces, in tp order (step 3: every rank); full: the parts, for
+    their shapes. A piece at a time to rank 0, which receives them in that order: steps 4 and 5
+    hold some parts on some ranks, so no collective of one shape serves."""
+    if not isinstance(owned, dict):
+        owned = dict(enumerate(owned))
+    rank = dist.get_rank()
+    device = next(iter(owned.values())).device
+    parts = []
+    for j, (w, kind) in enumerate(zip(full, kinds)):
+        ranks = list(owners(j)) if owners else list(range(dist.get_world_size()))
+        pieces = []
+        for t, source in enumerate(ranks):
+            if rank == source == 0:
+                pieces.append(owned[j].float())
+            elif rank == source:
+                dist.send(owned[j].float().contiguous(), dst=0)
+            elif rank == 0:
+                pieces.append(torch.empty(shard(w.to("meta"), kind, t, len(ranks)).shape,
+                                          device=device))
+                dist.recv(pieces[-1], src=source)
+        if rank == 0:
+            parts.append(torch.cat(pieces, dim=0 if kind in ("row", "embedding") else 1).cpu())
+    return parts if rank == 0 else None
 
 
 class Matmul(NamedTuple):
@@ -358,44 +378,53 @@ class Matmul(NamedTuple):
         return inputs + self.m * self.n * self.out_bytes * (1 + self.accumulate)
 
 
-def layer_matmuls(kind, rows, dim, tp, bf16):
-    """A tp rank's layer of this kind, a micro-batch: its forward z = x W, its dx = dz W^T, its
-    dW = x^T dz into the fp32 gradient (the step's first; the later ones add into it): the
-    matmuls three_d.py's --plan prices, as tests/gpu_path.py records them."""
+def layer_matmuls(kind, rows, dim, tp, bf16, vocab_size=0):
+    """A tp rank's layer of this kind (or the head, of the largest shard's classes), a
+    micro-batch: its forward z = x W, its dx = dz W^T, its dW = x^T dz into the fp32 gradient
+    (the step's first; the later ones add into it): the matmuls three_d.py's --plan prices, as
+    tests/gpu_path.py records them."""
     size = 2 if bf16 else 4
     n_in = dim // tp if kind == "row" else dim
     n_out = dim if kind == "row" else dim // tp
+    if kind == "head":
+        n_out = -(-vocab_size // tp)
     forward = Matmul(rows, n_in, n_out, size, size, accumulate=False)   # z = x W
     dx = Matmul(rows, n_out, n_in, size, size, accumulate=False)        # dx = dz W^T
     dw = Matmul(n_in, rows, n_out, size, 4, accumulate=False)           # dW = x^T dz, fp32
     return forward, dx, dw
 
 
-def tp_matmuls(kinds, rows, dim, tp, bf16=False, num_micro_batches=1, first_stage=True,
-               recompute=False):
-    """A tp rank's matmuls a step over layers of these kinds, {Matmul: calls}, as tp_costs()
-    gives its collectives: each micro-batch, each layer's forward (again in its backward with
-    --recompute), its dx (the model's first layer's none), and its dW."""
+def tp_matmuls(kinds, rows, dim, tp, bf16=False, num_micro_batches=1, recompute=False,
+               vocab_size=0):
+    """A tp rank's matmuls a step over parts of these kinds, {Matmul: calls}, as tp_costs()
+    gives its collectives: each micro-batch, each layer's and the head's forward (a layer's
+    again in its backward with --recompute), dx and dW; the embedding, a lookup, has none."""
     m = num_micro_batches
     calls = Counter()
-    for i, kind in enumerate(kinds):
-        forward, dx, dw = layer_matmuls(kind, rows, dim, tp, bf16)
-        calls[forward] += m * (1 + recompute)
-        calls[dx] += m * (i > 0 or not first_stage)
+    for kind in kinds:
+        if kind == "embedding":
+            continue
+        forward, dx, dw = layer_matmuls(kind, rows, dim, tp, bf16, vocab_size)
+        calls[forward] += m * (1 + (recompute and kind != "head"))
+        calls[dx] += m
         calls[dw] += 1
         calls[dw._replace(accumulate=True)] += m - 1
     return +calls
 
 
-def describe(kinds):   # what ran, for the output: "3 Megatron pairs and 1 all-gather layer"
+def describe(kinds):   # what ran: "the embedding, 2 Megatron pairs (column, row) and the head"
     pairs = kinds.count("row")
     gathers = kinds.count("gather")
     parts = []
+    if "embedding" in kinds:
+        parts.append("the embedding (its rows by class)")
     if pairs:
         parts.append(f"{pairs} Megatron pair{'s' * (pairs != 1)} (column, row)")
     if gathers:
         parts.append(f"{gathers} all-gather layer{'s' * (gathers != 1)}")
-    return " and ".join(parts)
+    if "head" in kinds:
+        parts.append("the head (its columns by class)")
+    return ", ".join(parts[:-1]) + " and " * (len(parts) > 1) + parts[-1]
 
 
 def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor
@@ -414,22 +443,14 @@ def parse_args(argv=None):
                         help="ranks T sharing each layer; divides --dim")
     parser.add_argument("--tp-style", choices=["all-gather", "megatron"], default="all-gather",
                         help="every layer column-parallel with an all-gather, or Megatron's pairs")
-    parser.add_argument("--embedding", action="store_true",
-                        help="instead of training, the vocab-parallel embedding (--dim: its width)")
-    parser.add_argument("--vocab-size", type=positive_int, default=10, help="rows of the table")
     args = parser.parse_args(argv)
-    if args.embedding:
-        refuse_unused(parser, args, {"embedding", "vocab_size", "dim", "world_size", "backend",
-                                     "timeout_s"}, "--embedding")
-        parser.refuse([(args.vocab_size < args.world_size, f"--vocab-size {args.vocab_size} is "
-                        f"smaller than --world-size {args.world_size}")])
-        check_launch_args(parser, args, args.world_size)
-        return args
     parser.refuse([divides(args.dim, "--dim", args.world_size, "--world-size"),
                    (args.tp_style == "megatron" and args.num_layers < 2,
                     f"--tp-style megatron: a pair is two layers, and --num-layers "
                     f"{args.num_layers} has none; use --tp-style all-gather")])
     check_training_args(parser, args, args.world_size)
+    parser.refuse([(args.world_size > args.vocab_size, f"--world-size {args.world_size}: more "
+                    f"ranks than the vocabulary's {args.vocab_size} classes")])
     return args
 
 
