@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import DataParallel, init_weights, make_batch, mse_loss
-from tensor_parallel import LAYER
+from data_parallel import (DataParallel, cross_entropy, init_params, make_batch, model_blocks,
+                           replica_rows)
 
 SEND_ACT = "a>"    # an activation, on to the next stage
 RECV_ACT = ">a"    # ... received from the stage before
@@ -171,34 +171,47 @@ def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1,
     return bubble, most, [("send", act_bytes, neighbours * m)]
 
 
-class Stage:
-    """A stage's layers (a chunk's): replica, step 2's holder of weights and gradients; layers,
-    their indices in it; blocks, each's forward and backward (3D: step 3's). A micro-batch keeps
-    each layer's stash from its F to its B: (x, z), or x alone with --recompute (as in step 2)."""
+def stage_parts(num_layers, num_stages, stage, num_chunks=1, chunk=0):
+    """The model's parts that virtual stage c p + s holds, by index (0 the embedding, 1 + i
+    layer i, L + 1 the head): its layers; the first, the embedding too; the last, the head."""
+    virtual = chunk * num_stages + stage
+    parts = [1 + i for i in stage_layers(num_layers, num_stages, stage, num_chunks, chunk)]
+    if virtual == 0:
+        parts = [0] + parts
+    if virtual == num_stages * num_chunks - 1:
+        parts = parts + [num_layers + 1]
+    return parts
 
-    def __init__(self, replica, layers, *, first, last, num_micro_batches, targets=None,
-                 mean_over=1, blocks=None, recompute=False):
+
+class Stage:
+    """A stage's parts (a chunk's): replica, step 2's holder of weights and gradients; layers,
+    their indices in it; blocks, each's forward and backward (3D: step 3's). A micro-batch keeps
+    each part's stash from its F to its B: a layer's (x, z), or x alone with --recompute."""
+
+    def __init__(self, replica, layers, *, blocks, first, last, num_micro_batches, mean_over=1,
+                 loss_fn=cross_entropy, recompute=False):
         self.replica = replica
         self.layers = list(layers)
-        self.first = first                    # the model's first layer is here: no dx for it
-        self.last = last                      # the model's last: the loss is here
-        self.blocks = blocks or [LAYER] * len(self.layers)
+        self.blocks = blocks
+        self.first = first                    # the embedding is here: it takes token ids
+        self.last = last                      # the head is here, and the loss
         self.buckets = [(b, bucket) for b, bucket in enumerate(replica.buckets)
                         if bucket[0] in self.layers]
         self.num_micro_batches = num_micro_batches
         self.recompute = recompute
-        self.targets = targets
-        self.mean_over = mean_over            # the loss: a mean over this many elements
-        self.stash = {}                       # micro-batch -> its layers' stashes, popped by B
-        self.waiting_for_w = {}               # -> its layers' (x, dz), from B to W (ZB-H1: late)
-        self.loss_grad = {}                   # -> dL/da of its output (the last stage)
+        self.loss_fn = loss_fn
+        self.mean_over = mean_over            # the loss: a mean over this many rows
+        self.stash = {}                       # micro-batch -> its parts' stashes, popped by B
+        self.waiting_for_w = {}               # -> its parts' (x, dz), from B to W (ZB-H1: late)
+        self.loss_grad = {}                   # -> dL/dlogits of its output (the last stage)
 
-    def begin_step(self):
+    def begin_step(self, targets=()):         # the step's targets, a micro-batch each (the last)
         self.loss = 0.0                       # a tensor on the device once summed
         self.weight_passes = 0
+        self.targets = targets
 
     def forward(self, mb, x):
-        """F: the layers in turn on x [b, D], each one's stash kept for B."""
+        """F: the parts in turn on x (tokens [b, k] first, else [b, D]), each one's stash kept."""
         out = x
         stashes = []
         for b, bucket in self.buckets:
@@ -210,12 +223,12 @@ class Stage:
             self.replica.release_weights(b)
         self.stash[mb] = stashes
         if self.last:          # summed on the device: .item() here would stall a GPU
-            loss, self.loss_grad[mb] = mse_loss(out, self.targets[mb], self.mean_over)
+            loss, self.loss_grad[mb] = self.loss_fn(out, self.targets[mb], self.mean_over)
             self.loss = self.loss + loss
         return out
 
     def backward(self, mb, g):
-        """B: dL/dx of this stage's input, from its last layer; each layer's (x, dz) kept for W."""
+        """B: dL/dx of this stage's input, from its last part; each part's (x, dz) kept for W."""
         if self.last:
             g = self.loss_grad.pop(mb)
         stashes = self.stash.pop(mb)
@@ -224,7 +237,7 @@ class Stage:
             self.replica.gather_weights(b)
             for i in reversed(bucket):
                 block = self.blocks[i - self.layers[0]]
-                need_dx = i != self.layers[0] or not self.first   # the model's input needs none
+                need_dx = i != self.layers[0] or not self.first   # the tokens need none
                 g, self.waiting_for_w[mb][i] = block.backward(g, stashes.pop(),
                                                               self.replica.weights[i],
                                                               need_dx=need_dx)
@@ -263,8 +276,8 @@ def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, gr
                 kind = key[0]
                 peer = next_rank if kind in (SEND_ACT, RECV_GRAD) else prev_rank
                 if kind in (RECV_ACT, RECV_GRAD):
-                    received[key] = torch.empty(buffer_shape, dtype=inputs[0].dtype,
-                                                device=inputs[0].device)     # [b, D] (or D/tp)
+                    received[key] = torch.empty(buffer_shape, dtype=stages[0].replica.dtype,
+                                                device=stages[0].replica.device)   # [b, D]
                     ops.append(dist.P2POp(dist.irecv, received[key], peer, group))
                 else:
                     ops.append(dist.P2POp(dist.isend, to_send.pop(key), peer, group))
@@ -304,42 +317,46 @@ def pp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
-    full = init_weights(args.num_layers, args.dim, args.seed)
-    inputs, targets = make_batch(args)
-    my_layers = [i for c in range(v) for i in stage_layers(args.num_layers, p, stage, v, c)]
-    per_chunk = len(my_layers) // v   # in step 2's replica over a dp group of one (3D's is real)
-    replica = DataParallel([full[i].to(device, copy=True) for i in my_layers],
-                           dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
-                           bf16=args.bf16, chunk_starts=range(0, len(my_layers), per_chunk))
-    stages = [Stage(replica, range(c * per_chunk, (c + 1) * per_chunk),
+    full = init_params(args)
+    blocks = model_blocks(args.num_layers)
+    chunks = [stage_parts(args.num_layers, p, stage, v, c) for c in range(v)]   # the parts' indices
+    mine = [j for parts in chunks for j in parts]
+    starts = [sum(map(len, chunks[:c])) for c in range(v)]   # where each chunk's parts begin
+    # In step 2's replica over a dp group of one (3D's is real); no bucket crosses a chunk.
+    replica = DataParallel([full[j].to(device, copy=True) for j in mine], dist.new_subgroups(1)[0],
+                           optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
+                           chunk_starts=starts)
+    stages = [Stage(replica, range(start, start + len(parts)), blocks=[blocks[j] for j in parts],
                     first=c * p + stage == 0, last=c * p + stage == v * p - 1,
-                    num_micro_batches=m, targets=targets.to(device).chunk(m),
-                    mean_over=args.batch_size * args.dim, recompute=args.recompute)
-              for c in range(v)]
+                    num_micro_batches=m, mean_over=args.batch_size, recompute=args.recompute)
+              for c, (start, parts) in enumerate(zip(starts, chunks))]
     actions = build_schedule(args.schedule, p, stage, m, v)
     grid = torch.arange(p).view(1, p, 1)      # [dp, pp, tp] -> rank: a stage a rank
-    micro_batches = inputs.to(device, replica.dtype).chunk(m)     # [B/m, D] each, bf16 or not
+    rows = replica_rows(args.batch_size, 0, 1)
+    text = training_text()
     losses = []
     norms = []
     check = SerialCheck(args)
     for step in range(args.steps):
+        inputs, targets = (t[rows].to(device).chunk(m) for t in make_batch(text, args, step))
         replica.begin_step()
         for chunk in stages:
-            chunk.begin_step()
+            chunk.begin_step(targets)         # the loss's, on the last stage
         recorder = Recorder(device) if step == args.steps - 1 else None   # its timeline, stash
-        run_schedule(actions, stages, micro_batches, (stage - 1) % p, (stage + 1) % p,
-                     (args.batch_size // m, args.dim), recorder=recorder)
+        run_schedule(actions, stages, inputs, (stage - 1) % p, (stage + 1) % p,
+                     (args.batch_size // m, args.dim), recorder=recorder)   # tokens [B/m, k] in
         replica.average()                                         # a group of one: / 1
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
-            check.step(whole_layers(full_weights(replica), args, grid),
-                       whole_layers(full_grads(replica), args, grid))
+            check.step(whole_parts(full_weights(replica), mine, full, args, grid),
+                       whole_parts(full_grads(replica), mine, full, args, grid))
         if args.clip_grad:      # the norm's squares summed over the stages
             norms.append(replica.clip(args.clip_grad, [dist.group.WORLD]).item())
         replica.update()
         losses.append(float(stages[-1].loss))                     # one host sync a step
         if stage == p - 1:
-            log(f"[stage {stage}]", step_line(step, losses, norms, args))
-    finish_stages(args, recorder, replica, grid, full, losses, inputs, targets, check, norms)
+            log_step(f"[stage {stage}]", step, losses, norms, args)
+    final = whole_parts(full_weights(replica), mine, full, args, grid)
+    finish_stages(args, recorder, final, full, losses, check, norms, device)
     cleanup()
 
 
@@ -358,8 +375,8 @@ import time  # noqa: E402
 
 from collectives import allocator_peak, positive_int  # noqa: E402
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
-                           full_grads, full_weights, step_line, training_parser)
-from tensor_parallel import divides  # noqa: E402
+                           full_grads, full_weights, log_step, training_parser, training_text)
+from tensor_parallel import divides, whole_model  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
@@ -419,20 +436,19 @@ class Recorder:
                  t0 + zero.elapsed_time(end) / 1e3) for op, mb, chunk, begin, end in self.spans]
 
 
-def finish_stages(args, recorder, replica, grid, full, losses, inputs, targets, check, norms):
+def finish_stages(args, recorder, final, full, losses, check, norms, device):
     """The last step's pictures (timeline, stash table, the schedules), then the run's end on
-    rank 0: the weights in layer order, and the losses, which the last stage alone knows."""
-    p, rank, device = dist.get_world_size(), dist.get_rank(), replica.device
+    rank 0: the parts whole, and the losses, which the last stage alone knows."""
+    p, rank = dist.get_world_size(), dist.get_rank()
     if args.timeline:
         show_timeline(recorder.events(), recorder.peak, args, p, rank, device)
     show_stash(recorder.memory, args, p, rank, device)
     if rank == 0:
         print_schedules(args.schedule, p, args.micro_batches, args.virtual_stages, args.num_layers)
-    final = whole_layers(full_weights(replica), args, grid)
     losses = torch.tensor(losses, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=p - 1)
     if rank == 0:
-        finish_run(args, full, final, losses.tolist(), inputs, targets, check, norms)
+        finish_run(args, full, final, losses.tolist(), check, norms)
 
 
 def nbytes(tensors):   # each tensor once (a layer's output is the next one's input), by where
@@ -456,26 +472,19 @@ def gather_on_rank0(tensor):
     return torch.stack(parts) if rank0 else None
 
 
-def whole_layers(shards, args, grid, kinds=None):
-    """On rank 0, the L full [D, D] matrices in the model's layer order, put together from the
-    shards of the ranks at grid[0] ([dp, pp, tp] -> rank; 3D's too): stage s's chunk c holds
-    virtual stage c p + s's layers, tp rank t their columns (a "row" layer of kinds: its rows).
-    Every rank sends its own, flat. None elsewhere."""
-    everyone = gather_on_rank0(torch.stack([w.reshape(-1) for w in shards]))   # [world, .., ..]
-    if everyone is None:
-        return None
+def whole_parts(params, mine, full, args, grid, kinds=None):
+    """On rank 0, the model's parts whole (step 3's whole_model), None elsewhere: params, this
+    rank's, parts mine of the model; part j's pieces from replica 0's ranks of the stage that
+    holds it, grid[0, stage] ([dp, pp, tp] -> rank; 3D's too). kinds: 3D's, by part."""
     num_stages = grid.shape[1]
-    per_chunk = args.num_layers // (num_stages * args.virtual_stages)
-    full = []
-    for c in range(args.virtual_stages):          # virtual stage c p + s, in layer order
-        for s in range(num_stages):
-            for i in range(per_chunk):
-                parts = [everyone[rank, c * per_chunk + i] for rank in grid[0, s].tolist()]
-                if kinds and kinds[i] == "row":   # rows stacked, or columns side by side
-                    full.append(torch.cat([w.view(-1, args.dim) for w in parts], dim=0))
-                else:
-                    full.append(torch.cat([w.view(args.dim, -1) for w in parts], dim=1))
-    return full
+    kinds = kinds or ["embedding", *["gather"] * args.num_layers, "head"]
+    stage_of = {}
+    for s in range(num_stages):
+        for c in range(args.virtual_stages):
+            for j in stage_parts(args.num_layers, num_stages, s, args.virtual_stages, c):
+                stage_of[j] = s
+    return whole_model(dict(zip(mine, params)), full, kinds,
+                       owners=lambda j: grid[0, stage_of[j]].tolist())
 
 
 def simulate(stages, times=None):
