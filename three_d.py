@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, log, ray_launch, run_main, setup, spawn
-from data_parallel import dp_costs, init_weights, make_batch, make_replica, replica_rows
-from pipeline_parallel import Stage, build_schedule, pipeline_costs, run_schedule, stage_layers
+from data_parallel import dp_costs, init_params, make_batch, make_replica, replica_rows
+from pipeline_parallel import Stage, build_schedule, pipeline_costs, run_schedule, stage_parts
 from tensor_parallel import (all_gather_columns, layer_kinds, shard, shard_columns, tp_blocks,
-                             tp_costs)
+                             tp_costs, vocab_parallel_cross_entropy)
 
 AXES = ("dp", "pp", "tp")
 
@@ -103,43 +103,50 @@ class ThreeDRank:
         dist.barrier()   # a collective on every rank before the first point-to-point (for NCCL)
 
     def hold_shards(self, args, device):
-        """The layers of its stage (of each of its chunks, interleaved), each cut to its tp
-        part: its columns, or its rows for a Megatron row layer (a pair stays in a chunk), from
-        the whole model every rank draws. Step 2's replica holds them over the dp group."""
-        self.full = init_weights(args.num_layers, args.dim, args.seed)
+        """The parts of its stage (of each of its chunks, interleaved: the embedding in the first
+        chunk of stage 0, the head in the last of the last stage), each cut to its tp part: its
+        columns, or its rows for a Megatron row layer (a pair stays in a chunk), its classes of
+        E and H, from the whole model every rank draws. Step 2's replica holds them over dp."""
+        self.full = init_params(args)
         v = args.virtual_stages
         self.per_chunk = args.num_layers // (args.pp * v)
         self.kinds = layer_kinds(self.per_chunk, args.tp_style)       # the same in every chunk
-        shards = [shard(self.full[i], kind, self.tp_rank, args.tp).to(device)  # [D, D/T], [D/T, D]
-                  for c in range(v)
-                  for i, kind in zip(stage_layers(args.num_layers, args.pp, self.stage, v, c),
-                                     self.kinds)]
+        self.part_kinds = ["embedding", *[self.kinds[i % self.per_chunk]   # by part, in order
+                                          for i in range(args.num_layers)], "head"]
+        self.chunks = [stage_parts(args.num_layers, args.pp, self.stage, v, c) for c in range(v)]
+        self.mine = [j for parts in self.chunks for j in parts]      # its parts' indices
+        shards = [shard(self.full[j], self.part_kinds[j], self.tp_rank, args.tp).to(device)
+                  for j in self.mine]                                # [D, D/T], [D/T, D], ...
+        self.starts = [sum(map(len, self.chunks[:c])) for c in range(v)]   # a chunk's first
         self.replica = make_replica(shards, self.groups["dp"], zero=args.zero,
                                     optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
                                     bucket_mb=args.bucket_mb,      # no bucket crosses a chunk
-                                    chunk_starts=range(0, len(shards), self.per_chunk))
+                                    chunk_starts=self.starts)
 
     def take_rows(self, args, device):
-        """Its replica's slice of the batch, by its dp coordinate, the same on every tp rank."""
-        self.inputs, self.targets = make_batch(args)
+        """Its replica's slice of each step's batch, by its dp coordinate, the same on every tp
+        rank: only the first stage reads the tokens, and only the last the targets."""
         self.rows = replica_rows(args.batch_size, self.dp_rank, args.dp)
-        m = args.micro_batches
-        self.micro_inputs = self.inputs[self.rows].to(device, self.replica.dtype).chunk(m)  # [b, D]
-        self.micro_targets = self.targets[self.rows].to(device).chunk(m)
+        self.text = training_text()
+        self.device = device
 
     def build_stages(self, args):
-        """Step 4's stages, one a chunk, each handed step 3's forward and backward of its
-        layers over its tp group; the loss a mean over the replica's rows."""
+        """Step 4's stages, one a chunk, each handed step 3's forward and backward of its parts
+        over its tp group, and the vocab-parallel loss; the loss a mean over the replica's rows."""
         p, v = args.pp, args.virtual_stages
+        tp_group = self.groups["tp"]
         self.stages = []
         for c in range(v):                   # chunk c of stage s: virtual stage c p + s
             virtual = c * p + self.stage
+            kinds = [self.part_kinds[j] for j in self.chunks[c]]
             self.stages.append(Stage(
-                self.replica, range(c * self.per_chunk, (c + 1) * self.per_chunk),
+                self.replica, range(self.starts[c], self.starts[c] + len(kinds)),
+                blocks=tp_blocks(kinds, tp_group, vocab_size=args.vocab_size),
                 first=virtual == 0, last=virtual == v * p - 1,
-                num_micro_batches=args.micro_batches, targets=self.micro_targets,
-                mean_over=len(self.rows) * args.dim, recompute=args.recompute,
-                blocks=tp_blocks(self.kinds, self.groups["tp"])))
+                num_micro_batches=args.micro_batches, mean_over=len(self.rows),
+                loss_fn=partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size,
+                                group=tp_group),
+                recompute=args.recompute))
 
     def plan_schedule(self, args):
         """Its stage's action list, its neighbours in the pipe, and what crosses to them. With
@@ -159,15 +166,19 @@ class ThreeDRank:
                                  incoming=partial(all_gather_columns, group=self.groups["tp"]))
         self.buffer_shape = (len(self.rows) // args.micro_batches, width)   # [b, D] or [b, D/tp]
 
-    def train_step(self, recorder=None):
-        """Every micro-batch forward and backward through the pipeline, each bucket's gradient
-        summed over the replicas once final (reduce-scattered, with --zero); then / dp."""
+    def train_step(self, args, step, recorder=None):
+        """Every micro-batch forward and backward through the pipeline; each bucket's gradient
+        summed over the replicas (reduce-scattered, with --zero) once final: Stage.weight_grads
+        (step 4) starts its exchange after the last micro-batch's W; then each / dp."""
+        m = args.micro_batches
+        batch = make_batch(self.text, args, step)                # tokens [B, k], targets [B]
+        inputs, targets = (t[self.rows].to(self.device).chunk(m) for t in batch)
         self.replica.begin_step()
         for stage in self.stages:
-            stage.begin_step()
-        run_schedule(self.actions, self.stages, self.micro_inputs, self.prev_rank,
+            stage.begin_step(targets)
+        run_schedule(self.actions, self.stages, inputs, self.prev_rank,
                      self.next_rank, self.buffer_shape, recorder=recorder, **self.boundary)
-        self.replica.average()
+        self.replica.average()                                   # waits for the exchanges
 
 
 def three_d_costs(args, stage, times=(1, 1, 1)):
@@ -175,10 +186,11 @@ def three_d_costs(args, stage, times=(1, 1, 1)):
     [(kind, bytes of the tensor, times)]}; what its replica holds at the step's end {kind: (bytes,
     formula)}; its stash at its largest, bytes; its bubble (ZB-H1's for times (T_F, T_B, T_W))."""
     v, m, tp = args.virtual_stages, args.micro_batches, args.tp
-    kinds = layer_kinds(args.num_layers // (args.pp * v), args.tp_style)
-    act = args.batch_size // (args.dp * m) * args.dim * (2 if args.bf16 else 4)   # [b, D]
-    tp_runs = tp_costs(kinds * v, act, num_micro_batches=m, first_stage=stage == 0,
-                       recompute=args.recompute)
+    kinds = layer_kinds(args.num_layers // (args.pp * v), args.tp_style) * v
+    kinds = ["embedding"] * (stage == 0) + kinds + ["head"] * (stage == args.pp - 1)
+    rows = args.batch_size // (args.dp * m)
+    act = rows * args.dim * (2 if args.bf16 else 4)                         # [b, D]
+    tp_runs = tp_costs(kinds, act, rows, num_micro_batches=m, recompute=args.recompute)
     sent = act // tp if args.p2p_shard else act                 # --p2p-shard: 1/tp crosses
     kept, waiting = stash_bytes(args)
     bubble, stash, pp_runs = pipeline_costs(args.schedule, args.pp, stage, m, v, act_bytes=sent,
@@ -217,17 +229,17 @@ def three_d_worker(rank, world_size, args):
     norms = []
     check = SerialCheck(args)
     for step in range(args.steps):
-        me.train_step()
+        me.train_step(args, step)
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
-            check.step(full_matrices(full_weights(me.replica), me.kinds, args),
-                       full_matrices(full_grads(me.replica), me.kinds, args))
+            check.step(full_parts(me, full_weights(me.replica), args),
+                       full_parts(me, full_grads(me.replica), args))
         if args.clip_grad:   # the norm's squares summed over tp and pp (and dp, if ZeRO shards)
             norms.append(me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]]).item())
         me.replica.update()                   # each rank's optimizer steps its own shards
         if me.stage == args.pp - 1:   # the last stage knows the loss: the replicas' mean
             losses.append(global_loss(me.stages[-1].loss, me.groups["dp"]))   # losses, averaged
             if me.dp_rank == me.tp_rank == 0:
-                log(me.tag, step_line(step, losses, norms, args))
+                log_step(me.tag, step, losses, norms, args)
     finish_ranks(me, memory, args, losses, check, norms, device)
     cleanup()
 
@@ -253,19 +265,21 @@ from collections import Counter  # noqa: E402
 from collectives import (Stop, collective_cost, measured_bandwidth, positive_float,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
-                           full_grads, full_weights, global_loss, in_step_bytes, make_buckets,
-                           show_memory, step_line, training_parser, watch_memory)
-from pipeline_parallel import add_schedule_args, held_counts, schedule_rules, whole_layers  # noqa
+                           full_grads, full_weights, global_loss, in_step_bytes, log_step,
+                           make_buckets, show_memory, training_parser, training_text,
+                           watch_memory)
+from pipeline_parallel import add_schedule_args, held_counts, schedule_rules, whole_parts  # noqa
 from tensor_parallel import describe, divides, layer_matmuls, refuse_unused, tp_matmuls  # noqa
 
 
-def full_matrices(shards, kinds, args):   # on rank 0, replica 0's shards put together (step 4)
-    return whole_layers(shards, args, rank_grid(args.dp, args.pp, args.tp, args.order), kinds)
+def full_parts(me, params, args):   # on rank 0, replica 0's shards put together (step 4)
+    grid = rank_grid(args.dp, args.pp, args.tp, args.order)
+    return whole_parts(params, me.mine, me.full, args, grid, me.part_kinds)
 
 
 def finish_ranks(me, memory, args, losses, check, norms, device):
     """The full matrices, the last stage's losses, rank 0's memory table, --save and --check."""
-    final = full_matrices(full_weights(me.replica), me.kinds, args)
+    final = full_parts(me, full_weights(me.replica), args)
     known = losses if me.stage == args.pp - 1 else [0.0] * args.steps   # the last stage's
     losses = torch.tensor(known, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
@@ -273,7 +287,7 @@ def finish_ranks(me, memory, args, losses, check, norms, device):
         if args.zero:
             show_memory(me.replica, memory, args, f"rank 0: its replica of stage 0's layers, "
                                                   f"its tp shards of them (1/{args.tp})")
-        finish_run(args, me.full, final, losses.tolist(), me.inputs, me.targets, check, norms)
+        finish_run(args, me.full, final, losses.tolist(), check, norms)
 
 
 @functools.lru_cache(maxsize=None)
