@@ -206,6 +206,7 @@ def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
     """The cross-entropy over all V classes from this rank's logits_t [b, V_t], in fp32, and its
     dlogits_t; the same loss on every rank."""
     start, end = vocab_range(vocab_size, dist.get_rank(group), dist.get_world_size(group))
+    dtype = logits_t.dtype
     logits_t = logits_t.float()
     rows = torch.arange(len(y), device=y.device)
     row_max = logits_t.max(dim=1).values                               # [b]
@@ -219,7 +220,7 @@ def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
     reduce_over(target, group)                                         # l_y
     dlogits_t = exps / sum_exps[:, None]                               # softmax_t
     dlogits_t[rows[mine], local[mine]] -= 1.0                          # - onehot_t(y)
-    return (sum_exps.log() - target).sum() / n, (dlogits_t / n).to(logits_t.dtype)
+    return (sum_exps.log() - target).sum() / n, (dlogits_t / n).to(dtype)
 
 
 def reduce_over(tensor, group, op=dist.ReduceOp.SUM):   # an all-reduce, where there are ranks
