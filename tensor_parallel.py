@@ -219,7 +219,7 @@ def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
     target = (logits_t[rows, local] - row_max).masked_fill(~mine, 0.0)
     reduce_over(target, group)                                         # l_y
     dlogits_t = exps / sum_exps[:, None]                               # softmax_t
-    dlogits_t[rows[mine], local[mine]] -= 1.0                          # - onehot_t(y)
+    dlogits_t[rows, local] -= mine.float()                             # - onehot_t(y)
     return (sum_exps.log() - target).sum() / n, (dlogits_t / n).to(dtype)
 
 

@@ -125,10 +125,12 @@ class ThreeDRank:
 
     def take_rows(self, args, device):
         """Its replica's slice of each step's batch, by its dp coordinate, the same on every tp
-        rank: only the first stage reads the tokens, and only the last the targets."""
+        rank (only the first stage reads the tokens, and only the last the targets)."""
         self.rows = replica_rows(args.batch_size, self.dp_rank, args.dp)
-        self.text = training_text()
         self.device = device
+
+    def micro_batches(self, batch, args):   # [B, k], [B] -> its rows, m micro-batches each
+        return [t[self.rows].to(self.device).chunk(args.micro_batches) for t in batch]
 
     def build_stages(self, args):
         """Step 4's stages, one a chunk, each handed step 3's forward and backward of its parts
@@ -166,13 +168,10 @@ class ThreeDRank:
                                  incoming=partial(all_gather_columns, group=self.groups["tp"]))
         self.buffer_shape = (len(self.rows) // args.micro_batches, width)   # [b, D] or [b, D/tp]
 
-    def train_step(self, args, step, recorder=None):
+    def train_step(self, inputs, targets, recorder=None):
         """Every micro-batch forward and backward through the pipeline; each bucket's gradient
         summed over the replicas (reduce-scattered, with --zero) once final: Stage.weight_grads
         (step 4) starts its exchange after the last micro-batch's W; then each / dp."""
-        m = args.micro_batches
-        batch = make_batch(self.text, args, step)                # tokens [B, k], targets [B]
-        inputs, targets = (t[self.rows].to(self.device).chunk(m) for t in batch)
         self.replica.begin_step()
         for stage in self.stages:
             stage.begin_step(targets)
@@ -225,11 +224,13 @@ def three_d_worker(rank, world_size, args):
     if rank == 0:   # the rank map, and what a stage's (a chunk's) layers are
         show_rank_map(args.dp, args.pp, args.tp, args.order, kinds=me.kinds,
                       chunks=args.virtual_stages)
+    text = training_text()
     losses = []
     norms = []
     check = SerialCheck(args)
     for step in range(args.steps):
-        me.train_step(args, step)
+        batch = make_batch(text, args, step)          # tokens [B, k], targets [B]
+        me.train_step(*me.micro_batches(batch, args))
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
             check.step(full_parts(me, full_weights(me.replica), args),
                        full_parts(me, full_grads(me.replica), args))

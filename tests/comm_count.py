@@ -12,9 +12,10 @@ does, so a count is exact and can be derived by hand. Over a group of n ranks:
     send of N bytes                   N
 A group of one sends nothing. Fractions keep the sums exact where n does not divide N.
 
-Each script's step runs here from its own blocks (dp_step, tp_blocks, run_schedule,
-ThreeDRank.gradients) inside CommCounter.step(), which swaps the torch.distributed
-functions they call for counting wrappers and puts the originals back afterwards.
+Each script's step runs here as tests/gpu_path.py builds it from the script's own blocks
+(dp_step, tp_blocks, run_schedule, ThreeDRank), on the CPU over gloo, inside
+CommCounter.step(), which swaps the torch.distributed functions they call for counting
+wrappers and puts the originals back afterwards.
 """
 import collections
 import contextlib
@@ -31,10 +32,9 @@ import tensor_parallel
 import three_d
 from collectives import cleanup, setup, spawn
 from collectives import collective_cost
-from data_parallel import DataParallel, dp_costs, dp_step, init_weights, make_batch, make_replica, replica_rows
-from pipeline_parallel import build_schedule, gather_on_rank0, pipeline_costs, run_schedule, stage_layers
-from race import replica_options
-from tensor_parallel import layer_kinds, shard, tp_blocks, tp_costs, tp_step
+from data_parallel import dp_costs
+from pipeline_parallel import gather_on_rank0, pipeline_costs
+from tensor_parallel import layer_kinds, tp_costs
 
 RING_COST = {  # dist function -> (kind, the argument that holds N, factor)
     "all_reduce": ("all-reduce", "tensor", 2),
@@ -141,20 +141,19 @@ def three_d_formula(args, stage):
 
 def style_bytes(num_layers, tp_style, act_bytes, num_micro_batches, tp_size):
     """A TP rank's bytes per step over the model's layers, in one style (tp_costs)."""
-    runs = tp_costs(layer_kinds(num_layers, tp_style), act_bytes, num_micro_batches=num_micro_batches)
+    runs = tp_costs(layer_kinds(num_layers, tp_style), act_bytes, 0, num_micro_batches=num_micro_batches)
     return sum(sent for sent, _ in formula("tp", runs, tp_size).values())
 
 
 def megatron_comparison(num_layers, act_bytes, num_micro_batches, tp_size):
-    """One paragraph: the two TP styles' bytes, for this run's sizes.
+    """One paragraph: the two TP styles' bytes over the layers, for this run's sizes.
 
     Per pair of layers and micro-batch, with A the bytes of one activation [b, D]:
       all-gather layers: 2 all-gathers (forward) + 2 all-reduces of dx (backward)
                          = 2 (t-1)/t A + 4 (t-1)/t A = 6 (t-1)/t A
       Megatron:          g's all-reduce of z (forward) + f's all-reduce of dx (backward)
                          = 4 (t-1)/t A: exactly 2/3
-    Over the model neither all-reduces the model input's dx, 2(t-1)/t A less for both:
-    for an even L, (2L - 2) / (3L - 2) of the all-gather style's bytes.
+    The ends are the same in both styles: the embedding's all-reduce, the head's, the loss's.
     """
     L, A, m, t = num_layers, act_bytes, num_micro_batches, tp_size
     if t == 1:
@@ -163,76 +162,41 @@ def megatron_comparison(num_layers, act_bytes, num_micro_batches, tp_size):
     return (f"TP bytes per rank and step over the model's {L} layers (t={t}, m={m}, A={A} bytes), by the "
             f"formulas above: all-gather layers {float(gather):.0f}, Megatron's pairs {float(megatron):.0f}, "
             f"{float(megatron / gather):.3f} of it. Per pair of layers and micro-batch Megatron sends "
-            f"4(t-1)/t A where two all-gather layers send 6(t-1)/t A: 2/3. Over the model neither "
-            f"all-reduces the input's dx, 2(t-1)/t A less for both: (2L-2)/(3L-2) for an even L.")
+            f"4(t-1)/t A where two all-gather layers send 6(t-1)/t A: 2/3 (an odd last layer is an "
+            f"all-gather one in both). The embedding, the head and the loss send the same in both.")
 
 
 # ---- one counted step of each script -------------------------------------------------
 
-def count_dp(rank, world_size, args):
+def count_worker(rank, world_size, script, args):
+    """One step of the script's rank, as tests/gpu_path.py builds it, counted; then the report."""
+    from gpu_path import BUILDERS
     device = setup(rank, world_size)
-    weights = [w.to(device) for w in init_weights(args.num_layers, args.dim, args.seed)]
-    inputs, targets = (t.to(device) for t in make_batch(args))
-    rows = replica_rows(args.batch_size, rank, world_size)
-    m, n = args.micro_batches, len(rows) * args.dim
-    counter = CommCounter({"dp": None})
-    replica = make_replica(weights, None, zero=args.zero, overlap=args.overlap, **replica_options(args))
+    dist.barrier()                            # before the first point-to-point (NCCL's rule)
+    step, replica, groups, stage = BUILDERS[script](args, rank, world_size, device=device)
+    counter = CommCounter(groups)
     with counter.step():
-        dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m), n, recompute=args.recompute)
-        replica.update()
-    report(counter, formula("dp", dp_costs(replica.lengths, world_size, zero=args.zero, num_micro_batches=m,
-                                           optimizer=args.optimizer, bf16=args.bf16)[0], world_size))
-    cleanup()
-
-
-def count_tp(rank, world_size, args):
-    device = setup(rank, world_size)
-    kinds = layer_kinds(args.num_layers, args.tp_style)
-    full = init_weights(args.num_layers, args.dim, args.seed)
-    shards = [shard(w, kind, rank, world_size).to(device) for w, kind in zip(full, kinds)]
-    inputs, targets = (t.to(device) for t in make_batch(args))
-    L, m = args.num_layers, args.micro_batches
-    replica = DataParallel(shards, dist.new_subgroups(1)[0], **replica_options(args))
-    counter = CommCounter({"tp": None})
-    with counter.step():
-        tp_step(replica, tp_blocks(kinds), inputs.chunk(m), targets.chunk(m), args.batch_size * args.dim,
-                recompute=args.recompute)
+        step()
+    m = args.micro_batches
     act_bytes = args.batch_size // m * args.dim * (2 if args.bf16 else 4)   # one micro-batch's [B/m, D]
-    report(counter, formula("tp", tp_costs(kinds, act_bytes, num_micro_batches=m, recompute=args.recompute),
-                            world_size),
-           megatron_comparison(L, act_bytes, m, world_size))
-    cleanup()
-
-
-def count_pp(rank, world_size, args):
-    device = setup(rank, world_size)
-    dist.barrier()
-    p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
-    full = init_weights(args.num_layers, args.dim, args.seed)
-    inputs, targets = (t.to(device) for t in make_batch(args))
-    from bench import begin_step, stage_replica
-    replica, chunks = stage_replica(full, [stage_layers(args.num_layers, p, stage, v, c) for c in range(v)], stage, p,
-                                    targets.chunk(m), args.batch_size * args.dim, device, args)
-    counter = CommCounter({"pp": None})
-    begin_step(replica, chunks)
-    with counter.step():
-        run_schedule(build_schedule(args.schedule, p, stage, m, v), chunks, inputs.to(replica.dtype).chunk(m),
-                     (stage - 1) % p, (stage + 1) % p, (args.batch_size // m, args.dim))
-    act_bytes = args.batch_size // m * args.dim * (2 if args.bf16 else 4)
-    report(counter, formula("pp", pipeline_costs(args.schedule, p, stage, m, v, act_bytes=act_bytes)[2], p))
-    cleanup()
-
-
-def count_3d(rank, world_size, args):
-    device = setup(rank, world_size)
-    me = three_d.ThreeDRank(rank, args, device)
-    counter = CommCounter(me.groups)
-    with counter.step():
-        me.train_step()
-        me.replica.update()
-    act_bytes = me.buffer_shape[0] * args.dim * (2 if args.bf16 else 4)
-    report(counter, three_d_formula(args, me.stage),
-           megatron_comparison(args.num_layers, act_bytes, args.micro_batches, args.tp))
+    notes = ""
+    if script == "data_parallel":
+        runs = dp_costs(replica.lengths, world_size, zero=args.zero, num_micro_batches=m,
+                        optimizer=args.optimizer, bf16=args.bf16)[0]
+        want = formula("dp", runs, world_size)
+    elif script == "tensor_parallel":
+        kinds = ["embedding", *layer_kinds(args.num_layers, args.tp_style), "head"]
+        runs = tp_costs(kinds, act_bytes, args.batch_size // m, num_micro_batches=m, recompute=args.recompute)
+        want = formula("tp", runs, world_size)
+        notes = megatron_comparison(args.num_layers, act_bytes, m, world_size)
+    elif script == "pipeline_parallel":
+        runs = pipeline_costs(args.schedule, world_size, stage, m, args.virtual_stages, act_bytes=act_bytes)[2]
+        want = formula("pp", runs, world_size)
+    else:
+        want = three_d_formula(args, stage)
+        act_bytes = (args.batch_size // (args.dp * m)) * args.dim * (2 if args.bf16 else 4)
+        notes = megatron_comparison(args.num_layers, act_bytes, m, args.tp)
+    report(counter, want, notes)
     cleanup()
 
 
@@ -280,17 +244,18 @@ def gather_text(text):
     return None if parts is None else [bytes(p[:int(s)].tolist()).decode() for p, s in zip(parts, sizes)]
 
 
-COUNTERS = {"data_parallel": (data_parallel, count_dp, lambda a: a.world_size),
-            "tensor_parallel": (tensor_parallel, count_tp, lambda a: a.world_size),
-            "pipeline_parallel": (pipeline_parallel, count_pp, lambda a: a.world_size),
-            "three_d": (three_d, count_3d, lambda a: a.dp * a.pp * a.tp)}
+COUNTERS = {"data_parallel": (data_parallel, lambda a: a.world_size),
+            "tensor_parallel": (tensor_parallel, lambda a: a.world_size),
+            "pipeline_parallel": (pipeline_parallel, lambda a: a.world_size),
+            "three_d": (three_d, lambda a: a.dp * a.pp * a.tp)}
 
 
 def count(script_name, argv):
     """One counted step of a script, with its own command line; rank 0 prints the report."""
-    script, worker, world_size = COUNTERS[script_name]
+    script, world_size = COUNTERS[script_name]
     args = script.parse_args(argv)
-    spawn(worker, world_size(args), args, backend=args.backend, timeout_s=args.timeout_s)
+    spawn(count_worker, world_size(args), script_name, args, backend=args.backend,
+          timeout_s=args.timeout_s)
 
 
 def main(argv):

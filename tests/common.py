@@ -9,12 +9,20 @@ import torch
 ATOL = RTOL = 1e-5
 
 
+PARTS = ("final_embedding", "final_weights", "final_head")
+
+
+def final_params(result):
+    """A --save result's (or serial_train's) final parameters in order: E, the layers, H."""
+    return [result["final_embedding"], *result["final_weights"], result["final_head"]]
+
+
 def assert_same_training(got, want):
-    """Two --save results (or serial_train's): the same loss at every step, the same final weights."""
+    """Two --save results (or serial_train's): the same loss at every step, the same final parameters."""
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), atol=ATOL, rtol=RTOL)
     assert len(got["final_weights"]) == len(want["final_weights"])
-    for layer, (a, b) in enumerate(zip(got["final_weights"], want["final_weights"])):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda msg: f"layer {layer}: {msg}")
+    for part, (a, b) in enumerate(zip(final_params(got), final_params(want))):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda msg: f"part {part}: {msg}")
 
 
 def child_pids():
@@ -33,22 +41,26 @@ def serial_train(args):
     """The same training in one process, with autograd, as a whole run: what the tests
     compare every parallel run's --save with (--check compares each step instead). With
     --bf16 the same casts: bf16 matmuls and activations on fp32 master weights."""
-    from data_parallel import init_weights, make_batch, make_optimizer, serial_loss
-    weights = [w.requires_grad_() for w in init_weights(args.num_layers, args.dim, args.seed)]
-    (inputs, targets) = make_batch(args)
-    optimizer = make_optimizer(weights, args.optimizer, args.lr)
+    from data_parallel import (VOCAB_SIZE, init_params, make_batch, make_optimizer, serial_loss,
+                               training_text)
+    if "vocab_size" not in vars(args):
+        args.vocab_size = VOCAB_SIZE
+    params = [w.requires_grad_() for w in init_params(args)]
+    optimizer = make_optimizer(params, args.optimizer, args.lr)
     losses, norms, first_grads = [], [], None
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        inputs, targets = make_batch(training_text(), args, step)
         optimizer.zero_grad()
-        loss, _ = serial_loss(weights, inputs, targets, args.bf16)
+        loss, _ = serial_loss(params, inputs, targets, args.bf16)
         loss.backward()
         losses.append(loss.item())
-        first_grads = first_grads or [w.grad.clone() for w in weights]
+        first_grads = first_grads or [w.grad.clone() for w in params]
         if args.clip_grad:
-            norms.append(torch.nn.utils.clip_grad_norm_(weights, args.clip_grad).item())
+            norms.append(torch.nn.utils.clip_grad_norm_(params, args.clip_grad).item())
         optimizer.step()
-    return {"final_weights": [w.detach() for w in weights], "losses": losses,
-            "first_grads": first_grads, "grad_norms": norms}
+    final = [w.detach() for w in params]
+    return {"final_embedding": final[0], "final_weights": final[1:-1], "final_head": final[-1],
+            "losses": losses, "first_grads": first_grads, "grad_norms": norms}
 
 
 def check_report(out):
@@ -91,9 +103,9 @@ def assert_clipped_some(out):
 
 
 def assert_same_bits(a, b):
-    """Two --save results, bitwise: the same losses and the same final weights."""
+    """Two --save results, bitwise: the same losses and the same final parameters."""
     assert a["losses"] == b["losses"]
-    assert all(torch.equal(x, y) for x, y in zip(a["final_weights"], b["final_weights"]))
+    assert all(torch.equal(x, y) for x, y in zip(final_params(a), final_params(b)))
 
 
 def gelu_grad(z):   # the formula that PyTorch's fused kernel (aten.gelu_backward) computes

@@ -11,7 +11,8 @@ collective and send returns at once. So one process runs, op by op, what rank 22
 GPUs runs, in seconds. The meta device is not the CPU, and the scripts take the GPU's path
 wherever the device is not the CPU: what runs here is what a GPU runs. The command line goes
 through the script's own door as on a node of 8 GPUs (tests/nccl.py's fake_gpus), and the
-weights and the batch are drawn on meta by the scripts' own init_weights and make_batch.
+parameters are drawn on meta by the scripts' own init_params, and each step's batch of token ids
+is drawn from the text on the CPU, as a data loader does, and moved to the device before the step.
 
 StepRecord, a TorchDispatchMode, sees every op of the step. It keeps
 - each matmul as tensor_parallel.Matmul, the planner's own record: (m, k, n), the bytes of an input's
@@ -25,6 +26,7 @@ CPU scalar aside (CUDA takes those, and AdamW keeps its step count there).
 """
 import collections
 import contextlib
+import functools
 import os
 import sys
 import weakref
@@ -129,28 +131,35 @@ def fake_world(rank, world_size):
 
 @contextlib.contextmanager
 def drawn_on_meta():
-    """The scripts' own init_weights and make_batch, drawing on the meta device: shapes and
-    dtypes, no numbers (the whole model of a 1,024-GPU run fits in no CPU's memory)."""
-    real = {"init_weights": data_parallel.init_weights, "make_batch": data_parallel.make_batch}
+    """The scripts' own init_params, drawing on the meta device: shapes and dtypes, no numbers
+    (the whole model of a 1,024-GPU run fits in no CPU's memory)."""
+    real = data_parallel.init_params
 
-    def on_meta(fn):
-        def drawn(*args, **kwargs):
-            with torch.device(META):
-                return fn(*args, **kwargs)
-        return drawn
+    def drawn(*args, **kwargs):
+        with torch.device(META):
+            return real(*args, **kwargs)
     with contextlib.ExitStack() as stack:
         for module in (data_parallel, tensor_parallel, pipeline_parallel, three_d):
-            for name, fn in real.items():
-                if hasattr(module, name):
-                    stack.enter_context(mock.patch.object(module, name, on_meta(fn)))
+            if hasattr(module, "init_params"):
+                stack.enter_context(mock.patch.object(module, "init_params", drawn))
         yield
 
 
 def gpu_node_args(script, argv):
-    """The script's own parse_args, as on a node of 8 GPUs that can run bf16."""
+    """The script's own parse_args, as on a node of 8 GPUs that can run bf16; --vocab-size V
+    (taken out before) prices a model of another vocabulary than the text's: the tokens are
+    still the text's, which every vocabulary of 97 classes or more holds."""
+    vocab_size = None
+    if "--vocab-size" in argv:
+        at = argv.index("--vocab-size")
+        vocab_size = int(argv[at + 1])
+        argv = argv[:at] + argv[at + 2:]
     with fake_gpus(GPUS_PER_NODE), mock.patch.dict(os.environ,
                                                   {"LOCAL_WORLD_SIZE": str(GPUS_PER_NODE)}):
-        return SCRIPTS[script].parse_args(argv)
+        args = SCRIPTS[script].parse_args(argv)
+    if vocab_size:
+        args.vocab_size = vocab_size
+    return args
 
 
 class Ran(NamedTuple):
@@ -189,21 +198,28 @@ def world_of(script, args):
     return args.world_size
 
 
+def first_batch(args, device):   # step 0's tokens [B, k] and targets [B], on the device
+    batch = data_parallel.make_batch(data_parallel.training_text(), args, step=0)
+    return [t.to(device) for t in batch]
+
+
 def build_data_parallel(args, rank, world_size, device=META):
     """dp_worker's replica and step (steps 2): the world's ranks are the replicas."""
     m = args.micro_batches
-    init = data_parallel.init_weights(args.num_layers, args.dim, args.seed)
+    init = data_parallel.init_params(args)
     replica = data_parallel.make_replica([w.to(device, copy=True) for w in init], None,
                                          zero=args.zero, optimizer=args.optimizer, lr=args.lr,
                                          bucket_mb=args.bucket_mb, bf16=args.bf16,
                                          overlap=args.overlap)
-    inputs, targets = (t.to(device) for t in data_parallel.make_batch(args))
     rows = data_parallel.replica_rows(args.batch_size, rank, world_size)
-    xs = inputs[rows].chunk(m)
-    ys = targets[rows].chunk(m)
+    inputs, targets = (t[rows] for t in first_batch(args, torch.device("cpu")))
+    xs = inputs.to(device).chunk(m)
+    ys = targets.to(device).chunk(m)
+    blocks = data_parallel.model_blocks(args.num_layers)
 
     def step():
-        data_parallel.dp_step(replica, xs, ys, len(rows) * args.dim, args.recompute)
+        data_parallel.dp_step(replica, blocks, data_parallel.cross_entropy, xs, ys, len(rows),
+                              args.recompute)
         if args.clip_grad:
             replica.clip(args.clip_grad)
         replica.update()
@@ -213,19 +229,20 @@ def build_data_parallel(args, rank, world_size, device=META):
 def build_tensor_parallel(args, rank, world_size, device=META):
     """tp_worker's shards, replica and step (step 3)."""
     m = args.micro_batches
-    kinds = tensor_parallel.layer_kinds(args.num_layers, args.tp_style)
-    full = data_parallel.init_weights(args.num_layers, args.dim, args.seed)
+    kinds = ["embedding", *tensor_parallel.layer_kinds(args.num_layers, args.tp_style), "head"]
+    full = data_parallel.init_params(args)
     shards = [tensor_parallel.shard(w, kind, rank, world_size).to(device)
               for w, kind in zip(full, kinds)]
     replica = data_parallel.DataParallel(shards, dist.new_subgroups(1)[0],
                                          optimizer=args.optimizer, lr=args.lr, bf16=args.bf16)
-    inputs, targets = (t.to(device) for t in data_parallel.make_batch(args))
-
-    blocks = tensor_parallel.tp_blocks(kinds)
+    inputs, targets = first_batch(args, device)
+    blocks = tensor_parallel.tp_blocks(kinds, vocab_size=args.vocab_size)
+    loss_fn = functools.partial(tensor_parallel.vocab_parallel_cross_entropy,
+                                vocab_size=args.vocab_size)
 
     def step():
-        tensor_parallel.tp_step(replica, blocks, inputs.chunk(m), targets.chunk(m),
-                                args.batch_size * args.dim, recompute=args.recompute)
+        data_parallel.dp_step(replica, blocks, loss_fn, inputs.chunk(m), targets.chunk(m),
+                              args.batch_size, recompute=args.recompute)
         if args.clip_grad:
             replica.clip(args.clip_grad, [dist.group.WORLD])
         replica.update()
@@ -235,28 +252,28 @@ def build_tensor_parallel(args, rank, world_size, device=META):
 def build_pipeline_parallel(args, rank, world_size, device=META):
     """pp_worker's replica, stages, action list and step (step 4)."""
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
-    full = data_parallel.init_weights(args.num_layers, args.dim, args.seed)
-    inputs, targets = (t.to(device) for t in data_parallel.make_batch(args))
-    mine = [i for c in range(v)
-            for i in pipeline_parallel.stage_layers(args.num_layers, p, stage, v, c)]
-    per_chunk = len(mine) // v
-    replica = data_parallel.DataParallel([full[i].to(device, copy=True) for i in mine],
+    full = data_parallel.init_params(args)
+    blocks = data_parallel.model_blocks(args.num_layers)
+    chunks = [pipeline_parallel.stage_parts(args.num_layers, p, stage, v, c) for c in range(v)]
+    mine = [j for parts in chunks for j in parts]
+    starts = [sum(map(len, chunks[:c])) for c in range(v)]
+    replica = data_parallel.DataParallel([full[j].to(device, copy=True) for j in mine],
                                          dist.new_subgroups(1)[0], optimizer=args.optimizer,
-                                         lr=args.lr, bf16=args.bf16,
-                                         chunk_starts=range(0, len(mine), per_chunk))
-    stages = [pipeline_parallel.Stage(replica, range(c * per_chunk, (c + 1) * per_chunk),
+                                         lr=args.lr, bf16=args.bf16, chunk_starts=starts)
+    stages = [pipeline_parallel.Stage(replica, range(start, start + len(parts)),
+                                      blocks=[blocks[j] for j in parts],
                                       first=c * p + stage == 0, last=c * p + stage == v * p - 1,
-                                      num_micro_batches=m, targets=targets.chunk(m),
-                                      mean_over=args.batch_size * args.dim,
-                                      recompute=args.recompute) for c in range(v)]
+                                      num_micro_batches=m, mean_over=args.batch_size,
+                                      recompute=args.recompute)
+              for c, (start, parts) in enumerate(zip(starts, chunks))]
     actions = pipeline_parallel.build_schedule(args.schedule, p, stage, m, v)
-    micro_batches = inputs.to(replica.dtype).chunk(m)
+    inputs, targets = (t.chunk(m) for t in first_batch(args, device))
 
     def step():
         replica.begin_step()
         for chunk in stages:
-            chunk.begin_step()
-        pipeline_parallel.run_schedule(actions, stages, micro_batches, (stage - 1) % p,
+            chunk.begin_step(targets)
+        pipeline_parallel.run_schedule(actions, stages, inputs, (stage - 1) % p,
                                        (stage + 1) % p, (args.batch_size // m, args.dim))
         replica.average()
         if args.clip_grad:
@@ -268,9 +285,11 @@ def build_pipeline_parallel(args, rank, world_size, device=META):
 def build_three_d(args, rank, world_size, device=META):
     """three_d_worker's ThreeDRank and step (step 5)."""
     me = three_d.ThreeDRank(rank, args, device)
+    batch = data_parallel.make_batch(data_parallel.training_text(), args, step=0)
+    micro_batches = me.micro_batches(batch, args)
 
     def step():
-        me.train_step()
+        me.train_step(*micro_batches)
         if args.clip_grad:
             me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]])
         me.replica.update()
