@@ -132,7 +132,7 @@ def replica_rows(batch_size, dp_rank, dp_size):
     """The rows that replica dp_rank trains on: by its data-parallel rank, never the global
     rank (in 3D they differ)."""
     per_replica = batch_size // dp_size
-    return torch.arange(dp_rank * per_replica, (dp_rank + 1) * per_replica)
+    return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
 
 def dp_step(replica, blocks, loss_fn, xs, ys, n, recompute=False):
