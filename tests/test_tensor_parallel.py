@@ -2,8 +2,11 @@
 
 - The column-parallel layer in isolation (forked ranks, T = 1..4): forward, dW_t, dx and
   the skipped all-reduce against autograd on the full matrix; the all-gather's order.
-- The vocab-parallel embedding against nn.Embedding: outputs and table gradients, tokens
-  at every shard edge, repeated tokens, vocabularies that T does not divide.
+- The vocabulary split over the ranks against nn.Embedding, a full head and F.cross_entropy:
+  the embedding's outputs and gradients (tokens at every shard edge, repeated tokens), the
+  logits never gathered, the loss and dlogits in pieces, at V = 97 (no T > 1 divides it);
+  and the three known defects (a padded class in the softmax, gathered logits fed to the
+  vocab-parallel loss, the embedding's all-reduce without its backward) each fail it.
 - Tensor-parallel training (in-process main(), ranks forked) against serial_train, over
   world sizes, micro-batches and optimizers; the --save contract; each rank's own shards.
 - Known from-scratch bugs stay gone: shards are slices of one matrix, dW_t is [D, D/T].
@@ -28,7 +31,7 @@ import tensor_parallel as tp
 from collectives import RankFailed, cleanup, setup, spawn
 from stash_check import stash_and_peak
 from common import (serial_train, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
-                    model_forward)
+                    final_params)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,7 +41,8 @@ RTOL = 1e-5
 
 # A small model that trains quickly and stays far from chaos. D = 24 divides by 1, 2, 3, 4;
 # B = 12 by micro-batch counts 1, 2, 3, 4.
-SMALL = {"num_layers": 4, "dim": 24, "batch_size": 12, "steps": 4, "seed": 3}
+SMALL = {"num_layers": 4, "dim": 24, "context": 4, "batch_size": 12, "steps": 4, "seed": 3}
+V = dp.VOCAB_SIZE
 LR = {"sgd": 0.1, "adamw": 0.01}
 
 
@@ -230,84 +234,143 @@ def _f_and_g_worker(rank, world_size, folder):
 
 
 # ----------------------------------------------------------------------------------
-# 5. The vocab-parallel embedding against nn.Embedding
+# 5. The vocabulary over the ranks against nn.Embedding, a full head and F.cross_entropy
 # ----------------------------------------------------------------------------------
 
-def _embedding_worker(rank, world_size, cases, folder):
+def _vocab_case(world_size, rows=6, context=3, width=4, dim=8):
+    """tokens [rows, k] that hold the first and last class of every rank's shard and repeat
+    one; E [V, width], a [rows, dim], H [dim, V], targets at shard edges too."""
+    gen = torch.Generator().manual_seed(world_size)
+    edges = [c for t in range(world_size) for c in (tp.vocab_range(V, t, world_size)[0],
+                                                    tp.vocab_range(V, t, world_size)[1] - 1)]
+    tokens = torch.randint(V, (rows, context), generator=gen)
+    tokens.view(-1)[:len(edges)] = torch.tensor(edges)
+    tokens[-1] = 5                                                   # one token over and over
+    targets = torch.tensor((edges * rows)[:rows])
+    return dict(tokens=tokens, table=torch.randn(V, width, generator=gen),
+                g=torch.randn(rows, context * width, generator=gen),
+                a=torch.randn(rows, dim, generator=gen), head=torch.randn(dim, V, generator=gen) * 2,
+                targets=targets)
+
+
+def _vocab_worker(rank, world_size, case, folder, defect):
+    """This rank's pieces of the vocabulary: the embedding's x and its rows' gradient, the
+    head's logits_t, the loss and dlogits_t, and da; with one known defect put in, or none."""
     setup(rank, world_size)
-    results = []
-    for table, tokens, g in cases:
-        start, end = tp.vocab_range(table.shape[0], rank, world_size)
-        out, stash = tp.embedding_forward(tokens, table[start:end].clone(), start)
-        d_table_t = tp.embedding_backward(g, stash, end - start)
-        results.append({"start": start, "end": end, "out": out, "d_table_t": d_table_t})
-    torch.save(results, folder / f"rank{rank}.pt")
+    start, end = tp.vocab_range(V, rank, world_size)
+    table_t = tp.shard(case["table"], "embedding", rank, world_size)
+    head_t = tp.shard(case["head"], "head", rank, world_size)
+    x, stash = tp.embedding_forward(case["tokens"], table_t, vocab_size=V)
+    _, (local, g_t) = tp.embedding_backward(case["g"], stash, table_t)
+    d_table_t = torch.zeros_like(table_t).index_add_(0, local.reshape(-1), g_t)
+    if defect == "embedding all-reduce without its backward" and rank > 0:
+        d_table_t.zero_()            # only the lookup autograd saw, rank 0's, gets a gradient
+    logits_t, head_stash = tp.head_forward(case["a"], head_t)
+    rows = len(case["targets"])
+    if defect == "a padded class in the softmax":   # every shard padded to ceil(V / T) classes
+        width = -(-V // world_size)
+        logits_t = F.pad(logits_t, (0, width - logits_t.shape[1]))   # padding's logit: 0
+        loss, dlogits_t = tp.vocab_parallel_cross_entropy(logits_t, case["targets"], rows,
+                                                          vocab_size=width * world_size)
+        dlogits_t = dlogits_t[:, :end - start]
+    elif defect == "gathered logits fed to the vocab-parallel loss":   # [b, V] on every rank
+        width = -(-V // world_size)
+        pieces = [torch.empty(rows, width) for _ in range(world_size)]
+        dist.all_gather(pieces, F.pad(logits_t, (0, width - logits_t.shape[1])))
+        sizes = [e - s for s, e in (tp.vocab_range(V, t, world_size) for t in range(world_size))]
+        logits = torch.cat([piece[:, :size] for piece, size in zip(pieces, sizes)], dim=1)
+        loss, dlogits = tp.vocab_parallel_cross_entropy(logits, case["targets"], rows, vocab_size=V)
+        dlogits_t = dlogits[:, start:end]
+    else:
+        loss, dlogits_t = tp.vocab_parallel_cross_entropy(logits_t, case["targets"], rows, vocab_size=V)
+    da, (_, dlogits_again) = tp.head_backward(dlogits_t.contiguous(), head_stash, head_t)
+    d_head_t = case["a"].T @ dlogits_again
+    torch.save(dict(start=start, end=end, x=x, d_table_t=d_table_t, logits_t=logits_t, loss=loss,
+                    dlogits_t=dlogits_t, da=da, d_head_t=d_head_t), folder / f"rank{rank}.pt")
     cleanup()
 
 
-def _embedding_cases(world_size, dim=5):
-    """(table, tokens, g) for several vocabulary sizes. Every token of the vocabulary
-    appears (so the first and last row of every shard do, wherever the cuts fall), some
-    repeat; the last case puts every token in the last shard."""
-    gen = torch.Generator().manual_seed(world_size)
-    cases = []
-    for vocab_size in sorted({world_size, 7, 10, 13}):
-        if vocab_size < world_size:
-            continue
-        table = torch.randn(vocab_size, dim, generator=gen)
-        seq = torch.cat([torch.arange(vocab_size), torch.randint(vocab_size, (vocab_size + 5,), generator=gen),
-                         torch.full((3,), vocab_size - 1)])
-        seq = seq[torch.randperm(len(seq), generator=gen)]
-        tokens = seq.view(2, -1)                                      # [2, V + 4]
-        cases.append((table, tokens, torch.randn(*tokens.shape, dim, generator=gen)))
-    table = torch.randn(10, dim, generator=gen)
-    tokens = torch.full((3, 2), 9)
-    cases.append((table, tokens, torch.randn(3, 2, dim, generator=gen)))
-    return cases
+def assert_vocab_pieces_match_autograd(case, ranks):
+    """The reference: nn.Embedding, then a @ H and F.cross_entropy on the whole vocabulary."""
+    table = nn.Embedding.from_pretrained(case["table"].clone(), freeze=False)
+    x = table(case["tokens"]).reshape(len(case["tokens"]), -1)
+    x.backward(case["g"])
+    a = case["a"].clone().requires_grad_()
+    head = case["head"].clone().requires_grad_()
+    logits = a @ head
+    logits.retain_grad()
+    loss = F.cross_entropy(logits, case["targets"])
+    loss.backward()
+    world_size = len(ranks)
+    bounds = [(r["start"], r["end"]) for r in ranks]   # they tile [0, V), balanced to one class
+    assert bounds[0][0] == 0 and bounds[-1][1] == V
+    assert all(bounds[t][1] == bounds[t + 1][0] for t in range(world_size - 1))
+    assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 1
+    for r in ranks:
+        start, end = r["start"], r["end"]
+        torch.testing.assert_close(r["x"], x.detach(), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(r["d_table_t"], table.weight.grad[start:end], atol=ATOL, rtol=RTOL)
+        assert r["logits_t"].shape == (len(case["targets"]), end - start)   # never gathered
+        torch.testing.assert_close(r["logits_t"], logits.detach()[:, start:end], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(r["loss"], loss.detach(), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(r["dlogits_t"], logits.grad[:, start:end], atol=1e-6, rtol=RTOL)
+        torch.testing.assert_close(r["d_head_t"], head.grad[:, start:end], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(r["da"], a.grad, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_vocab_parallel_embedding_matches_nn_embedding(tmp_path, world_size):
-    cases = _embedding_cases(world_size)
-    assert any(c[0].shape[0] % world_size for c in cases) or world_size == 1   # a V that T does not divide
-    spawn(_embedding_worker, world_size, cases, tmp_path)
+def test_the_vocabulary_in_pieces_matches_autograd(tmp_path, world_size):
+    """At V = 97: every tp > 1 has uneven shards; tokens and targets at every shard's edges."""
+    case = _vocab_case(world_size)
+    spawn(_vocab_worker, world_size, case, tmp_path, None)
+    assert_vocab_pieces_match_autograd(case, _load_ranks(tmp_path, world_size))
+
+
+DEFECTS = ["a padded class in the softmax", "gathered logits fed to the vocab-parallel loss",
+           "embedding all-reduce without its backward"]
+
+
+@pytest.mark.parametrize("defect", DEFECTS)
+def test_each_known_defect_fails_the_comparison(tmp_path, defect):
+    """The comparison above, with a defect put in, fails: Megatron #1754 (a padded class, logit 0,
+    adds exp(-m) to every row's sum), #7452 (logits gathered before the vocab-parallel loss:
+    the sum counts every class T times, loss + log T), and a forward all-reduce with no backward
+    (the other shards' gradients stay zero)."""
+    world_size = 3
+    case = _vocab_case(world_size)
+    spawn(_vocab_worker, world_size, case, tmp_path, defect)
     ranks = _load_ranks(tmp_path, world_size)
-
-    for i, (table, tokens, g) in enumerate(cases):
-        vocab_size = table.shape[0]
-        assert torch.bincount(tokens.flatten()).max() >= 2             # some token repeats
-        ref = nn.Embedding.from_pretrained(table.clone(), freeze=False)
-        ref_out = ref(tokens)
-        ref_out.backward(g)
-        mine = [r[i] for r in ranks]
-        # the ranges tile [0, V) in rank order, balanced to within one row, none empty
-        bounds = [(m["start"], m["end"]) for m in mine]
-        assert bounds[0][0] == 0 and bounds[-1][1] == vocab_size
-        assert all(bounds[t][1] == bounds[t + 1][0] for t in range(world_size - 1))
-        sizes = [e - s for s, e in bounds]
-        assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
-        summed = torch.zeros_like(table)
-        for m in mine:
-            start, end = m["start"], m["end"]
-            torch.testing.assert_close(m["out"], ref_out.detach(), atol=ATOL, rtol=RTOL)
-            assert m["d_table_t"].shape == (end - start, table.shape[1])
-            torch.testing.assert_close(m["d_table_t"], ref.weight.grad[start:end], atol=ATOL, rtol=RTOL)
-            summed[start:end] += m["d_table_t"]
-        # each row's gradient comes from its one owner: together they are the full gradient
-        torch.testing.assert_close(summed, ref.weight.grad, atol=ATOL, rtol=RTOL)
-        if (tokens == vocab_size - 1).all():   # only the last shard has tokens: the others get nothing
-            assert all(torch.count_nonzero(m["d_table_t"]) == 0 for m in mine[:-1])
-            assert torch.count_nonzero(mine[-1]["d_table_t"]) > 0
+    with pytest.raises(AssertionError):
+        assert_vocab_pieces_match_autograd(case, ranks)
+    if defect == DEFECTS[1]:
+        ref = F.cross_entropy(case["a"] @ case["head"], case["targets"])
+        assert ranks[0]["loss"].item() != pytest.approx(ref.item(), abs=0.1)
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
-def test_embedding_demo_says_true_on_every_rank(capfd, world_size):
-    tp.main(["--embedding", "--world-size", str(world_size)])
-    out = capfd.readouterr().out
-    verdicts = [line for line in out.splitlines() if "forward matches nn.Embedding" in line]
-    assert [line.split("]")[0] for line in verdicts] == [f"[rank {r}" for r in range(world_size)]   # in order
-    assert out.splitlines()[0] == f"a table [10, 64], its rows split over {world_size} ranks"
-    assert all(line.endswith("nn.Embedding: True, gradient of my rows matches: True") for line in verdicts)
+def test_the_loss_sends_three_rows_not_the_logits(tmp_path):
+    """vocab_parallel_cross_entropy's collectives: three all-reduces of [b] floats (the max,
+    the sum of exps, the target's logit), where gathering the logits moves (T-1)/T [b, V]."""
+    spawn(_loss_collectives_worker, 3, tmp_path)
+    sent = torch.load(tmp_path / "rank0.pt")
+    assert sent == [("all_reduce", (6,), "max"), ("all_reduce", (6,), "sum"), ("all_reduce", (6,), "sum")]
+
+
+def _loss_collectives_worker(rank, world_size, folder):
+    setup(rank, world_size)
+    case = _vocab_case(world_size)
+    logits_t = tp.shard(case["a"] @ case["head"], "head", rank, world_size)
+    sent, all_reduce = [], dist.all_reduce
+
+    def counted(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        sent.append(("all_reduce", tuple(tensor.shape), "max" if op == dist.ReduceOp.MAX else "sum"))
+        return all_reduce(tensor, op=op, group=group, async_op=async_op)
+    dist.all_reduce = counted
+    try:
+        tp.vocab_parallel_cross_entropy(logits_t, case["targets"], 6, vocab_size=V)
+    finally:
+        dist.all_reduce = all_reduce
+    torch.save(sent, folder / f"rank{rank}.pt")
+    cleanup()
 
 
 # ----------------------------------------------------------------------------------
@@ -348,53 +411,67 @@ def run_tp(tmp_path, monkeypatch, world_size, micro_batches=1, optimizer="sgd", 
     return result
 
 
+def init_params_of(cfg):
+    args = argparse.Namespace(**cfg)
+    return dp.init_params(args)
+
+
 def assert_save_contract(result):
     cfg = result["config"]
-    for flag in ("num_layers", "dim", "batch_size", "micro_batches", "steps", "lr", "optimizer",
-                 "seed", "save", "check", "world_size"):
+    for flag in ("num_layers", "dim", "context", "vocab_size", "batch_size", "micro_batches", "steps", "lr",
+                 "optimizer", "seed", "save", "check", "world_size"):
         assert flag in cfg
-    L, D = cfg["num_layers"], cfg["dim"]
-    for key in ("init_weights", "final_weights"):
-        assert isinstance(result[key], list) and len(result[key]) == L
-        assert all(w.shape == (D, D) and w.dtype == torch.float32 for w in result[key])
-    # the init is init_weights exactly: drawn once, whole (not reseeded per layer or shard)
-    assert all(torch.equal(a, b) for a, b in zip(result["init_weights"], dp.init_weights(L, D, cfg["seed"])))
-    inputs, targets = dp.make_batch(argparse.Namespace(**cfg))
-    assert torch.equal(result["inputs"], inputs) and torch.equal(result["targets"], targets)
-    assert isinstance(result["losses"], list) and len(result["losses"]) == cfg["steps"]
-    # losses[0] is the loss before any update: the initial model on the whole batch
-    out, _ = model_forward(result["init_weights"], inputs)
-    assert result["losses"][0] == pytest.approx(F.mse_loss(out, targets).item(), rel=1e-5)
+    L, D, k, steps = cfg["num_layers"], cfg["dim"], cfg["context"], cfg["steps"]
+    for when in ("init", "final"):
+        assert isinstance(result[f"{when}_weights"], list) and len(result[f"{when}_weights"]) == L
+        assert all(w.shape == (D, D) and w.dtype == torch.float32 for w in result[f"{when}_weights"])
+        assert result[f"{when}_embedding"].shape == (V, D // k) and result[f"{when}_head"].shape == (D, V)
+    # the init is init_params exactly: drawn once, whole (not reseeded per layer or shard)
+    init = [result["init_embedding"], *result["init_weights"], result["init_head"]]
+    assert all(torch.equal(a, b) for a, b in zip(init, init_params_of(cfg)))
+    for step in range(steps):
+        inputs, targets = dp.make_batch(dp.training_text(), argparse.Namespace(**cfg), step)
+        assert torch.equal(result["inputs"][step], inputs) and torch.equal(result["targets"][step], targets)
+    assert isinstance(result["losses"], list) and len(result["losses"]) == steps
+    # losses[0] is the loss before any update: the initial model on the first batch
+    first = dp.serial_loss(init, result["inputs"][0], result["targets"][0])[0].item()
+    assert result["losses"][0] == pytest.approx(first, rel=1e-5)
 
 
 def assert_shards_are_slices(result):
-    """Rank t's shards are columns t D/T .. of the one full matrix (rows t D/T .. for a
-    Megatron row layer, every second layer), before and after training."""
+    """Rank t's shards are its classes' rows of E, columns t D/T .. of each layer (rows t D/T ..
+    for a Megatron row layer, every second layer), its classes' columns of H: before and after
+    training, pieces of the one full matrix."""
     cfg = result["config"]
     world_size, D, L = cfg["world_size"], cfg["dim"], cfg["num_layers"]
-    init = dp.init_weights(L, D, cfg["seed"])
-    rows = [cfg.get("tp_style") == "megatron" and layer % 2 == 1 and layer < L - L % 2 for layer in range(L)]
+    init = init_params_of(cfg)
+    final = final_params(result)
+    kinds = ["embedding", *tp.layer_kinds(L, cfg.get("tp_style", "all-gather")), "head"]
     for t, (first, last) in enumerate(zip(result["init_shards"], result["final_shards"])):
+        start, end = tp.vocab_range(V, t, world_size)
         part = _cols(t, world_size, D)
-        for layer, (w0, w1) in enumerate(zip(first, last)):
-            want = (lambda w: w[part]) if rows[layer] else (lambda w: w[:, part])
-            assert w0.shape == w1.shape == ((D // world_size, D) if rows[layer] else (D, D // world_size))
-            assert torch.equal(w0, want(init[layer]))
-            assert torch.equal(w1, want(result["final_weights"][layer]))   # gathered in rank order
-    for layer in range(L):
-        whole = torch.cat([s[layer] for s in result["init_shards"]], dim=0 if rows[layer] else 1)
-        assert torch.equal(whole, init[layer])
+        for j, (w0, w1) in enumerate(zip(first, last)):
+            want = {"embedding": lambda w: w[start:end], "head": lambda w: w[:, start:end],
+                    "row": lambda w: w[part]}.get(kinds[j], lambda w: w[:, part])
+            assert w0.shape == w1.shape == want(init[j]).shape
+            assert torch.equal(w0, want(init[j]))
+            assert torch.equal(w1, want(final[j]))          # gathered in rank order
+    for j, kind in enumerate(kinds):
+        whole = torch.cat([s[j] for s in result["init_shards"]], dim=0 if kind in ("row", "embedding") else 1)
+        assert torch.equal(whole, init[j])
 
 
 def assert_matches_serial(result):
     ref = serial_train(argparse.Namespace(**result["config"]))
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), atol=ATOL, rtol=RTOL)
-    for got, want in zip(result["final_weights"], ref["final_weights"]):
+    for got, want in zip(final_params(result), final_params(ref)):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     # it trained: the weights moved far past the tolerance, and the loss fell
-    moved = max((f - i).abs().max().item() for f, i in zip(result["final_weights"], result["init_weights"]))
+    init = [result["init_embedding"], *result["init_weights"], result["init_head"]]
+    moved = max((f - i).abs().max().item() for f, i in zip(final_params(result), init))
     assert moved > 100 * ATOL
-    assert result["losses"][-1] < result["losses"][0]
+    after = dp.serial_loss(final_params(result), result["inputs"][0], result["targets"][0])[0].item()
+    assert after < result["losses"][0]       # on the first step's batch, the loss fell
 
 
 @pytest.mark.parametrize("world_size,micro_batches,optimizer,style", [
@@ -448,7 +525,7 @@ def test_check_fails_when_dx_is_not_all_reduced(tmp_path, monkeypatch, capfd):
     assert verdict == "FAILED" and figures["gradients"][2] == "FAILED"
     saved = torch.load(tmp_path / "run.pt")   # saved before the check: really far from serial
     ref = serial_train(argparse.Namespace(**saved["config"]))
-    assert max((a - b).abs().max().item() for a, b in zip(saved["final_weights"], ref["final_weights"])) > 1e-3
+    assert max((a - b).abs().max().item() for a, b in zip(final_params(saved), final_params(ref))) > 1e-3
 
 
 # ----------------------------------------------------------------------------------
@@ -463,7 +540,7 @@ def test_check_fails_when_dx_is_not_all_reduced(tmp_path, monkeypatch, capfd):
     (["--lr", "-1"], "--lr"),
     (["--optimizer", "foo"], "--optimizer"),
     (["--num-layers", "x"], "--num-layers"),
-    (["--embedding", "--vocab-size", "2", "--world-size", "4"], "--vocab-size"),
+    (["--world-size", "98", "--dim", "196", "--context", "2"], "--world-size"),   # more ranks than classes
 ])
 def test_bad_flags_exit_2_with_one_line(argv, flag, capsys, monkeypatch):
     def no_spawn(*args, **kwargs):
@@ -517,16 +594,19 @@ def test_recompute_keeps_each_layers_input_and_the_peak_falls_by_the_formula(sty
     """--recompute keeps each layer's input: an all-gather layer's x [b, D] (its z_t [b, D/T]
     made again in its backward), a Megatron column layer's x [b, D] and row layer's a_t
     [b, D/T] (z [b, D] made again, with g's all-reduce). The stash at its largest, counted from
-    the tensors alive (tests/stash_check.py), is the sum of the x's, not of (x, z); the step's
-    peak, at the last layer's backward, falls by every z but the last layer's."""
-    L, D, B, m, t = 8, 16, 256, 2, world_size
+    the tensors alive (tests/stash_check.py), is the sum of the x's, not of (x, z), beside the
+    ends' (the embedding's token ids and mask, the head's input [b, D]); the step's peak, at
+    the head's backward, falls by every layer's z."""
+    L, D, B, m, t, k = 8, 16, 256, 2, world_size, 4
     argv = ["--world-size", str(t), "--num-layers", str(L), "--dim", str(D), "--batch-size", str(B),
-            "--micro-batches", str(m), "--tp-style", style, "--optimizer", "sgd"]
+            "--micro-batches", str(m), "--tp-style", style, "--optimizer", "sgd", "--context", str(k)]
     plain = stash_and_peak("tensor_parallel", argv)
     recompute = stash_and_peak("tensor_parallel", [*argv, "--recompute"])
-    A = B // m * D * 4                                   # [b, D], on every tp rank
+    b = B // m
+    A = b * D * 4                                        # [b, D], on every tp rank
     kinds = tp.layer_kinds(L, style)
     x = [A // t if kind == "row" else A for kind in kinds]
     z = [A if kind == "row" else A // t for kind in kinds]
-    assert plain[0] == sum(x) + sum(z) and recompute[0] == sum(x)
-    assert plain[1] - recompute[1] == sum(z) - z[-1]
+    ends = A + b * k * (8 + 1)                           # a; the int64 ids and the bool mask
+    assert plain[0] == sum(x) + sum(z) + ends and recompute[0] == sum(x) + ends
+    assert plain[1] - recompute[1] == sum(z)
