@@ -783,7 +783,7 @@ def read_text():
         folder = os.path.dirname(os.path.abspath(__file__))
         names = sorted(name for name in os.listdir(folder) if name.endswith(".py"))
         text = "".join(open(os.path.join(folder, name)).read() for name in names)
-        source = "this collection's scripts (no pydoc_data in this Python)"
+        source = "the collection's own scripts (no pydoc_data here)"
     return encode(text), source
 
 
@@ -842,11 +842,15 @@ def show_language_model(params, args, rows=2048, length=200):
                                  torch.tensor([0]))[1]
             context.append(torch.multinomial(logits.softmax(dim=1)[0], 1, generator=gen).item())
     uniform, unigram, bigram = baselines()
-    print(f"validation loss {loss:.3f} nats a character, on {rows} windows of "
-          f"{read_text()[1]}; uniform ln {VOCAB_SIZE} = {uniform:.2f}, unigram {unigram:.2f}, "
-          f"bigram {bigram:.2f}", flush=True)
+    print(f"validation loss {loss:.3f} nats a character, on {rows} windows of {read_text()[1]}",
+          flush=True)
+    print(f"  the text's own: uniform ln {VOCAB_SIZE} = {uniform:.2f}, unigram {unigram:.2f}, "
+          f"bigram {bigram:.2f} (one character of context)", flush=True)
     print(f"a sample, {length} characters drawn after the prompt {PROMPT!r}:", flush=True)
-    print(PROMPT.lstrip("\n") + decode(context[args.context:]), flush=True)
+    sample = PROMPT.lstrip("\n") + decode(context[args.context:])
+    for line in sample.splitlines():
+        for start in range(0, max(len(line), 1), 100):   # at most 100 columns
+            print(line[start:start + 100], flush=True)
 
 
 class SerialCheck:

@@ -456,10 +456,16 @@ def nbytes(tensors):   # each tensor once (a layer's output is the next one's in
                 for t in tensors if t is not None}.values())   # it is: no address on meta
 
 
-def stash_bytes(stage):   # what a Stage keeps for B, its layers' stashes, and for W, (x, dz)
-    kept = [t for stashes in stage.stash.values() for stash in stashes for t in stash]
-    kept += [t for waiting in stage.waiting_for_w.values() for pair in waiting.values()
-             for t in pair]
+def stash_bytes(stage):
+    """What a Stage's layers keep for B, their stashes, and for W, (x, dz): the table's formula
+    is theirs. The ends' beside them (the embedding's token ids, the head's input and
+    dlogits) are not counted here."""
+    layers = stage.layers[int(stage.first):len(stage.layers) - int(stage.last)]
+    offset = int(stage.first)
+    kept = [t for stashes in stage.stash.values()
+            for stash in stashes[offset:offset + len(layers)] for t in stash]
+    kept += [t for waiting in stage.waiting_for_w.values() for i, pair in waiting.items()
+             if i in layers for t in pair]
     return nbytes(kept)
 
 

@@ -33,7 +33,7 @@ import data_parallel as dp
 import pipeline_parallel as pp
 from collectives import RankFailed, cleanup, setup, spawn
 from common import (serial_train, assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report,
-                    clip_between)
+                    clip_between, final_params)
 from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action
 
 REPO = Path(__file__).resolve().parent.parent
@@ -290,6 +290,20 @@ def test_stage_layers_partition_the_model_in_order():
         assert all(len(r) == num_layers // p for r in ranges)
 
 
+@pytest.mark.parametrize("num_layers,p,v", [(4, 1, 1), (12, 3, 1), (8, 8, 1), (8, 2, 2), (24, 4, 3)])
+def test_stage_parts_put_the_embedding_first_and_the_head_last(num_layers, p, v):
+    """Virtual stage c p + s holds its layers (part 1 + i); the first also the embedding (part
+    0), the last the head (part L + 1): in virtual-stage order, the model's parts in order."""
+    parts = [pp.stage_parts(num_layers, p, s, v, c) for c in range(v) for s in range(p)]
+    assert [j for chunk in parts for j in chunk] == list(range(num_layers + 2))
+    assert parts[0][0] == 0 and parts[-1][-1] == num_layers + 1
+    for c in range(v):
+        for s in range(p):
+            layers = [1 + i for i in pp.stage_layers(num_layers, p, s, v, c)]
+            ends = [j for j in pp.stage_parts(num_layers, p, s, v, c) if j not in layers]
+            assert ends == [0] * (c * p + s == 0) + [num_layers + 1] * (c * p + s == p * v - 1)
+
+
 # ----------------------------------------------------------------------------------
 # 2. Pipeline training against serial autograd training
 # ----------------------------------------------------------------------------------
@@ -301,14 +315,18 @@ def run_pp(tmp_path, world_size, micro_batches, schedule, num_layers=12, batch_s
     save = tmp_path / f"pp{world_size}_m{micro_batches}_{schedule}.pt"
     pp.main(["--world-size", str(world_size), "--micro-batches", str(micro_batches), "--schedule", schedule,
              "--num-layers", str(num_layers), "--batch-size", str(batch_size), "--dim", str(dim),
-             "--steps", str(steps), "--optimizer", optimizer, "--lr", str(lr), "--seed", str(seed),
-             "--save", str(save), *TIMEOUT, *flags])
+             "--context", "4", "--steps", str(steps), "--optimizer", optimizer, "--lr", str(lr),
+             "--seed", str(seed), "--save", str(save), *TIMEOUT, *flags])
     return torch.load(save)
+
+
+def init_of(result):
+    return [result["init_embedding"], *result["init_weights"], result["init_head"]]
 
 
 def assert_trained(result):
     """The weights moved far past the tolerance, so a gradient scale error would show."""
-    moved = max((f - i).abs().max().item() for f, i in zip(result["final_weights"], result["init_weights"]))
+    moved = max((f - i).abs().max().item() for f, i in zip(final_params(result), init_of(result)))
     assert moved > 100 * ATOL
 
 
@@ -318,8 +336,8 @@ def assert_matches_serial(result):
     assert len(result["losses"]) == config["steps"]
     assert_same_training(result, ref)
     assert_trained(result)
-    init = dp.init_weights(config["num_layers"], config["dim"], config["seed"])
-    assert all(torch.equal(a, b) for a, b in zip(result["init_weights"], init))
+    init = dp.init_params(argparse.Namespace(**config))
+    assert all(torch.equal(a, b) for a, b in zip(init_of(result), init))
 
 
 # A covering set rather than the 2 x 4 x 4 cross product: every p in 1..4 with both
@@ -355,14 +373,21 @@ def test_pp_adamw_matches_serial(tmp_path):
     ("interleaved", 2, 2, 2, "sgd"), ("interleaved", 2, 6, 3, "adamw"), ("interleaved", 4, 4, 3, "sgd"),
     ("interleaved", 4, 8, 2, "adamw"), ("interleaved", 8, 8, 3, "sgd"), ("interleaved", 8, 16, 3, "sgd"),
 ])
-def test_zero_bubble_and_interleaved_match_serial(tmp_path, schedule, world_size, micro_batches, virtual,
+def test_zero_bubble_and_interleaved_match_serial(tmp_path, capfd, schedule, world_size, micro_batches, virtual,
                                                   optimizer):
+    """SGD: the whole run against serial training's. AdamW, whose eps amplifies summation order
+    in the deep model's tiny gradients: --check, a step at a time from the run's own weights."""
+    check = ("--check",) if optimizer == "adamw" else ()
     result = run_pp(tmp_path, world_size, micro_batches, schedule, num_layers=24, dim=32, steps=2,
                     batch_size=8 * micro_batches,
-                    optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 0.01,
-                    flags=("--virtual-stages", str(virtual)) if virtual else ())
+                    optimizer=optimizer, lr=1.0 if optimizer == "sgd" else 0.01,
+                    flags=(*check, *(("--virtual-stages", str(virtual)) if virtual else ())))
     assert result["config"]["schedule"] == schedule and result["config"]["virtual_stages"] == (virtual or 1)
-    assert_matches_serial(result)
+    if check:
+        assert_check_passed(capfd.readouterr().out, dp.CHECK_TOLERANCE)
+        assert_trained(result)
+    else:
+        assert_matches_serial(result)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -399,7 +424,7 @@ def test_a_stash_taken_for_the_wrong_micro_batch_or_chunk_is_caught(tmp_path, mo
 def assert_wrong(result):
     """Far from serial training: correct runs stay within ATOL, float32's summation order."""
     ref = serial_train(argparse.Namespace(**result["config"]))
-    worst = max((a - b).abs().max().item() for a, b in zip(result["final_weights"], ref["final_weights"]))
+    worst = max((a - b).abs().max().item() for a, b in zip(final_params(result), final_params(ref)))
     assert worst > 30 * ATOL, worst
 
 
@@ -440,39 +465,39 @@ class TracedStage(pp.Stage):
             self.trace.append((op, b_mb, b_before, self.holding()))
 
 
-DIRECT = {"dim": 12, "rows": 3, "layers_per_stage": 2, "seed": 5}
+DIRECT = {"dim": 12, "context": 3, "rows": 3, "layers_per_stage": 2, "seed": 5}
 DIRECT_CASES = [(schedule, m) for schedule in SCHEDULES[:3] for m in (1, 3, 6)]   # p = 4: m < p, m > p
 
 
-def direct_batch(num_layers, batch_size):
-    args = argparse.Namespace(num_layers=num_layers, dim=DIRECT["dim"], batch_size=batch_size,
-                              seed=DIRECT["seed"])
-    return dp.make_batch(args)
+def direct_args(num_layers, batch_size):
+    return argparse.Namespace(num_layers=num_layers, dim=DIRECT["dim"], context=DIRECT["context"],
+                              batch_size=batch_size, seed=DIRECT["seed"], vocab_size=dp.VOCAB_SIZE)
 
 
 def direct_worker(rank, world_size, out_dir):
     setup(rank, world_size)
     dist.barrier()
-    D, L = DIRECT["dim"], DIRECT["layers_per_stage"] * world_size
-    full = dp.init_weights(L, D, DIRECT["seed"])
-    weights = [full[i] for i in pp.stage_layers(L, world_size, rank)]
-    replica = dp.DataParallel(weights, dist.new_subgroups(1)[0], optimizer="sgd", lr=0.1)
+    L = DIRECT["layers_per_stage"] * world_size
+    full = dp.init_params(direct_args(L, 1))
+    parts = pp.stage_parts(L, world_size, rank)
+    blocks = dp.model_blocks(L)
+    replica = dp.DataParallel([full[j] for j in parts], dist.new_subgroups(1)[0], optimizer="sgd", lr=0.1)
     first, last = rank == 0, rank == world_size - 1
     results = {}
     for schedule, m in DIRECT_CASES:
         batch_size = DIRECT["rows"] * m
-        inputs, targets = direct_batch(L, batch_size)
-        layers = TracedStage(replica, range(len(weights)), first=first, last=last, num_micro_batches=m,
-                             targets=targets.chunk(m), mean_over=batch_size * D,
+        inputs, targets = dp.make_batch(dp.training_text(), direct_args(L, batch_size), step=0)
+        layers = TracedStage(replica, range(len(parts)), blocks=[blocks[j] for j in parts], first=first,
+                             last=last, num_micro_batches=m, mean_over=batch_size,
                              separate_w=schedule == "zb-h1")
         actions = pp.build_schedule(schedule, world_size, rank, m)
         steps = []
         for _ in range(2):   # two steps on one Stage: nothing may be left over from the first
             replica.begin_step()
-            layers.begin_step()
+            layers.begin_step(targets.chunk(m))
             layers.trace = []
             recorder = pp.Recorder(inputs.device)
-            pp.run_schedule(actions, [layers], inputs.chunk(m), rank - 1, rank + 1, (batch_size // m, D),
+            pp.run_schedule(actions, [layers], inputs.chunk(m), rank - 1, rank + 1, (batch_size // m, DIRECT["dim"]),
                             recorder=recorder)
             replica.average()
             steps.append({"grads": [g.clone() for g in replica.grads()], "loss": float(layers.loss),
@@ -485,14 +510,12 @@ def direct_worker(rank, world_size, out_dir):
 
 
 def autograd_grads(num_layers, batch_size):
-    weights = [w.requires_grad_() for w in dp.init_weights(num_layers, DIRECT["dim"], DIRECT["seed"])]
-    inputs, targets = direct_batch(num_layers, batch_size)
-    out = inputs
-    for w in weights:
-        out = F.gelu(out @ w)
-    loss = F.mse_loss(out, targets)
+    args = direct_args(num_layers, batch_size)
+    params = [w.requires_grad_() for w in dp.init_params(args)]
+    inputs, targets = dp.make_batch(dp.training_text(), args, step=0)
+    loss = dp.serial_loss(params, inputs, targets)[0]
     loss.backward()
-    return loss.item(), [w.grad for w in weights]
+    return loss.item(), [w.grad for w in params]
 
 
 def test_stage_stash_is_popped_by_its_own_backward_and_dw_is_autograds(tmp_path):
@@ -524,11 +547,11 @@ def test_stage_stash_is_popped_by_its_own_backward_and_dw_is_autograds(tmp_path)
                     sizes.append(len(after))
                 assert sizes == in_flight_trace(pp.build_schedule(schedule, world_size, s, m)), where
                 # dW summed over the micro-batches is autograd's gradient of the mean loss
-                layers = pp.stage_layers(L, world_size, s)
-                assert len(step["grads"]) == len(layers), where
-                for got, layer in zip(step["grads"], layers):
-                    torch.testing.assert_close(got, ref_grads[layer], atol=ATOL, rtol=RTOL,
-                                               msg=lambda msg: f"{where} layer {layer}: {msg}")
+                parts = pp.stage_parts(L, world_size, s)
+                assert len(step["grads"]) == len(parts), where
+                for got, part in zip(step["grads"], parts):
+                    torch.testing.assert_close(got, ref_grads[part], atol=ATOL, rtol=RTOL,
+                                               msg=lambda msg: f"{where} part {part}: {msg}")
                 if s == world_size - 1:
                     assert step["loss"] == pytest.approx(ref_loss, rel=1e-5), where
             # the two steps on one Stage (same weights) are identical: nothing carried over
@@ -555,7 +578,7 @@ def test_1f1b_does_not_deadlock_with_messages_past_gloos_buffer(tmp_path):
     """64 rows x 256 floats = 64 KiB per message: a blocking send would wait for its
     receive here. 1F1B's steady state then faces sends on both sides of every link."""
     result = run_pp(tmp_path, 4, 8, "1f1b", num_layers=4, batch_size=512, dim=256, steps=2)
-    assert result["inputs"].shape == (512, 256)
+    assert result["inputs"].shape == (2, 512, 4)
     assert_matches_serial(result)
 
 
@@ -671,7 +694,7 @@ def test_check_passes_a_correct_adamw_run_whose_gradient_is_near_eps(tmp_path, c
     gradient element is below 1e-7, near AdamW's eps, and summing 7 micro-batches in another
     order moves its AdamW step by up to lr. Checked a step at a time from the run's own
     weights, the optimizer steps on the same numbers, and every figure is a rounding's."""
-    pp.main(["--world-size", "1", "--num-layers", "8", "--dim", "20", "--batch-size", "14",
+    pp.main(["--world-size", "1", "--num-layers", "8", "--dim", "20", "--context", "4", "--batch-size", "14",
              "--micro-batches", "7", "--optimizer", "adamw", "--lr", "0.01", "--steps", "4", "--seed", "2594",
              "--check", *TIMEOUT])
     figures, verdict = check_report(capfd.readouterr().out)
@@ -735,7 +758,7 @@ def test_recompute_is_bitwise_the_same_and_its_stash_is_counted(tmp_path, capfd,
 def test_clip_grad_sums_the_norm_over_the_stages(tmp_path, capfd, schedule):
     """Each stage holds its own layers' gradients: the norm's squares are summed over the
     stages, or each would clip by its own part's norm (as torchtitan once shipped)."""
-    config = dict(num_layers=12, dim=16, batch_size=8, seed=3, optimizer="sgd", lr=0.1, steps=3)
+    config = dict(num_layers=12, dim=16, context=4, batch_size=8, seed=3, optimizer="sgd", lr=0.1, steps=3)
     clip = clip_between(config)
     result = run_pp(tmp_path, 3, 4, schedule, flags=("--clip-grad", str(clip)))
     assert_clipped_some(capfd.readouterr().out)
