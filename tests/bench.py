@@ -20,6 +20,7 @@ Each comparison takes the script's own flags (--steps: the timed steps, at least
 the same step with PyTorch's API on the same model, sizes, data and world size, with SGD,
 checks that the two compute the same thing, then times them taking turns (race.py).
 """
+import functools
 import os
 import re
 import shutil
@@ -47,11 +48,11 @@ import pipeline_parallel  # noqa: E402
 import tensor_parallel  # noqa: E402
 import three_d  # noqa: E402
 from collectives import RankFailed, cleanup, ring_all_reduce, setup, spawn, under_torchrun  # noqa: E402
-from data_parallel import init_weights, make_batch, replica_rows  # noqa: E402
-from pipeline_parallel import Recorder, Stage, build_schedule, run_schedule, stage_layers  # noqa: E402
-from race import (ROOT, as_module, bench_sizes, check_and_race, dp_side, end_race, machine, mse_sum, replica_options,  # noqa: E402
-                  print_race, race, serial_side, sgd, sgd_side, spawn_returning)
-from tensor_parallel import layer_kinds, shard, tp_blocks  # noqa: E402
+from data_parallel import init_params, model_blocks, replica_rows  # noqa: E402
+from pipeline_parallel import Recorder, Stage, build_schedule, run_schedule, stage_parts  # noqa: E402
+from race import (ROOT, as_module, bench_sizes, ce_sum, check_and_race, dp_side, end_race, first_batch,  # noqa: E402
+                  machine, replica_options, print_race, race, serial_side, sgd, spawn_returning)
+from tensor_parallel import layer_kinds, shard, tp_blocks, vocab_range  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------
@@ -214,12 +215,12 @@ def versus_ddp(args):
 
 def ddp_race(rank, world_size, args):
     device = setup(rank, world_size)
-    inputs, targets = (t.to(device) for t in make_batch(args))
+    inputs, targets = (t.to(device) for t in first_batch(args))
     rows = replica_rows(args.batch_size, rank, world_size)
     m = args.micro_batches
-    xs, ys = inputs[rows].chunk(m), targets[rows].chunk(m)       # [B/(d m), D] each
-    n = len(rows) * args.dim                                      # this replica's mean divides by n
-    init = init_weights(args.num_layers, args.dim, args.seed)
+    xs, ys = inputs[rows].chunk(m), targets[rows].chunk(m)       # [B/(d m), k], [B/(d m)] each
+    n = len(rows)                                                 # this replica's mean divides by n
+    init = init_params(args)
 
     def ours(zero=0, overlap=False):
         return dp_side([w.to(device, copy=True) for w in init], None, args, xs, ys, n, zero, overlap)
@@ -239,18 +240,17 @@ def zero_side(zero, model, xs, ys, n, lr, device):
     """PyTorch's own sharded data parallelism with SGD, as (step, state) in our layout.
     ZeRO-1: ZeroRedundancyOptimizer (each rank steps 1/d of the parameters, then broadcasts
     them) over DDP's all-reduced gradients. ZeRO-2 and 3: FSDP2's fully_shard, which
-    reduce-scatters the gradients and gathers the weights, layer by layer; ZeRO-2 keeps
+    reduce-scatters the gradients and gathers the weights, part by part; ZeRO-2 keeps
     the weights gathered after the forward (reshard_after_forward=False)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
-    linears = model[::2]
     if zero == 1:
         wrapped = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=lr)
     else:
-        for linear in linears:
-            fully_shard(linear, reshard_after_forward=zero == 3)
+        for part in model.parts:
+            fully_shard(part, reshard_after_forward=zero == 3)
         wrapped = fully_shard(model, reshard_after_forward=zero == 3)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
 
@@ -259,20 +259,21 @@ def zero_side(zero, model, xs, ys, n, lr, device):
         for mb, (x, y) in enumerate(zip(xs, ys)):
             if zero == 1 and mb < len(xs) - 1:
                 with wrapped.no_sync():
-                    mse_sum(n)(wrapped(x), y).backward()
+                    ce_sum(n)(wrapped(x), y).backward()
             else:
-                mse_sum(n)(wrapped(x), y).backward()
+                ce_sum(n)(wrapped(x), y).backward()
         optimizer.step()
 
     def whole(tensor):   # FSDP2's are DTensors, cut over the ranks: gathered whole
         return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-    return step, lambda: ([whole(lin.weight).T for lin in linears], [whole(lin.weight.grad).T for lin in linears])
+    weights = [part.weight for part in model.parts]
+    return step, lambda: (model.ours([whole(w) for w in weights]), model.ours([whole(w.grad) for w in weights]))
 
 
 def ddp_side(model, xs, ys, n, lr, device):
     """DDP's step with SGD, as (step, state). no_sync() skips the all-reduce of every
-    micro-batch but the last; each micro-batch's loss is its squared error / n, as in
-    mse_loss, and DDP averages the gradients over the replicas, as ours."""
+    micro-batch but the last; each micro-batch's loss is its rows' cross-entropy / n, as in
+    cross_entropy, and DDP averages the gradients over the replicas, as ours."""
     from torch.nn.parallel import DistributedDataParallel
     ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
@@ -282,12 +283,11 @@ def ddp_side(model, xs, ys, n, lr, device):
         for mb, (x, y) in enumerate(zip(xs, ys)):
             if mb < len(xs) - 1:
                 with ddp.no_sync():
-                    mse_sum(n)(ddp(x), y).backward()
+                    ce_sum(n)(ddp(x), y).backward()
             else:
-                mse_sum(n)(ddp(x), y).backward()
+                ce_sum(n)(ddp(x), y).backward()
         optimizer.step()
-    linears = model[::2]
-    return step, lambda: ([lin.weight.T for lin in linears], [lin.weight.grad.T for lin in linears])
+    return step, model.state
 
 
 def memory_table(args):
@@ -300,14 +300,16 @@ def memory_table(args):
 
 def memory_worker(rank, world_size, args):
     device = setup(rank, world_size)
-    init = init_weights(args.num_layers, args.dim, args.seed)
+    init = init_params(args)
     replica = data_parallel.make_replica([w.to(device, copy=True) for w in init], None, zero=args.zero,
                                          **replica_options(args))
     memory = data_parallel.watch_memory(replica)
-    inputs, targets = (t.to(device) for t in make_batch(args))
+    inputs, targets = (t.to(device) for t in first_batch(args))
     rows, m = replica_rows(args.batch_size, rank, world_size), args.micro_batches
+    blocks = model_blocks(args.num_layers)
     for _ in range(2):   # AdamW's state is made in the first step: the second holds it throughout
-        data_parallel.dp_step(replica, inputs[rows].chunk(m), targets[rows].chunk(m), len(rows) * args.dim)
+        data_parallel.dp_step(replica, blocks, data_parallel.cross_entropy, inputs[rows].chunk(m),
+                              targets[rows].chunk(m), len(rows))
         replica.update()
     if rank == 0:
         data_parallel.show_memory(replica, memory, args, "each replica")
@@ -326,56 +328,67 @@ def versus_colwise(args):
     times, diffs = spawn_returning(colwise_race, args.world_size, args, backend=args.backend,
                                    timeout_s=args.timeout_s)
     return dict(title=f"tensor parallel ({args.tp_style}) vs torch.distributed.tensor.parallel: "
-                      f"{bench_sizes(args, args.world_size)}",
+                      f"{bench_sizes(args, args.world_size)}\n  torch: the embedding RowwiseParallel, the head "
+                      f"ColwiseParallel with its logits left sharded, and loss_parallel()",
                 times=times, diffs=diffs, ratios=[("ours", TORCH_TP[args.tp_style])],
                 world_size=args.world_size, steps=args.steps)
 
 
 def colwise_race(rank, world_size, args):
     device = setup(rank, world_size)
-    inputs, targets = (t.to(device) for t in make_batch(args))
-    m, n = args.micro_batches, args.batch_size * args.dim
+    inputs, targets = (t.to(device) for t in first_batch(args))
+    m, n = args.micro_batches, args.batch_size
     xs, ys = inputs.chunk(m), targets.chunk(m)                   # the whole batch on every rank
-    full = init_weights(args.num_layers, args.dim, args.seed)
-    kinds = layer_kinds(args.num_layers, args.tp_style)
+    full = init_params(args)
+    kinds = ["embedding", *layer_kinds(args.num_layers, args.tp_style), "head"]
     shards = [shard(w, kind, rank, world_size).to(device) for w, kind in zip(full, kinds)]
     replica = data_parallel.DataParallel(shards, dist.new_subgroups(1)[0], **replica_options(sgd(args)))
-
-    blocks = tensor_parallel.tp_blocks(kinds)
+    blocks = tp_blocks(kinds, vocab_size=args.vocab_size)
+    loss_fn = functools.partial(tensor_parallel.vocab_parallel_cross_entropy, vocab_size=args.vocab_size)
 
     def step():                       # as tp_worker's
-        tensor_parallel.tp_step(replica, blocks, xs, ys, n)
+        data_parallel.dp_step(replica, blocks, loss_fn, xs, ys, n)
         replica.update()
     sides = {"ours": (step, lambda: (replica.params, replica.grads())),
-             TORCH_TP[args.tp_style]: colwise_side(as_module(full, device), kinds, xs, ys, n, args.lr),
+             TORCH_TP[args.tp_style]: colwise_side(as_module(full, device), kinds, xs, ys, n, args),
              "serial: our step, whole batch, 1 rank": serial_side(args, device)}
     result = check_and_race(sides, device, args.steps)
     end_race(sides)
     return result
 
 
-def colwise_side(model, kinds, xs, ys, n, lr):
-    """PyTorch's TP step with SGD, as (step, state): each nn.Linear made ColwiseParallel
-    (output all-gathered, Replicate, for our all-gather layer; left sharded for Megatron's
-    column layer) or RowwiseParallel, over a mesh of every rank. nn.Linear holds W^T, so
-    the local part of a column layer's DTensor weight is W_t^T, and a row layer's W_t^T too."""
+def colwise_side(model, kinds, xs, ys, n, args):
+    """PyTorch's TP step with SGD, as (step, state): the embedding RowwiseParallel (each rank
+    its classes' rows, the lookups all-reduced), each layer's nn.Linear ColwiseParallel (output
+    all-gathered, Replicate, for our all-gather layer; left sharded for Megatron's column
+    layer) or RowwiseParallel, the head ColwiseParallel with its logits left sharded by class,
+    and the loss under loss_parallel(): the vocab-parallel cross-entropy. nn.Linear holds W^T,
+    so a layer's local weight is W_t^T. Each of its shards is ours where T divides V, and where
+    T = 2 (torch cuts 97 classes 49, 48, as vocab_range does; at T = 3, 33, 33, 31)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                                   parallelize_module)
     mesh = init_device_mesh(xs[0].device.type, (dist.get_world_size(),))
     plans = {"gather": ColwiseParallel(output_layouts=Replicate()), "column": ColwiseParallel(),
-             "row": RowwiseParallel()}
-    parallelize_module(model, mesh, {str(2 * i): plans[kind] for i, kind in enumerate(kinds)})
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+             "row": RowwiseParallel(),
+             "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+             "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    parallelize_module(model, mesh, {f"parts.{j}": plans[kind] for j, kind in enumerate(kinds)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 
     def step():
         optimizer.zero_grad()
         for x, y in zip(xs, ys):
-            mse_sum(n)(model(x), y).backward()
+            with loss_parallel():     # the softmax over the sharded logits, never gathered
+                (F.cross_entropy(model(x), y) * (len(y) / n)).backward()
         optimizer.step()
-    linears = model[::2]
-    return step, lambda: ([lin.weight.to_local().T for lin in linears],
-                          [lin.weight.grad.to_local().T for lin in linears])
+    weights = [part.weight for part in model.parts]
+
+    def local(grad, weight):   # the embedding's gradient may come back laid out otherwise
+        return grad.redistribute(weight.device_mesh, weight.placements).to_local()
+    return step, lambda: (model.ours([w.to_local() for w in weights]),
+                          model.ours([local(w.grad, w) for w in weights]))
 
 
 # ----------------------------------------------------------------------------------
@@ -405,18 +418,18 @@ def pipelining_race(rank, world_size, args):
     import torch.distributed.pipelining as pipelining
     device = setup(rank, world_size)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
-    full = init_weights(args.num_layers, args.dim, args.seed)
-    inputs, targets = (t.to(device) for t in make_batch(args))
+    full = init_params(args)
+    inputs, targets = (t.to(device) for t in first_batch(args))
     schedules = ["gpipe", "1f1b"] if args.schedule in ("gpipe", "1f1b") else [args.schedule]
     if args.micro_batches < world_size and "1f1b" in schedules:
         schedules.remove("1f1b")       # PyTorch's 1F1B needs at least as many micro-batches as stages
     v = args.virtual_stages
     sides = {}
     for name in schedules:
-        chunk_layers = [stage_layers(args.num_layers, world_size, rank, v, c) for c in range(v)]
-        sides[f"ours {name}"] = pp_side(full, chunk_layers, name, rank, world_size, inputs, targets, args)
+        chunk_parts = [stage_parts(args.num_layers, world_size, rank, v, c) for c in range(v)]
+        sides[f"ours {name}"] = pp_side(full, chunk_parts, name, rank, world_size, inputs, targets, args)
         sides[f"torch {TORCH_SCHEDULES[name]}"] = pipelining_side(
-            [as_module([full[i] for i in layers], device) for layers in chunk_layers],
+            [as_module(full, device, parts) for parts in chunk_parts],
             getattr(pipelining, TORCH_SCHEDULES[name]), rank, world_size, inputs, targets, args)
     sides["serial: our step, whole batch, 1 rank"] = serial_side(args, device)
     result = check_and_race(sides, device, args.steps)
@@ -424,15 +437,14 @@ def pipelining_race(rank, world_size, args):
     return result
 
 
-def pp_side(full, chunk_layers, schedule, stage, num_stages, inputs, targets, args):
-    """Our stage (its chunks' layers) with one schedule and SGD, as (step, state)."""
-    m, p, v = args.micro_batches, num_stages, len(chunk_layers)
-    replica, chunks = stage_replica(full, chunk_layers, stage, p, targets.chunk(m), args.batch_size * args.dim,
-                                    inputs.device, sgd(args))
+def pp_side(full, chunk_parts, schedule, stage, num_stages, inputs, targets, args):
+    """Our stage (its chunks' parts) with one schedule and SGD, as (step, state)."""
+    m, p, v = args.micro_batches, num_stages, len(chunk_parts)
+    replica, chunks = stage_replica(full, chunk_parts, stage, p, args.batch_size, inputs.device, sgd(args))
     actions = build_schedule(schedule, p, stage, m, v)
 
     def step():
-        begin_step(replica, chunks)
+        begin_step(replica, chunks, targets.chunk(m))
         run_schedule(actions, chunks, inputs.chunk(m), (stage - 1) % p, (stage + 1) % p,
                      (args.batch_size // m, args.dim))
         replica.average()
@@ -440,51 +452,66 @@ def pp_side(full, chunk_layers, schedule, stage, num_stages, inputs, targets, ar
     return step, lambda: (replica.weights, replica.grads())
 
 
-def stage_replica(full, chunk_layers, stage, num_stages, targets, n, device, args):
-    """A stage's layers (its chunks') held by step 2's replica over a group of one rank, as
+def stage_replica(full, chunk_parts, stage, num_stages, n, device, args):
+    """A stage's parts (its chunks') held by step 2's replica over a group of one rank, as
     pipeline_parallel.py holds them, and one Stage per chunk on it."""
-    p, v = num_stages, len(chunk_layers)
-    mine = [i for layers in chunk_layers for i in layers]
-    per_chunk = len(mine) // v
-    replica = data_parallel.DataParallel([full[i].to(device, copy=True) for i in mine], dist.new_subgroups(1)[0],
-                                         chunk_starts=range(0, len(mine), per_chunk), **replica_options(args))
-    return replica, [Stage(replica, range(c * per_chunk, (c + 1) * per_chunk), first=c * p + stage == 0,
-                           last=c * p + stage == v * p - 1, num_micro_batches=len(targets), targets=targets,
-                           mean_over=n, recompute=getattr(args, "recompute", False)) for c in range(v)]
+    p, v = num_stages, len(chunk_parts)
+    blocks = model_blocks(len(full) - 2)
+    mine = [j for parts in chunk_parts for j in parts]
+    starts = [sum(map(len, chunk_parts[:c])) for c in range(v)]
+    replica = data_parallel.DataParallel([full[j].to(device, copy=True) for j in mine], dist.new_subgroups(1)[0],
+                                         chunk_starts=starts, **replica_options(args))
+    return replica, [Stage(replica, range(start, start + len(parts)), blocks=[blocks[j] for j in parts],
+                           first=c * p + stage == 0, last=c * p + stage == v * p - 1,
+                           num_micro_batches=args.micro_batches, mean_over=n,
+                           recompute=getattr(args, "recompute", False))
+                     for c, (start, parts) in enumerate(zip(starts, chunk_parts))]
 
 
-def begin_step(replica, stages):
+def begin_step(replica, stages, targets):
     """What a worker does before its schedule runs: the replica's and every stage's step begin."""
     replica.begin_step()
     for stage in stages:
-        stage.begin_step()
+        stage.begin_step(targets)
 
 
 def pipelining_side(modules, schedule_class, rank, num_stages, inputs, targets, args):
-    """PyTorch's stages (this rank's chunks of layers, each a module; chunk c is stage
-    c p + rank) with a schedule of the same stage and micro-batch counts, and SGD, as
-    (step, state). Each micro-batch's loss is its mean squared error, and the schedule
-    divides the gradients by m (scale_grads): with equal micro-batches, the gradient of
-    the mean over the batch, as ours."""
+    """PyTorch's stages (this rank's chunks of parts, each a module; chunk c is stage c p +
+    rank, the embedding in stage 0's, the head in the last's) with a schedule of the same stage
+    and micro-batch counts, and SGD, as (step, state). Each micro-batch's loss is its mean
+    cross-entropy on the last stage, and the schedule divides the gradients by m (scale_grads):
+    with equal micro-batches, the gradient of the mean over the batch, as ours."""
     from torch.distributed.pipelining import PipelineStage
     # Shapes given up front (static mode): inferring them sends pickled objects, which needs
     # numpy. An activation between stages requires grad: its gradient is sent back.
-    example = inputs[:args.batch_size // args.micro_batches].clone().requires_grad_()   # [B/m, D]
+    b = args.batch_size // args.micro_batches
+    activation = torch.zeros(b, args.dim, device=inputs.device, requires_grad=True)       # [B/m, D]
+    logits = torch.zeros(b, args.vocab_size, device=inputs.device)                         # [B/m, V]
     v = len(modules)
-    stages = [PipelineStage(module, c * num_stages + rank, v * num_stages, inputs.device,
-                            input_args=example if c * num_stages + rank else example.detach(), output_args=example)
-              for c, module in enumerate(modules)]
+    stages = []
+    for c, module in enumerate(modules):
+        virtual = c * num_stages + rank
+        stages.append(PipelineStage(module, virtual, v * num_stages, inputs.device,
+                                    input_args=inputs[:b] if virtual == 0 else activation,
+                                    output_args=logits if virtual == v * num_stages - 1 else activation))
     single = schedule_class.__name__ in ("ScheduleGPipe", "Schedule1F1B")
-    schedule = schedule_class(stages[0] if single else stages, args.micro_batches, loss_fn=F.mse_loss)
+    schedule = schedule_class(stages[0] if single else stages, args.micro_batches, loss_fn=F.cross_entropy)
     first, last = rank == 0, rank == num_stages - 1
-    params = [q for module in modules for q in module.parameters()]      # nn.Linear weights: W^T
-    optimizer = torch.optim.SGD(params, lr=args.lr)
+    optimizer = torch.optim.SGD([q for module in modules for q in module.parameters()], lr=args.lr)
 
     def step():
         optimizer.zero_grad()
         schedule.step(*[inputs] if first else [], **dict(target=targets) if last else {}, return_outputs=False)
         optimizer.step()
-    return step, lambda: ([q.T for q in params], [q.grad.T for q in params])
+
+    def state():
+        weights, grads = [], []
+        for module in modules:
+            w, g = module.state()
+            weights += w
+            grads += g
+        return weights, grads
+    return step, state
 
 
 # ----------------------------------------------------------------------------------
@@ -515,7 +542,8 @@ def versus_torch_3d(args):
     notes = [f"DDP with the schedule's default scale_grads=True: {failure}"]
     return dict(title=f"3D (dp={args.dp} pp={args.pp} tp={args.tp}, {args.schedule}) vs serial and PyTorch's own "
                       f"composition: {bench_sizes(args, world_size)}\n  torch 3D is DeviceMesh (dp, pp, tp), "
-                      f"torch.distributed.pipelining over pp, ColwiseParallel over tp, and across dp: "
+                      f"torch.distributed.pipelining over pp, ColwiseParallel over tp (the embedding "
+                      f"RowwiseParallel, the head's logits gathered), and across dp: "
                       f"{', '.join(DP_WAYS)} (DDP: scale_grads=False, / m by hand)",
                 times=times, diffs=diffs, world_size=world_size, steps=args.steps, notes=notes,
                 ratios=[("ours", name) for name in times if name.startswith("torch")])
@@ -536,15 +564,17 @@ def torch_3d_race(rank, world_size, args):
 
 def our_3d_side(rank, args, device):
     """Our 3D step with SGD as (step, state) in our layout (this rank's shards); and the
-    full weights and this replica's batch, for PyTorch's sides."""
+    full parameters and this replica's batch, for PyTorch's sides."""
     me = three_d.ThreeDRank(rank, sgd(args, zero=0), device)
+    batch = first_batch(args)
+    micro_batches = me.micro_batches(batch, args)
     rows = replica_rows(args.batch_size, me.dp_rank, args.dp)
 
     def step():
-        me.train_step()
+        me.train_step(*micro_batches)
         me.replica.update()
-    return ((step, lambda: (me.replica.weights, me.replica.grads())), me.full, me.inputs[rows].to(device),
-            me.targets[rows].to(device))
+    return ((step, lambda: (me.replica.weights, me.replica.grads())), me.full, batch[0][rows].to(device),
+            batch[1][rows].to(device))
 
 
 def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_divide_by_hand=True):
@@ -552,13 +582,16 @@ def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_divide_
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel
     d, p, t = (mesh[name].get_local_rank() for name in three_d.AXES)
     first, last, m = p == 0, p == args.pp - 1, args.micro_batches
-    model = as_module([full[i] for i in stage_layers(args.num_layers, args.pp, p)], device)
-    parallelize_module(model, mesh["tp"], {str(i): ColwiseParallel(output_layouts=Replicate())
-                                           for i in range(0, len(model), 2)})
+    model = as_module(full, device, stage_parts(args.num_layers, args.pp, p))
+    kinds = model.kinds
+    plans = {"embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+             "layer": ColwiseParallel(output_layouts=Replicate()),
+             "head": ColwiseParallel(output_layouts=Replicate())}
+    parallelize_module(model, mesh["tp"], {f"parts.{i}": plans[kind] for i, kind in enumerate(kinds)})
     if dp_way == "FSDP2":
         fully_shard(model, mesh=mesh["dp"])         # reduce-scatters the gradients, averaged over dp
     if dp_way == "DDP":
@@ -567,11 +600,14 @@ def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_divide_
     scale_grads = dp_way != "DDP" or not ddp_divide_by_hand  # the schedule's division by m misses DDP's parameters
     # Shapes given up front (static mode): inferring them sends pickled objects, which needs
     # numpy. An activation between stages requires grad: its gradient is sent back.
-    example = inputs[:len(inputs) // m].clone().requires_grad_()     # [B/(dp m), D]
+    b = len(inputs) // m
+    activation = torch.zeros(b, args.dim, device=device, requires_grad=True)    # [B/(dp m), D]
+    logits = torch.zeros(b, args.vocab_size, device=device)
     stage_module = PipelineStage(model, p, args.pp, device, group=mesh["pp"].get_group(),
-                                 input_args=example if p else example.detach(), output_args=example)
+                                 input_args=inputs[:b] if first else activation,
+                                 output_args=logits if last else activation)
     schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule](
-        stage_module, m, loss_fn=F.mse_loss, scale_grads=scale_grads)
+        stage_module, m, loss_fn=F.cross_entropy, scale_grads=scale_grads)
     optimizer = torch.optim.SGD(params, lr=args.lr)
 
     def step():
@@ -586,13 +622,20 @@ def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_divide_
         optimizer.step()
 
     def our_layout(tensors):
-        """Each weight or gradient as our shard W_t [D, D/T]: the local part of a DTensor
-        sharded over tp is W_t^T; FSDP2's is cut over dp too, so gather it whole first."""
+        """Each weight or gradient as our shard: E_t, W_t [D, D/T], H_t. The local part of a
+        DTensor sharded over tp is E_t, W_t^T, H_t^T (torch cuts the classes as vocab_range
+        does at tp = 2); FSDP2's is cut over dp too, so gather it whole and cut ours."""
         shards = []
-        for x in tensors:
+        for kind, weight, x in zip(kinds, params, tensors):
             if getattr(x, "device_mesh", None) is not None and x.device_mesh.ndim > 1:
-                x = x.full_tensor()[t * args.dim // args.tp:(t + 1) * args.dim // args.tp]
-            shards.append((x.to_local() if hasattr(x, "to_local") else x).T)
+                x = x.full_tensor()
+                start, end = t * args.dim // args.tp, (t + 1) * args.dim // args.tp
+                if kind != "layer":
+                    start, end = vocab_range(args.vocab_size, t, args.tp)
+                x = x[start:end]
+            elif hasattr(x, "to_local"):   # a gradient may come back laid out otherwise
+                x = x.redistribute(weight.device_mesh, weight.placements).to_local()
+            shards.append(x if kind == "embedding" else x.T)
         return shards
     return step, lambda: (our_layout(params), our_layout([q.grad for q in params]))
 
@@ -681,19 +724,23 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
     device = setup(rank, num_stages)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     p, stage = num_stages, rank
-    w = init_weights(2 * p, dim, seed=0)                   # two layers per stage
+    model = SimpleNamespace(num_layers=2 * p, dim=dim, context=8, vocab_size=data_parallel.VOCAB_SIZE, seed=0,
+                            optimizer="sgd", lr=0.0)   # two layers per stage; the ends on the first and last
+    full = init_params(model)
     table = []
     for m in micro_batches:
-        x = torch.randn(m * rows, dim, generator=torch.Generator().manual_seed(m)).to(device).chunk(m)
+        batch = data_parallel.make_batch(data_parallel.training_text(),
+                                         SimpleNamespace(**vars(model), batch_size=m * rows), step=m)
+        x, y = (t.to(device).chunk(m) for t in batch)
         for schedule in ("gpipe", "1f1b", "zb-h1", "interleaved"):
             v = 2 if schedule == "interleaved" else 1
-            replica, chunks = stage_replica(w, [stage_layers(2 * p, p, stage, v, c) for c in range(v)], stage, p, x,
-                                            m * rows * dim, device, SimpleNamespace(optimizer="sgd", lr=0.0))
+            replica, chunks = stage_replica(full, [stage_parts(2 * p, p, stage, v, c) for c in range(v)], stage, p,
+                                            m * rows, device, SimpleNamespace(**vars(model), micro_batches=m))
             actions = build_schedule(schedule, p, stage, m, v)
             spans, times = [], []
             for i in range(steps + 1):    # the first step opens the connections: not measured
                 dist.barrier()            # every stage starts the step at once
-                begin_step(replica, chunks)
+                begin_step(replica, chunks, y)
                 recorder = Recorder(device)
                 run_schedule(actions, chunks, x, (stage - 1) % p, (stage + 1) % p, (rows, dim), recorder=recorder)
                 events, peak = recorder.events(), recorder.peak
@@ -839,7 +886,7 @@ def main(argv):
         print_race(versus(args))
     elif what == "memory":
         args = data_parallel.parse_args(rest)
-        if args.zero or args.save or args.check or args.overlap or args.shuffle:
+        if args.zero or args.save or args.check or args.overlap:
             refuse("memory runs --zero 0 to 3 in turn, for one step each: it takes the sizes, "
                    "--optimizer and the launch flags")
         memory_table(args)

@@ -26,7 +26,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from collectives import cleanup, pick_backend, spawn, under_torchrun  # noqa: E402
-from data_parallel import CHECK_TOLERANCE, dp_step, full_grads, full_weights, init_weights, make_batch, make_replica  # noqa: E402
+from data_parallel import (CHECK_TOLERANCE, cross_entropy, dp_step, full_grads, full_weights, init_params,  # noqa: E402
+                           make_batch, make_replica, model_blocks, training_text)
 
 WARMUP = 2
 
@@ -159,16 +160,56 @@ def machine():
 
 # ---- pieces every step's comparison uses ---------------------------------------------
 
-def as_module(weights, device):
-    """Our model as nn.Sequential(Linear, GELU, ...) for PyTorch's APIs (a copy).
-    nn.Linear computes x @ weight.T, so its weight is W^T."""
-    layers = []
-    for w in weights:
-        linear = torch.nn.Linear(*w.shape, bias=False, device=device)
-        with torch.no_grad():
-            linear.weight.copy_(w.T)                      # [out, in] = W^T
-        layers += [linear, torch.nn.GELU()]
-    return torch.nn.Sequential(*layers)
+class TorchLM(torch.nn.Module):
+    """Our model's parts as torch.nn, a copy: nn.Embedding for E; for each layer an nn.Linear
+    and GELU (nn.Linear computes x @ weight.T, so its weight is W^T); an nn.Linear head (H^T).
+    A stage's module holds its parts alone: the embedding on the first, the head on the last."""
+
+    def __init__(self, full, parts, device):
+        super().__init__()
+        self.kinds = [part_kind(j, len(full)) for j in parts]
+        modules = []
+        for j, kind in zip(parts, self.kinds):
+            w = full[j]
+            if kind == "embedding":
+                module = torch.nn.Embedding(*w.shape, device=device)
+                weight = w
+            else:
+                module = torch.nn.Linear(*w.shape, bias=False, device=device)
+                weight = w.T                              # [out, in] = W^T
+            with torch.no_grad():
+                module.weight.copy_(weight)
+            modules.append(module)
+        self.parts = torch.nn.ModuleList(modules)
+
+    def forward(self, x):
+        for kind, module in zip(self.kinds, self.parts):
+            x = module(x)
+            if kind == "embedding":
+                x = x.reshape(len(x), -1)                 # [b, k, D/k] -> [b, D]
+            elif kind == "layer":
+                x = F.gelu(x)
+        return x
+
+    def ours(self, tensors):   # its weights (or their gradients) in our layout: E, W, H
+        return [t if kind == "embedding" else t.T for kind, t in zip(self.kinds, tensors)]
+
+    def state(self):
+        weights = [module.weight for module in self.parts]
+        return self.ours(weights), self.ours([w.grad for w in weights])
+
+
+def part_kind(j, num_parts):
+    if j == 0:
+        return "embedding"
+    if j == num_parts - 1:
+        return "head"
+    return "layer"
+
+
+def as_module(full, device, parts=None):
+    """The whole model (or these parts of it) as a TorchLM."""
+    return TorchLM(full, range(len(full)) if parts is None else parts, device)
 
 
 def sgd_side(weights, compute_grads, lr):
@@ -187,9 +228,10 @@ def dp_side(weights, group, args, xs, ys, n, zero=0, overlap=False):
     """Our data-parallel step (step 2's DataParallel, with SGD), as (step, state); state gives
     the full weights and gradients, gathered from the shards under ZeRO."""
     replica = make_replica(weights, group, zero=zero, overlap=overlap, **replica_options(sgd(args)))
+    blocks = model_blocks(args.num_layers)
 
     def step():
-        dp_step(replica, xs, ys, n)
+        dp_step(replica, blocks, cross_entropy, xs, ys, n)
         replica.update()
     return step, lambda: (full_weights(replica), full_grads(replica))
 
@@ -211,15 +253,21 @@ def serial_side(args, device):
     alone = dist.new_group([0])
     if dist.get_rank() != 0:
         return (lambda: None), None
-    inputs, targets = (t.to(device) for t in make_batch(args))
-    weights = [w.to(device) for w in init_weights(args.num_layers, args.dim, args.seed)]
+    inputs, targets = (t.to(device) for t in first_batch(args))
+    weights = [w.to(device) for w in init_params(args)]
     m = args.micro_batches
-    return dp_side(weights, alone, args, inputs.chunk(m), targets.chunk(m), inputs.numel())[0], None
+    return dp_side(weights, alone, args, inputs.chunk(m), targets.chunk(m), len(inputs))[0], None
 
 
-def mse_sum(n):
-    """PyTorch's side of our loss: each micro-batch's squared error / n, as mse_loss."""
-    return lambda out, y: F.mse_loss(out, y, reduction="sum") / n
+def first_batch(args):
+    """The batch every step of a race trains on: step 0's, tokens [B, k] and targets [B]."""
+    return make_batch(training_text(), args, step=0)
+
+
+def ce_sum(n):
+    """PyTorch's side of our loss: each micro-batch's cross-entropy summed over its rows / n,
+    n the rows of the whole (replica's) batch, as cross_entropy."""
+    return lambda logits, y: F.cross_entropy(logits, y, reduction="sum") / n
 
 
 def bench_sizes(args, world_size):

@@ -23,7 +23,8 @@ def no_warm_up(monkeypatch):
 
 def tiny(**sizes):
     # one timed step; lr 0.1: a step moves the weights visibly, so a wrong gradient shows in them too
-    return SimpleNamespace(**{**dict(num_layers=4, dim=8, batch_size=8, micro_batches=2, steps=1, seed=0, lr=0.1,
+    return SimpleNamespace(**{**dict(num_layers=4, dim=8, context=4, vocab_size=data_parallel.VOCAB_SIZE,
+                                      batch_size=8, micro_batches=2, steps=1, seed=0, lr=0.1,
                                       recompute=False, bf16=False, clip_grad=None, bucket_mb=25.0,
                                       backend="gloo", timeout_s=30.0), **sizes})
 
@@ -124,8 +125,10 @@ def test_the_bench_refuses_what_it_would_ignore(argv, flag, capsys):
 
 def test_the_memory_table_holds_the_formulas_at_every_stage(capfd):
     """make bench's memory table: stages 0 to 3 in turn, each row counted from the tensors
-    equal to its formula; with 3 replicas and D = 16 each layer pads 256 to 258 parameters.
-    Stage 3's largest moment, in its second step, is 16P/d and two gathered layers."""
+    equal to its formula. With 3 replicas, a part a bucket, each pads to a multiple of 3: E
+    [97, 2] 194 to 195 parameters, a layer [16, 16] 256 to 258, H [16, 97] 1552 to 1554.
+    Stage 3's largest moment, in its second step, is 16P/d and two gathered buckets: the
+    last layer's and the head's."""
     bench.main(["memory", "--world-size", "3", "--num-layers", "2", "--dim", "16", "--batch-size", "12",
                 "--bucket-mb", "0", "--timeout-s", "30"])
     out = capfd.readouterr().out
@@ -133,9 +136,10 @@ def test_the_memory_table_holds_the_formulas_at_every_stage(capfd):
                       out, re.MULTILINE)
     assert len(rows) == 16 and all(int(got) == int(want) for _, got, want in rows), rows
     totals = [int(got) for kind, got, _ in rows if kind == "total"]
-    assert totals == [16 * 2 * 256, 8 * 2 * 258 + 8 * 2 * 86, 4 * 2 * 258 + 12 * 2 * 86, 16 * 2 * 86]
+    whole, padded, part = 194 + 2 * 256 + 1552, 195 + 2 * 258 + 1554, 65 + 2 * 86 + 518
+    assert totals == [16 * whole, 8 * padded + 8 * part, 4 * padded + 12 * part, 16 * part]
     peak = re.search(r"largest at any moment of the last step: (\d+) bytes", out)
-    assert int(peak[1]) == totals[3] + 2 * 4 * 258   # at layer 1's gather: layer 0 in use
+    assert int(peak[1]) == totals[3] + 4 * (258 + 1554)   # the last layer's and the head's, whole
 
 
 @pytest.mark.deadline(120)
