@@ -435,21 +435,21 @@ def dp_costs(lengths, dp_size, zero=0, num_micro_batches=1, optimizer="adamw", b
     return runs, holds
 
 
-def in_step_bytes(lengths, num_chunks, dp_size, zero=0, num_micro_batches=1):
-    """What a replica of buckets of these lengths holds for a while within a step beyond its
-    end's (dp_costs's). ZeRO-2 and 3: a chunk's gradient buckets whole from its W to their
-    reduce-scatter, 4 P/v (P: the parameters, v chunks, 3D's), with the parts of the chunks
-    exchanged before; ZeRO-2 keeps every chunk's whole until the last micro-batch, and makes no
-    part before it."""
-    whole = 4 * sum(lengths)                      # the gradient: 4 P
-    chunk = whole // num_chunks
+def in_step_bytes(chunks, dp_size, zero=0, num_micro_batches=1):
+    """What a replica holds for a while within a step beyond its end's (dp_costs's), chunks the
+    elements of each of its chunks' buckets (3D's interleaving; one chunk elsewhere). ZeRO-2 and
+    3: a chunk's buckets whole, 4 x its elements, from its W to their reduce-scatter, less the
+    parts (4/d of a chunk) not made yet: the chunks before it (their backward comes after its),
+    and its own in the first micro-batch. ZeRO-2 with micro-batches keeps every bucket whole
+    until the last and makes no part before: 4 P - 4 P/d."""
+    whole = 4 * sum(chunks)
     if zero < 2:
         return 0
     if zero == 2 and num_micro_batches > 1:
         return whole - whole // dp_size
-    if zero == 3 and num_micro_batches > 1:       # its parts made in the first micro-batch
-        return chunk
-    return chunk - chunk // dp_size
+    first_only = num_micro_batches == 1
+    return max(4 * n - 4 * (sum(chunks[:c]) + n * first_only) // dp_size
+               for c, n in enumerate(chunks))
 
 
 class BucketLayout(NamedTuple):

@@ -379,16 +379,16 @@ class Matmul(NamedTuple):
         return inputs + self.m * self.n * self.out_bytes * (1 + self.accumulate)
 
 
-def layer_matmuls(kind, rows, dim, tp, bf16, vocab_size=0):
-    """A tp rank's layer of this kind (or the head, of the largest shard's classes), a
-    micro-batch: its forward z = x W, its dx = dz W^T, its dW = x^T dz into the fp32 gradient
-    (the step's first; the later ones add into it): the matmuls three_d.py's --plan prices, as
-    tests/gpu_path.py records them."""
+def layer_matmuls(kind, rows, dim, tp, bf16, classes=0):
+    """A tp rank's layer of this kind (or the head, of its classes), a micro-batch: its forward
+    z = x W, its dx = dz W^T, its dW = x^T dz into the fp32 gradient (the step's first; the
+    later ones add into it): the matmuls three_d.py's --plan prices, as tests/gpu_path.py
+    records them."""
     size = 2 if bf16 else 4
     n_in = dim // tp if kind == "row" else dim
     n_out = dim if kind == "row" else dim // tp
     if kind == "head":
-        n_out = -(-vocab_size // tp)
+        n_out = classes
     forward = Matmul(rows, n_in, n_out, size, size, accumulate=False)   # z = x W
     dx = Matmul(rows, n_out, n_in, size, size, accumulate=False)        # dx = dz W^T
     dw = Matmul(n_in, rows, n_out, size, 4, accumulate=False)           # dW = x^T dz, fp32
@@ -396,7 +396,7 @@ def layer_matmuls(kind, rows, dim, tp, bf16, vocab_size=0):
 
 
 def tp_matmuls(kinds, rows, dim, tp, bf16=False, num_micro_batches=1, recompute=False,
-               vocab_size=0):
+               classes=0):
     """A tp rank's matmuls a step over parts of these kinds, {Matmul: calls}, as tp_costs()
     gives its collectives: each micro-batch, each layer's and the head's forward (a layer's
     again in its backward with --recompute), dx and dW; the embedding, a lookup, has none."""
@@ -405,7 +405,7 @@ def tp_matmuls(kinds, rows, dim, tp, bf16=False, num_micro_batches=1, recompute=
     for kind in kinds:
         if kind == "embedding":
             continue
-        forward, dx, dw = layer_matmuls(kind, rows, dim, tp, bf16, vocab_size)
+        forward, dx, dw = layer_matmuls(kind, rows, dim, tp, bf16, classes)
         calls[forward] += m * (1 + (recompute and kind != "head"))
         calls[dx] += m
         calls[dw] += 1

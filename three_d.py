@@ -180,13 +180,13 @@ class ThreeDRank:
         self.replica.average()                                   # waits for the exchanges
 
 
-def three_d_costs(args, stage, times=(1, 1, 1)):
+def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     """A rank of this stage's costs a step, from steps 2-4's: its collectives, {"tp", "pp", "dp":
     [(kind, bytes of the tensor, times)]}; what its replica holds at the step's end {kind: (bytes,
-    formula)}; its stash at its largest, bytes; its bubble (ZB-H1's for times (T_F, T_B, T_W))."""
+    formula)}; its stash at its largest, bytes; its bubble (ZB-H1's for times (T_F, T_B, T_W)).
+    tp_rank: whose classes of E and H (the first V mod T ranks hold one more)."""
     v, m, tp = args.virtual_stages, args.micro_batches, args.tp
-    kinds = layer_kinds(args.num_layers // (args.pp * v), args.tp_style) * v
-    kinds = ["embedding"] * (stage == 0) + kinds + ["head"] * (stage == args.pp - 1)
+    kinds = [kind for chunk in stage_kinds(args, stage) for kind in chunk]   # the ends' too
     rows = args.batch_size // (args.dp * m)
     act = rows * args.dim * (2 if args.bf16 else 4)                         # [b, D]
     tp_runs = tp_costs(kinds, act, rows, num_micro_batches=m, recompute=args.recompute)
@@ -196,7 +196,7 @@ def three_d_costs(args, stage, times=(1, 1, 1)):
                                             kept_bytes=kept, waiting_bytes=waiting, times=times)
     if args.p2p_shard:                                          # and is all-gathered on arrival
         tp_runs += [("all-gather", act, count) for _, _, count in pp_runs]
-    dp_runs, held = dp_costs(replica_lengths(args), args.dp, zero=args.zero,
+    dp_runs, held = dp_costs(replica_lengths(args, stage, tp_rank), args.dp, zero=args.zero,
                              num_micro_batches=m, optimizer=args.optimizer, bf16=args.bf16)
     runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs}
     if args.clip_grad:    # the norm's squares, one float, summed over tp, pp (and dp, if ZeRO)
@@ -205,13 +205,28 @@ def three_d_costs(args, stage, times=(1, 1, 1)):
     return runs, held, stash, bubble
 
 
+def stage_kinds(args, stage):
+    """The kinds of a rank of this stage's parts, chunk by chunk: step 3's layers; the
+    embedding first in stage 0's first chunk, the head last in the last stage's last."""
+    v = args.virtual_stages
+    kinds = tuple(layer_kinds(args.num_layers // (args.pp * v), args.tp_style))
+    chunks = []
+    for c in range(v):
+        virtual = c * args.pp + stage
+        first = ("embedding",) * (virtual == 0)
+        last = ("head",) * (virtual == args.pp * v - 1)
+        chunks.append(first + kinds + last)
+    return chunks
+
+
 def stash_bytes(args):
     """A micro-batch's stash in a chunk from its F to its B, and from its B to its W: a layer's
     (x, z) is one [b, D] whole and one 1/tp (a row layer's x is the column layer's sharded
     output), (x, dz) as much; --recompute keeps x alone from F to B."""
     kinds = layer_kinds(args.num_layers // (args.pp * args.virtual_stages), args.tp_style)
     act = args.batch_size // (args.dp * args.micro_batches) * args.dim * (2 if args.bf16 else 4)
-    pairs = len(kinds) * (act + act // args.tp)                 # (x, z) of every layer
+    pairs = len(kinds) * (act + act // args.tp)                 # (x, z) of every layer (the ends'
+    # stashes aside: the embedding's token ids, the head's input, as the stash table counts)
     if args.recompute:
         return sum(act // args.tp if kind == "row" else act for kind in kinds), pairs
     return pairs, pairs
@@ -265,12 +280,13 @@ from collections import Counter  # noqa: E402
 
 from collectives import (Stop, collective_cost, measured_bandwidth, positive_float,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
-from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
+from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa: E402
                            full_grads, full_weights, global_loss, in_step_bytes, log_step,
                            make_buckets, show_memory, training_parser, training_text,
                            watch_memory)
 from pipeline_parallel import add_schedule_args, held_counts, schedule_rules, whole_parts  # noqa
-from tensor_parallel import describe, divides, layer_matmuls, refuse_unused, tp_matmuls  # noqa
+from tensor_parallel import (describe, divides, layer_matmuls, refuse_unused, tp_matmuls,  # noqa
+                             vocab_range)
 
 
 def full_parts(me, params, args):   # on rank 0, replica 0's shards put together (step 4)
@@ -292,14 +308,35 @@ def finish_ranks(me, memory, args, losses, check, norms, device):
 
 
 @functools.lru_cache(maxsize=None)
-def bucket_lengths(layers, numel, bucket_mb, chunks, pad_to):
-    lengths = make_buckets([numel] * layers, bucket_mb, range(0, layers, layers // chunks)).lengths
-    return [-(-n // pad_to) * pad_to for n in lengths]
+def bucket_lengths(numels, bucket_mb, chunk_starts, pad_to):
+    """Each bucket's chunk and its elements (ZeRO: padded to d S)."""
+    layout = make_buckets(list(numels), bucket_mb, chunk_starts)
+    chunk_of = [sum(start <= layers[0] for start in chunk_starts) - 1 for layers in layout.buckets]
+    return [(c, -(-n // pad_to) * pad_to) for c, n in zip(chunk_of, layout.lengths)]
 
 
-def replica_lengths(args):   # a rank's buckets' elements: its layers' D^2/tp (ZeRO: to d S)
-    return bucket_lengths(args.num_layers // args.pp, args.dim * args.dim // args.tp,
-                          args.bucket_mb, args.virtual_stages, args.dp if args.zero else 1)
+def replica_lengths(args, stage=0, tp_rank=0):   # a rank's buckets' elements
+    return [n for _, n in replica_buckets(args, stage, tp_rank)]
+
+
+def chunk_lengths(args, stage=0, tp_rank=0):     # the elements of each of its chunks' buckets
+    chunks = [0] * args.virtual_stages
+    for c, n in replica_buckets(args, stage, tp_rank):
+        chunks[c] += n
+    return chunks
+
+
+def replica_buckets(args, stage, tp_rank):
+    """A rank's buckets: its parts' shards, D^2/tp a layer, its classes' rows of E and columns
+    of H at the ends (ZeRO: each bucket to d S), each with its chunk."""
+    start, end = vocab_range(args.vocab_size, tp_rank, args.tp)
+    size = {"embedding": (end - start) * (args.dim // args.context),
+            "head": args.dim * (end - start)}
+    chunks = stage_kinds(args, stage)
+    numels = tuple(size.get(kind, args.dim * args.dim // args.tp)
+                   for chunk in chunks for kind in chunk)
+    starts = tuple(sum(map(len, chunks[:c])) for c in range(len(chunks)))
+    return bucket_lengths(numels, args.bucket_mb, starts, args.dp if args.zero else 1)
 
 
 def show_rank_map(dp, pp, tp, order, kinds=None, chunks=1):
@@ -321,12 +358,13 @@ def show_rank_map(dp, pp, tp, order, kinds=None, chunks=1):
 # matmuls by rank_matmuls() (tests/gpu_path.py records the same on the meta device), its
 # collectives, sends and memory by three_d_costs(), on a GPU's published figures.
 
-def rank_matmuls(args, stage):   # a rank of this stage's, a step: step 3's, over its chunks
-    kinds = layer_kinds(args.num_layers // (args.pp * args.virtual_stages), args.tp_style)
+def rank_matmuls(args, stage, tp_rank=0):   # a rank of this stage's, a step: step 3's
+    kinds = [kind for chunk in stage_kinds(args, stage) for kind in chunk]
     rows = args.batch_size // (args.dp * args.micro_batches)
-    return tp_matmuls(kinds * args.virtual_stages, rows, args.dim, args.tp, bf16=args.bf16,
-                      num_micro_batches=args.micro_batches, first_stage=stage == 0,
-                      recompute=args.recompute)
+    start, end = vocab_range(args.vocab_size, tp_rank, args.tp)   # its classes: the head's n
+    return tp_matmuls(kinds, rows, args.dim, args.tp, bf16=args.bf16,
+                      num_micro_batches=args.micro_batches, recompute=args.recompute,
+                      classes=end - start)
 
 
 # Each GPU's published figures, sources beside them. nccl-tests' bus bandwidth (the bytes a
@@ -384,19 +422,28 @@ class Machine:
         compute = mm.flops() / (peak * self.efficiency(mm.m, mm.k, mm.n))
         return max(compute, mm.bytes_moved() / self.hbm)
 
-    def layer_s(self, kind, rows, dim, tp, bf16, need_dx, recompute, micro_batches):
-        """(F, B, W) of a tp rank's layer, a micro-batch (W's: the step's mean): its matmuls, gelu
-        (z in, a out), gelu' (g, z in, dz out), and the gather layer's pieces put side by side."""
-        forward, dx, dw = layer_matmuls(kind, rows, dim, tp, bf16)
+    def layer_s(self, kind, rows, dim, tp, bf16, recompute, micro_batches, classes=0):
+        """(F, B, W) of a tp rank's part, a micro-batch (W's: the step's mean): a layer's matmuls,
+        gelu (z in, a out), gelu' (g, z in, dz out), and the gather layer's pieces put side by
+        side; the head's matmuls and the loss's passes over its [b, classes] in fp32 (six
+        forward, four backward); the embedding's rows, read and written (masked, tp > 1), and
+        added into its gradient (index_add_, fp32), no matmul."""
+        size = 2 if bf16 else 4
+        if kind == "embedding":
+            rows_bytes = rows * dim * size
+            f = (2 + 2 * (tp > 1)) * rows_bytes / self.hbm
+            return f, 0.0, (rows_bytes + 2 * rows * dim * 4) / self.hbm
+        forward, dx, dw = layer_matmuls(kind, rows, dim, tp, bf16, classes)
+        later = self.matmul_s(dw._replace(accumulate=True))
+        w = (self.matmul_s(dw) + (micro_batches - 1) * later) / micro_batches
+        if kind == "head":
+            loss = rows * classes * 4 / self.hbm
+            return self.matmul_s(forward) + 6 * loss, self.matmul_s(dx) + 4 * loss, w
         out = forward.m * forward.n * forward.in_bytes
         pieces = 2 * rows * dim * forward.in_bytes * (kind == "gather" and tp > 1)
         f = self.matmul_s(forward) + (2 * out + pieces) / self.hbm
-        b = 3 * out / self.hbm + self.matmul_s(dx) * need_dx + self.matmul_s(forward) * recompute
-        later = self.matmul_s(dw._replace(accumulate=True))
-        return f, b, (self.matmul_s(dw) + (micro_batches - 1) * later) / micro_batches
-
-    def loss_s(self, rows, dim, bf16):   # the loss's few passes over [b, D], fp32
-        return 6 * rows * dim * 4 / self.hbm
+        b = 3 * out / self.hbm + self.matmul_s(dx) + self.matmul_s(forward) * recompute
+        return f, b, w
 
     def update_s(self, params, optimizer):
         return params * UPDATE_BYTES[optimizer] / self.hbm
@@ -440,13 +487,13 @@ def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved):
 
 
 @functools.lru_cache(maxsize=None)
-def chunk_s(machine, kinds, rows, dim, tp, bf16, recompute, micro_batches, first, last):
-    """(F, B, W) of a chunk's layers, a micro-batch: no dx for the input; the loss, last."""
-    times = [machine.layer_s(kind, rows, dim, tp, bf16, need_dx=not (first and i == 0),
-                             recompute=recompute, micro_batches=micro_batches)
-             for i, kind in enumerate(kinds)]
-    f, b, w = (sum(column) for column in zip(*times))
-    return f + machine.loss_s(rows, dim, bf16) * last, b, w
+def chunk_s(machine, kinds, rows, dim, tp, bf16, recompute, micro_batches, classes):
+    """(F, B, W) of a chunk's parts, a micro-batch: its layers, and its ends (the head's loss
+    over its classes); --recompute runs a layer's forward again, not an end's."""
+    times = [machine.layer_s(kind, rows, dim, tp, bf16, recompute=recompute and kind not in
+                             ("embedding", "head"), micro_batches=micro_batches, classes=classes)
+             for kind in kinds]
+    return tuple(sum(column) for column in zip(*times))
 
 
 @functools.lru_cache(maxsize=None)
@@ -456,19 +503,20 @@ def ring_bytes(kind, nbytes, n):   # what one rank sends of a collective (ring's
 
 def predict(args, machine):
     """A layout's row: its stages priced (the first, the last, the middle ones that cross nodes
-    apart), the step the slowest stage's pipeline, then the replicas' exchange (ZeRO-3's is
-    inside) and the update, in parts that add up to it; memory, the largest stage's."""
+    apart: the ends make the first and last stages unequal, and the slowest sets the pace), the
+    step the slowest stage's pipeline, then the replicas' exchange (ZeRO-3's is inside) and the
+    update, in parts that add up to it; memory, the largest stage's. Each figure is tp rank 0's,
+    which holds the most classes."""
     dp, pp, tp, v, m = args.dp, args.pp, args.tp, args.virtual_stages, args.micro_batches
-    kinds = tuple(layer_kinds(args.num_layers // (pp * v), args.tp_style))
     per_node = members_per_node(dp, pp, tp, args.order, machine.gpus_per_node,
                                 args.schedule == "interleaved")
     sizes = {"tp": tp, "pp": pp, "dp": dp}
+    classes = -(-args.vocab_size // tp)              # tp rank 0's
     chosen = {(s == 0, s == pp - 1, tuple(per_node[s].items())): s for s in reversed(range(pp))}
     stages = []
     for s in chosen.values():
         chunks = [chunk_s(machine, kinds, args.batch_size // (dp * m), args.dim, tp, args.bf16,
-                          args.recompute, m, first=c * pp + s == 0, last=c * pp + s == v * pp - 1)
-                  for c in range(v)]
+                          args.recompute, m, classes) for kinds in stage_kinds(args, s)]
         runs, held, _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
         comm = {group: sum(times * machine.collective_s(kind, nbytes, sizes[group],
                                                         per_node[s][group])
@@ -478,30 +526,36 @@ def predict(args, machine):
         sent = {group: sum(times * ring_bytes(kind, nbytes, sizes[group])
                            for kind, nbytes, times in runs[group]) for group in runs}
         stages.append(dict(stage=s, chunks=chunks, comm=comm, compute=compute, inside=inside,
-                           bubble=bubble, sent=sent))
+                           bubble=bubble, sent=sent,
+                           params=sum(replica_lengths(args, s)) // (dp if args.zero else 1)))
     slowest = max(stages, key=lambda stage: stage["inside"])
     pipeline, waits = machine.pipeline_s(args, slowest, stages)
     parts = dict(compute=slowest["compute"], **slowest["comm"], **waits,
                  bubble=pipeline - slowest["inside"])
-    params = sum(replica_lengths(args)) // (dp if args.zero else 1)   # a rank's optimizer's
+    params = max(stage["params"] for stage in stages)   # the largest optimizer's, a rank's
     parts["update"] = machine.update_s(params, args.optimizer)
-    kept, waiting = stash_bytes(args)                 # the largest stash of any stage
-    stash = max(k * kept + w * waiting for s in range(pp)
-                for k, w in held_counts(args.schedule, pp, s, m, v))
     matmuls = rank_matmuls(args, slowest["stage"])    # the slowest stage's rank's
     flops = {name: sum(calls * mm.flops() for mm, calls in matmuls.items() if mm.in_bytes == size)
              for name, size in (("bf16", 2), ("fp32", 4))}
     step = sum(parts.values())
+    model_flops = 6 * args.batch_size * (args.num_layers * args.dim + args.vocab_size) * args.dim
     return dict(flags=layout_flags(args), step_s=step, parts=parts, bubble=slowest["bubble"],
-                memory_bytes=sum(size for size, _ in held.values()) + stash + in_step_bytes(
-                    replica_lengths(args), v, dp, zero=args.zero, num_micro_batches=m),
+                memory_bytes=max(stage_memory(args, s) for s in range(pp)),
                 bytes={group: max(stage["sent"][group] for stage in stages) for group in sizes},
                 stage=slowest["stage"], flops=flops, args=args,
+                stages={stage["stage"]: stage["inside"] for stage in stages},
                 matmul_bytes=sum(calls * mm.bytes_moved() for mm, calls in matmuls.items()),
-                mfu=6 * args.batch_size * args.num_layers * args.dim ** 2 /
-                (step * dp * pp * tp * machine.flops),
+                mfu=model_flops / (step * dp * pp * tp * machine.flops),
                 crosses=[group for group in ("dp", "pp", "tp") if sizes[group] > 1 and min(
                     stage[group] for stage in per_node) < (2 if group == "pp" else sizes[group])])
+
+
+def stage_memory(args, stage):
+    """The most a rank of this stage holds: its replica's end-of-step state, its stash at its
+    largest and ZeRO's in-step gradient buckets."""
+    _, held, stash, _ = three_d_costs(args, stage)
+    return sum(size for size, _ in held.values()) + stash + in_step_bytes(
+        chunk_lengths(args, stage), args.dp, zero=args.zero, num_micro_batches=args.micro_batches)
 
 
 def layouts(args, gpus_per_node):
@@ -512,7 +566,7 @@ def layouts(args, gpus_per_node):
     divisors = [n for n in range(1, world + 1) if world % n == 0]
     for dp, pp in itertools.product(divisors, repeat=2):
         tp = world // (dp * pp)
-        if dp * pp * tp != world or D % tp or L % pp or B % dp:
+        if dp * pp * tp != world or D % tp or L % pp or B % dp or tp > args.vocab_size:
             continue
         orders = ["tp-pp-dp", "tp-dp-pp"][:1 + (world > gpus_per_node and dp * pp > 1)]
         schedules = [("1f1b", 1)]
@@ -587,9 +641,9 @@ def show_plan(args, machine, weighed, fits):
     nodes = args.world_size // machine.gpus_per_node
     shown = fits[:args.top or None]
     print(f"plan: {args.world_size} GPUs ({nodes} node{'s' * (nodes > 1)} of "
-          f"{machine.gpus_per_node}), the MLP of {args.num_layers} layers, D={args.dim}, "
-          f"B={args.batch_size}, bf16 on fp32 masters, {args.optimizer}; "
-          f"{machine.figures['name']}, {si(machine.memory)}B")
+          f"{machine.gpus_per_node}), a language model of {args.num_layers} layers, D={args.dim}, "
+          f"V={args.vocab_size}, k={args.context}, B={args.batch_size}, bf16 on fp32 masters, "
+          f"{args.optimizer}; {machine.figures['name']}, {si(machine.memory)}B")
     print(f"{weighed} layouts weighed, {len(fits)} fit; the "
           f"{'' if len(shown) == len(fits) else f'{len(shown)} '}best by predicted step time "
           f"(--top 0: all). Bytes: what the busiest rank sends a step, * across nodes")
@@ -605,7 +659,20 @@ def show_plan(args, machine, weighed, fits):
               f"{sent[0]:>10}{sent[1]:>10}{sent[2]:>10}{row['bubble']:>8.1%}"
               f"{seconds(parts['compute']):>10}{seconds(comm):>10}"
               f"{seconds(row['step_s']):>10}{row['mfu']:>6.0%}")
+    print(imbalance(fits[0]))
     print(why(fits))
+
+
+def imbalance(row):   # the best layout's stages apart: the ends weigh on the first and last
+    stages = row["stages"]
+    if len(stages) == 1:
+        return f"one stage: {seconds(stages[0])} of compute and exchanges a step"
+    last = row["args"].pp - 1
+    named = {0: " (with E)", last: " (with H and the loss)"}
+    parts = [f"stage {s}{named.get(s, '')} {seconds(t)}" for s, t in sorted(stages.items())]
+    slowest = max(stages, key=stages.get)
+    return (f"its stages, compute and exchanges a step: {', '.join(parts)}; the slowest, stage "
+            f"{slowest}, sets the pace")
 
 
 def why(fits):   # the winner against the best of another shape: where it saves most
@@ -620,7 +687,8 @@ def why(fits):   # the winner against the best of another shape: where it saves 
             f"{part}: {seconds(best['parts'][part])} against {seconds(other['parts'][part])}")
 
 
-PLAN_FLAGS = ["world_size", "hardware", "gpus_per_node", *FIGURE_FLAGS, "json", "top"]
+PLAN_FLAGS = ["world_size", "hardware", "gpus_per_node", "vocab_size", *FIGURE_FLAGS, "json",
+              "top"]
 
 
 def add_plan_args(parser):
@@ -633,6 +701,8 @@ def add_plan_args(parser):
                       help="the GPU whose figures price a step, in bf16 (default h100)")
     plan.add_argument("--gpus-per-node", type=positive_int, default=argparse.SUPPRESS,
                       help="divides --world-size (default 8)")
+    plan.add_argument("--vocab-size", type=positive_int, default=argparse.SUPPRESS,
+                      help="the model's classes V (default: the text's, 97)")
     for name, unit in FIGURE_FLAGS.items():
         defaults = ", ".join(f"{gpu} {figures[name]:g}" for gpu, figures in GPUS.items())
         plan.add_argument(f"--{name.replace('_', '-')}", type=positive_float,
@@ -643,15 +713,18 @@ def add_plan_args(parser):
 
 def plan_rules(parser, args):
     """--plan takes the world, the machine and the model; it chooses the rest."""
-    used = {"plan", *PLAN_FLAGS, "num_layers", "dim", "batch_size", "optimizer", "bf16",
-            "bucket_mb", "backend", "timeout_s"}
+    used = {"plan", *PLAN_FLAGS, "num_layers", "dim", "context", "batch_size", "optimizer",
+            "bf16", "bucket_mb", "backend", "timeout_s"}
     refuse_unused(parser, args, used, "--plan, which chooses it")
+    args.vocab_size = getattr(args, "vocab_size", VOCAB_SIZE)
     args.world_size = getattr(args, "world_size", 8)
     args.hardware = getattr(args, "hardware", "h100")
     args.gpus_per_node = getattr(args, "gpus_per_node", 8)
     args.bf16 = True                          # the GPUs' figures are bf16's
     parser.refuse([
         (args.top < 0, f"--top {args.top}: expected 0 (every row) or more"),
+        (args.dim % args.context, f"--dim {args.dim} is not divisible by --context "
+                                  f"{args.context}: each character is embedded in D/k columns"),
         (under_torchrun(), "--plan: run it as a plain command, not under torchrun"),
         (args.world_size % args.gpus_per_node, f"--gpus-per-node {args.gpus_per_node} does not "
                                                f"divide --world-size {args.world_size}: a plan "

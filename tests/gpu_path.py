@@ -168,6 +168,7 @@ class Ran(NamedTuple):
     args: object
     rank: int
     stage: int               # its pipeline stage (0 without one)
+    tp_rank: int             # its tensor-parallel rank (0 without one): its classes of E and H
     matmuls: collections.Counter
     comms: collections.Counter   # (group, kind, bytes of the tensor) -> calls
     peak_bytes: int          # allocated in the step, alive at once, at the most
@@ -189,7 +190,14 @@ def run_step(script, argv, rank):
             step()
         held = data_parallel.memory_held(replica)
     comms = collections.Counter({key: calls for key, calls in counter.calls.items()})
-    return Ran(script, args, rank, stage, record.matmuls, comms, record.peak, held, record)
+    tp_rank = 0
+    if script == "tensor_parallel":
+        tp_rank = rank
+    if script == "three_d":
+        tp_rank = three_d.coordinates(rank, three_d.rank_groups(args.dp, args.pp, args.tp,
+                                                                  args.order))[2]
+    return Ran(script, args, rank, stage, tp_rank, record.matmuls, comms, record.peak, held,
+               record)
 
 
 def world_of(script, args):

@@ -25,7 +25,7 @@ from comm_count import CommCounter
 from data_parallel import memory_held
 from pipeline_parallel import Recorder, gather_on_rank0
 from plan_machine import ThisMachine
-from race import race, spawn_returning
+from race import first_batch, race, spawn_returning
 
 
 class Sampler(Recorder):
@@ -55,24 +55,26 @@ class Sampler(Recorder):
 
 def count_worker(rank, world_size, layouts):
     """Each layout (three_d's args) for one step. On rank 0, every rank's figures, [ranks,
-    layouts, 7]: its stage; the bytes it sent on tp, pp and dp; what its replica held at the
-    step's end; its stash at its largest; the most its replica held beyond the end."""
+    layouts, 8]: its stage; the bytes it sent on tp, pp and dp; what its replica held at the
+    step's end; its stash at its largest; the most its replica held beyond the end; its tp rank
+    (whose classes of E and H it holds)."""
     device = setup(rank, world_size)
     figures = []
     for args in layouts:
         me = three_d.ThreeDRank(rank, args, device)
-        me.train_step()              # a step first: AdamW makes its state in its first one
+        batch = me.micro_batches(first_batch(args), args)
+        me.train_step(*batch)        # a step first: AdamW makes its state in its first one
         me.replica.update()
         counter, sampler = CommCounter(me.groups), Sampler(device, me.replica)
         with counter.step():
-            me.train_step(sampler)
+            me.train_step(*batch, recorder=sampler)
             me.replica.update()
         sent = [float(sum(count for (group, _), (_, count) in counter.counts.items()
                           if group == name)) for name in ("tp", "pp", "dp")]
         end = sum(memory_held(me.replica).values())
         most = sampler.most
         stash = max(entry[2] for entry in sampler.memory)
-        figures.append([me.stage, *sent, end, stash, max(most - end, 0)])
+        figures.append([me.stage, *sent, end, stash, max(most - end, 0), me.tp_rank])
     everyone = gather_on_rank0(torch.tensor(figures, dtype=torch.float64))
     cleanup()
     return everyone
@@ -113,15 +115,16 @@ def measure_worker(rank, world_size, layouts, steps):
     times = []
     for args in layouts:
         me = three_d.ThreeDRank(rank, args, device)
-        times.append(race({"step": partial(train_and_update, me)}, device, warmup=2,
+        batch = me.micro_batches(first_batch(args), args)
+        times.append(race({"step": partial(train_and_update, me, batch)}, device, warmup=2,
                           repeats=steps)["step"])
         del me
     cleanup()
     return times
 
 
-def train_and_update(me):
-    me.train_step()
+def train_and_update(me, batch):
+    me.train_step(*batch)
     me.replica.update()
 
 

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import RANK_BYTES, cleanup, collective_cost, setup, spawn
-from data_parallel import layer_backward, layer_forward, mse_loss
+from data_parallel import (cross_entropy, embedding_forward, head_backward, head_forward,
+                           layer_backward, layer_forward)
 from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, build_schedule
 from tensor_parallel import side_by_side
 from three_d import Machine
@@ -67,37 +68,48 @@ class ThisMachine(Machine):
             step = optimizer([grads], lr=1e-3).step
             self.per_param[name] = timed(lambda: (grads.grad.div_(2), step())) / grads.numel()
 
-    def layer_s(self, kind, rows, dim, tp, bf16, need_dx, recompute, micro_batches):
-        key = (kind, rows, dim, tp, bf16, need_dx)
+    def layer_s(self, kind, rows, dim, tp, bf16, recompute, micro_batches, classes=0):
+        key = (kind, rows, dim, tp, bf16, classes)
         if key not in self.timed:
-            n = dim // tp
-            dtype = torch.bfloat16 if bf16 else torch.float32
-            inner, cols = (n, dim) if kind == "row" else (dim, n)
-            x = torch.randn(rows, inner, dtype=dtype)
-            w = torch.randn(inner, cols, dtype=dtype)
-            g = torch.randn(rows, dim if kind == "gather" else cols, dtype=dtype)[:, :cols]
-            stash = layer_forward(x, w)[1]
-            dz = layer_backward(g, stash, w, need_dx=need_dx)[1][1]
+            self.timed[key] = self.time_part(kind, rows, dim, tp, bf16, classes)
+        f, b, w, again = self.timed[key]
+        return f, b + again * recompute, w
 
+    def time_part(self, kind, rows, dim, tp, bf16, classes):
+        """(F, B, W, the forward again) of a tp rank's part, its own work as step 3's blocks do
+        it: a layer (the gather layer's copies too); the head and its loss over its classes
+        (on one rank: its own softmax's work); the embedding's lookup and its index_add_."""
+        n = dim // tp
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        if kind == "embedding":      # rows [b, D] looked up, as k characters' [b, D/k] are
+            table = torch.randn(classes, dim, dtype=dtype)
+            tokens = torch.randint(classes, (rows, 1))
+            g = torch.randn(rows, dim)
+            grad = torch.zeros(classes, dim)
+            return (timed(lambda: embedding_forward(tokens, table)), 0.0,
+                    timed(lambda: grad.index_add_(0, tokens.reshape(-1), g)), 0.0)
+        inner, cols = (n, dim) if kind == "row" else (dim, n)
+        if kind == "head":
+            cols = classes
+        x = torch.randn(rows, inner, dtype=dtype)
+        w = torch.randn(inner, cols, dtype=dtype)
+        g = torch.randn(rows, dim if kind == "gather" else cols, dtype=dtype)[:, :cols]
+        if kind == "head":
+            y = torch.randint(classes, (rows,))
+
+            def forward():
+                cross_entropy(head_forward(x, w)[0], y, rows)
+            backward = (lambda: head_backward(g, (x, None), w))
+        else:
             def forward():   # the gather layer puts the pieces side by side, a copy
                 a = layer_forward(x, w)[0]
                 if kind == "gather" and tp > 1:
                     side_by_side(torch.cat([a] * tp), rows)
-            self.timed[key] = (timed(forward),
-                               timed(lambda: layer_backward(g, stash, w, need_dx=need_dx)),
-                               timed(lambda: torch.mm(x.T.float(), dz.float())),
-                               timed(lambda: x @ w))              # --recompute's z again
-            self.flops = max(self.flops, 2 * rows * inner * cols / self.timed[key][2])
-        f, b, w, again = self.timed[key]
-        return f, b + again * recompute, w
-
-    def loss_s(self, rows, dim, bf16):
-        key = ("loss", rows, dim, bf16)
-        if key not in self.timed:
-            a = torch.randn(rows, dim, dtype=torch.bfloat16 if bf16 else torch.float32)
-            y = torch.randn(rows, dim)
-            self.timed[key] = timed(lambda: mse_loss(a, y, a.numel()))
-        return self.timed[key]
+            stash = layer_forward(x, w)[1]
+            backward = (lambda: layer_backward(g, stash, w))
+        dw = timed(lambda: torch.mm(x.T.float(), g.float()))
+        self.flops = max(self.flops, 2 * rows * inner * cols / dw)
+        return timed(forward), timed(backward), dw, timed(lambda: x @ w)   # z again: --recompute
 
     def collective_s(self, kind, nbytes, n, per_node):
         if n == 1:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import data_parallel
+import tensor_parallel
 import three_d
 from gpu_path import OffDevice, run_step
 
@@ -63,17 +64,18 @@ def as_three_d(script, args):
     return argparse.Namespace(**{**vars(args), **layout})
 
 
-def planned(layout, stage):
-    """What the plan's functions say a rank of this stage runs: its matmuls, its collectives
-    {(group, kind, bytes): calls} on groups of more than one rank, and its memory at the end."""
-    runs, held, _, _ = three_d.three_d_costs(layout, stage)
+def planned(layout, stage, tp_rank):
+    """What the plan's functions say a rank of this stage (and tp rank) runs: its matmuls, its
+    collectives {(group, kind, bytes): calls} on groups of more than one rank, and its memory at
+    the end."""
+    runs, held, _, _ = three_d.three_d_costs(layout, stage, tp_rank=tp_rank)
     sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
     comms = collections.Counter()
     for group, group_runs in runs.items():
         for kind, nbytes, calls in group_runs:
             if sizes[group] > 1 and calls:
                 comms[group, kind, nbytes] += calls
-    return three_d.rank_matmuls(layout, stage), comms, sum(size for size, _ in held.values())
+    return three_d.rank_matmuls(layout, stage, tp_rank), comms, sum(size for size, _ in held.values())
 
 
 def assert_as_planned(ran):
@@ -82,7 +84,7 @@ def assert_as_planned(ran):
     assert set(ran.record.input_dtypes) == want, ran.record.input_dtypes   # no fp32 matmul in bf16
     assert {mm.out_bytes for mm in ran.matmuls if mm.accumulate} == {4}     # dW: into fp32
     layout = as_three_d(ran.script, ran.args)
-    matmuls, comms, held = planned(layout, ran.stage)
+    matmuls, comms, held = planned(layout, ran.stage, ran.tp_rank)
     assert ran.matmuls == matmuls
     assert ran.comms == comms
     assert sum(ran.held.values()) == held
@@ -90,8 +92,9 @@ def assert_as_planned(ran):
     rows = layout.batch_size // (layout.dp * layout.micro_batches)
     per_layer = 2 * rows * layout.dim * layout.dim // layout.tp * layout.micro_batches
     layers = layout.num_layers // layout.pp
-    first = ran.stage == 0                   # the model's input needs no dx: one matmul fewer
-    assert flops == per_layer * (layers * (3 + layout.recompute) - first)
+    start, end = tensor_parallel.vocab_range(layout.vocab_size, ran.tp_rank, layout.tp)
+    head = 3 * 2 * rows * layout.dim * (end - start) * layout.micro_batches   # F, dx, dW; the last's
+    assert flops == per_layer * layers * (3 + layout.recompute) + head * (ran.stage == layout.pp - 1)
 
 
 @pytest.mark.deadline(120)
@@ -102,7 +105,7 @@ def test_a_rank_of_8_gpus_runs_as_planned(script, flags):
         assert_as_planned(ran)
 
 
-LARGE = ["--dp", "16", "--pp", "8", "--tp", "8", "--num-layers", "64", "--dim", "8192",
+LARGE = ["--dp", "16", "--pp", "8", "--tp", "8", "--num-layers", "64", "--dim", "8192", "--vocab-size", "128256",
          "--batch-size", "8192", "--micro-batches", "16", "--bf16", "--zero", "3",
          "--tp-style", "megatron", "--schedule", "interleaved", "--p2p-shard"]
 
@@ -113,22 +116,22 @@ def test_a_rank_of_1024_gpus_runs_as_planned(rank):
     ran = run_step("three_d", LARGE, rank)
     assert ran.stage == {0: 0, 229: 4, 1023: 7}[rank]
     assert_as_planned(ran)
-    # 16 micro-batches through 2 chunks of 4 layers: F, dx and dW each, but the model's input's dx
-    assert sum(ran.matmuls.values()) == 16 * 8 * 3 - 16 * (ran.stage == 0)
+    # 16 micro-batches through 2 chunks of 4 layers: F, dx and dW each; the head's too, last
+    assert sum(ran.matmuls.values()) == 16 * 8 * 3 + 16 * 3 * (ran.stage == 7)
 
 
-ON_THE_CPU = torch.ones(64)      # made outside the step, as a CPU tensor left in a script
+ON_THE_CPU = torch.ones(97)      # made outside the step, as a CPU tensor left in a script
 
 
 @pytest.mark.parametrize("make", [lambda a: torch.zeros(a.shape),      # made on the CPU
                                   lambda a: a + ON_THE_CPU])           # devices mixed
 def test_a_step_that_leaves_a_tensor_on_the_cpu_fails(monkeypatch, make):
     """The harness stops the step at the first op that makes or takes a tensor off meta."""
-    real = data_parallel.mse_loss
+    real = data_parallel.cross_entropy
 
-    def loss_beside_a_cpu_tensor(a, y, n):
-        make(a)
-        return real(a, y, n)
-    monkeypatch.setattr(data_parallel, "mse_loss", loss_beside_a_cpu_tensor)
+    def loss_beside_a_cpu_tensor(logits, y, n):
+        make(logits)
+        return real(logits, y, n)
+    monkeypatch.setattr(data_parallel, "cross_entropy", loss_beside_a_cpu_tensor)
     with pytest.raises(OffDevice, match="on cpu"):
         run_step("data_parallel", ["--world-size", "8", *SMALL], 0)
