@@ -131,9 +131,10 @@ def formula(dimension, runs, n):
             for key, (sent, how) in out.items()}
 
 
-def three_d_formula(args, stage):
-    """The rank's collectives by three_d.three_d_costs(), over its tp, pp and dp groups."""
-    runs = three_d.three_d_costs(args, stage)[0]
+def three_d_formula(args, stage, tp_rank=0):
+    """The rank's collectives by three_d.three_d_costs(), over its tp, pp and dp groups (its
+    replica's buckets hold its tp rank's classes of E and H)."""
+    runs = three_d.three_d_costs(args, stage, tp_rank=tp_rank)[0]
     sizes = {"tp": args.tp, "pp": args.pp, "dp": args.dp}
     return {key: value for group, group_runs in runs.items()
             for key, value in formula(group, group_runs, sizes[group]).items()}
@@ -193,7 +194,7 @@ def count_worker(rank, world_size, script, args):
         runs = pipeline_costs(args.schedule, world_size, stage, m, args.virtual_stages, act_bytes=act_bytes)[2]
         want = formula("pp", runs, world_size)
     else:
-        want = three_d_formula(args, stage)
+        want = three_d_formula(args, stage, dist.get_rank(groups["tp"]))
         act_bytes = (args.batch_size // (args.dp * m)) * args.dim * (2 if args.bf16 else 4)
         notes = megatron_comparison(args.num_layers, act_bytes, m, args.tp)
     report(counter, want, notes)

@@ -65,6 +65,14 @@ def all_gather(n, nbytes):
 
 
 COMMON = ["--steps", "1", "--optimizer", "sgd", *TIMEOUT]
+V = 97                             # the text's classes; D = 8 and k = 8: E is [97, 1]
+
+
+def model_parts(L, D, tp=1, t=0):
+    """The elements of tp rank t's parts: E's rows of its classes [V_t, D/8], L layers' D x D/tp,
+    H's columns of its classes [D, V_t]; V_t = 49 or 48 classes of 97 at tp = 2."""
+    classes = V // tp + (t < V % tp)
+    return [classes * (D // 8), *[D * D // tp] * L, D * classes]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -73,8 +81,8 @@ def test_data_parallel(capfd, overlap, bucket_mb):
     d, L, D, B, m = 4, 3, 8, 16, 2
     comm_count.count("data_parallel", ["--world-size", str(d), "--num-layers", str(L), "--dim", str(D), "--batch-size", str(B),
                         "--micro-batches", str(m), "--bucket-mb", bucket_mb, *COMMON, *(["--overlap"] if overlap else [])])
-    params = L * D * D * F32
-    calls = L if bucket_mb == "0" else 1   # one all-reduce per layer, or per bucket of all three: same bytes
+    params = sum(model_parts(L, D)) * F32
+    calls = L + 2 if bucket_mb == "0" else 1   # one all-reduce per part, or one for all: same bytes
     assert_counts(capfd, d, lambda rank: {("dp", "all-reduce"): (calls, all_reduce(d, params))})
 
 
@@ -90,9 +98,11 @@ def test_bf16_halves_what_crosses_and_recompute_repeats_the_row_layers_all_reduc
                                          "--num-layers", "5", *flags, *COMMON])
     L, act = 5, B // m * D * (2 if "--bf16" in flags else F32)
     again = "--recompute" in flags
+    parts = L + 2 + 2 * again           # an A each: the embedding's x, each layer's dx or z, the head's da
+    rows = 3 * m * all_reduce(t, B // m * F32)     # and the loss's three [b] rows of fp32, bf16 or not
     assert_counts(capfd, t, lambda rank: {                            # 2 pairs and an all-gather layer
         ("tp", "all-gather"): (m, m * all_gather(t, act)),
-        ("tp", "all-reduce"): ((L - 1 + 2 * again) * m, (L - 1 + 2 * again) * m * all_reduce(t, act)),
+        ("tp", "all-reduce"): (parts * m + 3 * m, parts * m * all_reduce(t, act) + rows),
     })
 
 
@@ -103,23 +113,26 @@ def test_bf16_halves_the_pipelines_messages_and_zeros_weight_gathers(capfd):
     comm_count.count("three_d", ["--dp", "2", "--pp", "2", "--tp", "1", "--num-layers", "4", "--dim", "8",
                                  "--batch-size", "8", "--micro-batches", "2", "--zero", "3", "--bucket-mb", "0",
                                  "--bf16", "--recompute", *COMMON])
-    m, d, act, layer = 2, 2, 8 // 2 // 2 * 8 * 2, 64 * F32   # [b, D] in bf16; a layer's fp32 bytes
+    m, d, act = 2, 2, 8 // 2 // 2 * 8 * 2      # [b, D] in bf16
+    E, W, _, _, _, H = model_parts(4, 8)
+    stages = [[E + 1, W, W], [W, W, H]]        # each unit padded to a multiple of d; E 97 to 98
     out = capfd.readouterr().out
     assert "DIFFERENT" not in out
     rows = [(kind, int(counted)) for _, kind, calls, counted in
             re.findall(r"^    (\w+) ([\w-]+)\s+(\d+) calls\s+counted\s+(\S+)", out, re.MULTILINE) if int(calls)]
     assert {counted for kind, counted in rows if kind == "send"} == {m * act}   # one each way, a mb
-    assert {counted for kind, counted in rows if kind == "all-gather"} == {   # 2 layers a stage
-        m * (d - 1) * 2 * 2 * layer // 2 // d}
-    assert {counted for kind, counted in rows if kind == "reduce-scatter"} == {m * (d - 1) * 2 * layer // d}
+    assert {counted for kind, counted in rows if kind == "all-gather"} == {     # bf16, twice a mb
+        m * 2 * (d - 1) * 2 * sum(units) // d for units in stages}
+    assert {counted for kind, counted in rows if kind == "reduce-scatter"} == {  # fp32, once a mb
+        m * (d - 1) * F32 * sum(units) // d for units in stages}
 
 
 def comparison(L, m, t, act):
-    """Both TP styles' bytes over the model, per rank and step: one all-reduce per layer and
-    micro-batch but the model's first (of dx; of z for a row layer), and an all-gather for
-    every all-gather layer: all L of them, or Megatron's odd last one."""
-    gather = m * (L * all_gather(t, act) + (L - 1) * all_reduce(t, act))
-    megatron = m * ((L % 2) * all_gather(t, act) + (L - 1) * all_reduce(t, act))
+    """Both TP styles' bytes over the model's layers, per rank and step: one all-reduce per
+    layer and micro-batch (of dx; of z for a row layer), and an all-gather for every all-gather
+    layer: all L of them, or Megatron's odd last one."""
+    gather = m * (L * all_gather(t, act) + L * all_reduce(t, act))
+    megatron = m * ((L % 2) * all_gather(t, act) + L * all_reduce(t, act))
     return (f"all-gather layers {float(gather):.0f}, Megatron's pairs {float(megatron):.0f}, "
             f"{float(megatron / gather):.3f} of it")
 
@@ -127,24 +140,26 @@ def comparison(L, m, t, act):
 @pytest.mark.parametrize("zero", [1, 2, 3])
 @pytest.mark.parametrize("bucket_mb", ["0", "25"])
 def test_data_parallel_with_zero(capfd, zero, bucket_mb):
-    """3 replicas, D = 8. A layer a bucket: each layer's 64 parameters padded to 66, 264
-    bytes; ZeRO-1 and 2: one reduce-scatter and one all-gather a layer; ZeRO-3: per
-    micro-batch an all-gather a layer for the forward and one for its backward, as FSDP
-    does, and a reduce-scatter a layer. One bucket of the three layers: 192 parameters, no
-    padding, 768 bytes, and one collective where there were three."""
+    """3 replicas, D = 8. A part a bucket: each padded to a multiple of 3 (E's 97 parameters to 99,
+    a layer's 64 to 66, H's 776 to 777); ZeRO-1 and 2: one reduce-scatter and one all-gather a
+    part; ZeRO-3: per micro-batch an all-gather a part for the forward and one for its
+    backward, as FSDP does, and a reduce-scatter a part. One bucket of the five parts: 1,065
+    parameters, no padding, and one collective where there were five."""
     d, L, D, B, m = 3, 3, 8, 12, 2
     comm_count.count("data_parallel", ["--world-size", str(d), "--num-layers", str(L), "--dim", str(D),
                                        "--batch-size", str(B), "--micro-batches", str(m), "--zero", str(zero),
                                        "--bucket-mb", bucket_mb, *COMMON])
-    units, unit = (L, 66 * F32) if bucket_mb == "0" else (1, 3 * 64 * F32)
-    each = Fraction((d - 1) * unit, d)    # (d-1)/d of a unit's padded bytes
+    parts = model_parts(L, D)
+    if bucket_mb != "0":
+        parts = [sum(parts)]
+    padded = [-(-n // d) * d for n in parts]
+    units = len(padded)
+    each = Fraction((d - 1) * sum(padded) * F32, d)    # (d-1)/d of the units' padded bytes, all
     assert each.denominator == 1
-    backward = units
     if zero < 3:
-        want = {("dp", "reduce-scatter"): (units, units * each), ("dp", "all-gather"): (units, units * each)}
+        want = {("dp", "reduce-scatter"): (units, each), ("dp", "all-gather"): (units, each)}
     else:
-        want = {("dp", "reduce-scatter"): (m * units, m * units * each),
-                ("dp", "all-gather"): (m * (units + backward), m * (units + backward) * each)}
+        want = {("dp", "reduce-scatter"): (m * units, m * each), ("dp", "all-gather"): (2 * m * units, 2 * m * each)}
     assert_counts(capfd, d, lambda rank: want)
 
 
@@ -156,13 +171,14 @@ def test_tensor_parallel(capfd, style, L):
                                          *COMMON])
     act = B // m * D * F32   # one micro-batch's activation [B/m, D]
     gathers = L if style == "all-gather" else L % 2
+    rows = 3 * m * all_reduce(t, B // m * F32)   # the loss's max, sum and target logit: [b] each
     out = assert_counts(capfd, t, lambda rank: {
         ("tp", "all-gather"): (gathers * m, gathers * m * all_gather(t, act)),
-        ("tp", "all-reduce"): ((L - 1) * m, (L - 1) * m * all_reduce(t, act)),   # the first layer's dx: skipped
+        ("tp", "all-reduce"): ((L + 2) * m + 3 * m, (L + 2) * m * all_reduce(t, act) + rows),   # E, layers, H
     })
     assert comparison(L, m, t, act) in " ".join(out.split())
-    if L == 4:   # 2L-2 against 3L-2 units of 2(t-1)/t A... : 6/10
-        assert "0.600 of it" in out
+    if L == 4:   # 2 L against 3 L units of (t-1)/t A: 2/3
+        assert "0.667 of it" in out
 
 
 @pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
@@ -196,15 +212,20 @@ def test_three_d(capfd, schedule, shard, style):
 
     def expected(rank):
         p = rank // tp % pp               # rank = (d pp + p) tp + t
+        t = rank % tp
         neighbours = (p > 0) + (p < pp - 1)
         own = layers if style == "all-gather" else 0       # a stage of 2 layers: one Megatron pair
         gathers = own * m + (neighbours * m if shard else 0)   # --p2p-shard gathers what it receives
-        reduces = (layers - (p == 0)) * m
+        reduces = (layers + 1) * m        # an A each: the layers', and the embedding's or the head's
+        rows = 3 * m * (p == pp - 1)      # the loss's [b] rows, on the last stage
+        E, W, _, _, _, H = model_parts(L, D, tp, t)
+        held = E + 2 * W if p == 0 else 2 * W + H
         return {
             ("tp", "all-gather"): (gathers, gathers * all_gather(tp, act)),
-            ("tp", "all-reduce"): (reduces, reduces * all_reduce(tp, act)),
+            ("tp", "all-reduce"): (reduces + rows,
+                                   reduces * all_reduce(tp, act) + rows * all_reduce(tp, B // (dp * m) * F32)),
             ("pp", "send"): (neighbours * m, neighbours * m * (act // tp if shard else act)),
-            ("dp", "all-reduce"): (1, all_reduce(dp, layers * D * (D // tp) * F32)),
+            ("dp", "all-reduce"): (1, all_reduce(dp, held * F32)),
         }
     out = assert_counts(capfd, dp * pp * tp, expected)
     assert comparison(L, m, tp, act) in " ".join(out.split())
@@ -212,7 +233,7 @@ def test_three_d(capfd, schedule, shard, style):
 
 def test_sizes_of_one_send_nothing(capfd):
     """dp = tp = 1: the groups of one are never called, and their formulas are zero."""
-    comm_count.count("three_d", ["--dp", "1", "--pp", "2", "--tp", "1", "--num-layers", "2", "--dim", "4", "--batch-size", "4",
+    comm_count.count("three_d", ["--dp", "1", "--pp", "2", "--tp", "1", "--num-layers", "2", "--dim", "4", "--context", "4", "--batch-size", "4",
                   "--micro-batches", "2", *COMMON])
     act = 2 * 4 * F32
     assert_counts(capfd, 2, lambda rank: {("pp", "send"): (2, 2 * act)})
