@@ -6,7 +6,7 @@
 # Bring your own environment instead with PYTHON=...: what it lacks is installed there.
 PYTHON ?= .venv/bin/python
 
-.PHONY: deps install ray-deps collectives dp tp pp 3d 3d-ray test test-multinode test-slurm test-ray bench
+.PHONY: deps install collectives dp tp pp 3d test test-multinode test-slurm bench
 
 # Two `make` calls at once (make 3d and make test in two terminals) take turns here: the
 # lock on .venv.lock is the kernel's, so a killed make holds it no longer.
@@ -41,16 +41,8 @@ pp: deps
 3d: deps
 	$(PYTHON) three_d.py --dp 2 --pp 2 --tp 2 --check
 
-# Ray is optional, not in requirements.txt: installed here only if missing (about
-# 200 MB). ray[train] does not depend on torch, so the installed torch stays as it is.
-ray-deps: deps
-	@$(PYTHON) -c "import importlib.util as u; exit(u.find_spec('ray') is None)" || $(PYTHON) -m pip install -q "ray[train]==2.60.0"
-
-3d-ray: ray-deps
-	$(PYTHON) three_d.py --ray --dp 2 --pp 2 --tp 2 --check
-
 test: deps
-	$(PYTHON) -m pytest -q -m "not multinode and not slurm and not ray" tests
+	$(PYTHON) -m pytest -q -m "not multinode and not slurm" tests
 
 # Two nodes in network namespaces, as root (about a minute)
 test-multinode: deps
@@ -62,9 +54,6 @@ test-slurm: deps
 	@command -v slurmctld >/dev/null && command -v munged >/dev/null || \
 	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge)
 	$(PYTHON) -m pytest -q -m slurm tests
-
-test-ray: ray-deps
-	$(PYTHON) -m pytest -q -m ray tests
 
 # bench (tests/bench.py): each step against PyTorch's own API for it and against serial,
 # at a compute-heavy size (D=1024) and where communication dominates (the defaults, D=64);

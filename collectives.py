@@ -224,7 +224,7 @@ def ring_demo(rank, world_size, device):
 
 
 # Below the fold: the launcher (spawn, setup, cleanup and the process management behind
-# them, and Ray's), the command line that every script shares, and this step's printing. ---
+# them), the command line that every script shares, and this step's printing. ---
 import argparse, contextlib, ctypes, glob, logging, math, os, pickle, re  # noqa: E401, E402
 import shutil, signal, socket, sys, tempfile, threading, time  # noqa: E401, E402
 from datetime import timedelta  # noqa: E402
@@ -316,7 +316,7 @@ def setup(rank, world_size):
     LOCAL_RANK picks the GPU on this node; RANK, the global rank, differs on a second node."""
     backend = os.environ.get("PARALLEL_BACKEND") or pick_backend(world_size)
     torch.set_num_threads(1)        # the ranks share this machine's cores: one thread each
-    joined = dist.is_initialized()  # (Ray Train joins the group before our function runs)
+    joined = dist.is_initialized()  # (a caller may have joined the group already)
     store = None if joined else meet(rank, world_size, backend)
     device = torch.device("cpu")
     if backend == "nccl":
@@ -387,7 +387,7 @@ def cleanup():
     dist.destroy_process_group()
 
 
-def under_torchrun():   # torchrun (and Slurm or Ray around it) start each rank with these
+def under_torchrun():   # torchrun (and Slurm around it) start each rank with these
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
@@ -400,30 +400,6 @@ def pick_backend(local_world_size, requested="auto"):
     if torch.cuda.device_count() >= local_world_size:
         return "nccl"
     return "gloo"
-
-
-def gpu_capabilities():
-    """(major, minor) compute capability of each GPU that CUDA_VISIBLE_DEVICES leaves this
-    process, read by NVML, as device_count() is, so no CUDA starts here; [] without NVML."""
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return []
-    if nvml.nvmlInit_v2() != 0:
-        return []
-    count, found = ctypes.c_uint(), []
-    nvml.nvmlDeviceGetCount_v2(ctypes.byref(count))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    indices = [int(i) for i in visible] if all(i.strip().isdigit() for i in visible) else \
-        range(count.value)
-    for index in indices:
-        handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
-        if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0 and \
-                nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major),
-                                                        ctypes.byref(minor)) == 0:
-            found.append((major.value, minor.value))
-    nvml.nvmlShutdown()
-    return found
 
 
 def allocator_peak(device):
@@ -489,37 +465,6 @@ def measured_bandwidth(nbytes, points, floor, plateau):
     k = min(sum(at <= size for at, _ in net), len(net) - 1)
     (s0, b0), (s1, b1) = net[k - 1], net[k]
     return b0 * (b1 / b0) ** (math.log(size / s0) / math.log(s1 / s0))
-
-
-def ray_launch(fn, world_size, args):
-    """The ranks as Ray Train workers: TorchTrainer starts one a rank, on any node of the
-    cluster, gives it what torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) and
-    joins the process group; from there spawn() runs that one rank, as under torchrun."""
-    import ray
-    from ray.train import ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    ray.init()   # joins the cluster of `ray start` (RAY_ADDRESS, or one here), else starts one
-    cluster = ray.cluster_resources()
-    use_gpu = args.backend == "nccl" or (args.backend == "auto" and
-                                         cluster.get("GPU", 0) >= world_size)
-    backend = "nccl" if use_gpu else "gloo"
-    # A share of the cluster's CPUs per rank, at most one: 8 ranks fit on a 2-core laptop.
-    resources = {"CPU": min(1.0, cluster.get("CPU", 1) / world_size)}
-    if use_gpu:
-        resources["GPU"] = 1
-    if args.save:
-        args.save = os.path.abspath(args.save)   # a worker may run in another directory
-    config = {"fn": fn, "world_size": world_size, "args": args, "backend": backend}
-    TorchTrainer(ray_worker, train_loop_config=config,
-                 scaling_config=ScalingConfig(num_workers=world_size, use_gpu=use_gpu,
-                                              resources_per_worker=resources),
-                 torch_config=TorchConfig(backend=backend, timeout_s=args.timeout_s)).fit()
-
-
-def ray_worker(config):   # one Ray Train worker: its rank of the run
-    spawn(config["fn"], config["world_size"], config["args"], backend=config["backend"],
-          timeout_s=config["args"].timeout_s)
 
 
 def run_main(main):

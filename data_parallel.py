@@ -19,17 +19,17 @@ derived by hand here, once; every later step splits these lines:
                dW = x^T dz        [D, D]          dx = dz W^T       [b, D]
                dE[tokens[:, j]] += dx[:, j D/k : (j+1) D/k]        each position j, index_add_
 
-Each part is a Block, a forward and its backward; the embedding's dE is the layers' x^T dz
-with x = onehot(tokens), which index_add_ sums without making the one-hot matrix. A layer
-keeps (x, z), its stash, for its backward. --recompute (activation checkpointing, a layer at
-a time) keeps x, makes z = x W again in the backward: L [b, D], not 2 L, 4/3 the FLOPs.
+Each part is a Block, a forward and its backward; dE is x^T dz with x = onehot(tokens), which
+index_add_ sums without making the one-hot matrix. A layer keeps (x, z), its stash, for its
+backward; --recompute keeps x, makes z again in the backward: L [b, D], not 2 L, 4/3 the FLOPs.
 
 Data parallelism: each of d replicas holds every weight and trains on its own slice of the
 batch; they sum their gradients with an all-reduce and divide by d: the same step on each.
 dp_step() reads as that: forward; backward part by part, each dW into its bucket; each
 bucket's exchange once final (--overlap: under the backward below); divide. ZeRO (--zero 1,
 2, 3): three classes, each the stage before plus its change; dp_costs their bytes and memory.
-PyTorch's: DDP, ZeroRedundancyOptimizer, FSDP2 (tests/bench.py).
+PyTorch's: DDP, ZeroRedundancyOptimizer, FSDP2 (tests/bench.py). The text, the weights' draw
+and each step's batch (init_params, make_batch) are below the fold.
 """
 import math
 import warnings
@@ -53,8 +53,7 @@ def embedding_forward(tokens, e, recompute=False):
 
 
 def embedding_backward(g, stash, e, need_dx=False):
-    """dE = onehot(tokens)^T g, a row's k blocks to their tokens' rows: (tokens, g as [b k, D/k])
-    for the replica's index_add_. Token ids have no gradient."""
+    """dE = onehot(tokens)^T g: (tokens, g as [b k, D/k]) for the replica's index_add_."""
     tokens, _ = stash
     return None, (tokens, g.reshape(tokens.numel(), -1))
 
@@ -91,48 +90,13 @@ def cross_entropy(logits, y, n):
     """This piece's sum of -log softmax(logits)[y] / n, and dlogits = (softmax - onehot(y)) / n,
     in fp32 whatever the logits' dtype (bf16's 8 bits would round the probabilities)."""
     log_p = logits.float().log_softmax(dim=1)             # [b, V]
-    rows = torch.arange(len(y), device=y.device)
-    dlogits = log_p.exp()
-    dlogits[rows, y] -= 1.0
-    return -log_p[rows, y].sum() / n, (dlogits / n).to(logits.dtype)
+    dlogits = log_p.exp().scatter_add_(1, y[:, None], -torch.ones_like(log_p[:, :1]))
+    return -log_p.gather(1, y[:, None]).sum() / n, (dlogits / n).to(logits.dtype)
 
 
-EMBEDDING = Block(embedding_forward, embedding_backward)
-LAYER = Block(layer_forward, layer_backward)
-HEAD = Block(head_forward, head_backward)
-
-
-def model_blocks(num_layers):   # the model's parts in order: E, W_1 .. W_L, H
-    return [EMBEDDING, *[LAYER] * num_layers, HEAD]
-
-
-def init_params(args):
-    """E [V, D/k], the L layers' W [D, D] and H [D, V], drawn in that order from one generator:
-    every rank draws them alike and keeps its part, so a shard is a piece of one matrix (at
-    scale: a generator per shard, or the meta device). sqrt(2/D) keeps the signal through GELUs."""
-    D = args.dim
-    gen = torch.Generator().manual_seed(args.seed)
-    embedding = torch.randn(args.vocab_size, D // args.context, generator=gen)
-    weights = [torch.randn(D, D, generator=gen) * math.sqrt(2.0 / D)
-               for _ in range(args.num_layers)]
-    head = torch.randn(D, args.vocab_size, generator=gen) * math.sqrt(1.0 / D)
-    return [embedding, *weights, head]
-
-
-def make_batch(text, args, step):
-    """The step's batch: B windows of k + 1 characters of the text at offsets that every rank
-    draws alike from (--seed, step); the first k are the input [B, k], the last the target [B]."""
-    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    starts = torch.randint(len(text) - args.context, (args.batch_size,), generator=gen)
-    windows = text[starts[:, None] + torch.arange(args.context + 1)]   # [B, k + 1]
-    return windows[:, :args.context], windows[:, args.context]
-
-
-def replica_rows(batch_size, dp_rank, dp_size):
-    """The rows that replica dp_rank trains on: by its data-parallel rank, never the global
-    rank (in 3D they differ)."""
-    per_replica = batch_size // dp_size
-    return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
+def model_blocks(num_layers):   # the model's parts in order, a Block each: E, W_1 .. W_L, H
+    return [Block(embedding_forward, embedding_backward),
+            *[Block(layer_forward, layer_backward)] * num_layers, Block(head_forward, head_backward)]
 
 
 def dp_step(replica, blocks, loss_fn, xs, ys, n, recompute=False):
@@ -214,9 +178,8 @@ class DataParallel:
         self.first_dw.discard(i)
         if not x.is_floating_point():               # the embedding: x = onehot(tokens), so
             grad.mul_(keep).index_add_(0, x.reshape(-1), dz.float())   # dE[tokens] += g rows
-        elif x.dtype != grad.dtype and x.device.type != "cpu":
-            # --bf16 on a GPU: bf16 inputs on the tensor cores, summed into the fp32 gradient by
-            # the matmul itself (Megatron's fused wgrad); cast to fp32 they would run at 1/15
+        elif x.dtype != grad.dtype and x.device.type != "cpu":   # --bf16 on a GPU: bf16 on the
+            # tensor cores into the fp32 gradient (Megatron's fused wgrad); fp32 runs at 1/15
             torch.addmm(grad, x.T, dz, beta=keep, out_dtype=torch.float32, out=grad)   # dW +=
         else:             # fp32; --bf16 on the CPU casts, having no bf16 x bf16 -> fp32 kernel
             grad.addmm_(x.T.float(), dz.float(), beta=keep)                # dW += x^T dz [D, D]
@@ -373,7 +336,6 @@ def dp_worker(rank, world_size, args):
     replica = make_replica([w.to(device, copy=True) for w in init], None, zero=args.zero,
                            optimizer=args.optimizer, lr=args.lr, bucket_mb=args.bucket_mb,
                            bf16=args.bf16, overlap=args.overlap)
-    memory = watch_memory(replica)                      # ZeRO-3's largest moment, for its table
     blocks = model_blocks(args.num_layers)
     rows = replica_rows(args.batch_size, rank, world_size)   # the world's ranks are the replicas
     text = training_text()
@@ -392,7 +354,7 @@ def dp_worker(rank, world_size, args):
         losses.append(global_loss(loss, None))
         if rank == 0:
             log_step(f"[rank {rank}]", step, losses, norms, args)
-    finish_replicas(replica, memory, args, init, losses, check, norms)
+    finish_replicas(replica, args, init, losses, check, norms)
     cleanup()
 
 
@@ -407,7 +369,7 @@ import argparse, contextlib, functools, os  # noqa: E401, E402
 from typing import NamedTuple  # noqa: E402
 
 from collectives import (Parser, Stop, allocator_peak, check_launch_args,  # noqa: E402
-                         gpu_capabilities, pick_backend, positive_float, positive_int)
+                         positive_float, positive_int)
 
 
 def make_replica(weights, group, zero=0, **options):   # the ZeRO stage asked for (--zero)
@@ -505,6 +467,35 @@ def make_optimizer(params, optimizer, lr):   # plain SGD, or AdamW with PyTorch'
     return (torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW)(params, lr=lr)
 
 
+def init_params(args):
+    """E [V, D/k], the L layers' W [D, D] and H [D, V], drawn in that order from one generator:
+    every rank draws them alike and keeps its part, so a shard is a piece of one matrix (at
+    scale: a generator per shard, or the meta device). sqrt(2/D) keeps the signal through GELUs."""
+    D = args.dim
+    gen = torch.Generator().manual_seed(args.seed)
+    embedding = torch.randn(args.vocab_size, D // args.context, generator=gen)
+    weights = [torch.randn(D, D, generator=gen) * math.sqrt(2.0 / D)
+               for _ in range(args.num_layers)]
+    head = torch.randn(D, args.vocab_size, generator=gen) * math.sqrt(1.0 / D)
+    return [embedding, *weights, head]
+
+
+def make_batch(text, args, step):
+    """The step's batch: B windows of k + 1 characters of the text at offsets that every rank
+    draws alike from (--seed, step); the first k are the input [B, k], the last the target [B]."""
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    starts = torch.randint(len(text) - args.context, (args.batch_size,), generator=gen)
+    windows = text[starts[:, None] + torch.arange(args.context + 1)]   # [B, k + 1]
+    return windows[:, :args.context], windows[:, args.context]
+
+
+def replica_rows(batch_size, dp_rank, dp_size):
+    """The rows that replica dp_rank trains on: by its data-parallel rank, never the global
+    rank (in 3D they differ)."""
+    per_replica = batch_size // dp_size
+    return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
+
+
 def serial_loss(params, tokens, targets, bf16=False, halves=False):
     """The model's loss with autograd, and its logits: with bf16, the same casts as the
     parallel runs make: bf16 matmuls and activations on fp32 master weights. halves: each
@@ -557,28 +548,7 @@ def memory_held(replica):   # bytes held now, by kind; a view of another tensor 
             for kind, lists in kinds.items()}                   # a meta tensor has no address)
 
 
-class MemoryWatch:
-    """The most a replica held at any moment: sampled at each ZeRO-3 gather (where it peaks),
-    from outside the replica, for the memory table."""
-
-    def __init__(self, replica):
-        self.largest = 0
-        self.replica = replica
-        gather = replica.gather_weights
-
-        def gather_and_sample(*args, **kwargs):
-            gather(*args, **kwargs)
-            self.largest = max(self.largest, sum(memory_held(replica).values()))
-        replica.gather_weights = gather_and_sample
-
-
-def watch_memory(replica):   # ZeRO-3's gathers watched; nothing else moves within a step
-    if isinstance(replica, ZeRO3):
-        return MemoryWatch(replica)
-    return None
-
-
-def show_memory(replica, memory, args, whose):
+def show_memory(replica, args, whose, largest=None):
     now, P = memory_held(replica), sum(replica.lengths)
     want = dp_costs(replica.lengths, replica.dp_size, args.zero, optimizer=args.optimizer,
                     bf16=args.bf16)[1]
@@ -588,21 +558,21 @@ def show_memory(replica, memory, args, whose):
           f"{'bf16 on fp32 masters (in the optimizer state)' if args.bf16 else 'fp32'}")
     for kind, got in [*now.items(), ("total", sum(now.values()))]:
         print(f"  {kind:<16}{got:>12} bytes   formula {want[kind][1]:<18} = {want[kind][0]:>10.0f}")
-    if memory is not None:
-        print(f"  largest at any moment of the last step: {memory.largest} bytes, at a bucket's "
-              f"gather: the shards, the gradient buckets then, and the buckets held (two at most)")
+    if largest is not None:   # (measured from outside: tests/bench.py memory)
+        print(f"  largest at any moment of the last step: {largest} bytes, at a bucket's gather: "
+              f"the shards, the gradient buckets then, and the buckets held (two at most)")
     if allocator_peak(replica.device) is not None:
         print(f"  the CUDA allocator's peak over the run: {allocator_peak(replica.device)} bytes "
               f"(torch.cuda.max_memory_allocated: activations, the batch and workspace too)")
 
 
-def finish_replicas(replica, memory, args, init, losses, check, norms):
+def finish_replicas(replica, args, init, losses, check, norms):
     weights = full_weights(replica)   # every rank: the replicas must agree, bit for bit
     drift = replica_drift(weights)
     if dist.get_rank() == 0:
         log("[rank 0]", f"replicas identical after training: {drift == 0.0} (largest "
                         f"difference {drift:g})")
-        show_memory(replica, memory, args, "each replica")
+        show_memory(replica, args, "each replica")
         finish_run(args, init, weights, losses, check, norms, {"replica_max_diff": drift})
 
 
@@ -665,11 +635,6 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
     L, D, B, m, V = args.num_layers, args.dim, args.batch_size, args.micro_batches, VOCAB_SIZE
     by, rows = f"{replicas_flag} x " if replicas_flag else "", B // replicas
     bucket_mb = getattr(args, "bucket_mb", 0)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    gpus = gpu_capabilities() if args.bf16 and pick_backend(local_ranks, args.backend) == "nccl" \
-        else []      # (major, minor) of each GPU, asked of NVML: no CUDA starts here
-    old = [(i, f"{major}.{minor}") for i, (major, minor) in enumerate(gpus) if major < 8]
-    oldest = old[0] if old else ("", "")
     parser.refuse([
         (not 0 <= args.seed < 2**32, f"--seed {args.seed}: expected 0 to {2**32 - 1}"),
         (D % args.context, f"--dim {D} is not divisible by --context {args.context}: each "
@@ -682,10 +647,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
         (m > rows, f"--micro-batches {m}: more micro-batches than rows per replica ({rows})"),
         (B % (replicas * m), f"--batch-size {B} is not divisible by {by}--micro-batches "
                              f"({replicas * m})"),
-        (not 0 <= bucket_mb <= 1e6, f"--bucket-mb {bucket_mb:g}: expected 0 to 1e6"),
-        (old, f"--bf16: GPU {oldest[0]} has compute capability {oldest[1]} ({len(old)} of "
-              f"{len(gpus)} GPUs here are older than 8.0, Ampere); bf16 needs 8.0 or newer, and "
-              f"below that it is only emulated: drop --bf16")])
+        (not 0 <= bucket_mb <= 1e6, f"--bucket-mb {bucket_mb:g}: expected 0 to 1e6")])
     P = L * D * D + V * D // args.context + D * V
     held = dp_costs([P], replicas, zero=getattr(args, "zero", 0))[1]
     state = sum(size for size, _ in held.values())

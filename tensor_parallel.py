@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives import cleanup, log, run_main, setup, spawn
+from collectives import cleanup, run_main, setup, spawn
 from data_parallel import (Block, DataParallel, dp_step, init_params, layer_backward,
                            layer_forward, make_batch)
 

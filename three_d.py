@@ -6,7 +6,6 @@
     python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
     python three_d.py --plan --hardware h100            # which layout? 8 H100s, ranked
     torchrun --nproc-per-node 8 three_d.py              # one node; the README has two nodes
-    python three_d.py --ray                             # the ranks as Ray Train workers
 
 Nothing new is computed here: this file composes the blocks of steps 2-4.
 - Every layer is one of step 3's tensor-parallel layers over the stage's TP group (the
@@ -27,7 +26,7 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns 
 import torch
 import torch.distributed as dist
 
-from collectives import cleanup, log, ray_launch, run_main, setup, spawn
+from collectives import cleanup, run_main, setup, spawn
 from data_parallel import dp_costs, init_params, make_batch, make_replica, replica_rows
 from pipeline_parallel import Stage, build_schedule, pipeline_costs, run_schedule, stage_parts
 from tensor_parallel import (all_gather_columns, layer_kinds, shard, shard_columns, tp_blocks,
@@ -235,7 +234,6 @@ def stash_bytes(args):
 def three_d_worker(rank, world_size, args):
     device = setup(rank, world_size)
     me = ThreeDRank(rank, args, device)
-    memory = watch_memory(me.replica)         # ZeRO-3's largest moment, for its table
     if rank == 0:   # the rank map, and what a stage's (a chunk's) layers are
         show_rank_map(args.dp, args.pp, args.tp, args.order, kinds=me.kinds,
                       chunks=args.virtual_stages)
@@ -256,7 +254,7 @@ def three_d_worker(rank, world_size, args):
             losses.append(global_loss(me.stages[-1].loss, me.groups["dp"]))   # losses, averaged
             if me.dp_rank == me.tp_rank == 0:
                 log_step(me.tag, step, losses, norms, args)
-    finish_ranks(me, memory, args, losses, check, norms, device)
+    finish_ranks(me, args, losses, check, norms, device)
     cleanup()
 
 
@@ -266,8 +264,6 @@ def main(argv=None):
         show_rank_map(args.dp, args.pp, args.tp, args.order)
     elif args.plan:  # which layout? every one, costed by three_d_costs() (below)
         plan(args)
-    elif args.ray:   # the same ranks, started by Ray instead of spawn (step 1's launcher)
-        ray_launch(three_d_worker, args.dp * args.pp * args.tp, args)
     else:
         spawn(three_d_worker, args.dp * args.pp * args.tp, args, backend=args.backend,
               timeout_s=args.timeout_s)
@@ -275,16 +271,15 @@ def main(argv=None):
 
 # Below the fold: the run's end, the rank map's print, --plan (the search and the GPU figures),
 # the command line. ------------------------------------------------------------------------
-import argparse, functools, importlib.util, itertools, json, math, sys, time  # noqa: E401, E402
+import argparse, functools, itertools, json, math, sys, time  # noqa: E401, E402
 from collections import Counter  # noqa: E402
 
-from collectives import (Stop, collective_cost, measured_bandwidth, positive_float,  # noqa: E402
+from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
 from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa: E402
                            full_grads, full_weights, global_loss, in_step_bytes, log_step,
-                           make_buckets, show_memory, training_parser, training_text,
-                           watch_memory)
-from pipeline_parallel import add_schedule_args, held_counts, schedule_rules, whole_parts  # noqa
+                           make_buckets, show_memory, training_parser, training_text)
+from pipeline_parallel import add_schedule_args, schedule_rules, whole_parts  # noqa: E402
 from tensor_parallel import (describe, divides, layer_matmuls, refuse_unused, tp_matmuls,  # noqa
                              vocab_range)
 
@@ -294,7 +289,7 @@ def full_parts(me, params, args):   # on rank 0, replica 0's shards put together
     return whole_parts(params, me.mine, me.full, args, grid, me.part_kinds)
 
 
-def finish_ranks(me, memory, args, losses, check, norms, device):
+def finish_ranks(me, args, losses, check, norms, device):
     """The full matrices, the last stage's losses, rank 0's memory table, --save and --check."""
     final = full_parts(me, full_weights(me.replica), args)
     known = losses if me.stage == args.pp - 1 else [0.0] * args.steps   # the last stage's
@@ -302,7 +297,7 @@ def finish_ranks(me, memory, args, losses, check, norms, device):
     dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
     if dist.get_rank() == 0:
         if args.zero:
-            show_memory(me.replica, memory, args, f"rank 0: its replica of stage 0's layers, "
+            show_memory(me.replica, args, f"rank 0: its replica of stage 0's layers, "
                                                   f"its tp shards of them (1/{args.tp})")
         finish_run(args, me.full, final, losses.tolist(), check, norms)
 
@@ -389,10 +384,6 @@ GPUS = {
                  latency_us=20, send_gbps=150, send_latency_us=3,
                  inter_gbps=24, inter_latency_us=30),   # HDR 200 Gb/s: 96% (nccl-tests#119)
 }
-FIGURE_FLAGS = {"flops": "bf16 FLOP/s a GPU", "memory_gb": "GB a GPU", "hbm_gbps": "its GB/s",
-                "all_reduce_gbps": "an all-reduce's busbw in a node, at its largest",
-                "intra_gbps": "reduce-scatter's and all-gather's", "inter_gbps": "GB/s a GPU "
-                "across nodes", "latency_us": "a collective's floor"}
 UPDATE_BYTES = {"adamw": 36, "sgd": 20}   # a parameter's read and written: g / d, p, m and v
 
 
@@ -507,7 +498,7 @@ def predict(args, machine):
     step the slowest stage's pipeline, then the replicas' exchange (ZeRO-3's is inside) and the
     update, in parts that add up to it; memory, the largest stage's. Each figure is tp rank 0's,
     which holds the most classes."""
-    dp, pp, tp, v, m = args.dp, args.pp, args.tp, args.virtual_stages, args.micro_batches
+    dp, pp, tp, m = args.dp, args.pp, args.tp, args.micro_batches
     per_node = members_per_node(dp, pp, tp, args.order, machine.gpus_per_node,
                                 args.schedule == "interleaved")
     sizes = {"tp": tp, "pp": pp, "dp": dp}
@@ -613,9 +604,7 @@ def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 mega
 def plan(args):
     """The layouts that fit a GPU's memory, by predicted step, as a table and why the winner
     wins, or --json; a search of over a second says how far it has come; none fitting, a Stop."""
-    figures = {**GPUS[args.hardware], **{name: vars(args)[name] for name in FIGURE_FLAGS
-                                         if name in vars(args)}}
-    machine = Machine(figures, args.gpus_per_node)
+    machine = Machine(GPUS[args.hardware], args.gpus_per_node)
     candidates = list(layouts(args, machine.gpus_per_node))
     said = time.perf_counter()
     rows = []
@@ -687,8 +676,7 @@ def why(fits):   # the winner against the best of another shape: where it saves 
             f"{part}: {seconds(best['parts'][part])} against {seconds(other['parts'][part])}")
 
 
-PLAN_FLAGS = ["world_size", "hardware", "gpus_per_node", "vocab_size", *FIGURE_FLAGS, "json",
-              "top"]
+PLAN_FLAGS = ["world_size", "hardware", "gpus_per_node", "vocab_size", "json", "top"]
 
 
 def add_plan_args(parser):
@@ -703,10 +691,6 @@ def add_plan_args(parser):
                       help="divides --world-size (default 8)")
     plan.add_argument("--vocab-size", type=positive_int, default=argparse.SUPPRESS,
                       help="the model's classes V (default: the text's, 97)")
-    for name, unit in FIGURE_FLAGS.items():
-        defaults = ", ".join(f"{gpu} {figures[name]:g}" for gpu, figures in GPUS.items())
-        plan.add_argument(f"--{name.replace('_', '-')}", type=positive_float,
-                          default=argparse.SUPPRESS, help=f"{unit} (default {defaults})")
     plan.add_argument("--json", action="store_true", help="the rows as a JSON list, best first")
     plan.add_argument("--top", type=int, default=20, help="rows printed; 0: every one that fits")
 
@@ -748,8 +732,6 @@ def parse_args(argv=None):
     parser.add_argument("--p2p-shard", action="store_true",
                         help="send 1/tp of each activation between stages and all-gather it there")
     parser.add_argument("--show-rank-map", action="store_true", help="print the rank map and exit")
-    parser.add_argument("--ray", action="store_true",
-                        help="start the ranks as Ray Train workers (needs ray[train])")
     add_plan_args(parser)
     args = parser.parse_args(argv)
     plan_flags = [name for name in PLAN_FLAGS   # given: a default changed, or one suppressed
@@ -776,9 +758,7 @@ def parse_args(argv=None):
          f"--num-layers {args.num_layers} gives {per_chunk} a stage"
          f"{' chunk' * (args.virtual_stages > 1)}: use fewer stages or all-gather"),
         (args.p2p_shard and args.tp == 1, "--p2p-shard: with --tp 1 there is nothing to shard"),
-        (args.p2p_shard and args.pp == 1, "--p2p-shard: with --pp 1 nothing crosses a stage"),
-        (args.ray and importlib.util.find_spec("ray") is None,
-         "--ray: Ray is not installed; pip install 'ray[train]' (or: make 3d-ray)")])
+        (args.p2p_shard and args.pp == 1, "--p2p-shard: with --pp 1 nothing crosses a stage")])
     check_training_args(parser, args, args.dp * args.pp * args.tp, args.dp, "--dp",
                         "--dp x --pp x --tp")
     return args

@@ -303,17 +303,32 @@ def memory_worker(rank, world_size, args):
     init = init_params(args)
     replica = data_parallel.make_replica([w.to(device, copy=True) for w in init], None, zero=args.zero,
                                          **replica_options(args))
-    memory = data_parallel.watch_memory(replica)
     inputs, targets = (t.to(device) for t in first_batch(args))
     rows, m = replica_rows(args.batch_size, rank, world_size), args.micro_batches
     blocks = model_blocks(args.num_layers)
-    for _ in range(2):   # AdamW's state is made in the first step: the second holds it throughout
+    largest = []
+    for step in range(2):   # AdamW's state is made in the first step: the second holds it throughout
+        if step == 1 and args.zero == 3:
+            largest = watch_gathers(replica)
         data_parallel.dp_step(replica, blocks, data_parallel.cross_entropy, inputs[rows].chunk(m),
                               targets[rows].chunk(m), len(rows))
         replica.update()
     if rank == 0:
-        data_parallel.show_memory(replica, memory, args, "each replica")
+        data_parallel.show_memory(replica, args, "each replica", max(largest, default=None))
     cleanup()
+
+
+def watch_gathers(replica):
+    """What the replica holds after each of ZeRO-3's gathers, where it is at its largest: a list
+    that fills as the step runs."""
+    held = []
+    gather = replica.gather_weights
+
+    def gather_and_count(*args, **kwargs):
+        gather(*args, **kwargs)
+        held.append(sum(data_parallel.memory_held(replica).values()))
+    replica.gather_weights = gather_and_count
+    return held
 
 # ----------------------------------------------------------------------------------
 # Step 3 against ColwiseParallel on a DeviceMesh

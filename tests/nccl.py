@@ -229,8 +229,7 @@ class CUDAInitialised(NCCLSemanticsError):
 
 class FakeNVML:
     """libnvidia-ml.so.1 as NVML answers on a machine with `count` GPUs of one compute
-    capability: the library torch.cuda.device_count() and collectives.gpu_capabilities()
-    ask. Each call fills its ctypes.byref arguments and returns 0, NVML's success."""
+    capability: the library torch.cuda.device_count() asks. Each call fills its ctypes.byref arguments and returns 0, NVML's success."""
 
     def __init__(self, count, capability):
         self.count, self.capability = count, capability

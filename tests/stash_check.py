@@ -61,12 +61,12 @@ def stash_and_peak(script, argv, rank=0):
     args = SCRIPTS[script].parse_args(argv)
     watch = StashWatch()
     with ExitStack() as stack:
-        if script == "data_parallel":   # dp_step runs the blocks model_blocks() hands it
-            for name in ("EMBEDDING", "LAYER", "HEAD"):
-                block = getattr(data_parallel, name)
-                watched = data_parallel.Block(watch.forward(block.forward),
-                                              watch.backward(block.backward))
-                stack.enter_context(mock.patch.object(data_parallel, name, watched))
+        if script == "data_parallel":   # model_blocks() hands dp_step the module's functions
+            for part in ("embedding", "layer", "head"):
+                for name, wrap in ((f"{part}_forward", watch.forward),
+                                   (f"{part}_backward", watch.backward)):
+                    stack.enter_context(mock.patch.object(data_parallel, name,
+                                                          wrap(getattr(data_parallel, name))))
         else:                           # step 3 runs the blocks tp_blocks() hands it
             for kind, block in list(tensor_parallel.BLOCKS.items()):
                 watched = tensor_parallel.Block(watch.forward(block.forward),

@@ -641,10 +641,9 @@ MEMORY_ROW = re.compile(r"^  (weights|gradients|optimizer state|total)\s+(\d+) b
 def test_memory_each_replica_holds_is_the_formula(tmp_path, monkeypatch, capfd, zero, optimizer, bucket_mb):
     """What one replica holds at the end of a step, counted from its tensors, is ZeRO's
     formula: 16P, 8P + 8P/d, 4P + 12P/d, 16P/d bytes with AdamW (4 + 4 + 0 with SGD). With 3
-    replicas and D = 16 each bucket is padded: a layer a bucket, from 256 to 3 x 86 = 258
-    parameters; the whole model in one bucket (25 MB), from 4 x 256 to 3 x 342 = 1026.
-    ZeRO-3 is at its largest at a unit's gather, while the unit before is in use: the shards
-    and two units, whole."""
+    replicas each bucket is padded to a multiple of 3: a part a bucket (E [97, 4] 388 to 390, a
+    layer [16, 16] 256 to 258, H [16, 97] 1552 to 1554); the whole model one bucket (25 MB),
+    2964, which 3 divides. (ZeRO-3's largest moment: tests/test_bench.py's memory table.)"""
     run_dp(tmp_path, monkeypatch, 3, batch_size=12, micro_batches=2, optimizer=optimizer,
            flags=("--zero", str(zero), "--bucket-mb", bucket_mb))
     out = capfd.readouterr().out
@@ -658,10 +657,6 @@ def test_memory_each_replica_holds_is_the_formula(tmp_path, monkeypatch, capfd, 
     assert [rows[k][0] for k in ("weights", "gradients", "optimizer state")] == list(want)
     assert rows["total"][0] == sum(want) and rows["total"][2] == sum(want)
     assert all(rows[k][0] == rows[k][2] for k in rows), rows
-    if zero == 3:   # a bucket's gather, with the one next to it prefetched: the largest two
-        peak = re.search(r"largest at any moment of the last step: (\d+) bytes", out)
-        pairs = [a + b for a, b in zip(units, units[1:])] or units
-        assert int(peak[1]) == sum(want) + 4 * max(pairs)
 
 
 def padded_buckets(bucket_mb, pad_to):

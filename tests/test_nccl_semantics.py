@@ -234,19 +234,11 @@ SCRIPTS = {"data_parallel": dp, "tensor_parallel": tp, "pipeline_parallel": pp, 
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_the_door_decides_bf16_from_nvml_without_starting_cuda(name, capsys):
-    """On 8 GPUs of compute capability 9.0 the door accepts --bf16 and starts no CUDA; on
-    7.0 (V100: bf16 only emulated) it refuses in one line."""
-    with fake_gpus(count=8, capability=(9, 0)):
+def test_the_door_accepts_bf16_on_gpus_without_starting_cuda(name):
+    """On 8 GPUs the door accepts --bf16 and starts no CUDA (fake_gpus raises if it would)."""
+    with fake_gpus(count=8):
         args = SCRIPTS[name].parse_args(["--bf16"])
     assert args.bf16
-    with fake_gpus(count=8, capability=(7, 0)), pytest.raises(SystemExit) as exited:
-        SCRIPTS[name].parse_args(["--bf16"])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].endswith(
-        "error: --bf16: GPU 0 has compute capability 7.0 (8 of 8 GPUs here are older than 8.0, Ampere); bf16 "
-        "needs 8.0 or newer, and below that it is only emulated: drop --bf16"), err
 
 
 def test_fewer_gpus_than_ranks_is_refused_at_the_door(capsys):

@@ -11,13 +11,11 @@ that stalls, runs side by side, and the same run twice.
 - A rank that stalls inside a collective: --timeout-s 3 ends the run in seconds.
 - Three runs at once, beside a program holding port 29500, all pass and agree bitwise;
   the same run twice gives bitwise the same weights, however the ranks' timing varies.
-- --ray, when Ray is installed: the same weights as the ranks that spawn starts.
 
 tests/faults.py makes a rank fail on purpose (no test hook in the scripts). The
 launcher's own failure handling, on bare workers, is tested in test_collectives.py.
 """
 import glob
-import importlib.util
 import multiprocessing
 import os
 import re
@@ -637,24 +635,6 @@ def test_the_same_run_twice_gives_bitwise_the_same_weights(tmp_path, monkeypatch
 
 
 # ----------------------------------------------------------------------------------
-# --ray: Ray Train's workers run the same ranks
-# ----------------------------------------------------------------------------------
-
-@pytest.mark.ray
-@pytest.mark.deadline(300)
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                    reason="Ray is not installed (optional: pip install 'ray[train]', or make 3d-ray)")
-def test_ray_workers_train_the_same_weights_as_spawn(tmp_path, capsys):
-    argv = ["--dp", "2", "--pp", "2", "--tp", "1", *SHORT]
-    code, out, err = finish(start([sys.executable, "three_d.py", "--ray", *argv, "--save", str(tmp_path / "ray.pt")],
-                                  start_new_session=True), timeout=280)
-    assert code == 0, err[-3000:]
-    three_d.main([*argv, "--save", str(tmp_path / "spawn.pt")])
-    ray_run, spawn_run = torch.load(tmp_path / "ray.pt"), torch.load(tmp_path / "spawn.pt")
-    assert ray_run["losses"] == spawn_run["losses"]
-    assert all(torch.equal(a, b) for a, b in zip(ray_run["final_weights"], spawn_run["final_weights"]))
-
-
 # ----------------------------------------------------------------------------------
 # What a newcomer hits: a disk that fills, a stale environment, the help, the docstrings,
 # the make commands
@@ -725,15 +705,15 @@ def test_the_docstrings_commands_are_accepted_as_printed(monkeypatch, capsys):
             assert script == name
             for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
                 monkeypatch.delenv(variable, raising=False)
-            if "--ray" not in flags or importlib.util.find_spec("ray"):   # Ray is optional
-                module.parse_args(flags.split())                           # exits 2 if refused
+            module.parse_args(flags.split())                               # exits 2 if refused
 
 
 @pytest.mark.parametrize("script, argv, named", [
     (tensor_parallel, ["--world-size", "2", "--tp-style", "megatron", "--num-layers", "3"],
-     "tensor parallel over 2 ranks: 1 Megatron pair (column, row) and 1 all-gather layer"),
+     "tensor parallel over 2 ranks: the embedding (its rows by class), 1 Megatron pair (column, row), "
+     "1 all-gather layer and the head (its columns by class)"),
     (three_d, ["--tp-style", "megatron", "--num-layers", "4"], "each stage: 1 Megatron pair (column, row) over tp=2"),
-    (three_d, [], "each stage: 4 all-gather layers over tp=2"),
+    (three_d, ["--num-layers", "8"], "each stage: 4 all-gather layers over tp=2"),
 ])
 def test_the_tensor_parallel_style_that_ran_is_named(script, argv, named, capfd):
     script.main([*argv, "--steps", "1", "--dim", "8", "--batch-size", "8"])
