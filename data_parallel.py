@@ -24,27 +24,19 @@ index_add_ sums without making the one-hot matrix. A layer keeps (x, z), its sta
 backward; --recompute keeps x, makes z again in the backward: L [b, D], not 2 L, 4/3 the FLOPs.
 
 Data parallelism: each of d replicas holds every weight and trains on its own slice of the
-batch; they sum their gradients with an all-reduce and divide by d: the same step on each.
-dp_step() reads as that: forward; backward part by part, each dW into its bucket; each
-bucket's exchange once final (--overlap: under the backward below); divide. ZeRO (--zero 1,
-2, 3): three classes, each the stage before plus its change; dp_costs their bytes and memory.
-PyTorch's: DDP, ZeroRedundancyOptimizer, FSDP2 (tests/bench.py). The text, the weights' draw
-and each step's batch (init_params, make_batch) are below the fold.
+batch; they sum their gradients with an all-reduce and divide by d. dp_step() reads as that:
+forward; backward part by part, each dW into its bucket; each bucket's exchange once final
+(--overlap: under the backward below); divide. ZeRO (--zero 1, 2, 3): three classes, each the
+stage before plus its change; dp_costs their bytes and memory. PyTorch's: DDP,
+ZeroRedundancyOptimizer, FSDP2 (tests/bench.py). The text and the data: below the fold.
 """
-import math
 import warnings
-from typing import Callable, NamedTuple
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives import cleanup, log, run_main, setup, spawn
-
-
-class Block(NamedTuple):   # a part's pair, as every step runs one: these, and step 3's
-    forward: Callable         # (x, w, recompute) -> (a, stash)
-    backward: Callable        # (g, stash, w, need_dx) -> (dx, (x, dz)): dW = x^T dz
 
 
 def embedding_forward(tokens, e, recompute=False):
@@ -67,8 +59,8 @@ def layer_forward(x, w, recompute=False):
 
 
 def layer_backward(g, stash, w, need_dx=True):
-    """Given g = dL/da: dx = dz W^T, and (x, dz) for dW = x^T dz, which the replica sums into
-    its bucket. need_dx=False skips dx (None) where nobody needs it: a matmul saved."""
+    """Given g = dL/da: dx = dz W^T (need_dx=False: None, a matmul saved), and (x, dz) for
+    dW = x^T dz, which the replica sums into its bucket."""
     x, z = stash
     if z is None:                             # --recompute kept x alone: z = x W again
         z = x @ w
@@ -81,32 +73,29 @@ def head_forward(a, h, recompute=False):
     return a @ h, (a, None)                   # logits = a H   [b, D] @ [D, V] -> [b, V]
 
 
-def head_backward(dlogits, stash, h, need_dx=True):
-    a, _ = stash
-    return dlogits @ h.T, (a, dlogits)        # da = dlogits H^T [b, D]; dH = a^T dlogits
+def head_backward(dlogits, stash, h, need_dx=True):   # stash: (a, None)
+    return dlogits @ h.T, (stash[0], dlogits)   # da = dlogits H^T [b, D]; dH = a^T dlogits
 
 
 def cross_entropy(logits, y, n):
-    """This piece's sum of -log softmax(logits)[y] / n, and dlogits = (softmax - onehot(y)) / n,
-    in fp32 whatever the logits' dtype (bf16's 8 bits would round the probabilities)."""
+    """sum -log softmax(logits)[y] / n and dlogits = (softmax - onehot(y)) / n, in fp32 always."""
     log_p = logits.float().log_softmax(dim=1)             # [b, V]
     dlogits = log_p.exp().scatter_add_(1, y[:, None], -torch.ones_like(log_p[:, :1]))
     return -log_p.gather(1, y[:, None]).sum() / n, (dlogits / n).to(logits.dtype)
 
 
-def model_blocks(num_layers):   # the model's parts in order, a Block each: E, W_1 .. W_L, H
-    return [Block(embedding_forward, embedding_backward),
-            *[Block(layer_forward, layer_backward)] * num_layers, Block(head_forward, head_backward)]
+def model_blocks(num_layers):   # the parts in order, each Block(forward, backward): E, W, H
+    layers = [Block(layer_forward, layer_backward)] * num_layers
+    return [Block(embedding_forward, embedding_backward), *layers,
+            Block(head_forward, head_backward)]
 
 
 def dp_step(replica, blocks, loss_fn, xs, ys, n, recompute=False):
     """One replica's step on micro-batches xs [B/(d m), k] of tokens, ys [B/(d m)]: its loss."""
     loss = torch.zeros((), device=replica.device)
     buckets = list(enumerate(replica.buckets))        # a bucket: consecutive parts
-    last_micro_batch = len(xs) - 1
     replica.begin_step()
-    for micro_batch, (x, y) in enumerate(zip(xs, ys)):
-        a = x
+    for micro_batch, (a, y) in enumerate(zip(xs, ys)):   # a: the tokens, then each part's output
         stashes = []
         for b, parts in buckets:                      # forward, bucket by bucket
             replica.gather_weights(b, prefetch=b + 1)     # ZeRO-3: the bucket's weights, whole
@@ -123,15 +112,14 @@ def dp_step(replica, blocks, loss_fn, xs, ys, n, recompute=False):
                                                   need_dx=i > 0)   # the tokens need none
                 replica.add_grad(i, x_i, dz)          # dW = x^T dz, summed over micro-batches
             replica.release_weights(b)
-            if micro_batch == last_micro_batch or replica.exchange_each_micro_batch:
+            if micro_batch == len(xs) - 1 or replica.exchange_each_micro_batch:
                 replica.reduce_gradients(b)           # final: summed over the replicas
     replica.average()                                 # every exchange done; each gradient / d
     return loss
 
 
 class DataParallel:
-    """ZeRO stage 0, DDP: a replica of d over `group` holds all weights, gradients and optimizer
-    state; a bucket (consecutive parts' dW, flat) goes as one message. --bf16: bf16 copies."""
+    """ZeRO stage 0, DDP: a replica holds all; a bucket (consecutive parts' dW) is one message."""
     exchange_each_micro_batch = False   # ZeRO-3 keeps no gradient from a micro-batch to the next
 
     def __init__(self, weights, group, optimizer="adamw", lr=1e-2, bucket_mb=25.0, bf16=False,
@@ -185,8 +173,7 @@ class DataParallel:
             grad.addmm_(x.T.float(), dz.float(), beta=keep)                # dW += x^T dz [D, D]
 
     def reduce_gradients(self, b):
-        """Bucket b is final: its sum over the replicas, in place. --overlap starts it and goes
-        on (average() waits), so it runs under the backward below."""
+        """Bucket b is final: summed over the replicas in place (--overlap: under the backward)."""
         if self.dp_size > 1:
             work = dist.all_reduce(self.grad_buckets[b], group=self.group, async_op=self.overlap)
             self.reductions.append(work)
@@ -308,8 +295,8 @@ class ZeRO3(ZeRO2):
         self.gathering = {}                               # bucket -> (Work, its flat [d S])
 
     def gather_weights(self, b, prefetch=None):
-        """Bucket b's weights, whole: every replica's part, (d-1)/d of its bytes come in. The
-        next bucket's all-gather starts too, to run meanwhile: two are held at most."""
+        """Bucket b's weights, whole: (d-1)/d of its bytes come in; the next bucket's too, two
+        held at most."""
         for bucket in (b, prefetch):
             if bucket in range(len(self.buckets)) and bucket not in self.gathering:
                 flat = self.params[bucket].new_empty(self.lengths[bucket], dtype=self.dtype)
@@ -336,16 +323,14 @@ def dp_worker(rank, world_size, args):
     replica = make_replica([w.to(device, copy=True) for w in init], None, zero=args.zero,
                            optimizer=args.optimizer, lr=args.lr, bucket_mb=args.bucket_mb,
                            bf16=args.bf16, overlap=args.overlap)
-    blocks = model_blocks(args.num_layers)
     rows = replica_rows(args.batch_size, rank, world_size)   # the world's ranks are the replicas
-    text = training_text()
     losses = []
     norms = []
     check = SerialCheck(args)
     for step in range(args.steps):
-        inputs, targets = (t[rows].to(device) for t in make_batch(text, args, step))
-        loss = dp_step(replica, blocks, cross_entropy, inputs.chunk(m), targets.chunk(m),
-                       len(rows), recompute=args.recompute)   # n: this replica's rows
+        inputs, targets = (t[rows].to(device) for t in make_batch(args, step))   # the text's
+        loss = dp_step(replica, model_blocks(args.num_layers), cross_entropy, inputs.chunk(m),
+                       targets.chunk(m), len(rows), recompute=args.recompute)   # n: its rows
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
             check.step(full_weights(replica), full_grads(replica))
         if args.clip_grad:
@@ -365,11 +350,16 @@ def main(argv=None):
 
 # Below the fold: each stage's costs, the bucket layout and the clipping norm; what later steps
 # share (training flags and rules, --save, --check); the memory table.
-import argparse, contextlib, functools, os  # noqa: E401, E402
-from typing import NamedTuple  # noqa: E402
+import argparse, contextlib, functools, math, os  # noqa: E401, E402
+from typing import Callable, NamedTuple  # noqa: E402
 
 from collectives import (Parser, Stop, allocator_peak, check_launch_args,  # noqa: E402
                          positive_float, positive_int)
+
+
+class Block(NamedTuple):   # a part's pair, as every step runs one: step 2's, and step 3's
+    forward: Callable         # (x, w, recompute) -> (a, stash)
+    backward: Callable        # (g, stash, w, need_dx) -> (dx, (x, dz)): dW = x^T dz
 
 
 def make_replica(weights, group, zero=0, **options):   # the ZeRO stage asked for (--zero)
@@ -480,9 +470,12 @@ def init_params(args):
     return [embedding, *weights, head]
 
 
-def make_batch(text, args, step):
-    """The step's batch: B windows of k + 1 characters of the text at offsets that every rank
-    draws alike from (--seed, step); the first k are the input [B, k], the last the target [B]."""
+def make_batch(args, step, text=None):
+    """The step's batch: B windows of k + 1 characters of the text (the training part) at
+    offsets that every rank draws alike from (--seed, step); the first k are the input [B, k],
+    the last the target [B]."""
+    if text is None:
+        text = training_text()
     gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
     starts = torch.randint(len(text) - args.context, (args.batch_size,), generator=gen)
     windows = text[starts[:, None] + torch.arange(args.context + 1)]   # [B, k + 1]
@@ -694,7 +687,7 @@ def finish_run(args, init, final, losses, check, norms=(), extra=None):
     then a loss that is not finite ends the run, then the validation loss and a sample, then
     --check."""
     if args.save:
-        batches = [make_batch(training_text(), args, step) for step in range(args.steps)]
+        batches = [make_batch(args, step) for step in range(args.steps)]
         init = [w.float().cpu() for w in init]
         final = [w.detach().float().cpu() for w in final]
         try:
@@ -792,9 +785,8 @@ def baselines():
 def show_language_model(params, args, rows=2048, length=200):
     """The trained model on text it never trained on: its loss over windows of the validation
     part, beside the baselines, and a sample that continues PROMPT, drawn from --seed."""
-    val = validation_text()
     val_args = argparse.Namespace(**{**vars(args), "batch_size": rows})
-    inputs, targets = make_batch(val, val_args, step=0)
+    inputs, targets = make_batch(val_args, step=0, text=validation_text())
     with torch.no_grad():
         loss = serial_loss(params, inputs, targets)[0].item()
         context = encode((" " * args.context + PROMPT)[-args.context:]).tolist()
@@ -852,7 +844,7 @@ class SerialCheck:
         with torch.no_grad():
             for mine, theirs in zip(self.params, weights):
                 mine.copy_(theirs)
-        batch = make_batch(training_text(), self.args, len(self.losses))
+        batch = make_batch(self.args, len(self.losses))
         self.optimizer.zero_grad()
         loss, logits = serial_loss(self.params, *batch, self.args.bf16)
         loss.backward()

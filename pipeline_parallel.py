@@ -11,9 +11,10 @@ exercise", and "Not handled: overlapping communication/computation to eliminate 
 This step adds both: the backward across stages, and schedules that keep several stages busy at
 once, as data: per stage, a list of actions that one runner executes, printed, tested and drawn.
 
-    stage s of p owns layers [s L/p, (s+1) L/p); micro-batch i: x_i [B/m, D]
-    F(i) on stage s: receive x_i from s-1, run its layers, send a_i to s+1
-    B(i) on stage s: receive g_i from s+1, run its layers' backward (dW summed over
+    stage s of p owns layers [s L/p, (s+1) L/p); stage 0 the embedding (it reads the tokens
+    [B/m, k]), stage p-1 the head and the loss (it reads the targets [B/m])
+    F(i) on stage s: receive x_i [B/m, D] from s-1, run its parts, send a_i to s+1
+    B(i) on stage s: receive g_i from s+1, run its parts' backward (dW summed over
                      micro-batches), send dL/dx_i to s-1; one [B/m, D] each way
 
 1F1B at p = 3, m = 4, as build_schedule() writes it: [a>0] sends activation 0 on, [>a0]
@@ -39,8 +40,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import (DataParallel, cross_entropy, init_params, make_batch, model_blocks,
-                           replica_rows)
+from data_parallel import cross_entropy, make_batch
 
 SEND_ACT = "a>"    # an activation, on to the next stage
 RECV_ACT = ">a"    # ... received from the stage before
@@ -112,12 +112,11 @@ def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1)
 
     Before F(i) a stage receives micro-batch i's activation (but the first), after it sends
     its output on (but the last); B mirrors that with gradients; W needs neither. Sends and
-    receives between the same two computations are one batch. Why: in 1F1B's steady state
-    stage s sends activation i, then waits for gradient j, while s+1 sends gradient j, then
-    waits for activation i: two sends facing each other deadlock (NCCL's waits for its
-    receive; gloo's too, past a tiny buffer), where in one batch each finds its receive.
-    Interleaved, as Megatron does, each steady forward and the backward after it run back to back
-    (a batch between them would close a cycle of waits)."""
+    receives between the same two computations are one batch: in 1F1B's steady state stage s
+    sends activation i, then waits for gradient j, while s+1 sends gradient j, then waits for
+    activation i; two sends facing each other deadlock (NCCL's always, gloo's past a tiny
+    buffer), where in one batch each finds its receive. Interleaved, as Megatron does, each
+    steady forward and the backward after it run back to back (a batch would close a cycle)."""
     def virtual(chunk):   # chunk c of stage s is virtual stage c p + s
         return (chunk or 0) * num_stages + stage
     last = num_stages * num_chunks - 1
@@ -153,12 +152,11 @@ def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1)
 
 def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1, *, act_bytes=0,
                    kept_bytes=0, waiting_bytes=0, times=(1, 1, 1)):
-    """Stage s's costs a step: the bubble, a step's idle share for stages of equal speed and free
+    """Stage s's costs a step: the bubble, the idle share for stages of equal speed and free
     communication (GPipe, 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v m+p-1); ZB-H1, for times
-    (T_F, T_B, T_W): (p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W)), or none where W
-    fills it); its stash at its largest, after an action: each micro-batch between its F and B
-    keeps kept_bytes (a chunk's (x, z) a layer, --recompute: x alone), and ZB-H1's between B
-    and W waiting_bytes ((x, dz) a layer); its sends (kind, bytes, times), act_bytes each."""
+    (T_F, T_B, T_W): (p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W)), or none);
+    its stash at its largest: kept_bytes a micro-batch between its F and B (a chunk's (x, z) a
+    layer, --recompute: x), waiting_bytes between B and W ((x, dz)); its sends, act_bytes each."""
     p, s, m, v = num_stages, stage, num_micro_batches, num_chunks
     t_f, t_b, t_w = times
     bubble = (p - 1) / (v * m + p - 1)
@@ -235,12 +233,10 @@ class Stage:
         self.waiting_for_w[mb] = {}
         for b, bucket in reversed(self.buckets):
             self.replica.gather_weights(b)
-            for i in reversed(bucket):
+            for i in reversed(bucket):           # (the embedding's, first: no dx, for tokens)
                 block = self.blocks[i - self.layers[0]]
-                need_dx = i != self.layers[0] or not self.first   # the tokens need none
                 g, self.waiting_for_w[mb][i] = block.backward(g, stashes.pop(),
-                                                              self.replica.weights[i],
-                                                              need_dx=need_dx)
+                                                              self.replica.weights[i])
             self.replica.release_weights(b)
         return g
 
@@ -317,28 +313,14 @@ def pp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
-    full = init_params(args)
-    blocks = model_blocks(args.num_layers)
-    chunks = [stage_parts(args.num_layers, p, stage, v, c) for c in range(v)]   # the parts' indices
-    mine = [j for parts in chunks for j in parts]
-    starts = [sum(map(len, chunks[:c])) for c in range(v)]   # where each chunk's parts begin
-    # In step 2's replica over a dp group of one (3D's is real); no bucket crosses a chunk.
-    replica = DataParallel([full[j].to(device, copy=True) for j in mine], dist.new_subgroups(1)[0],
-                           optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
-                           chunk_starts=starts)
-    stages = [Stage(replica, range(start, start + len(parts)), blocks=[blocks[j] for j in parts],
-                    first=c * p + stage == 0, last=c * p + stage == v * p - 1,
-                    num_micro_batches=m, mean_over=args.batch_size, recompute=args.recompute)
-              for c, (start, parts) in enumerate(zip(starts, chunks))]
+    full, mine, replica, stages = hold_stages(args, stage, p, device)   # a Stage a chunk
     actions = build_schedule(args.schedule, p, stage, m, v)
     grid = torch.arange(p).view(1, p, 1)      # [dp, pp, tp] -> rank: a stage a rank
-    rows = replica_rows(args.batch_size, 0, 1)
-    text = training_text()
     losses = []
     norms = []
     check = SerialCheck(args)
     for step in range(args.steps):
-        inputs, targets = (t[rows].to(device).chunk(m) for t in make_batch(text, args, step))
+        inputs, targets = (t.to(device).chunk(m) for t in make_batch(args, step))
         replica.begin_step()
         for chunk in stages:
             chunk.begin_step(targets)         # the loss's, on the last stage
@@ -374,8 +356,9 @@ import textwrap  # noqa: E402
 import time  # noqa: E402
 
 from collectives import allocator_peak, positive_int  # noqa: E402
-from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
-                           full_grads, full_weights, log_step, training_parser, training_text)
+from data_parallel import (DataParallel, SerialCheck, check_training_args,  # noqa: E402
+                           finish_run, full_grads, full_weights, init_params, log_step,
+                           model_blocks, training_parser)
 from tensor_parallel import divides, whole_model  # noqa: E402
 
 
@@ -434,6 +417,27 @@ class Recorder:
         t0, zero = self.zero
         return [(op, mb, chunk, t0 + zero.elapsed_time(begin) / 1e3,
                  t0 + zero.elapsed_time(end) / 1e3) for op, mb, chunk, begin, end in self.spans]
+
+
+def hold_stages(args, stage, num_stages, device):
+    """A stage's parts (its chunks': stage_parts), their indices, step 2's replica that holds
+    them over a dp group of one (3D's is real; no bucket crosses a chunk), and a Stage a chunk:
+    what pp_worker trains (and tests/bench.py). Also the whole model, as drawn."""
+    p, v = num_stages, args.virtual_stages
+    full = init_params(args)
+    blocks = model_blocks(args.num_layers)
+    chunks = [stage_parts(args.num_layers, p, stage, v, c) for c in range(v)]
+    mine = [j for parts in chunks for j in parts]
+    starts = [sum(map(len, chunks[:c])) for c in range(v)]   # where each chunk's parts begin
+    replica = DataParallel([full[j].to(device, copy=True) for j in mine], dist.new_subgroups(1)[0],
+                           optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
+                           chunk_starts=starts)
+    stages = [Stage(replica, range(start, start + len(parts)), blocks=[blocks[j] for j in parts],
+                    first=c * p + stage == 0, last=c * p + stage == v * p - 1,
+                    num_micro_batches=args.micro_batches, mean_over=args.batch_size,
+                    recompute=args.recompute)
+              for c, (start, parts) in enumerate(zip(starts, chunks))]
+    return full, mine, replica, stages
 
 
 def finish_stages(args, recorder, final, full, losses, check, norms, device):

@@ -296,14 +296,13 @@ def tp_worker(rank, world_size, args):
     blocks = tp_blocks(kinds, vocab_size=args.vocab_size)   # every rank shares every part
     loss_fn = partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size)
     m = args.micro_batches
-    text = training_text()
     losses = []
     norms = []
     check = SerialCheck(args)
     if rank == 0:
         print(f"tensor parallel over {tp_size} ranks: {describe(kinds)}", flush=True)
     for step in range(args.steps):
-        inputs, targets = (t.to(device) for t in make_batch(text, args, step))   # every rank's
+        inputs, targets = (t.to(device) for t in make_batch(args, step))   # every rank's
         loss = dp_step(replica, blocks, loss_fn, inputs.chunk(m), targets.chunk(m),
                        args.batch_size, recompute=args.recompute)   # step 2's, on tp blocks
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
@@ -330,7 +329,7 @@ def main(argv=None):
 from collections import Counter  # noqa: E402
 from collectives import positive_int  # noqa: E402
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
-                           full_grads, full_weights, log_step, training_parser, training_text)
+                           full_grads, full_weights, log_step, training_parser)
 
 
 def whole_model(owned, full, kinds, owners=None):

@@ -237,12 +237,11 @@ def three_d_worker(rank, world_size, args):
     if rank == 0:   # the rank map, and what a stage's (a chunk's) layers are
         show_rank_map(args.dp, args.pp, args.tp, args.order, kinds=me.kinds,
                       chunks=args.virtual_stages)
-    text = training_text()
     losses = []
     norms = []
     check = SerialCheck(args)
     for step in range(args.steps):
-        batch = make_batch(text, args, step)          # tokens [B, k], targets [B]
+        batch = make_batch(args, step)          # tokens [B, k], targets [B]
         me.train_step(*me.micro_batches(batch, args))
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
             check.step(full_parts(me, full_weights(me.replica), args),
@@ -278,7 +277,7 @@ from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E40
                          positive_int, seconds, si, under_torchrun)
 from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa: E402
                            full_grads, full_weights, global_loss, in_step_bytes, log_step,
-                           make_buckets, show_memory, training_parser, training_text)
+                           make_buckets, show_memory, training_parser)
 from pipeline_parallel import add_schedule_args, schedule_rules, whole_parts  # noqa: E402
 from tensor_parallel import (describe, divides, layer_matmuls, refuse_unused, tp_matmuls,  # noqa
                              vocab_range)

@@ -49,7 +49,7 @@ import tensor_parallel  # noqa: E402
 import three_d  # noqa: E402
 from collectives import RankFailed, cleanup, ring_all_reduce, setup, spawn, under_torchrun  # noqa: E402
 from data_parallel import init_params, model_blocks, replica_rows  # noqa: E402
-from pipeline_parallel import Recorder, Stage, build_schedule, run_schedule, stage_parts  # noqa: E402
+from pipeline_parallel import Recorder, build_schedule, run_schedule, stage_parts  # noqa: E402
 from race import (ROOT, as_module, bench_sizes, ce_sum, check_and_race, dp_side, end_race, first_batch,  # noqa: E402
                   machine, replica_options, print_race, race, serial_side, sgd, spawn_returning)
 from tensor_parallel import layer_kinds, shard, tp_blocks, vocab_range  # noqa: E402
@@ -442,7 +442,7 @@ def pipelining_race(rank, world_size, args):
     sides = {}
     for name in schedules:
         chunk_parts = [stage_parts(args.num_layers, world_size, rank, v, c) for c in range(v)]
-        sides[f"ours {name}"] = pp_side(full, chunk_parts, name, rank, world_size, inputs, targets, args)
+        sides[f"ours {name}"] = pp_side(name, rank, world_size, inputs, targets, args)
         sides[f"torch {TORCH_SCHEDULES[name]}"] = pipelining_side(
             [as_module(full, device, parts) for parts in chunk_parts],
             getattr(pipelining, TORCH_SCHEDULES[name]), rank, world_size, inputs, targets, args)
@@ -452,10 +452,10 @@ def pipelining_race(rank, world_size, args):
     return result
 
 
-def pp_side(full, chunk_parts, schedule, stage, num_stages, inputs, targets, args):
+def pp_side(schedule, stage, num_stages, inputs, targets, args):
     """Our stage (its chunks' parts) with one schedule and SGD, as (step, state)."""
-    m, p, v = args.micro_batches, num_stages, len(chunk_parts)
-    replica, chunks = stage_replica(full, chunk_parts, stage, p, args.batch_size, inputs.device, sgd(args))
+    m, p, v = args.micro_batches, num_stages, args.virtual_stages
+    _, _, replica, chunks = pipeline_parallel.hold_stages(sgd(args), stage, p, inputs.device)
     actions = build_schedule(schedule, p, stage, m, v)
 
     def step():
@@ -465,22 +465,6 @@ def pp_side(full, chunk_parts, schedule, stage, num_stages, inputs, targets, arg
         replica.average()
         replica.update()
     return step, lambda: (replica.weights, replica.grads())
-
-
-def stage_replica(full, chunk_parts, stage, num_stages, n, device, args):
-    """A stage's parts (its chunks') held by step 2's replica over a group of one rank, as
-    pipeline_parallel.py holds them, and one Stage per chunk on it."""
-    p, v = num_stages, len(chunk_parts)
-    blocks = model_blocks(len(full) - 2)
-    mine = [j for parts in chunk_parts for j in parts]
-    starts = [sum(map(len, chunk_parts[:c])) for c in range(v)]
-    replica = data_parallel.DataParallel([full[j].to(device, copy=True) for j in mine], dist.new_subgroups(1)[0],
-                                         chunk_starts=starts, **replica_options(args))
-    return replica, [Stage(replica, range(start, start + len(parts)), blocks=[blocks[j] for j in parts],
-                           first=c * p + stage == 0, last=c * p + stage == v * p - 1,
-                           num_micro_batches=args.micro_batches, mean_over=n,
-                           recompute=getattr(args, "recompute", False))
-                     for c, (start, parts) in enumerate(zip(starts, chunk_parts))]
 
 
 def begin_step(replica, stages, targets):
@@ -740,17 +724,16 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     p, stage = num_stages, rank
     model = SimpleNamespace(num_layers=2 * p, dim=dim, context=8, vocab_size=data_parallel.VOCAB_SIZE, seed=0,
-                            optimizer="sgd", lr=0.0)   # two layers per stage; the ends on the first and last
-    full = init_params(model)
+                            optimizer="sgd", lr=0.0, bf16=False, recompute=False)   # two layers a stage, the ends
     table = []
     for m in micro_batches:
-        batch = data_parallel.make_batch(data_parallel.training_text(),
-                                         SimpleNamespace(**vars(model), batch_size=m * rows), step=m)
+        batch = data_parallel.make_batch(SimpleNamespace(**vars(model), batch_size=m * rows), step=m)
         x, y = (t.to(device).chunk(m) for t in batch)
         for schedule in ("gpipe", "1f1b", "zb-h1", "interleaved"):
             v = 2 if schedule == "interleaved" else 1
-            replica, chunks = stage_replica(full, [stage_parts(2 * p, p, stage, v, c) for c in range(v)], stage, p,
-                                            m * rows, device, SimpleNamespace(**vars(model), micro_batches=m))
+            _, _, replica, chunks = pipeline_parallel.hold_stages(
+                SimpleNamespace(**vars(model), micro_batches=m, virtual_stages=v, batch_size=m * rows),
+                stage, p, device)
             actions = build_schedule(schedule, p, stage, m, v)
             spans, times = [], []
             for i in range(steps + 1):    # the first step opens the connections: not measured

@@ -49,7 +49,7 @@ def serial_train(args):
     optimizer = make_optimizer(params, args.optimizer, args.lr)
     losses, norms, first_grads = [], [], None
     for step in range(args.steps):
-        inputs, targets = make_batch(training_text(), args, step)
+        inputs, targets = make_batch(args, step)
         optimizer.zero_grad()
         loss, _ = serial_loss(params, inputs, targets, args.bf16)
         loss.backward()

@@ -207,7 +207,7 @@ def world_of(script, args):
 
 
 def first_batch(args, device):   # step 0's tokens [B, k] and targets [B], on the device
-    batch = data_parallel.make_batch(data_parallel.training_text(), args, step=0)
+    batch = data_parallel.make_batch(args, step=0)
     return [t.to(device) for t in batch]
 
 
@@ -260,20 +260,7 @@ def build_tensor_parallel(args, rank, world_size, device=META):
 def build_pipeline_parallel(args, rank, world_size, device=META):
     """pp_worker's replica, stages, action list and step (step 4)."""
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
-    full = data_parallel.init_params(args)
-    blocks = data_parallel.model_blocks(args.num_layers)
-    chunks = [pipeline_parallel.stage_parts(args.num_layers, p, stage, v, c) for c in range(v)]
-    mine = [j for parts in chunks for j in parts]
-    starts = [sum(map(len, chunks[:c])) for c in range(v)]
-    replica = data_parallel.DataParallel([full[j].to(device, copy=True) for j in mine],
-                                         dist.new_subgroups(1)[0], optimizer=args.optimizer,
-                                         lr=args.lr, bf16=args.bf16, chunk_starts=starts)
-    stages = [pipeline_parallel.Stage(replica, range(start, start + len(parts)),
-                                      blocks=[blocks[j] for j in parts],
-                                      first=c * p + stage == 0, last=c * p + stage == v * p - 1,
-                                      num_micro_batches=m, mean_over=args.batch_size,
-                                      recompute=args.recompute)
-              for c, (start, parts) in enumerate(zip(starts, chunks))]
+    _, _, replica, stages = pipeline_parallel.hold_stages(args, stage, p, device)
     actions = pipeline_parallel.build_schedule(args.schedule, p, stage, m, v)
     inputs, targets = (t.chunk(m) for t in first_batch(args, device))
 
@@ -293,7 +280,7 @@ def build_pipeline_parallel(args, rank, world_size, device=META):
 def build_three_d(args, rank, world_size, device=META):
     """three_d_worker's ThreeDRank and step (step 5)."""
     me = three_d.ThreeDRank(rank, args, device)
-    batch = data_parallel.make_batch(data_parallel.training_text(), args, step=0)
+    batch = data_parallel.make_batch(args, step=0)
     micro_batches = me.micro_batches(batch, args)
 
     def step():

@@ -261,7 +261,7 @@ def serial_side(args, device):
 
 def first_batch(args):
     """The batch every step of a race trains on: step 0's, tokens [B, k] and targets [B]."""
-    return make_batch(training_text(), args, step=0)
+    return make_batch(args, step=0)
 
 
 def ce_sum(n):

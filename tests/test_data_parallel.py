@@ -252,7 +252,7 @@ def test_full_model_backward_matches_autograd():
     loss and back) against autograd: the whole hand-made gradient."""
     args = _args(num_layers=3, dim=12, context=3)
     params = [w.double() for w in dp.init_params(args)]
-    inputs, targets = dp.make_batch(dp.training_text(), args, step=0)
+    inputs, targets = dp.make_batch(args, step=0)
     blocks = dp.model_blocks(args.num_layers)
     x, stashes = inputs, []
     for block, w in zip(blocks, params):
@@ -366,17 +366,17 @@ def test_the_text_falls_back_to_the_scripts_without_pydoc_data(monkeypatch):
 def test_make_batch_is_windows_of_the_text_drawn_by_seed_and_step():
     args = _args(batch_size=6, context=5, seed=5)
     text = dp.training_text()
-    inputs, targets = dp.make_batch(text, args, step=3)
+    inputs, targets = dp.make_batch(args, step=3)
     gen = torch.Generator().manual_seed(5 * 1_000_003 + 3)
     starts = torch.randint(len(text) - 5, (6,), generator=gen)
     assert inputs.shape == (6, 5) and targets.shape == (6,)
     for row, start in enumerate(starts.tolist()):   # k characters, then the one that follows
         assert inputs[row].tolist() == text[start:start + 5].tolist()
         assert targets[row].item() == text[start + 5].item()
-    again = dp.make_batch(text, args, step=3)        # every rank draws the same
+    again = dp.make_batch(args, step=3)        # every rank draws the same
     assert torch.equal(again[0], inputs) and torch.equal(again[1], targets)
-    assert not torch.equal(dp.make_batch(text, args, step=4)[0], inputs)   # a fresh batch a step
-    assert not torch.equal(dp.make_batch(text, _args(batch_size=6, context=5, seed=6), step=3)[0], inputs)
+    assert not torch.equal(dp.make_batch(args, step=4)[0], inputs)   # a fresh batch a step
+    assert not torch.equal(dp.make_batch(_args(batch_size=6, context=5, seed=6), step=3)[0], inputs)
 
 
 # ----------------------------------------------------------------------------------
@@ -431,7 +431,7 @@ def test_serial_train_matches_torch_nn(optimizer):
     opt = opt_cls(model.parameters(), lr=args.lr)
     losses = []
     for step in range(args.steps):
-        inputs, targets = dp.make_batch(dp.training_text(), args, step)
+        inputs, targets = dp.make_batch(args, step)
         loss = F.cross_entropy(model(inputs), targets)
         losses.append(loss.item())
         opt.zero_grad()
@@ -549,7 +549,7 @@ def test_dp_save_contents(tmp_path, monkeypatch):
     assert result["inputs"].shape == (steps, 8, k) and result["targets"].shape == (steps, 8)
     assert result["inputs"].dtype == result["targets"].dtype == torch.int64
     for step in range(steps):
-        inputs, targets = dp.make_batch(dp.training_text(), args, step)
+        inputs, targets = dp.make_batch(args, step)
         assert torch.equal(result["inputs"][step], inputs) and torch.equal(result["targets"][step], targets)
     assert isinstance(result["losses"], list) and len(result["losses"]) == steps
     # losses[0] is the loss before any update: the initial model on the whole first batch

@@ -486,7 +486,7 @@ def direct_worker(rank, world_size, out_dir):
     results = {}
     for schedule, m in DIRECT_CASES:
         batch_size = DIRECT["rows"] * m
-        inputs, targets = dp.make_batch(dp.training_text(), direct_args(L, batch_size), step=0)
+        inputs, targets = dp.make_batch(direct_args(L, batch_size), step=0)
         layers = TracedStage(replica, range(len(parts)), blocks=[blocks[j] for j in parts], first=first,
                              last=last, num_micro_batches=m, mean_over=batch_size,
                              separate_w=schedule == "zb-h1")
@@ -512,7 +512,7 @@ def direct_worker(rank, world_size, out_dir):
 def autograd_grads(num_layers, batch_size):
     args = direct_args(num_layers, batch_size)
     params = [w.requires_grad_() for w in dp.init_params(args)]
-    inputs, targets = dp.make_batch(dp.training_text(), args, step=0)
+    inputs, targets = dp.make_batch(args, step=0)
     loss = dp.serial_loss(params, inputs, targets)[0]
     loss.backward()
     return loss.item(), [w.grad for w in params]

@@ -242,7 +242,7 @@ def assert_follows_the_contract(result):
     assert all(torch.equal(a, b) for a, b in zip(init_of(result), init))
     assert result["inputs"].shape == (config["steps"], B, k) and result["targets"].shape == (config["steps"], B)
     for step in range(config["steps"]):
-        inputs, targets = dp.make_batch(dp.training_text(), argparse.Namespace(**config), step)
+        inputs, targets = dp.make_batch(argparse.Namespace(**config), step)
         assert torch.equal(result["inputs"][step], inputs) and torch.equal(result["targets"][step], targets)
     assert len(result["losses"]) == config["steps"]
 
@@ -455,7 +455,7 @@ def test_make_3d_defaults_pass_check_and_learn_the_text(tmp_path):
     assert loss < bigram < unigram < uniform
     # the same number from the saved weights, on the same windows of the validation text
     val_args = argparse.Namespace(**{**config, "batch_size": int(validation[0][2])})
-    inputs, targets = dp.make_batch(dp.validation_text(), val_args, step=0)
+    inputs, targets = dp.make_batch(val_args, step=0, text=dp.validation_text())
     want = dp.serial_loss(final_params(result), inputs, targets)[0].item()
     assert loss == pytest.approx(want, abs=1e-3)
     at = lines.index(next(line for line in lines if line.startswith("a sample, 200 characters")))
