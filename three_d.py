@@ -361,26 +361,29 @@ def rank_matmuls(args, stage, tp_rank=0):   # a rank of this stage's, a step: st
                       classes=end - start)
 
 
-# Each GPU's published figures, sources beside them. nccl-tests' bus bandwidth (the bytes a
-# ring sends a rank, over the time) rises with the size, as for an all-reduce on 8 H100 SXM with
-# NVLink SHARP (GB/s at these bytes); every curve here rises so, to its own plateau.
+# Each GPU's figures, with their sources. The datasheets: H100 https://www.nvidia.com/en-us/
+# data-center/h100/ (SMs: the Hopper whitepaper), A100 https://www.nvidia.com/en-us/data-
+# center/a100/. "nccl-tests#N": https://github.com/NVIDIA/nccl-tests/issues/N, what users of
+# NVIDIA's nccl-tests measured and posted there. Bus bandwidth (the bytes a ring sends a rank,
+# over the time) rises with the size, as for an all-reduce on 8 H100 SXM with NVLink SHARP
+# (nccl-tests#212; GB/s at these bytes); every curve here rises so, to its own plateau.
 RISE = [(4e6, 129), (16e6, 234), (64e6, 362), (256e6, 423), (1e9, 466)]
 GPUS = {
     "h100": dict(name="H100 SXM 80 GB",
                  flops=989e12, fp32_flops=67e12,   # datasheet: bf16 dense; fp32 (no TF32)
-                 gemm_best=0.80,   # 795 TFLOP/s, the best bf16 GEMM measured on an H100 SXM
+                 gemm_best=0.80,   # an assumption: the best large bf16 GEMMs reach ~80% of it
                  sms=132, memory_gb=80, hbm_gbps=3350,          # datasheet: HBM3
                  all_reduce_gbps=466,   # RISE's; ~480 at its peak (nccl-tests#212)
-                 intra_gbps=360,   # reduce-scatter, all-gather: NVLink's 450 less NCCL's ~20%
-                 latency_us=20,    # an all-reduce of 4 B to 1 MB on 8 H100s: 20-25 us
-                 send_gbps=180, send_latency_us=3,      # sendrecv: ~180 (nccl-tests#268), ~3 us
-                 inter_gbps=47, inter_latency_us=30),   # NDR 400 Gb/s: 46-48 GB/s a NIC
-    "a100": dict(name="A100 SXM 80 GB",                 # (nccl-tests#290), IB ~30 us (#214)
+                 intra_gbps=360,   # an assumption: NVLink's 450 GB/s (datasheet) less ~20%
+                 latency_us=20,    # an all-reduce of 4 B to 1 MB on 8 H100s (nccl-tests#212)
+                 send_gbps=180, send_latency_us=3,      # sendrecv (nccl-tests#268)
+                 inter_gbps=47, inter_latency_us=30),   # NDR 400 Gb/s a NIC: 46-48 GB/s
+    "a100": dict(name="A100 SXM 80 GB",                 # (nccl-tests#290); IB ~30 us (#214)
                  flops=312e12, fp32_flops=19.5e12,      # datasheet: bf16 dense; fp32
                  gemm_best=0.80, sms=108, memory_gb=80, hbm_gbps=2039,   # datasheet: HBM2e
                  all_reduce_gbps=208,   # 8 A100 SXM, no NVLink SHARP (nccl-tests#178)
-                 intra_gbps=208,   # NVLink 3: 300 GB/s a direction, less NCCL's ~20%
-                 latency_us=20, send_gbps=150, send_latency_us=3,
+                 intra_gbps=208,   # an assumption: NVLink 3's 300 GB/s (datasheet) less ~20%
+                 latency_us=20, send_gbps=150, send_latency_us=3,   # assumed as the H100's
                  inter_gbps=24, inter_latency_us=30),   # HDR 200 Gb/s: 96% (nccl-tests#119)
 }
 UPDATE_BYTES = {"adamw": 36, "sgd": 20}   # a parameter's read and written: g / d, p, m and v

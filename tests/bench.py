@@ -814,13 +814,14 @@ def refuse(message):
 # three_d.py --plan's own time, and --recompute's memory, each a fresh process
 # ----------------------------------------------------------------------------------
 
-PLAN_MODEL = ["--num-layers", "64", "--dim", "8192", "--batch-size", "8192"]   # the README's
+PLAN_MODEL = ["--num-layers", "64", "--dim", "8192", "--batch-size", "8192",   # the README's
+              "--vocab-size", "128256"]
 
 
 def plan_speed(argv):
     """Seconds that `three_d.py --plan` takes (start-up included) for 8 to 1,024 GPUs on the
     README's model, and for a world of 100,000, as a user runs it."""
-    print("three_d.py --plan, the README's model (L=64 D=8192 B=8192), H100: seconds to the answer")
+    print("three_d.py --plan, the README's model (L=64 D=8192 V=128256 B=8192), H100: seconds to the answer")
     for world in (8, 64, 256, 1024, 100000):
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "three_d.py", "--plan", "--world-size", str(world),

@@ -166,7 +166,7 @@ def test_a_worker_killed_on_one_node_ends_both(two_nodes):
     started = [Node(ns, dev, static(i), [*ARGS, "--steps", "100000"]) for i, (ns, dev) in enumerate(two_nodes)]
     try:
         deadline = time.monotonic() + 120
-        while not any("step   1 " in line for line in started[0].out):   # training is under way
+        while not any("step   0 " in line for line in started[0].out):   # training is under way
             assert time.monotonic() < deadline and all(n.proc.poll() is None for n in started), \
                 "".join(started[0].err)[-3000:]
             time.sleep(0.2)

@@ -123,11 +123,11 @@ BAD = {
         (["--world-size", "-1"], "--world-size"),
         (["--dim", "30"], "--dim"),                                     # 4 ranks
         (["--batch-size", "7"], "--batch-size"),
-        (["--embedding", "--vocab-size", "3"], "--vocab-size"),
-        (["--embedding", "--steps", "3"], "--steps"),                    # the demo trains nothing
+        (["--context", "0"], "--context"),
+        (["--context", "5"], "--context"),                              # does not divide --dim 64
         (["--tp-style", "rowwise"], "--tp-style"),
-        (["--embedding", "--tp-style", "megatron"], "--tp-style"),      # the demo has no layers
-        (["--vocab-size", "0"], "--vocab-size"),
+        (["--world-size", "98", "--dim", "196", "--context", "2"], "--world-size"),   # 97 classes
+        (["--vocab-size", "1000"], "--vocab-size"),                     # training takes the text's
         (["--tp-style", "megatron", "--num-layers", "1"], "--tp-style"),  # no pair to make
     ]] + [(["--world-size", "4"], "--world-size", 8)],
     "pipeline_parallel": [(argv, flag, None) for argv, flag in TRAINING + [
@@ -137,7 +137,7 @@ BAD = {
         (["--batch-size", "10", "--micro-batches", "4"], "--batch-size"),
         (["--schedule", "zb"], "--schedule"),
         (["--virtual-stages", "2"], "--virtual-stages"),                # only interleaved has chunks
-        (["--schedule", "interleaved", "--micro-batches", "2"], "--micro-batches"),   # whole rounds of 4
+        (["--schedule", "interleaved", "--num-layers", "8", "--micro-batches", "2"], "--micro-batches"),
         (["--schedule", "interleaved", "--virtual-stages", "3"], "--virtual-stages"),  # 12 chunks, 8 layers
         (["--schedule", "interleaved", "--world-size", "1", "--micro-batches", "1"], "--world-size"),
         (["--schedule", "interleaved", "--virtual-stages", "0"], "--virtual-stages"),
@@ -147,14 +147,14 @@ BAD = {
         (["--tp", "-2"], "--tp"),
         (["--pp", "x"], "--pp"),
         (["--tp", "3"], "--tp"),                                        # --dim 64
-        (["--pp", "3"], "--pp"),                                        # --num-layers 8
+        (["--pp", "3"], "--pp"),                                        # --num-layers 4
         (["--pp", "16"], "--pp"),                                       # more stages than layers
-        (["--dp", "3"], "--dp"),                                        # --batch-size 32, 2 micro-batches
+        (["--dp", "3"], "--dp"),                                        # --batch-size 128, 2 micro-batches
         (["--schedule", "zb"], "--schedule"),
         (["--order", "dp-pp-tp"], "--order"),
         (["--p2p-shard=yes"], "--p2p-shard"),
         (["--world-size", "8"], "--world-size"),                        # three_d takes --dp --pp --tp
-        (["--micro-batches", "64"], "--micro-batches"),                 # 16 rows per replica
+        (["--micro-batches", "128"], "--micro-batches"),                # 64 rows per replica
         (["--tp-style", "pairs"], "--tp-style"),
         (["--schedule", "interleaved", "--pp", "1", "--micro-batches", "2"], "--pp"),
         (["--schedule", "interleaved", "--num-layers", "6"], "--num-layers"),  # 6 layers, 2 x 2 chunks
@@ -183,9 +183,9 @@ def test_help_shows_every_default(script, capsys):
     assert exited.value.code == 0
     out = " ".join(capsys.readouterr().out.split())   # argparse wraps lines
     assert "(default: 60.0)" in out                   # --timeout-s, in every script
-    if script != "collectives":                       # the default run: L=8 D=64 B=32 m=2, 30 steps,
-        for default in ("(default: 8)", "(default: 64)", "(default: 32)", "(default: 2)",  # AdamW, lr 1e-2
-                        "(default: 30)", "(default: adamw)", "(default: 0.01)"):
+    if script != "collectives":                       # the default run: L=4 D=64 k=8 B=128 m=2, 300 steps,
+        for default in ("(default: 4)", "(default: 64)", "(default: 8)", "(default: 128)", "(default: 2)",
+                        "(default: 300)", "(default: adamw)", "(default: 0.01)"):   # AdamW, lr 1e-2
             assert default in out, (default, out)
 
 
@@ -225,10 +225,14 @@ def test_the_memory_line_names_the_bytes_per_rank_and_the_machine(capsys):
     with pytest.raises(SystemExit):
         three_d.main(["--dim", "100000", "--batch-size", "100000"])
     err = capsys.readouterr().err
-    # 4 bytes x (6 L D^2 + 2 B D + 2 L B D), L = 8: 2.6e12 bytes per rank, and the process's
-    # own 50 MB (collectives.RANK_BYTES); 8 ranks here
-    assert "about 2640.1 GB per rank, 21120.4 GB for the 8 ranks on this machine" in err, err
-    assert err.rstrip().endswith(" GB") and "--num-layers 8 --dim 100000 --batch-size 100000" in err
+    # the model's P floats as drawn, the logits and every layer's stash for the batch, 4 bytes
+    # each, and AdamW's 16 P bytes held, at L = 4, V = 97, k = 8; the process's own 50 MB
+    # (collectives.RANK_BYTES); 8 ranks here
+    L, D, B, V = 4, 100000, 100000, 97
+    P = L * D * D + V * D // 8 + D * V
+    per_rank = (4 * (P + 2 * B * V + 2 * L * B * D) + 16 * P + collectives.RANK_BYTES) / 1e9
+    assert f"about {per_rank:.1f} GB per rank, {8 * per_rank:.1f} GB for the 8 ranks on this machine" in err, err
+    assert err.rstrip().endswith(" GB") and "--num-layers 4 --dim 100000 --batch-size 100000" in err
 
 
 def test_a_stale_torchrun_environment_is_one_line(monkeypatch, capsys):
@@ -489,10 +493,10 @@ def alive(pid):
 
 
 def training(**popen):
-    """three_d.py, 8 ranks, training until stopped; returns it once step 1 printed."""
+    """three_d.py, 8 ranks, training until stopped; returns it once step 0 printed."""
     proc = start([sys.executable, "three_d.py", *LONG], start_new_session=True, **popen)
     for line in proc.stdout:
-        if "step   1 " in line:
+        if "step   0 " in line:
             return proc
     raise AssertionError(f"no training: {proc.communicate()[1][-2000:]}")
 
@@ -580,7 +584,7 @@ def test_no_ending_but_kill_9_leaves_anything_in_the_temp_folder(ending, tmp_pat
 def test_a_stopped_rank_is_named_when_the_others_time_out():
     proc = start([sys.executable, "three_d.py", *SMALL[:-1], "100000", "--timeout-s", "3"], start_new_session=True)
     for line in proc.stdout:
-        if "step   1 " in line:
+        if "step   0 " in line:
             break
     ranks = ranks_of(proc.pid)   # rank r is the r-th child: forked in rank order
     os.kill(ranks[5], signal.SIGSTOP)
