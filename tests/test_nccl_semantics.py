@@ -368,7 +368,7 @@ def test_the_timeline_times_a_gpu_with_cuda_events(monkeypatch):
     FakeEvent.clock = 0.0
     recorder = pp.Recorder(gpu)
     host_zero = recorder.zero[0]
-    stage = SimpleNamespace(stash={}, waiting_for_w={})
+    stage = SimpleNamespace(stash={}, waiting_for_w={}, layers=[], first=False, last=False)
     for op, start, end in (("F", 0.5, 2.0), ("B", 2.0, 6.0)):
         FakeEvent.clock = start
         recorder.start(pp.Action(op, 0))
@@ -384,20 +384,18 @@ def test_the_timeline_times_a_gpu_with_cuda_events(monkeypatch):
 def single_stage_worker(rank, world_size):
     """One stage, four micro-batches: the runner asks nothing of the host, the loss is a tensor."""
     setup(rank, world_size)
-    args = SimpleNamespace(optimizer="sgd", lr=0.1)
     D, m = 8, 4
-    weights = dp.init_weights(2, D, 0)
-    replica = dp.DataParallel(weights, dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr)
-    x, y = torch.randn(8, D), torch.randn(8, D)
-    stage = pp.Stage(replica, range(2), first=True, last=True, num_micro_batches=m, targets=y.chunk(m),
-                     mean_over=8 * D)
+    args = SimpleNamespace(optimizer="sgd", lr=0.1, num_layers=2, dim=D, context=4, vocab_size=dp.VOCAB_SIZE,
+                           seed=0, bf16=False, recompute=False, virtual_stages=1, micro_batches=m, batch_size=8)
+    _, _, replica, (stage,) = pp.hold_stages(args, 0, 1, torch.device("cpu"))   # the whole model
+    x, y = dp.make_batch(args, step=0)
     syncs = []
     real = {name: getattr(torch.Tensor, name) for name in ("item", "__float__", "tolist")}
     for name, fn in real.items():
         setattr(torch.Tensor, name, lambda self, *a, _fn=fn, _name=name: syncs.append(_name) or _fn(self, *a))
     try:
         replica.begin_step()
-        stage.begin_step()
+        stage.begin_step(y.chunk(m))
         pp.run_schedule(pp.build_schedule("1f1b", 1, 0, m), [stage], x.chunk(m), 0, 0, (2, D))
     finally:
         for name, fn in real.items():
