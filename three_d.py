@@ -204,20 +204,6 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     return runs, held, stash, bubble
 
 
-def stage_kinds(args, stage):
-    """The kinds of a rank of this stage's parts, chunk by chunk: step 3's layers; the
-    embedding first in stage 0's first chunk, the head last in the last stage's last."""
-    v = args.virtual_stages
-    kinds = tuple(layer_kinds(args.num_layers // (args.pp * v), args.tp_style))
-    chunks = []
-    for c in range(v):
-        virtual = c * args.pp + stage
-        first = ("embedding",) * (virtual == 0)
-        last = ("head",) * (virtual == args.pp * v - 1)
-        chunks.append(first + kinds + last)
-    return chunks
-
-
 def stash_bytes(args):
     """A micro-batch's stash in a chunk from its F to its B, and from its B to its W: a layer's
     (x, z) is one [b, D] whole and one 1/tp (a row layer's x is the column layer's sharded
@@ -278,7 +264,7 @@ from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E40
 from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa: E402
                            full_grads, full_weights, global_loss, in_step_bytes, log_step,
                            make_buckets, show_memory, training_parser)
-from pipeline_parallel import add_schedule_args, schedule_rules, whole_parts  # noqa: E402
+from pipeline_parallel import add_schedule_args, held_counts, schedule_rules, whole_parts  # noqa
 from tensor_parallel import (describe, divides, layer_matmuls, refuse_unused, tp_matmuls,  # noqa
                              vocab_range)
 
@@ -309,6 +295,24 @@ def bucket_lengths(numels, bucket_mb, chunk_starts, pad_to):
     return [(c, -(-n // pad_to) * pad_to) for c, n in zip(chunk_of, layout.lengths)]
 
 
+def stage_kinds(args, stage):
+    """The kinds of a rank of this stage's parts, chunk by chunk: step 3's layers; the
+    embedding first in stage 0's first chunk, the head last in the last stage's last."""
+    return chunk_kinds(args.num_layers, args.pp, args.virtual_stages, args.tp_style, stage)
+
+
+@functools.lru_cache(maxsize=None)
+def chunk_kinds(num_layers, num_stages, num_chunks, tp_style, stage):
+    kinds = tuple(layer_kinds(num_layers // (num_stages * num_chunks), tp_style))
+    chunks = []
+    for c in range(num_chunks):
+        virtual = c * num_stages + stage
+        first = ("embedding",) * (virtual == 0)
+        last = ("head",) * (virtual == num_stages * num_chunks - 1)
+        chunks.append(first + kinds + last)
+    return tuple(chunks)
+
+
 def replica_lengths(args, stage=0, tp_rank=0):   # a rank's buckets' elements
     return [n for _, n in replica_buckets(args, stage, tp_rank)]
 
@@ -323,14 +327,17 @@ def chunk_lengths(args, stage=0, tp_rank=0):     # the elements of each of its c
 def replica_buckets(args, stage, tp_rank):
     """A rank's buckets: its parts' shards, D^2/tp a layer, its classes' rows of E and columns
     of H at the ends (ZeRO: each bucket to d S), each with its chunk."""
-    start, end = vocab_range(args.vocab_size, tp_rank, args.tp)
-    size = {"embedding": (end - start) * (args.dim // args.context),
-            "head": args.dim * (end - start)}
-    chunks = stage_kinds(args, stage)
-    numels = tuple(size.get(kind, args.dim * args.dim // args.tp)
-                   for chunk in chunks for kind in chunk)
+    return buckets_of(stage_kinds(args, stage), args.dim, args.context, args.vocab_size, args.tp,
+                      tp_rank, args.bucket_mb, args.dp if args.zero else 1)
+
+
+@functools.lru_cache(maxsize=None)
+def buckets_of(chunks, dim, context, vocab_size, tp, tp_rank, bucket_mb, pad_to):
+    start, end = vocab_range(vocab_size, tp_rank, tp)
+    size = {"embedding": (end - start) * (dim // context), "head": dim * (end - start)}
+    numels = tuple(size.get(kind, dim * dim // tp) for chunk in chunks for kind in chunk)
     starts = tuple(sum(map(len, chunks[:c])) for c in range(len(chunks)))
-    return bucket_lengths(numels, args.bucket_mb, starts, args.dp if args.zero else 1)
+    return bucket_lengths(numels, bucket_mb, starts, pad_to)
 
 
 def show_rank_map(dp, pp, tp, order, kinds=None, chunks=1):
@@ -353,12 +360,17 @@ def show_rank_map(dp, pp, tp, order, kinds=None, chunks=1):
 # collectives, sends and memory by three_d_costs(), on a GPU's published figures.
 
 def rank_matmuls(args, stage, tp_rank=0):   # a rank of this stage's, a step: step 3's
-    kinds = [kind for chunk in stage_kinds(args, stage) for kind in chunk]
+    kinds = tuple(kind for chunk in stage_kinds(args, stage) for kind in chunk)
     rows = args.batch_size // (args.dp * args.micro_batches)
     start, end = vocab_range(args.vocab_size, tp_rank, args.tp)   # its classes: the head's n
-    return tp_matmuls(kinds, rows, args.dim, args.tp, bf16=args.bf16,
-                      num_micro_batches=args.micro_batches, recompute=args.recompute,
-                      classes=end - start)
+    return matmuls_of(kinds, rows, args.dim, args.tp, args.bf16, args.micro_batches,
+                      args.recompute, end - start)
+
+
+@functools.lru_cache(maxsize=None)   # many layouts alike; callers only read the Counter
+def matmuls_of(kinds, rows, dim, tp, bf16, num_micro_batches, recompute, classes):
+    return tp_matmuls(kinds, rows, dim, tp, bf16=bf16, num_micro_batches=num_micro_batches,
+                      recompute=recompute, classes=classes)
 
 
 # Each GPU's figures, with their sources. The datasheets: H100 https://www.nvidia.com/en-us/
@@ -533,7 +545,7 @@ def predict(args, machine):
     step = sum(parts.values())
     model_flops = 6 * args.batch_size * (args.num_layers * args.dim + args.vocab_size) * args.dim
     return dict(flags=layout_flags(args), step_s=step, parts=parts, bubble=slowest["bubble"],
-                memory_bytes=max(stage_memory(args, s) for s in range(pp)),
+                memory_bytes=most_memory(args),
                 bytes={group: max(stage["sent"][group] for stage in stages) for group in sizes},
                 stage=slowest["stage"], flops=flops, args=args,
                 stages={stage["stage"]: stage["inside"] for stage in stages},
@@ -543,12 +555,20 @@ def predict(args, machine):
                     stage[group] for stage in per_node) < (2 if group == "pp" else sizes[group])])
 
 
-def stage_memory(args, stage):
-    """The most a rank of this stage holds: its replica's end-of-step state, its stash at its
-    largest and ZeRO's in-step gradient buckets."""
-    _, held, stash, _ = three_d_costs(args, stage)
-    return sum(size for size, _ in held.values()) + stash + in_step_bytes(
-        chunk_lengths(args, stage), args.dp, zero=args.zero, num_micro_batches=args.micro_batches)
+def most_memory(args):
+    """The most a rank of any stage holds: its replica's end-of-step state and ZeRO's in-step
+    gradient buckets (the same on every middle stage; the first and last hold E and H) and its
+    stash at its largest (each stage's own)."""
+    pp, m, v = args.pp, args.micro_batches, args.virtual_stages
+    kept, waiting = stash_bytes(args)
+    state = {}
+    for s in {0, pp - 1, min(1, pp - 1)}:
+        held = three_d_costs(args, s)[1]
+        state[s] = sum(size for size, _ in held.values()) + in_step_bytes(
+            chunk_lengths(args, s), args.dp, zero=args.zero, num_micro_batches=m)
+    return max(state.get(s, state[min(1, pp - 1)]) + max(
+        k * kept + w * waiting for k, w in held_counts(args.schedule, pp, s, m, v))
+        for s in range(pp))
 
 
 def layouts(args, gpus_per_node):
