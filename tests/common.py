@@ -41,8 +41,7 @@ def serial_train(args):
     """The same training in one process, with autograd, as a whole run: what the tests
     compare every parallel run's --save with (--check compares each step instead). With
     --bf16 the same casts: bf16 matmuls and activations on fp32 master weights."""
-    from data_parallel import (VOCAB_SIZE, init_params, make_batch, make_optimizer, serial_loss,
-                               training_text)
+    from data_parallel import VOCAB_SIZE, init_params, make_batch, make_optimizer, serial_loss
     if "vocab_size" not in vars(args):
         args.vocab_size = VOCAB_SIZE
     params = [w.requires_grad_() for w in init_params(args)]
@@ -111,12 +110,3 @@ def assert_same_bits(a, b):
 def gelu_grad(z):   # the formula that PyTorch's fused kernel (aten.gelu_backward) computes
     return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-z * z / 2) / math.sqrt(
         2 * math.pi)                          # Phi(z) + z phi(z)
-
-
-def model_forward(weights, x):      # step 2's layers in turn: the output and each layer's stash
-    from data_parallel import layer_forward
-    stashes = []
-    for w in weights:
-        x, stash = layer_forward(x, w)
-        stashes.append(stash)
-    return x, stashes

@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from collectives import cleanup, pick_backend, spawn, under_torchrun  # noqa: E402
 from data_parallel import (CHECK_TOLERANCE, cross_entropy, dp_step, full_grads, full_weights, init_params,  # noqa: E402
-                           make_batch, make_replica, model_blocks, training_text)
+                           make_batch, make_replica, model_blocks)
 
 WARMUP = 2
 

@@ -23,7 +23,7 @@ import data_parallel as dp
 from collectives import RankFailed
 from stash_check import stash_and_peak
 from common import (serial_train, ATOL, RTOL, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
-                    final_params, gelu_grad, model_forward)
+                    final_params, gelu_grad)
 
 REPO = Path(__file__).resolve().parent.parent
 

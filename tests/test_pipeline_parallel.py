@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import data_parallel as dp
 import pipeline_parallel as pp
