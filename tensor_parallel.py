@@ -39,8 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives import cleanup, run_main, setup, spawn
-from data_parallel import (Block, DataParallel, dp_step, init_params, layer_backward,
-                           layer_forward, make_batch)
+from data_parallel import (Block, DataParallel, dp_step, embedding_backward, head_backward,
+                           head_forward, init_params, layer_backward, layer_forward, make_batch)
 
 
 def gather_forward(x, w_t, recompute=False, group=None):
@@ -170,7 +170,7 @@ def vocab_range(vocab_size, tp_rank, tp_size):
     return start, start + size + (tp_rank < extra)
 
 
-def embedding_forward(tokens, e_t, recompute=False, group=None, vocab_size=None):
+def vocab_embedding_forward(tokens, e_t, recompute=False, group=None, vocab_size=None):
     """The tokens [b, k] this rank holds, looked up; zeros for the rest; summed: x [b, D]."""
     start, end = vocab_range(vocab_size, dist.get_rank(group), dist.get_world_size(group))
     outside = (tokens < start) | (tokens >= end)                       # [b, k]
@@ -181,25 +181,24 @@ def embedding_forward(tokens, e_t, recompute=False, group=None, vocab_size=None)
     return x, (local, outside)
 
 
-def embedding_backward(g, stash, e_t, need_dx=False, group=None):
+def vocab_embedding_backward(g, stash, e_t, need_dx=False, group=None):
     """g [b, D], the same on every rank: each keeps its own tokens' blocks, for dE_t[local]."""
     local, outside = stash
     g = g.reshape(*local.shape, -1).masked_fill(outside[..., None], 0.0)   # [b, k, D/k]
-    return None, (local, g.reshape(local.numel(), -1))
+    return embedding_backward(g, (local, None), e_t)   # step 2's, on its local rows
 
 
-def head_forward(a, h_t, recompute=False, group=None):
+def vocab_head_forward(a, h_t, recompute=False, group=None):
     """f in forward, the identity: logits_t = a H_t  [b, D] @ [D, V_t], kept sharded."""
-    return a @ h_t, (a, None)
+    return head_forward(a, h_t)
 
 
-def head_backward(dlogits_t, stash, h_t, need_dx=True, group=None):
+def vocab_head_backward(dlogits_t, stash, h_t, need_dx=True, group=None):
     """f in backward: da = sum_t dlogits_t H_t^T, an all-reduce; dH_t = a^T dlogits_t."""
-    a, _ = stash
-    da = dlogits_t @ h_t.T                    # [b, V_t] @ [V_t, D]: one term of da
+    da, a_dlogits = head_backward(dlogits_t, stash, h_t)   # one term of da  [b, D]
     if dist.get_world_size(group) > 1:
         dist.all_reduce(da, group=group)      # 2(T-1)/T x [b, D]
-    return da, (a, dlogits_t)
+    return da, a_dlogits
 
 
 def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
@@ -231,8 +230,8 @@ def reduce_over(tensor, group, op=dist.ReduceOp.SUM):   # an all-reduce, where t
 BLOCKS = {"gather": Block(gather_forward, gather_backward),
           "column": Block(column_forward, column_backward),
           "row": Block(row_forward, row_backward),
-          "embedding": Block(embedding_forward, embedding_backward),
-          "head": Block(head_forward, head_backward)}
+          "embedding": Block(vocab_embedding_forward, vocab_embedding_backward),
+          "head": Block(vocab_head_forward, vocab_head_backward)}
 
 
 def layer_kinds(num_layers, tp_style):

@@ -17,6 +17,11 @@ def final_params(result):
     return [result["final_embedding"], *result["final_weights"], result["final_head"]]
 
 
+def init_of(result):
+    """A --save result's initial parameters in order: E, the layers, H."""
+    return [result["init_embedding"], *result["init_weights"], result["init_head"]]
+
+
 def assert_same_training(got, want):
     """Two --save results (or serial_train's): the same loss at every step, the same final parameters."""
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), atol=ATOL, rtol=RTOL)

@@ -48,6 +48,7 @@ import tensor_parallel  # noqa: E402
 import three_d  # noqa: E402
 from comm_count import CommCounter  # noqa: E402
 from nccl import fake_gpus  # noqa: E402
+from race import first_batch  # noqa: E402
 
 META = torch.device("meta")
 GPUS_PER_NODE = 8
@@ -206,11 +207,6 @@ def world_of(script, args):
     return args.world_size
 
 
-def first_batch(args, device):   # step 0's tokens [B, k] and targets [B], on the device
-    batch = data_parallel.make_batch(args, step=0)
-    return [t.to(device) for t in batch]
-
-
 def build_data_parallel(args, rank, world_size, device=META):
     """dp_worker's replica and step (steps 2): the world's ranks are the replicas."""
     m = args.micro_batches
@@ -220,7 +216,7 @@ def build_data_parallel(args, rank, world_size, device=META):
                                          bucket_mb=args.bucket_mb, bf16=args.bf16,
                                          overlap=args.overlap)
     rows = data_parallel.replica_rows(args.batch_size, rank, world_size)
-    inputs, targets = (t[rows] for t in first_batch(args, torch.device("cpu")))
+    inputs, targets = (t[rows] for t in first_batch(args))
     xs = inputs.to(device).chunk(m)
     ys = targets.to(device).chunk(m)
     blocks = data_parallel.model_blocks(args.num_layers)
@@ -243,7 +239,7 @@ def build_tensor_parallel(args, rank, world_size, device=META):
               for w, kind in zip(full, kinds)]
     replica = data_parallel.DataParallel(shards, dist.new_subgroups(1)[0],
                                          optimizer=args.optimizer, lr=args.lr, bf16=args.bf16)
-    inputs, targets = first_batch(args, device)
+    inputs, targets = (t.to(device) for t in first_batch(args))
     blocks = tensor_parallel.tp_blocks(kinds, vocab_size=args.vocab_size)
     loss_fn = functools.partial(tensor_parallel.vocab_parallel_cross_entropy,
                                 vocab_size=args.vocab_size)
@@ -262,7 +258,7 @@ def build_pipeline_parallel(args, rank, world_size, device=META):
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
     _, _, replica, stages = pipeline_parallel.hold_stages(args, stage, p, device)
     actions = pipeline_parallel.build_schedule(args.schedule, p, stage, m, v)
-    inputs, targets = (t.chunk(m) for t in first_batch(args, device))
+    inputs, targets = (t.to(device).chunk(m) for t in first_batch(args))
 
     def step():
         replica.begin_step()
@@ -280,7 +276,7 @@ def build_pipeline_parallel(args, rank, world_size, device=META):
 def build_three_d(args, rank, world_size, device=META):
     """three_d_worker's ThreeDRank and step (step 5)."""
     me = three_d.ThreeDRank(rank, args, device)
-    batch = data_parallel.make_batch(args, step=0)
+    batch = first_batch(args)
     micro_batches = me.micro_batches(batch, args)
 
     def step():

@@ -23,7 +23,7 @@ import data_parallel as dp
 from collectives import RankFailed
 from stash_check import stash_and_peak
 from common import (serial_train, ATOL, RTOL, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
-                    final_params, gelu_grad)
+                    final_params, init_of, gelu_grad)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -493,10 +493,6 @@ def serial_for(config):
     for key, value in config.items():
         setattr(args, key, value)
     return serial_train(args)
-
-
-def init_of(result):   # a --save's initial parameters in order: E, the layers, H
-    return [result["init_embedding"], *result["init_weights"], result["init_head"]]
 
 
 def assert_matches_serial(result):

@@ -32,7 +32,7 @@ import data_parallel as dp
 import pipeline_parallel as pp
 from collectives import RankFailed, cleanup, setup, spawn
 from common import (serial_train, assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report,
-                    clip_between, final_params)
+                    clip_between, final_params, init_of)
 from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action
 
 REPO = Path(__file__).resolve().parent.parent
@@ -317,10 +317,6 @@ def run_pp(tmp_path, world_size, micro_batches, schedule, num_layers=12, batch_s
              "--context", "4", "--steps", str(steps), "--optimizer", optimizer, "--lr", str(lr),
              "--seed", str(seed), "--save", str(save), *TIMEOUT, *flags])
     return torch.load(save)
-
-
-def init_of(result):
-    return [result["init_embedding"], *result["init_weights"], result["init_head"]]
 
 
 def assert_trained(result):

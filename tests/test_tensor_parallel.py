@@ -31,7 +31,7 @@ import tensor_parallel as tp
 from collectives import RankFailed, cleanup, setup, spawn
 from stash_check import stash_and_peak
 from common import (serial_train, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
-                    final_params)
+                    final_params, init_of)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -260,12 +260,12 @@ def _vocab_worker(rank, world_size, case, folder, defect):
     start, end = tp.vocab_range(V, rank, world_size)
     table_t = tp.shard(case["table"], "embedding", rank, world_size)
     head_t = tp.shard(case["head"], "head", rank, world_size)
-    x, stash = tp.embedding_forward(case["tokens"], table_t, vocab_size=V)
-    _, (local, g_t) = tp.embedding_backward(case["g"], stash, table_t)
+    x, stash = tp.vocab_embedding_forward(case["tokens"], table_t, vocab_size=V)
+    _, (local, g_t) = tp.vocab_embedding_backward(case["g"], stash, table_t)
     d_table_t = torch.zeros_like(table_t).index_add_(0, local.reshape(-1), g_t)
     if defect == "embedding all-reduce without its backward" and rank > 0:
         d_table_t.zero_()            # only the lookup autograd saw, rank 0's, gets a gradient
-    logits_t, head_stash = tp.head_forward(case["a"], head_t)
+    logits_t, head_stash = tp.vocab_head_forward(case["a"], head_t)
     rows = len(case["targets"])
     if defect == "a padded class in the softmax":   # every shard padded to ceil(V / T) classes
         width = -(-V // world_size)
@@ -283,7 +283,7 @@ def _vocab_worker(rank, world_size, case, folder, defect):
         dlogits_t = dlogits[:, start:end]
     else:
         loss, dlogits_t = tp.vocab_parallel_cross_entropy(logits_t, case["targets"], rows, vocab_size=V)
-    da, (_, dlogits_again) = tp.head_backward(dlogits_t.contiguous(), head_stash, head_t)
+    da, (_, dlogits_again) = tp.vocab_head_backward(dlogits_t.contiguous(), head_stash, head_t)
     d_head_t = case["a"].T @ dlogits_again
     torch.save(dict(start=start, end=end, x=x, d_table_t=d_table_t, logits_t=logits_t, loss=loss,
                     dlogits_t=dlogits_t, da=da, d_head_t=d_head_t), folder / f"rank{rank}.pt")
@@ -427,7 +427,7 @@ def assert_save_contract(result):
         assert all(w.shape == (D, D) and w.dtype == torch.float32 for w in result[f"{when}_weights"])
         assert result[f"{when}_embedding"].shape == (V, D // k) and result[f"{when}_head"].shape == (D, V)
     # the init is init_params exactly: drawn once, whole (not reseeded per layer or shard)
-    init = [result["init_embedding"], *result["init_weights"], result["init_head"]]
+    init = init_of(result)
     assert all(torch.equal(a, b) for a, b in zip(init, init_params_of(cfg)))
     for step in range(steps):
         inputs, targets = dp.make_batch(argparse.Namespace(**cfg), step)
@@ -467,7 +467,7 @@ def assert_matches_serial(result):
     for got, want in zip(final_params(result), final_params(ref)):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     # it trained: the weights moved far past the tolerance, and the loss fell
-    init = [result["init_embedding"], *result["init_weights"], result["init_head"]]
+    init = init_of(result)
     moved = max((f - i).abs().max().item() for f, i in zip(final_params(result), init))
     assert moved > 100 * ATOL
     after = dp.serial_loss(final_params(result), result["inputs"][0], result["targets"][0])[0].item()

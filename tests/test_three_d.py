@@ -27,7 +27,7 @@ import torch.distributed as dist
 import data_parallel as dp
 import three_d
 from collectives import RankFailed
-from common import (serial_train, assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report, final_params,
+from common import (serial_train, assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report, final_params, init_of,
                     clip_between)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -219,10 +219,6 @@ def run_3d(tmp_path, dp_size, pp_size, tp_size, schedule="1f1b", order="tp-pp-dp
 
 def serial_reference(result):
     return serial_train(argparse.Namespace(**result["config"]))
-
-
-def init_of(result):
-    return [result["init_embedding"], *result["init_weights"], result["init_head"]]
 
 
 def assert_follows_the_contract(result):
