@@ -251,9 +251,9 @@ class Stop(Exception):
 
 
 def spawn(fn, world_size, *args, backend="auto", timeout_s=DEFAULT_TIMEOUT_S):
-    """Run fn(rank, world_size, *args) on every rank; raise RankFailed if one fails. Under
-    torchrun, fn runs here as this one rank. Otherwise ranks start by fork on the CPU (8 in
-    under a second), by spawn with CUDA, and meet at a file store in a fresh folder: no port."""
+    """fn(rank, world_size, *args) on every rank; RankFailed if one fails. Under torchrun, fn runs
+    here as this rank; else ranks start by fork on the CPU (8 in under a second), by spawn with
+    CUDA, and meet at a file store in a fresh folder: no port."""
     env = {"PARALLEL_BACKEND": pick_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                                             backend),
            "PARALLEL_TIMEOUT_S": str(timeout_s)}
@@ -317,7 +317,7 @@ def setup(rank, world_size):
     backend = os.environ.get("PARALLEL_BACKEND") or pick_backend(world_size)
     torch.set_num_threads(1)        # the ranks share this machine's cores: one thread each
     joined = dist.is_initialized()  # (a caller may have joined the group already)
-    store = None if joined else meet(rank, world_size, backend)
+    store = None if joined else meet(rank, world_size)
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -333,10 +333,9 @@ def timeout_s():
     return float(os.environ.get("PARALLEL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
 
-def meet(rank, world_size, backend):
+def meet(rank, world_size):
     """The store the ranks meet at: spawn()'s file store, or torchrun's at MASTER_ADDR:MASTER_PORT
-    (waited for up to --timeout-s). Under torchrun every rank's backend is compared first:
-    one node on NCCL and another on gloo would each wait for peers that never come."""
+    (waited for up to --timeout-s)."""
     store = os.environ.get("PARALLEL_STORE")   # None under torchrun: MASTER_ADDR:MASTER_PORT
     if store:
         return dist.FileStore(store, world_size)
@@ -345,7 +344,7 @@ def meet(rank, world_size, backend):
         time.time() + timeout
     try:   # a rank that joins torchrun's store, or rank 0's, first waits for it to listen
         while rank or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):   # (torch's own wait prints C++ stack traces)
                 socket.create_connection((where[0], int(where[1])), timeout=1).close()
                 break
             if time.time() > deadline:
@@ -353,34 +352,12 @@ def meet(rank, world_size, backend):
             time.sleep(0.2)
         store = next(dist.rendezvous("env://", rank, world_size,
                                      timeout=timedelta(seconds=timeout)))[0]
-        agree_on_backend(dist.PrefixStore("parallel-backend", store), rank, world_size, backend)
     except (RuntimeError, ValueError, OSError) as e:   # DistStoreError, DistNetworkError, ...
         raise Stop(f"RANK {rank} of WORLD_SIZE {world_size} met no peers at MASTER_ADDR:"
                    f"MASTER_PORT = {':'.join(map(str, where))} ({str(e).splitlines()[0][:100]});"
                    f" if these are left over from another run, unset RANK, WORLD_SIZE and "
                    f"LOCAL_RANK") from None
     return dist.PrefixStore("default_pg", store)   # as init_process_group keeps its own keys
-
-
-def agree_on_backend(store, rank, world_size, backend):
-    """Rank 0 reads every rank's backend and says whether they agree, before any group forms."""
-    store.set(str(rank), backend)
-    if rank == 0:
-        chosen = {}
-        for other in range(world_size):
-            chosen.setdefault(store.get(str(other)).decode(), []).append(other)
-        verdict = "" if len(chosen) == 1 else (
-            "the nodes chose different backends (" + "; ".join(
-                f"{name} on ranks {', '.join(map(str, ranks))}" for name, ranks in chosen.items()) +
-            "): give every node a GPU for each of its ranks, or pass --backend gloo on every node")
-        store.set("verdict", verdict)
-    verdict = store.get("verdict").decode()
-    if verdict:   # without torchrun's agent the store lives in rank 0: it leaves last
-        if store.add("told", 1) == world_size:
-            store.set("everyone told", "")
-        if rank == 0:
-            store.wait(["everyone told"])
-        raise Stop(verdict)
 
 
 def cleanup():
@@ -392,22 +369,13 @@ def under_torchrun():   # torchrun (and Slurm around it) start each rank with th
 
 
 def pick_backend(local_world_size, requested="auto"):
-    """NCCL if this node has a GPU for every rank, else gloo (the door refuses a node with too
-    few). torch.cuda.device_count() asks NVML, which starts no CUDA in this process: ranks
-    forked from it later would find a CUDA state they cannot use."""
+    """NCCL if this node has a GPU a rank, else gloo. device_count() asks NVML and starts no CUDA
+    here, which ranks forked later could not use."""
     if requested != "auto":
         return requested
     if torch.cuda.device_count() >= local_world_size:
         return "nccl"
     return "gloo"
-
-
-def allocator_peak(device):
-    """The CUDA caching allocator's largest allocation so far on a GPU (None on the CPU):
-    beside the bytes a table counts, what the GPU really held, activations and workspace too."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_allocated(device)
 
 
 def _child(index, in_parent, parent, fn, world_size, args):
@@ -425,8 +393,8 @@ def _child(index, in_parent, parent, fn, world_size, args):
 
 
 def _culprit(context, first, in_parent):
-    """(rank, text) of the rank to blame. A rank whose peer died or stalled fails too, with a
-    closed connection or a timeout: a victim, blamed only if no rank failed otherwise."""
+    """(rank, text) to blame: a rank whose peer died or stalled fails too (a closed connection, a
+    timeout), a victim, blamed only if no rank failed otherwise."""
     failures, ended = {}, []   # ended: still running when we ended them, a stalled rank too
     for index, (process, error_file) in enumerate(zip(context.processes, context.error_files)):
         rank, code = index + in_parent, process.exitcode
@@ -453,10 +421,9 @@ def _culprit(context, first, in_parent):
 
 
 def measured_bandwidth(nbytes, points, floor, plateau):
-    """The bus bandwidth for a collective of nbytes on a GPU, from nccl-tests' measurements: at
-    each of points' (bytes, busbw in GB/s) of an all-reduce over 8 GPUs, scaled to this kind's
-    plateau, the bandwidth net of the latency floor (floor + bytes / it = bytes / busbw, the time
-    measured), interpolated log-log between them; past either end, the end's."""
+    """A GPU's bus bandwidth for nbytes: points' (bytes, busbw GB/s) of an 8-GPU all-reduce, scaled
+    to this plateau, net of the floor (floor + bytes / it = bytes / busbw), interpolated log-log
+    (past either end, the end's)."""
     net = []
     for size, busbw in points:
         ring = 2 * 7 / 8 * size                   # what an all-reduce's rank sends, of 8
@@ -524,8 +491,8 @@ def positive_float(text):
 
 
 def check_launch_args(parser, args, world_size, flag="--world-size", tensor_bytes=0, sizes=""):
-    """The timeout, torchrun's variables, a GPU per rank for NCCL, the memory of this
-    machine's ranks (processes of RANK_BYTES, holding tensor_bytes each)."""
+    """The timeout, torchrun's variables, a GPU a rank for NCCL, this machine's memory for its
+    ranks (RANK_BYTES plus tensor_bytes each)."""
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     ranks, per_rank = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), RANK_BYTES + tensor_bytes
     gpus = torch.cuda.device_count()   # NVML: no CUDA starts in this process

@@ -353,8 +353,7 @@ def main(argv=None):
 import argparse, contextlib, functools, math, os  # noqa: E401, E402
 from typing import Callable, NamedTuple  # noqa: E402
 
-from collectives import (Parser, Stop, allocator_peak, check_launch_args,  # noqa: E402
-                         positive_float, positive_int)
+from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
 
 
 class Block(NamedTuple):   # a part's pair, as every step runs one: step 2's, and step 3's
@@ -388,12 +387,9 @@ def dp_costs(lengths, dp_size, zero=0, num_micro_batches=1, optimizer="adamw", b
 
 
 def in_step_bytes(chunks, dp_size, zero=0, num_micro_batches=1):
-    """What a replica holds for a while within a step beyond its end's (dp_costs's), chunks the
-    elements of each of its chunks' buckets (3D's interleaving; one chunk elsewhere). ZeRO-2 and
-    3: a chunk's buckets whole, 4 x its elements, from its W to their reduce-scatter, less the
-    parts (4/d of a chunk) not made yet: the chunks before it (their backward comes after its),
-    and its own in the first micro-batch. ZeRO-2 with micro-batches keeps every bucket whole
-    until the last and makes no part before: 4 P - 4 P/d."""
+    """Bytes a replica holds within a step beyond dp_costs's, chunks: each chunk's bucket elements.
+    ZeRO-2/3: a chunk's buckets whole (4 n) until reduce-scattered, less the 4/d parts not made
+    yet (earlier chunks', its own in the first micro-batch); ZeRO-2, m > 1: 4 P - 4 P/d."""
     whole = 4 * sum(chunks)
     if zero < 2:
         return 0
@@ -412,11 +408,10 @@ class BucketLayout(NamedTuple):
 
 
 def make_buckets(numels, bucket_mb, chunk_starts=()):
-    """Consecutive layers whose fp32 gradients fit in bucket_mb (0: a layer each). A collective
-    costs a fixed time plus bytes / bandwidth: here (gloo, 2 ranks; tests/bench.py collectives)
-    an all-reduce of 4 KB or of 1 MB takes 0.5-0.8 ms, 16 MB 11 ms, so one call for many layers
-    saves. Cut from the last layer, whose gradient is final first; the first bucket holds 1 MB
-    at most, as DDP's, to start early. None crosses the start of a chunk (3D's interleaving)."""
+    """Consecutive layers whose fp32 gradients fit in bucket_mb (0: a layer each): a collective
+    costs a fixed time plus bytes / bandwidth (gloo here: 4 KB and 1 MB both ~0.6 ms, 16 MB 11
+    ms). Cut from the last layer, final first; the first bucket 1 MB at most, as DDP's, to start
+    early. None crosses the start of a chunk (3D's interleaving)."""
     buckets = [[]]
     cap = min(bucket_mb, 1.0) * 2**20
     size = 0
@@ -439,10 +434,10 @@ def make_buckets(numels, bucket_mb, chunk_starts=()):
 
 
 def clip_grads(grads, max_norm, groups):
-    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ does. The
-    norm is the whole model's: each rank's sum of squares, summed over the groups whose ranks
-    hold the other parts: tp (other shards), pp (other stages), dp only where ZeRO shards.
-    (A weight every tp rank holds whole, as LayerNorm's, would count once, not tp times.)"""
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_: the whole
+    model's norm, each rank's squares summed over the groups that hold the other parts: tp
+    (shards), pp (stages), dp where ZeRO shards. (A weight held whole on every tp rank would
+    count once, not tp times.)"""
     squares = torch.stack([g.float().square().sum() for g in grads]).sum()
     for group in groups:
         if dist.get_world_size(group) > 1:
@@ -458,9 +453,8 @@ def make_optimizer(params, optimizer, lr):   # plain SGD, or AdamW with PyTorch'
 
 
 def init_params(args):
-    """E [V, D/k], the L layers' W [D, D] and H [D, V], drawn in that order from one generator:
-    every rank draws them alike and keeps its part, so a shard is a piece of one matrix (at
-    scale: a generator per shard, or the meta device). sqrt(2/D) keeps the signal through GELUs."""
+    """E [V, D/k], the L layers' W [D, D] and H [D, V], in order from one generator: every rank
+    draws them alike and keeps its part (at scale: a generator per shard, or the meta device)."""
     D = args.dim
     gen = torch.Generator().manual_seed(args.seed)
     embedding = torch.randn(args.vocab_size, D // args.context, generator=gen)
@@ -471,9 +465,8 @@ def init_params(args):
 
 
 def make_batch(args, step, text=None):
-    """The step's batch: B windows of k + 1 characters of the text (the training part) at
-    offsets that every rank draws alike from (--seed, step); the first k are the input [B, k],
-    the last the target [B]."""
+    """The step's B windows of k + 1 characters of the training text, at offsets every rank draws
+    alike from (--seed, step): inputs [B, k], targets [B]."""
     if text is None:
         text = training_text()
     gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
@@ -482,18 +475,15 @@ def make_batch(args, step, text=None):
     return windows[:, :args.context], windows[:, args.context]
 
 
-def replica_rows(batch_size, dp_rank, dp_size):
-    """The rows that replica dp_rank trains on: by its data-parallel rank, never the global
-    rank (in 3D they differ)."""
+def replica_rows(batch_size, dp_rank, dp_size):   # by its dp rank, never the global rank (3D)
     per_replica = batch_size // dp_size
     return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
 
 def serial_loss(params, tokens, targets, bf16=False, halves=False):
-    """The model's loss with autograd, and its logits: with bf16, the same casts as the
-    parallel runs make: bf16 matmuls and activations on fp32 master weights. halves: each
-    matmul sums the two halves of its D terms apart, then adds them, as two tensor-parallel
-    ranks do: the same maths in another order, which moves only what rounding moves."""
+    """The loss with autograd, and its logits; bf16: the parallel runs' casts (bf16 matmuls on
+    fp32 masters). halves: each matmul sums the halves of its terms apart, as two tp ranks do:
+    the same maths in another order, which moves only what rounding moves."""
     dtype = torch.bfloat16 if bf16 else torch.float32
 
     def matmul(x, w):
@@ -541,7 +531,7 @@ def memory_held(replica):   # bytes held now, by kind; a view of another tensor 
             for kind, lists in kinds.items()}                   # a meta tensor has no address)
 
 
-def show_memory(replica, args, whose, largest=None):
+def show_memory(replica, args, whose):
     now, P = memory_held(replica), sum(replica.lengths)
     want = dp_costs(replica.lengths, replica.dp_size, args.zero, optimizer=args.optimizer,
                     bf16=args.bf16)[1]
@@ -551,12 +541,6 @@ def show_memory(replica, args, whose, largest=None):
           f"{'bf16 on fp32 masters (in the optimizer state)' if args.bf16 else 'fp32'}")
     for kind, got in [*now.items(), ("total", sum(now.values()))]:
         print(f"  {kind:<16}{got:>12} bytes   formula {want[kind][1]:<18} = {want[kind][0]:>10.0f}")
-    if largest is not None:   # (measured from outside: tests/bench.py memory)
-        print(f"  largest at any moment of the last step: {largest} bytes, at a bucket's gather: "
-              f"the shards, the gradient buckets then, and the buckets held (two at most)")
-    if allocator_peak(replica.device) is not None:
-        print(f"  the CUDA allocator's peak over the run: {allocator_peak(replica.device)} bytes "
-              f"(torch.cuda.max_memory_allocated: activations, the batch and workspace too)")
 
 
 def finish_replicas(replica, args, init, losses, check, norms):
@@ -621,9 +605,8 @@ def training_parser(description, dp=False):
 
 def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None,
                         ranks_flag="--world-size"):
-    """The rules every training script shares, after its own, and the memory the ranks need:
-    the model as drawn (P floats), weights, gradients and AdamW state (or ZeRO's share), the
-    logits (2 B V), and every layer's stash for the batch (2 L B D). Reads the text."""
+    """The rules every training script shares, and the memory its ranks need: the model (P),
+    its state (dp_costs), the logits (2 B V), every layer's stash (2 L B D). Reads the text."""
     args.vocab_size = VOCAB_SIZE              # the text's: printable ASCII, newline, the rest
     L, D, B, m, V = args.num_layers, args.dim, args.batch_size, args.micro_batches, VOCAB_SIZE
     by, rows = f"{replicas_flag} x " if replicas_flag else "", B // replicas
@@ -671,8 +654,7 @@ def parse_args(argv=None):
 
 
 def log_step(tag, step, losses, norms, args):
-    """A step's loss, and the norm it was clipped from: every step of a short run, else a
-    tenth of them, and the last."""
+    """A step's loss and grad norm: every step of a short run, else every tenth, and the last."""
     every = max(1, args.steps // 10) if args.steps > 20 else 1
     if step % every and step != args.steps - 1:
         return
@@ -682,10 +664,8 @@ def log_step(tag, step, losses, norms, args):
 
 
 def finish_run(args, init, final, losses, check, norms=(), extra=None):
-    """On rank 0, with the full parameters [E, W_1 .. W_L, H]: --save (into a file beside it,
-    renamed onto it: a disk that fills up ends the run in one line, and what was there stays),
-    then a loss that is not finite ends the run, then the validation loss and a sample, then
-    --check."""
+    """Rank 0, the full [E, W_1 .. W_L, H]: --save (written beside, renamed onto it: a full disk
+    leaves what was there), a non-finite loss's Stop, the validation loss and a sample, --check."""
     if args.save:
         batches = [make_batch(args, step) for step in range(args.steps)]
         init = [w.float().cpu() for w in init]
@@ -767,9 +747,8 @@ def validation_text():   # the rest
 
 @functools.lru_cache(maxsize=None)
 def baselines():
-    """The text's entropy in nats a character: uniform ln V; unigram, of each character's
-    frequency; bigram, of the next character given the one before: what a model of no
-    context, and of one character, can reach."""
+    """The text's entropy in nats a character: uniform ln V; unigram (no context); bigram, of a
+    character given the one before (one character of context)."""
     ids, _ = read_text()
     V = VOCAB_SIZE
     unigram = torch.bincount(ids, minlength=V).double()
@@ -783,8 +762,8 @@ def baselines():
 
 
 def show_language_model(params, args, rows=2048, length=200):
-    """The trained model on text it never trained on: its loss over windows of the validation
-    part, beside the baselines, and a sample that continues PROMPT, drawn from --seed."""
+    """The loss on windows of the validation text, beside the baselines, and a sample that
+    continues PROMPT, drawn from --seed."""
     val_args = argparse.Namespace(**{**vars(args), "batch_size": rows})
     inputs, targets = make_batch(val_args, step=0, text=validation_text())
     with torch.no_grad():
@@ -808,22 +787,14 @@ def show_language_model(params, args, rows=2048, length=200):
 
 
 class SerialCheck:
-    """--check: every step of this run against serial autograd training from the same weights.
-
-    If each step equals serial training's from the same start, the whole run does, by
-    induction, and one step holds one step's rounding, at any number of steps; two whole runs
-    drift apart (chaotic training; AdamW's eps). At step t, on the step's batch, from this
-    run's parameters (--bf16: the fp32 masters), each figure and its tolerance:
-      gradients  autograd's against this run's, each part's (E, each W, H) difference over its
-                 terms (|x|^T |dz| for the loss's terms (p + onehot(y)) / n: near convergence
-                 the gradient is a small sum of larger terms), within 1e-4 (bf16:
-                 bf16_tolerance) plus ten times what the same step summed in another order
-                 (halves) moves;
-      losses     within tol of L + 2 m, m = max |logits|: logits that agree to tol m move the
-                 cross-entropy by at most 2 tol m;
-      weights    the optimizer's step with this run's gradients (clipped as it clips) against
-                 its next parameters: the same arithmetic on the same numbers, 2^-20.
-    Only rank 0 computes; step() takes what every rank gathered (None off rank 0)."""
+    """--check: each step against serial autograd's from this run's weights (--bf16: masters). If
+    every step equals, the run does, by induction, and a step holds one step's rounding (two
+    whole runs drift apart: chaotic training, AdamW's eps). Each figure, and its tolerance:
+      gradients  each part's difference over its terms |x|^T |dz| (gradient_terms), within 1e-4
+                 (bf16: bf16_tolerance) plus ten times what another summation order moves;
+      losses     over L + 2 max |logits|: logits within tol m move the cross-entropy <= 2 tol m;
+      weights    the optimizer's step on this run's gradients against its next weights, 2^-20.
+    Rank 0 alone computes; step() takes what every rank gathered (None off rank 0)."""
 
     def __init__(self, args):
         self.args, self.on = args, args.check and (not dist.is_initialized() or
@@ -882,10 +853,8 @@ class SerialCheck:
                                  key=lambda e: (e[0] != e[0], e[0]))           # a nan wins
 
     def tolerance(self, figure, part=None):
-        """float32: summation order moves a result by ~1e-7, a bug by far more: 1e-4; one
-        optimizer step on the same numbers, a few roundings: 2^-20. bf16: bf16_tolerance() for
-        a part's gradient, which grows with the parts above it (the head above each layer);
-        the loss has come through the forward of every part."""
+        """fp32: 1e-4 (summation order moves ~1e-7); an update, a few roundings: 2^-20; bf16:
+        bf16_tolerance, by the parts above (the loss: every part's forward)."""
         config, L = vars(self.args), self.args.num_layers
         if figure == "weights after an update":
             return 2**-20
@@ -929,9 +898,8 @@ def part_name(part, num_parts):   # 0: the embedding, 1 .. L: layer 0 .. L-1, L 
 
 
 def gradient_terms(params, tokens, targets, bf16=False):
-    """Each part's scale for its gradient's rounding: the largest element of |x|^T |dz|, the
-    magnitudes of the rows' terms that dW = x^T dz sums, where dz comes down from the loss's
-    terms, (p + onehot(y)) / n, in place of (p - onehot(y)) / n."""
+    """Each part's scale for its gradient's rounding: max |x|^T |dz|, the terms dW = x^T dz sums,
+    dz coming down from (p + onehot(y)) / n (near convergence a small sum of larger terms)."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     embedding, *weights, head = params
     x = embedding.to(dtype)[tokens].reshape(len(tokens), -1)
@@ -957,16 +925,13 @@ def gradient_terms(params, tokens, targets, bf16=False):
     return terms[::-1]
 
 
-CHECK_TOLERANCE = 1e-4   # float32 summation order moves results by ~1e-7; a bug moves them far more
+CHECK_TOLERANCE = 1e-4   # float32 summation order moves results by ~1e-7, a bug far more
 
 
 def bf16_tolerance(tp_size=1, layers_above=0):
-    """bf16 keeps 8 significant bits: a rounding moves a value by up to 2^-8 of it. A layer's
-    dW: the reference rounds it to bf16 where we sum the products in fp32, and both sum in
-    other orders: 4 roundings apart; an all-reduce over tp ranks of bf16 partial sums rounds
-    tp - 1 more times, forward (Megatron's g) and backward. Its g has come down through the
-    backward of every layer above, each rounding as often again: (1 + layers above) times.
-    (A doubled gradient differs by 1: caught at the last layers, whatever the depth.)"""
+    """bf16 rounds to 2^-8 of a value. A dW: the reference rounds it to bf16 where we sum in fp32,
+    each in its order: 4 roundings; a tp all-reduce of bf16 sums, tp - 1 more, forward and back;
+    each layer above rounds as often again. (A doubled gradient differs by 1: still caught.)"""
     return 2**-8 * (4 + 2 * (tp_size - 1)) * (1 + layers_above)
 
 

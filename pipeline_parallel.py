@@ -355,7 +355,7 @@ import os  # noqa: E402
 import textwrap  # noqa: E402
 import time  # noqa: E402
 
-from collectives import allocator_peak, positive_int  # noqa: E402
+from collectives import positive_int  # noqa: E402
 from data_parallel import (DataParallel, SerialCheck, check_training_args,  # noqa: E402
                            finish_run, full_grads, full_weights, init_params, log_step,
                            model_blocks, training_parser)
@@ -364,8 +364,8 @@ from tensor_parallel import divides, whole_model  # noqa: E402
 
 @functools.lru_cache(maxsize=None)
 def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
-    """After each action, (micro-batches between their F and B, between their B and W): those
-    of the pairs that no other pair has as many of both (the largest stash is at one of them)."""
+    """(micro-batches between F and B, between B and W) after each action, those no other pair
+    has as many of both (the largest stash is at one of them)."""
     kept = 0
     waiting = 0
     pairs = set()
@@ -379,11 +379,9 @@ def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
 
 
 class Recorder:
-    """What one step of run_schedule() did, for the timeline and the stash table, kept out of
-    the runner's way: each F, B and W's start and end; after each, the micro-batches held and
-    the bytes they keep (a recomputing B: with the stash it made again). On a GPU a call
-    returns before its kernels run, and wait() does not block: CUDA events, recorded on the
-    stream as the actions are queued, time them, and are read once, when the step is over."""
+    """What a step of run_schedule() did, for the timeline and the stash table: each F, B and W's
+    start and end, and after each the micro-batches held and their bytes. On a GPU a call returns
+    before its kernels run: CUDA events, recorded as actions are queued, read once at the end."""
 
     def __init__(self, device):
         self.device, self.cuda = device, device.type == "cuda"
@@ -420,9 +418,8 @@ class Recorder:
 
 
 def hold_stages(args, stage, num_stages, device):
-    """A stage's parts (its chunks': stage_parts), their indices, step 2's replica that holds
-    them over a dp group of one (3D's is real; no bucket crosses a chunk), and a Stage a chunk:
-    what pp_worker trains (and tests/bench.py). Also the whole model, as drawn."""
+    """(the whole model as drawn, this stage's parts' indices, step 2's replica holding them over a
+    dp group of one, a Stage a chunk): what pp_worker trains, and tests/bench.py."""
     p, v = num_stages, args.virtual_stages
     full = init_params(args)
     blocks = model_blocks(args.num_layers)
@@ -441,8 +438,8 @@ def hold_stages(args, stage, num_stages, device):
 
 
 def finish_stages(args, recorder, final, full, losses, check, norms, device):
-    """The last step's pictures (timeline, stash table, the schedules), then the run's end on
-    rank 0: the parts whole, and the losses, which the last stage alone knows."""
+    """The last step's pictures (timeline, stash table, schedules), then rank 0's end of the run
+    with the losses, which the last stage alone knows."""
     p, rank = dist.get_world_size(), dist.get_rank()
     if args.timeline:
         show_timeline(recorder.events(), recorder.peak, args, p, rank, device)
@@ -461,9 +458,8 @@ def nbytes(tensors):   # each tensor once (a layer's output is the next one's in
 
 
 def stash_bytes(stage):
-    """What a Stage's layers keep for B, their stashes, and for W, (x, dz): the table's formula
-    is theirs. The ends' beside them (the embedding's token ids, the head's input and
-    dlogits) are not counted here."""
+    """What a Stage's layers keep for B (stashes) and for W ((x, dz)), as the table's formula;
+    the ends' (token ids, the head's input and dlogits) are not counted."""
     layers = stage.layers[int(stage.first):len(stage.layers) - int(stage.last)]
     offset = int(stage.first)
     kept = [t for stashes in stage.stash.values()
@@ -474,8 +470,8 @@ def stash_bytes(stage):
 
 
 def gather_on_rank0(tensor):
-    """Every rank's tensor (one shape on all), stacked in rank order on rank 0; None elsewhere.
-    Tensors, not pickled objects: torch's object collectives need numpy."""
+    """Every rank's tensor (one shape), stacked on rank 0; None elsewhere (no pickled objects:
+    torch's object collectives need numpy)."""
     rank0 = dist.get_rank() == 0
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if rank0 else None
     dist.gather(tensor.contiguous(), parts, dst=0)
@@ -483,9 +479,8 @@ def gather_on_rank0(tensor):
 
 
 def whole_parts(params, mine, full, args, grid, kinds=None):
-    """On rank 0, the model's parts whole (step 3's whole_model), None elsewhere: params, this
-    rank's, parts mine of the model; part j's pieces from replica 0's ranks of the stage that
-    holds it, grid[0, stage] ([dp, pp, tp] -> rank; 3D's too). kinds: 3D's, by part."""
+    """Rank 0: the parts whole (step 3's whole_model); params are this rank's parts `mine`, and
+    part j's pieces come from grid[0, its stage] ([dp, pp, tp] -> rank). kinds: 3D's, by part."""
     num_stages = grid.shape[1]
     kinds = kinds or ["embedding", *["gather"] * args.num_layers, "head"]
     stage_of = {}
@@ -498,11 +493,10 @@ def whole_parts(params, mine, full, args, grid, kinds=None):
 
 
 def simulate(stages, times=None):
-    """Every stage's action list run with fixed step times (times: {op: length}, 1 each by
-    default) and free communication, under NCCL's rule, as run_schedule() waits: a batch's
-    receives, once their sends are posted, and the batch before's sends, once their
-    receives are. Returns each stage's (op, mb, chunk, start, end) of its F, B and W, or
-    None for a stage that never gets to its end: a deadlock."""
+    """Every stage's actions run with fixed times ({op: length}, 1 each) and free communication,
+    waiting as run_schedule() does under NCCL: a batch's receives for their sends, the batch
+    before's sends for their receives. Each stage's (op, mb, chunk, start, end), or None for a
+    stage that never ends: a deadlock."""
     p, times = len(stages), times or {"F": 1, "B": 1, "W": 1}
     step = {SEND_ACT: (1, RECV_ACT), RECV_ACT: (-1, SEND_ACT), SEND_GRAD: (-1, RECV_GRAD),
             RECV_GRAD: (1, SEND_GRAD)}   # where the counterpart is, and its kind
@@ -538,13 +532,10 @@ def simulate(stages, times=None):
 
 
 def show_stash(memory, args, num_stages, rank, device):
-    """Rank 0: each stage's stash at its largest (the last step's, after an action), counted
-    from the tensors held, beside the formula for what was held then: a micro-batch between
-    its F and B 2 l [b, D] (x and z of l layers), l [b, D] with --recompute (x alone); between
-    B and W, 2 l [b, D] (x and dz); and pipeline_costs()'s largest, from the schedule alone."""
-    allocator = allocator_peak(device)   # on a GPU: what the allocator held at most, all in all
-    peaks = gather_on_rank0(torch.tensor([*max(memory, key=lambda entry: entry[2]), allocator or 0],
-                                         device=device))
+    """Rank 0: each stage's largest stash in the last step, counted from the tensors, beside the
+    formula (F to B: 2 l [b, D], x and z, or l with --recompute; B to W: 2 l, x and dz) and
+    pipeline_costs()'s prediction from the schedule alone."""
+    peaks = gather_on_rank0(torch.tensor(max(memory, key=lambda entry: entry[2]), device=device))
     if rank != 0:
         return
     l = args.num_layers // (num_stages * args.virtual_stages)
@@ -554,16 +545,12 @@ def show_stash(memory, args, num_stages, rank, device):
         f"{' (a chunk)' * (args.virtual_stages > 1)}, [b, D] = {A} bytes"
         f"{', --recompute: x alone kept, z made again in its backward' * args.recompute}")
     print(f"  {'stage':<6}{'F to B':>8}{'B to W':>8}{'bytes held':>12}   formula", flush=True)
-    for s, (n, w, counted, peak) in enumerate(peaks.tolist()):
+    for s, (n, w, counted) in enumerate(peaks.tolist()):
         predicted = pipeline_costs(args.schedule, num_stages, s, args.micro_batches,
                                    args.virtual_stages, act_bytes=A, kept_bytes=kept * A,
                                    waiting_bytes=2 * l * A)[1]
         print(f"  {s:<6}{n:>8}{w:>8}{counted:>12}   ({n} x {kept} + {w} x {2 * l}) x "
               f"[b, D] = {(n * kept + w * 2 * l) * A}   predicted {predicted}", flush=True)
-    if allocator is not None:
-        say("the CUDA allocator's peak over the run, by stage (torch.cuda.max_memory_allocated: "
-            "the weights, gradients, optimizer state and batch too): " +
-            ", ".join(str(row[-1]) for row in peaks.tolist()) + " bytes")
 
 
 def print_schedules(schedule, num_stages, num_micro_batches, num_chunks, num_layers):
@@ -586,9 +573,8 @@ def print_schedules(schedule, num_stages, num_micro_batches, num_chunks, num_lay
 
 
 def draw(rows, begin, end, chunks, width=76):
-    """Rows of (op, mb, chunk, start, end) on one time axis, width columns from begin to end:
-    each F, B or W as wide as its time (a column at least), labelled in full where it fits,
-    else with its chunk (interleaved) or the last digit of its micro-batch, else its op."""
+    """Rows of (op, mb, chunk, start, end) in width columns from begin to end, each action as wide
+    as its time (one column at least), labelled F3, else F3's chunk or last digit, else F."""
     lines, scale = [], width / (end - begin)
     for row in rows:
         line = ""
@@ -604,8 +590,8 @@ def draw(rows, begin, end, chunks, width=76):
 
 
 def show_timeline(events, peak, args, num_stages, rank, device):
-    """Rank 0 draws the last step twice: as the schedule has it, with equal step times (the
-    schedule's own bubble), and as measured; then the bubble by theory."""
+    """Rank 0 draws the last step as scheduled (equal times: the schedule's own bubble) and as
+    measured, then the bubble by theory."""
     rows = torch.tensor([["FBW".index(op), mb, c, t0, t1] for op, mb, c, t0, t1 in events],
                         dtype=torch.float64)
     stages = gather_on_rank0(rows.to(device))                            # [p, actions, 5]
@@ -652,8 +638,8 @@ def add_schedule_args(parser):
 
 
 def schedule_rules(args, num_stages, stages_flag):
-    """Interleaved needs whole rounds of micro-batches and v chunks of whole layers per
-    stage; the other schedules take one chunk. Sets args.virtual_stages."""
+    """Interleaved: whole rounds of micro-batches, v chunks of whole layers a stage; the others
+    one chunk. Sets args.virtual_stages."""
     v = getattr(args, "virtual_stages", None)
     args.virtual_stages = (v or 2) if args.schedule == "interleaved" else 1
     if args.schedule != "interleaved":

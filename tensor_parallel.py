@@ -325,18 +325,15 @@ def main(argv=None):
 
 
 # Below the fold: the command line and its rules, and what the run says it ran. ---------------
-from collections import Counter  # noqa: E402
 from collectives import positive_int  # noqa: E402
 from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
                            full_grads, full_weights, log_step, training_parser)
 
 
 def whole_model(owned, full, kinds, owners=None):
-    """On rank 0, every part of the model whole, fp32, in order (E, the layers, H); None
-    elsewhere. owned: this rank's pieces, a list in part order or {part: tensor}; owners(j): the
-    ranks that hold part j's tp pieces, in tp order (step 3: every rank); full: the parts, for
-    their shapes. A piece at a time to rank 0, which receives them in that order: steps 4 and 5
-    hold some parts on some ranks, so no collective of one shape serves."""
+    """Rank 0: every part whole, fp32 (None elsewhere). owned: this rank's pieces, a list or
+    {part: tensor}; owners(j): part j's ranks in tp order (default every rank); full: for shapes.
+    A piece at a time: steps 4 and 5 hold parts on some ranks, so no one collective serves."""
     if not isinstance(owned, dict):
         owned = dict(enumerate(owned))
     rank = dist.get_rank()
@@ -378,10 +375,8 @@ class Matmul(NamedTuple):
 
 
 def layer_matmuls(kind, rows, dim, tp, bf16, classes=0):
-    """A tp rank's layer of this kind (or the head, of its classes), a micro-batch: its forward
-    z = x W, its dx = dz W^T, its dW = x^T dz into the fp32 gradient (the step's first; the
-    later ones add into it): the matmuls three_d.py's --plan prices, as tests/gpu_path.py
-    records them."""
+    """A tp rank's layer (or head, of its classes), a micro-batch: z = x W, dx = dz W^T, and dW =
+    x^T dz into the fp32 gradient: what --plan prices and tests/gpu_path.py records."""
     size = 2 if bf16 else 4
     n_in = dim // tp if kind == "row" else dim
     n_out = dim if kind == "row" else dim // tp
@@ -393,37 +388,11 @@ def layer_matmuls(kind, rows, dim, tp, bf16, classes=0):
     return forward, dx, dw
 
 
-def tp_matmuls(kinds, rows, dim, tp, bf16=False, num_micro_batches=1, recompute=False,
-               classes=0):
-    """A tp rank's matmuls a step over parts of these kinds, {Matmul: calls}, as tp_costs()
-    gives its collectives: each micro-batch, each layer's and the head's forward (a layer's
-    again in its backward with --recompute), dx and dW; the embedding, a lookup, has none."""
-    m = num_micro_batches
-    calls = Counter()
-    for kind in kinds:
-        if kind == "embedding":
-            continue
-        forward, dx, dw = layer_matmuls(kind, rows, dim, tp, bf16, classes)
-        calls[forward] += m * (1 + (recompute and kind != "head"))
-        calls[dx] += m
-        calls[dw] += 1
-        calls[dw._replace(accumulate=True)] += m - 1
-    return +calls
-
-
-def describe(kinds):   # what ran: "the embedding, 2 Megatron pairs (column, row) and the head"
-    pairs = kinds.count("row")
-    gathers = kinds.count("gather")
-    parts = []
-    if "embedding" in kinds:
-        parts.append("the embedding (its rows by class)")
-    if pairs:
-        parts.append(f"{pairs} Megatron pair{'s' * (pairs != 1)} (column, row)")
-    if gathers:
-        parts.append(f"{gathers} all-gather layer{'s' * (gathers != 1)}")
-    if "head" in kinds:
-        parts.append("the head (its columns by class)")
-    return ", ".join(parts[:-1]) + " and " * (len(parts) > 1) + parts[-1]
+def describe(kinds):   # what ran: "the embedding by class, 2 Megatron pairs (column, row), ..."
+    names = {"embedding": "the embedding by class", "row": "x Megatron pair (column, row)",
+             "gather": "x all-gather layer", "head": "the head by class"}
+    counts = {"row": kinds.count("row"), "gather": kinds.count("gather")}
+    return ", ".join(f"{counts.get(kind, '')}{names[kind]}" for kind in names if kind in kinds)
 
 
 def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor

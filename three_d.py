@@ -180,10 +180,9 @@ class ThreeDRank:
 
 
 def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
-    """A rank of this stage's costs a step, from steps 2-4's: its collectives, {"tp", "pp", "dp":
-    [(kind, bytes of the tensor, times)]}; what its replica holds at the step's end {kind: (bytes,
-    formula)}; its stash at its largest, bytes; its bubble (ZB-H1's for times (T_F, T_B, T_W)).
-    tp_rank: whose classes of E and H (the first V mod T ranks hold one more)."""
+    """A rank of this stage's costs a step, from steps 2-4's: its collectives {"tp", "pp", "dp":
+    [(kind, bytes, times)]}; what its replica holds at the end {kind: (bytes, formula)}; its
+    largest stash, bytes; its bubble (ZB-H1's for times (T_F, T_B, T_W)). tp_rank: whose classes."""
     v, m, tp = args.virtual_stages, args.micro_batches, args.tp
     kinds = [kind for chunk in stage_kinds(args, stage) for kind in chunk]   # the ends' too
     rows = args.batch_size // (args.dp * m)
@@ -256,17 +255,16 @@ def main(argv=None):
 
 # Below the fold: the run's end, the rank map's print, --plan (the search and the GPU figures),
 # the command line. ------------------------------------------------------------------------
-import argparse, functools, itertools, json, math, sys, time  # noqa: E401, E402
+import argparse, functools, itertools, math, sys, time  # noqa: E401, E402
 from collections import Counter  # noqa: E402
 
 from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
 from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa: E402
                            full_grads, full_weights, global_loss, in_step_bytes, log_step,
-                           make_buckets, show_memory, training_parser)
+                           make_buckets, training_parser)
 from pipeline_parallel import add_schedule_args, held_counts, schedule_rules, whole_parts  # noqa
-from tensor_parallel import (describe, divides, layer_matmuls, refuse_unused, tp_matmuls,  # noqa
-                             vocab_range)
+from tensor_parallel import describe, divides, layer_matmuls, refuse_unused, vocab_range  # noqa
 
 
 def full_parts(me, params, args):   # on rank 0, replica 0's shards put together (step 4)
@@ -281,27 +279,15 @@ def finish_ranks(me, args, losses, check, norms, device):
     losses = torch.tensor(known, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
     if dist.get_rank() == 0:
-        if args.zero:
-            show_memory(me.replica, args, f"rank 0: its replica of stage 0's layers, "
-                                                  f"its tp shards of them (1/{args.tp})")
         finish_run(args, me.full, final, losses.tolist(), check, norms)
 
 
-@functools.lru_cache(maxsize=None)
-def bucket_lengths(numels, bucket_mb, chunk_starts, pad_to):
-    """Each bucket's chunk and its elements (ZeRO: padded to d S)."""
-    layout = make_buckets(list(numels), bucket_mb, chunk_starts)
-    chunk_of = [sum(start <= layers[0] for start in chunk_starts) - 1 for layers in layout.buckets]
-    return [(c, -(-n // pad_to) * pad_to) for c, n in zip(chunk_of, layout.lengths)]
-
-
 def stage_kinds(args, stage):
-    """The kinds of a rank of this stage's parts, chunk by chunk: step 3's layers; the
-    embedding first in stage 0's first chunk, the head last in the last stage's last."""
+    """Its parts' kinds, chunk by chunk: E first in stage 0's first, H last in the last's last."""
     return chunk_kinds(args.num_layers, args.pp, args.virtual_stages, args.tp_style, stage)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)   # many layouts share one
 def chunk_kinds(num_layers, num_stages, num_chunks, tp_style, stage):
     kinds = tuple(layer_kinds(num_layers // (num_stages * num_chunks), tp_style))
     chunks = []
@@ -325,19 +311,20 @@ def chunk_lengths(args, stage=0, tp_rank=0):     # the elements of each of its c
 
 
 def replica_buckets(args, stage, tp_rank):
-    """A rank's buckets: its parts' shards, D^2/tp a layer, its classes' rows of E and columns
-    of H at the ends (ZeRO: each bucket to d S), each with its chunk."""
-    return buckets_of(stage_kinds(args, stage), args.dim, args.context, args.vocab_size, args.tp,
-                      tp_rank, args.bucket_mb, args.dp if args.zero else 1)
+    return buckets_of(stage_kinds(args, stage), args.dim, args.context, args.vocab_size,
+                      args.tp, tp_rank, args.bucket_mb, args.dp if args.zero else 1)
 
 
 @functools.lru_cache(maxsize=None)
 def buckets_of(chunks, dim, context, vocab_size, tp, tp_rank, bucket_mb, pad_to):
+    """A rank's buckets, (chunk, elements): D^2/tp a layer, its classes of E and H (ZeRO: to d S)."""
     start, end = vocab_range(vocab_size, tp_rank, tp)
     size = {"embedding": (end - start) * (dim // context), "head": dim * (end - start)}
-    numels = tuple(size.get(kind, dim * dim // tp) for chunk in chunks for kind in chunk)
-    starts = tuple(sum(map(len, chunks[:c])) for c in range(len(chunks)))
-    return bucket_lengths(numels, bucket_mb, starts, pad_to)
+    numels = [size.get(kind, dim * dim // tp) for chunk in chunks for kind in chunk]
+    starts = [sum(map(len, chunks[:c])) for c in range(len(chunks))]
+    layout = make_buckets(numels, bucket_mb, starts)
+    chunk_of = [sum(start <= layers[0] for start in starts) - 1 for layers in layout.buckets]
+    return [(c, -(-n // pad_to) * pad_to) for c, n in zip(chunk_of, layout.lengths)]
 
 
 def show_rank_map(dp, pp, tp, order, kinds=None, chunks=1):
@@ -355,23 +342,9 @@ def show_rank_map(dp, pp, tp, order, kinds=None, chunks=1):
         print(f"each stage{' chunk' * (chunks > 1)}: {describe(kinds)} over tp={tp}", flush=True)
 
 
-# --plan: which layout? Each layout of --world-size GPUs priced as the code runs it: a rank's
-# matmuls by rank_matmuls() (tests/gpu_path.py records the same on the meta device), its
-# collectives, sends and memory by three_d_costs(), on a GPU's published figures.
-
-def rank_matmuls(args, stage, tp_rank=0):   # a rank of this stage's, a step: step 3's
-    kinds = tuple(kind for chunk in stage_kinds(args, stage) for kind in chunk)
-    rows = args.batch_size // (args.dp * args.micro_batches)
-    start, end = vocab_range(args.vocab_size, tp_rank, args.tp)   # its classes: the head's n
-    return matmuls_of(kinds, rows, args.dim, args.tp, args.bf16, args.micro_batches,
-                      args.recompute, end - start)
-
-
-@functools.lru_cache(maxsize=None)   # many layouts alike; callers only read the Counter
-def matmuls_of(kinds, rows, dim, tp, bf16, num_micro_batches, recompute, classes):
-    return tp_matmuls(kinds, rows, dim, tp, bf16=bf16, num_micro_batches=num_micro_batches,
-                      recompute=recompute, classes=classes)
-
+# --plan: which layout? Each layout of --world-size GPUs priced as the code runs it: each
+# part's matmuls by step 3's layer_matmuls() (tests/gpu_path.py records a rank's on the meta
+# device), its collectives, sends and memory by three_d_costs(), on a GPU's published figures.
 
 # Each GPU's figures, with their sources. The datasheets: H100 https://www.nvidia.com/en-us/
 # data-center/h100/ (SMs: the Hopper whitepaper), A100 https://www.nvidia.com/en-us/data-
@@ -402,8 +375,8 @@ UPDATE_BYTES = {"adamw": 36, "sgd": 20}   # a parameter's read and written: g / 
 
 
 class Machine:
-    """A GPU as its figures say: a matmul max(its FLOPs at its shape's GEMM efficiency, its bytes
-    at HBM's speed); a collective NCCL's floor and its bytes at the busbw measured for its size."""
+    """A GPU by its figures: a matmul max(FLOPs at its shape's GEMM efficiency, bytes at HBM's
+    speed); a collective NCCL's floor plus its bytes at the busbw measured for its size."""
 
     def __init__(self, figures, gpus_per_node):
         self.figures = figures
@@ -414,8 +387,8 @@ class Machine:
         self.collective_s = functools.lru_cache(maxsize=None)(self.collective_s)   # many alike
 
     def efficiency(self, m, k, n):
-        """The best GEMM's share of peak, times how full a GEMM of this shape fills its 128 x 128
-        tiles and its waves over the SMs (NVIDIA's "Matrix Multiplication Background"); split-K."""
+        """The best GEMM's share of peak times how full this shape fills 128 x 128 tiles and waves
+        over the SMs, split-K (NVIDIA's "Matrix Multiplication Background")."""
         sms = self.figures["sms"]
         tiles = math.ceil(m / 128) * math.ceil(n / 128)
         splits = max(1, min(sms // tiles, k // 512))
@@ -428,11 +401,10 @@ class Machine:
         return max(compute, mm.bytes_moved() / self.hbm)
 
     def layer_s(self, kind, rows, dim, tp, bf16, recompute, micro_batches, classes=0):
-        """(F, B, W) of a tp rank's part, a micro-batch (W's: the step's mean): a layer's matmuls,
-        gelu (z in, a out), gelu' (g, z in, dz out), and the gather layer's pieces put side by
-        side; the head's matmuls and the loss's passes over its [b, classes] in fp32 (six
-        forward, four backward); the embedding's rows, read and written (masked, tp > 1), and
-        added into its gradient (index_add_, fp32), no matmul."""
+        """(F, B, W) of a tp rank's part, a micro-batch (W: the step's mean): a layer's matmuls,
+        gelu, gelu' and the gather layer's pieces; the head's matmuls and the loss's fp32 passes
+        over [b, classes] (6 forward, 4 back); the embedding's rows moved (masked: tp > 1) and
+        its index_add_, no matmul."""
         size = 2 if bf16 else 4
         if kind == "embedding":
             rows_bytes = rows * dim * size
@@ -454,8 +426,8 @@ class Machine:
         return params * UPDATE_BYTES[optimizer] / self.hbm
 
     def collective_s(self, kind, nbytes, n, per_node):
-        """NCCL's floor plus a rank's ring bytes over RISE's busbw for this size; across nodes
-        (per_node ranks of the group in a node), InfiniBand's floor and a link a rank in a node."""
+        """NCCL's floor plus a rank's ring bytes at RISE's busbw for the size; across nodes
+        (per_node of the group's ranks in one), InfiniBand's floor and a link a rank there."""
         if n == 1:
             return 0.0
         figures = self.figures
@@ -493,8 +465,7 @@ def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved):
 
 @functools.lru_cache(maxsize=None)
 def chunk_s(machine, kinds, rows, dim, tp, bf16, recompute, micro_batches, classes):
-    """(F, B, W) of a chunk's parts, a micro-batch: its layers, and its ends (the head's loss
-    over its classes); --recompute runs a layer's forward again, not an end's."""
+    """(F, B, W) of a chunk's parts, a micro-batch; --recompute repeats a layer's forward only."""
     times = [machine.layer_s(kind, rows, dim, tp, bf16, recompute=recompute and kind not in
                              ("embedding", "head"), micro_batches=micro_batches, classes=classes)
              for kind in kinds]
@@ -507,11 +478,10 @@ def ring_bytes(kind, nbytes, n):   # what one rank sends of a collective (ring's
 
 
 def predict(args, machine):
-    """A layout's row: its stages priced (the first, the last, the middle ones that cross nodes
-    apart: the ends make the first and last stages unequal, and the slowest sets the pace), the
-    step the slowest stage's pipeline, then the replicas' exchange (ZeRO-3's is inside) and the
-    update, in parts that add up to it; memory, the largest stage's. Each figure is tp rank 0's,
-    which holds the most classes."""
+    """A layout's row: its unlike stages priced (the ends make the first and last differ; nodes
+    the middle ones), the step the slowest stage's pipeline plus the dp exchange (ZeRO-3's is
+    inside) and the update, in parts that add up; memory, the largest. tp rank 0's figures (the
+    most classes)."""
     dp, pp, tp, m = args.dp, args.pp, args.tp, args.micro_batches
     per_node = members_per_node(dp, pp, tp, args.order, machine.gpus_per_node,
                                 args.schedule == "interleaved")
@@ -539,26 +509,21 @@ def predict(args, machine):
                  bubble=pipeline - slowest["inside"])
     params = max(stage["params"] for stage in stages)   # the largest optimizer's, a rank's
     parts["update"] = machine.update_s(params, args.optimizer)
-    matmuls = rank_matmuls(args, slowest["stage"])    # the slowest stage's rank's
-    flops = {name: sum(calls * mm.flops() for mm, calls in matmuls.items() if mm.in_bytes == size)
-             for name, size in (("bf16", 2), ("fp32", 4))}
     step = sum(parts.values())
     model_flops = 6 * args.batch_size * (args.num_layers * args.dim + args.vocab_size) * args.dim
     return dict(flags=layout_flags(args), step_s=step, parts=parts, bubble=slowest["bubble"],
                 memory_bytes=most_memory(args),
                 bytes={group: max(stage["sent"][group] for stage in stages) for group in sizes},
-                stage=slowest["stage"], flops=flops, args=args,
+                stage=slowest["stage"], args=args,
                 stages={stage["stage"]: stage["inside"] for stage in stages},
-                matmul_bytes=sum(calls * mm.bytes_moved() for mm, calls in matmuls.items()),
                 mfu=model_flops / (step * dp * pp * tp * machine.flops),
                 crosses=[group for group in ("dp", "pp", "tp") if sizes[group] > 1 and min(
                     stage[group] for stage in per_node) < (2 if group == "pp" else sizes[group])])
 
 
 def most_memory(args):
-    """The most a rank of any stage holds: its replica's end-of-step state and ZeRO's in-step
-    gradient buckets (the same on every middle stage; the first and last hold E and H) and its
-    stash at its largest (each stage's own)."""
+    """The most a rank of any stage holds: its replica's state and ZeRO's in-step buckets (alike on
+    the middle stages; the ends hold E and H) plus its own largest stash."""
     pp, m, v = args.pp, args.micro_batches, args.virtual_stages
     kept, waiting = stash_bytes(args)
     state = {}
@@ -572,9 +537,8 @@ def most_memory(args):
 
 
 def layouts(args, gpus_per_node):
-    """Every layout weighed, as parse_args() leaves its flags: each (dp, pp, tp), order where a
-    node is smaller than the world, schedule (v = 2 and 4 interleaved), micro-batches (p to 8 p),
-    ZeRO stage, TP style, --p2p-shard and --recompute."""
+    """Every layout as parse_args() leaves it: (dp, pp, tp), order (past a node), schedule (v 2, 4
+    interleaved), micro-batches (p to 8 p), ZeRO, TP style, --p2p-shard, --recompute."""
     world, L, D, B = args.world_size, args.num_layers, args.dim, args.batch_size
     divisors = [n for n in range(1, world + 1) if world % n == 0]
     for dp, pp in itertools.product(divisors, repeat=2):
@@ -624,8 +588,8 @@ def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 mega
 
 
 def plan(args):
-    """The layouts that fit a GPU's memory, by predicted step, as a table and why the winner
-    wins, or --json; a search of over a second says how far it has come; none fitting, a Stop."""
+    """The layouts that fit a GPU's memory by predicted step, as a table; a search of over a
+    second says how far it has come; none fitting, a Stop."""
     machine = Machine(GPUS[args.hardware], args.gpus_per_node)
     candidates = list(layouts(args, machine.gpus_per_node))
     said = time.perf_counter()
@@ -641,10 +605,6 @@ def plan(args):
         smallest = min(row["memory_bytes"] for row in rows)
         raise Stop(f"--plan: no layout of {args.world_size} GPUs fits in {si(machine.memory)}B "
                    f"a GPU (the smallest needs {si(smallest)}B): more GPUs, or a smaller model")
-    if args.json:
-        print(json.dumps([{key: value for key, value in row.items() if key != "args"}
-                          for row in fits], indent=1))
-        return
     show_plan(args, machine, len(rows), fits)
 
 
@@ -698,7 +658,7 @@ def why(fits):   # the winner against the best of another shape: where it saves 
             f"{part}: {seconds(best['parts'][part])} against {seconds(other['parts'][part])}")
 
 
-PLAN_FLAGS = ["world_size", "hardware", "gpus_per_node", "vocab_size", "json", "top"]
+PLAN_FLAGS = ["world_size", "hardware", "gpus_per_node", "vocab_size", "top"]
 
 
 def add_plan_args(parser):
@@ -713,7 +673,6 @@ def add_plan_args(parser):
                       help="divides --world-size (default 8)")
     plan.add_argument("--vocab-size", type=positive_int, default=argparse.SUPPRESS,
                       help="the model's classes V (default: the text's, 97)")
-    plan.add_argument("--json", action="store_true", help="the rows as a JSON list, best first")
     plan.add_argument("--top", type=int, default=20, help="rows printed; 0: every one that fits")
 
 

@@ -314,7 +314,10 @@ def memory_worker(rank, world_size, args):
                               targets[rows].chunk(m), len(rows))
         replica.update()
     if rank == 0:
-        data_parallel.show_memory(replica, args, "each replica", max(largest, default=None))
+        data_parallel.show_memory(replica, args, "each replica")
+        if largest:
+            print(f"  largest at any moment of the last step: {max(largest)} bytes, at a bucket's gather: "
+                  f"the shards, the gradient buckets then, and the buckets held (two at most)")
     cleanup()
 
 

@@ -54,6 +54,32 @@ META = torch.device("meta")
 GPUS_PER_NODE = 8
 
 
+
+@functools.lru_cache(maxsize=None)   # many layouts alike; callers only read the Counter
+def matmuls_of(kinds, rows, dim, tp, bf16, num_micro_batches, recompute, classes):
+    """A tp rank's {Matmul: calls} a step over parts of these kinds, as --plan prices them from
+    tensor_parallel.layer_matmuls: a forward (a layer's twice with --recompute), dx, and dW into
+    the fp32 gradient (the first of the step, then m - 1 adding into it); the embedding none."""
+    calls = collections.Counter()
+    for kind in kinds:
+        if kind == "embedding":
+            continue
+        forward, dx, dw = tensor_parallel.layer_matmuls(kind, rows, dim, tp, bf16, classes)
+        calls[forward] += num_micro_batches * (1 + (recompute and kind != "head"))
+        calls[dx] += num_micro_batches
+        calls[dw] += 1
+        calls[dw._replace(accumulate=True)] += num_micro_batches - 1
+    return +calls
+
+
+def rank_matmuls(args, stage, tp_rank=0):
+    """The matmuls a rank of this stage (and tp rank) runs a step, by the plan's reckoning."""
+    kinds = tuple(kind for chunk in three_d.stage_kinds(args, stage) for kind in chunk)
+    rows = args.batch_size // (args.dp * args.micro_batches)
+    start, end = tensor_parallel.vocab_range(args.vocab_size, tp_rank, args.tp)   # its classes
+    return matmuls_of(kinds, rows, args.dim, args.tp, args.bf16, args.micro_batches,
+                      args.recompute, end - start)
+
 class OffDevice(RuntimeError):
     """An op of the step touched a tensor that is not on the step's device."""
 

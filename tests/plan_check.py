@@ -17,7 +17,6 @@ import time
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
 import three_d
 from collectives import cleanup, setup

@@ -27,10 +27,6 @@ from common import (serial_train, ATOL, RTOL, assert_check_passed, assert_clippe
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Float32, differences only from summation order.
-ATOL = 1e-5
-RTOL = 1e-5
-
 # A small model that trains quickly and stays far from chaos: lr 0.1, few layers.
 SMALL = {"num_layers": 4, "dim": 16, "context": 4, "steps": 4, "lr": 0.1, "seed": 3}
 V = dp.VOCAB_SIZE

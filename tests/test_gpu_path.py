@@ -5,7 +5,7 @@ Each recorded step must
 - touch no tensor on the CPU, nor mix devices (the harness fails the step at once);
 - under --bf16, give every matmul bf16 inputs (dW summed into the fp32 gradient by the matmul,
   out_dtype, not by casting its inputs: fp32 matmuls run at 1/15 of bf16's speed on a GPU);
-- run exactly the matmuls that three_d.py --plan prices for the same layout (rank_matmuls():
+- run exactly the matmuls that three_d.py --plan prices for the same layout (gpu_path.rank_matmuls():
   shapes, dtypes, whether each adds into its output), the collectives and sends that its cost
   functions give (three_d_costs(): group, kind, bytes, calls), and hold at its end what they
   say (dp_costs() through three_d_costs()). Steps 2, 3 and 4 are 3D with two of dp, pp, tp
@@ -20,7 +20,7 @@ import torch
 import data_parallel
 import tensor_parallel
 import three_d
-from gpu_path import OffDevice, run_step
+from gpu_path import OffDevice, rank_matmuls, run_step
 
 SMALL = ["--num-layers", "16", "--dim", "64", "--batch-size", "64", "--micro-batches", "8"]
 FAMILIES = {
@@ -75,7 +75,7 @@ def planned(layout, stage, tp_rank):
         for kind, nbytes, calls in group_runs:
             if sizes[group] > 1 and calls:
                 comms[group, kind, nbytes] += calls
-    return three_d.rank_matmuls(layout, stage, tp_rank), comms, sum(size for size, _ in held.values())
+    return rank_matmuls(layout, stage, tp_rank), comms, sum(size for size, _ in held.values())
 
 
 def assert_as_planned(ran):
