@@ -555,18 +555,16 @@ def fmt(value):   # [10 11], or a table as one bracket per row, on one line: [[0
                           (value if value.dim() > 1 else value.tolist())) + "]"
 
 
-def si(value):   # 3 significant figures and a prefix: 1.23 G
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+def si(value):   # 3 significant figures and a prefix: 1.23 G, 4.56 m
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3),
+                          ("", 1.0), ("m", 1e-3), ("u", 1e-6)):
         if abs(value) >= scale:
             return f"{value / scale:.3g} {prefix}"
     return f"{value:.3g} "
 
 
-def seconds(value):   # in the unit that fits: 12.3 us, 4.56 ms, 1.23 s
-    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
-        if value >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value / 1e-6:.3g} us"
+def seconds(value):   # 12.3 us, 4.56 ms, 1.23 s
+    return f"{si(value)}s"
 
 
 if __name__ == "__main__":

@@ -468,7 +468,7 @@ def make_batch(args, step, text=None):
     """The step's B windows of k + 1 characters of the training text, at offsets every rank draws
     alike from (--seed, step): inputs [B, k], targets [B]."""
     if text is None:
-        text = training_text()
+        text = text_part("training")
     gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
     starts = torch.randint(len(text) - args.context, (args.batch_size,), generator=gen)
     windows = text[starts[:, None] + torch.arange(args.context + 1)]   # [B, k + 1]
@@ -480,20 +480,22 @@ def replica_rows(batch_size, dp_rank, dp_size):   # by its dp rank, never the gl
     return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
 
-def serial_loss(params, tokens, targets, bf16=False, halves=False):
+def serial_loss(params, tokens, targets, bf16=False, halves=False, record=None):
     """The loss with autograd, and its logits; bf16: the parallel runs' casts (bf16 matmuls on
     fp32 masters). halves: each matmul sums the halves of its terms apart, as two tp ranks do:
-    the same maths in another order, which moves only what rounding moves."""
+    the same maths in another order, which moves only what rounding moves. record: a list that
+    gets each part's (input, output): (tokens, x), then each matmul's (x, z)."""
     dtype = torch.bfloat16 if bf16 else torch.float32
 
     def matmul(x, w):
         w = w.to(dtype)
         h = w.shape[0] // 2
-        if halves:
-            return x[:, :h] @ w[:h] + x[:, h:] @ w[h:]
-        return x @ w
+        z = x[:, :h] @ w[:h] + x[:, h:] @ w[h:] if halves else x @ w
+        record.append((x, z)) if record is not None else None
+        return z
     embedding, *weights, head = params
     x = embedding.to(dtype)[tokens].reshape(len(tokens), -1)
+    record.append((tokens, x)) if record is not None else None
     for w in weights:
         x = F.gelu(matmul(x, w))
     logits = matmul(x, head).float()
@@ -581,10 +583,8 @@ def training_parser(description, dp=False):
             ("--steps", positive_int, 300, "optimizer steps"),
             ("--lr", positive_float, 1e-2, "learning rate"),
             ("--seed", int, 0, "the weights, and each step's windows with the step"),
-            ("--save", str, None, "torch.save config, init and final parameters (full: "
-                                  "embedding, weights, head), inputs, targets, losses"),
-            ("--clip-grad", positive_float, None, "clip the gradient's global 2-norm to this, "
-                                                  "as clip_grad_norm_ (off unless given)"),
+            ("--save", str, None, "torch.save the run: config, parameters, batches, losses"),
+            ("--clip-grad", positive_float, None, "clip the gradient's 2-norm (clip_grad_norm_)"),
             *[("--bucket-mb", float, 25.0, "gradients a bucket holds, in MB (the first 1 MB at "
                "most, as DDP's); 0: one layer a bucket")] * dp]:
         p.add_argument(flag, type=kind, default=default, help=help)
@@ -627,7 +627,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
     P = L * D * D + V * D // args.context + D * V
     held = dp_costs([P], replicas, zero=getattr(args, "zero", 0))[1]
     state = sum(size for size, _ in held.values())
-    training_text()                           # read here, once: forked ranks share it
+    text_part("training")                           # read here, once: forked ranks share it
     check_launch_args(parser, args, world_size, ranks_flag,
                       4 * (P + 2 * B * V + 2 * L * B * D) + state,
                       f"--num-layers {L} --dim {D} --batch-size {B}")
@@ -723,26 +723,20 @@ def read_text():
 
 
 def encode(text):   # characters -> ids: ' ' .. '~' are 0 .. 94, newline 95, the rest 96
-    codes = torch.frombuffer(bytearray(text.encode("utf-32-le")), dtype=torch.int32).long()
-    ids = torch.full_like(codes, VOCAB_SIZE - 1)
-    printable = (codes >= 32) & (codes < 127)
-    ids[printable] = codes[printable] - 32
-    ids[codes == 10] = VOCAB.index("\n")
-    return ids
+    index = {c: i for i, c in enumerate(VOCAB)}
+    return torch.tensor([index.get(c, VOCAB_SIZE - 1) for c in text])
 
 
 def decode(ids):
     return "".join(VOCAB[i] if i < len(VOCAB) else "?" for i in ids)
 
 
-def training_text():     # the first 90%
+def text_part(which):   # "training": the first 90% of the ids; "validation": the rest
     ids, _ = read_text()
-    return ids[:len(ids) * 9 // 10]
-
-
-def validation_text():   # the rest
-    ids, _ = read_text()
-    return ids[len(ids) * 9 // 10:]
+    split = len(ids) * 9 // 10
+    if which == "validation":
+        return ids[split:]
+    return ids[:split]
 
 
 @functools.lru_cache(maxsize=None)
@@ -765,7 +759,7 @@ def show_language_model(params, args, rows=2048, length=200):
     """The loss on windows of the validation text, beside the baselines, and a sample that
     continues PROMPT, drawn from --seed."""
     val_args = argparse.Namespace(**{**vars(args), "batch_size": rows})
-    inputs, targets = make_batch(val_args, step=0, text=validation_text())
+    inputs, targets = make_batch(val_args, step=0, text=text_part("validation"))
     with torch.no_grad():
         loss = serial_loss(params, inputs, targets)[0].item()
         context = encode((" " * args.context + PROMPT)[-args.context:]).tolist()
@@ -817,12 +811,13 @@ class SerialCheck:
                 mine.copy_(theirs)
         batch = make_batch(self.args, len(self.losses))
         self.optimizer.zero_grad()
-        loss, logits = serial_loss(self.params, *batch, self.args.bf16)
+        record = []
+        loss, logits = serial_loss(self.params, *batch, self.args.bf16, record=record)
+        terms = gradient_terms(record, logits, batch[1], self.params[0])
         loss.backward()
         self.losses.append((loss.item(), logits.abs().max().item()))
         want = [w.grad.clone() for w in self.params]
-        scales = [torch.maximum(terms, g.abs().max()) for terms, g in
-                  zip(gradient_terms(self.params, *batch, self.args.bf16), want)]
+        scales = [torch.maximum(term, g.abs().max()) for term, g in zip(terms, want)]
         self.optimizer.zero_grad()   # the same step, summed in another order
         serial_loss(self.params, *batch, self.args.bf16, halves=True)[0].backward()
         spreads = [(w.grad - g).abs().max() / scale.clamp_min(1e-30)
@@ -897,32 +892,16 @@ def part_name(part, num_parts):   # 0: the embedding, 1 .. L: layer 0 .. L-1, L 
     return f"layer {part - 1}"
 
 
-def gradient_terms(params, tokens, targets, bf16=False):
+def gradient_terms(record, logits, targets, embedding):
     """Each part's scale for its gradient's rounding: max |x|^T |dz|, the terms dW = x^T dz sums,
-    dz coming down from (p + onehot(y)) / n (near convergence a small sum of larger terms)."""
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    embedding, *weights, head = params
-    x = embedding.to(dtype)[tokens].reshape(len(tokens), -1)
-    stashes = []
-    with torch.no_grad():
-        for w in weights:
-            z = x @ w.to(dtype)
-            stashes.append((x.float(), z.float(), w.float()))
-            x = F.gelu(z)
-        x = x.float()
-        g = (x @ head).softmax(dim=1)
-        g[torch.arange(len(targets)), targets] += 1.0
-        g /= len(targets)                                    # [b, V]
-        terms = [(x.abs().T @ g).max()]                      # the head's
-        g = g @ head.T
-        for x, z, w in reversed(stashes):
-            dz = torch.ops.aten.gelu_backward(g, z)
-            terms.append((x.abs().T @ dz.abs()).max())
-            g = dz @ w.T
-        rows = torch.zeros_like(embedding).index_add_(0, tokens.reshape(-1),
-                                                      g.abs().reshape(tokens.numel(), -1))
-        terms.append(rows.max())                             # the embedding's
-    return terms[::-1]
+    dz coming down from (p + onehot(y)) / n (near convergence a small sum of larger terms): the
+    gradient of logsumexp(logits) + logits[y]. record: serial_loss's; its graph is kept."""
+    magnitude = (logits.logsumexp(dim=1) + logits.gather(1, targets[:, None])[:, 0]).mean()
+    dzs = torch.autograd.grad(magnitude, [z for _, z in record], retain_graph=True)
+    ids = record[0][0].reshape(-1)                             # the embedding's: its rows' terms
+    rows = torch.zeros_like(embedding).index_add_(0, ids, dzs[0].float().abs().view(len(ids), -1))
+    return [rows.max(), *[(x.float().abs().T @ dz.float().abs()).max()
+                          for (x, _), dz in zip(record[1:], dzs[1:])]]
 
 
 CHECK_TOLERANCE = 1e-4   # float32 summation order moves results by ~1e-7, a bug far more

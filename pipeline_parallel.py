@@ -349,11 +349,7 @@ def main(argv=None):
 
 # Below the fold: gathering the stages' layers, the schedule's print and its timeline with
 # the bubble, the command line. ----------------------------------------------------------
-import argparse  # noqa: E402
-import functools  # noqa: E402
-import os  # noqa: E402
-import textwrap  # noqa: E402
-import time  # noqa: E402
+import argparse, functools, os, textwrap, time  # noqa: E401, E402
 
 from collectives import positive_int  # noqa: E402
 from data_parallel import (DataParallel, SerialCheck, check_training_args,  # noqa: E402
@@ -364,8 +360,7 @@ from tensor_parallel import divides, whole_model  # noqa: E402
 
 @functools.lru_cache(maxsize=None)
 def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
-    """(micro-batches between F and B, between B and W) after each action, those no other pair
-    has as many of both (the largest stash is at one of them)."""
+    """The pairs (micro-batches between F and B, between B and W) held after an action."""
     kept = 0
     waiting = 0
     pairs = set()
@@ -374,8 +369,7 @@ def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
         if schedule == "zb-h1":
             waiting += {"F": 0, "B": 1, "W": -1}[op]
         pairs.add((kept, waiting))
-    return [(k, w) for k, w in pairs if not any(a >= k and b >= w and (a, b) != (k, w)
-                                                for a, b in pairs)]
+    return sorted(pairs)
 
 
 class Recorder:
@@ -444,11 +438,10 @@ def finish_stages(args, recorder, final, full, losses, check, norms, device):
     if args.timeline:
         show_timeline(recorder.events(), recorder.peak, args, p, rank, device)
     show_stash(recorder.memory, args, p, rank, device)
-    if rank == 0:
-        print_schedules(args.schedule, p, args.micro_batches, args.virtual_stages, args.num_layers)
     losses = torch.tensor(losses, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=p - 1)
     if rank == 0:
+        print_schedules(args.schedule, p, args.micro_batches, args.virtual_stages, args.num_layers)
         finish_run(args, full, final, losses.tolist(), check, norms)
 
 
@@ -621,9 +614,8 @@ def show_timeline(events, peak, args, num_stages, rank, device):
     say(f"bubble: theory {theory} = {pipeline_costs(args.schedule, p, 0, m, v)[0]:.1%}; the most "
         f"micro-batches a stage held at once: {', '.join(map(str, peaks.flatten().tolist()))}")
     if device.type == "cpu" and p > cores:
-        say(f"note: {p} stages share {cores} CPU cores, so a stage often waits for a core, not "
-            f"for its neighbour: the measured bubble mostly shows that load, and the schedule's "
-            f"own is the one above it.")
+        say(f"note: {p} stages share {cores} CPU cores: the measured bubble mostly shows a stage "
+            f"waiting for a core, and the schedule's own is the one above it.")
 
 
 def say(text):   # prose, wrapped at 100 columns
@@ -643,14 +635,12 @@ def schedule_rules(args, num_stages, stages_flag):
     v = getattr(args, "virtual_stages", None)
     args.virtual_stages = (v or 2) if args.schedule == "interleaved" else 1
     if args.schedule != "interleaved":
-        return [(v not in (None, 1), f"--virtual-stages {v}: only --schedule interleaved has "
-                                     f"chunks")]
+        return [(v not in (None, 1), f"--virtual-stages {v}: only --schedule interleaved chunks")]
     virtual = num_stages * args.virtual_stages
     return [(num_stages == 1, f"--schedule interleaved: needs {stages_flag} of 2 or more (one "
                               f"stage's chunks would only pass activations to themselves)"),
-            (virtual > args.num_layers, f"--virtual-stages {args.virtual_stages}: {stages_flag} "
-                                        f"x --virtual-stages = {virtual} chunks for "
-                                        f"{args.num_layers} layers"),
+            (virtual > args.num_layers, f"--virtual-stages {args.virtual_stages}: {virtual} chunks "
+                                        f"({stages_flag} x it) for {args.num_layers} layers"),
             divides(args.num_layers, "--num-layers", virtual, f"{stages_flag} x --virtual-stages"),
             divides(args.micro_batches, "--micro-batches", num_stages,
                     f"{stages_flag} (interleaved, as Megatron asks: whole rounds)")]

@@ -326,7 +326,7 @@ def main(argv=None):
 
 # Below the fold: the command line and its rules, and what the run says it ran. ---------------
 from collectives import positive_int  # noqa: E402
-from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
+from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa
                            full_grads, full_weights, log_step, training_parser)
 
 
@@ -388,11 +388,11 @@ def layer_matmuls(kind, rows, dim, tp, bf16, classes=0):
     return forward, dx, dw
 
 
-def describe(kinds):   # what ran: "the embedding by class, 2 Megatron pairs (column, row), ..."
-    names = {"embedding": "the embedding by class", "row": "x Megatron pair (column, row)",
-             "gather": "x all-gather layer", "head": "the head by class"}
-    counts = {"row": kinds.count("row"), "gather": kinds.count("gather")}
-    return ", ".join(f"{counts.get(kind, '')}{names[kind]}" for kind in names if kind in kinds)
+def describe(kinds):   # what ran: "the embedding by class, Megatron pairs (column, row) x2, ..."
+    names = {"embedding": "the embedding by class", "row": "Megatron pairs (column, row)",
+             "gather": "all-gather layers", "head": "the head by class"}
+    counts = {"row": f" x{kinds.count('row')}", "gather": f" x{kinds.count('gather')}"}
+    return ", ".join(names[kind] + counts.get(kind, "") for kind in names if kind in kinds)
 
 
 def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor
@@ -415,10 +415,10 @@ def parse_args(argv=None):
     parser.refuse([divides(args.dim, "--dim", args.world_size, "--world-size"),
                    (args.tp_style == "megatron" and args.num_layers < 2,
                     f"--tp-style megatron: a pair is two layers, and --num-layers "
-                    f"{args.num_layers} has none; use --tp-style all-gather")])
+                    f"{args.num_layers} has none; use --tp-style all-gather"),
+                   (args.world_size > VOCAB_SIZE, f"--world-size {args.world_size}: more ranks "
+                                                  f"than the vocabulary's {VOCAB_SIZE} classes")])
     check_training_args(parser, args, args.world_size)
-    parser.refuse([(args.world_size > args.vocab_size, f"--world-size {args.world_size}: more "
-                    f"ranks than the vocabulary's {args.vocab_size} classes")])
     return args
 
 

@@ -40,18 +40,17 @@ HARD_CODED_MAP_2x2x2 = {
     "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],   # 0 -> 2, 1 -> 3, 4 -> 6, 5 -> 7
     "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],   # replicas
 }
-# It is rank = (d PP + s) TP + t: arange(8).view(dp, pp, tp), read along each axis.
-#   grid = arange(8).view(2, 2, 2) = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]      [dp, pp, tp]
-#   rank 6 = (1 * 2 + 1) * 2 + 0 sits at d=1, s=1, t=0, and grid[1, 1, 0] = 6. Its groups
-#   vary one coordinate: tp grid[1, 1, :] = [6, 7], pp grid[1, :, 0] = [4, 6],
+# It is rank = (d PP + s) TP + t: grid = arange(8).view(dp, pp, tp), read along each axis.
+#   grid = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]; rank 6 = (1 * 2 + 1) * 2 + 0 = grid[1, 1, 0].
+#   Its groups vary one coordinate: tp grid[1, 1, :] = [6, 7], pp grid[1, :, 0] = [4, 6],
 #   dp grid[:, 1, 0] = [2, 6].
 # Which axis varies fastest is a choice (--order, fastest first, as Megatron's order string).
 # TP is innermost in both orders offered: it talks at every layer, so it keeps to a node.
-#   tp-pp-dp (the default, as that code does): replicas outermost. DP's all-reduce, once
-#     per step but as big as the model, crosses nodes.
-#   tp-dp-pp (Megatron, torchtitan): stages outermost, rank = (s DP + d) TP + t. Only the
-#     pipeline's point-to-point activations, the lightest traffic, cross nodes. Rank 5 =
-#     (1 * 2 + 0) * 2 + 1 sits at s=1, d=0, t=1: tp [4, 5], pp [1, 5], dp [5, 7].
+#   tp-pp-dp (the default, as that code does): replicas outermost; DP's all-reduce, once a
+#     step but as big as the model, crosses nodes.
+#   tp-dp-pp (Megatron, torchtitan): stages outermost, rank = (s DP + d) TP + t; only the
+#     pipeline's activations, the lightest traffic, cross nodes. Rank 5 = (1 * 2 + 0) * 2 + 1
+#     sits at s=1, d=0, t=1: tp [4, 5], pp [1, 5], dp [5, 7].
 
 
 def rank_grid(dp, pp, tp, order="tp-pp-dp"):
@@ -255,7 +254,7 @@ def main(argv=None):
 
 # Below the fold: the run's end, the rank map's print, --plan (the search and the GPU figures),
 # the command line. ------------------------------------------------------------------------
-import argparse, functools, itertools, math, sys, time  # noqa: E401, E402
+import argparse, functools, itertools, math  # noqa: E401, E402
 from collections import Counter  # noqa: E402
 
 from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
@@ -317,7 +316,7 @@ def replica_buckets(args, stage, tp_rank):
 
 @functools.lru_cache(maxsize=None)
 def buckets_of(chunks, dim, context, vocab_size, tp, tp_rank, bucket_mb, pad_to):
-    """A rank's buckets, (chunk, elements): D^2/tp a layer, its classes of E and H (ZeRO: to d S)."""
+    """A rank's buckets (chunk, elements): D^2/tp a layer, its classes of E and H (ZeRO: d S)."""
     start, end = vocab_range(vocab_size, tp_rank, tp)
     size = {"embedding": (end - start) * (dim // context), "head": dim * (end - start)}
     numels = [size.get(kind, dim * dim // tp) for chunk in chunks for kind in chunk]
@@ -588,17 +587,9 @@ def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 mega
 
 
 def plan(args):
-    """The layouts that fit a GPU's memory by predicted step, as a table; a search of over a
-    second says how far it has come; none fitting, a Stop."""
+    """The layouts that fit a GPU's memory by predicted step, as a table; none fitting, a Stop."""
     machine = Machine(GPUS[args.hardware], args.gpus_per_node)
-    candidates = list(layouts(args, machine.gpus_per_node))
-    said = time.perf_counter()
-    rows = []
-    for k, layout in enumerate(candidates):
-        rows.append(predict(layout, machine))
-        if time.perf_counter() - said > 1:
-            said = time.perf_counter()
-            sys.stderr.write(f"plan: {k + 1} of {len(candidates)} layouts weighed\n")
+    rows = [predict(layout, machine) for layout in layouts(args, machine.gpus_per_node)]
     fits = sorted((row for row in rows if row["memory_bytes"] <= machine.memory),
                   key=lambda row: row["step_s"])
     if not fits:
@@ -631,31 +622,17 @@ def show_plan(args, machine, weighed, fits):
               f"{seconds(parts['compute']):>10}{seconds(comm):>10}"
               f"{seconds(row['step_s']):>10}{row['mfu']:>6.0%}")
     print(imbalance(fits[0]))
-    print(why(fits))
 
 
 def imbalance(row):   # the best layout's stages apart: the ends weigh on the first and last
     stages = row["stages"]
     if len(stages) == 1:
         return f"one stage: {seconds(stages[0])} of compute and exchanges a step"
-    last = row["args"].pp - 1
-    named = {0: " (with E)", last: " (with H and the loss)"}
+    named = {0: " (with E)", row["args"].pp - 1: " (with H and the loss)"}
     parts = [f"stage {s}{named.get(s, '')} {seconds(t)}" for s, t in sorted(stages.items())]
     slowest = max(stages, key=stages.get)
     return (f"its stages, compute and exchanges a step: {', '.join(parts)}; the slowest, stage "
             f"{slowest}, sets the pace")
-
-
-def why(fits):   # the winner against the best of another shape: where it saves most
-    best = fits[0]
-    other = next((row for row in fits if row["flags"].split()[:6] != best["flags"].split()[:6]),
-                 None)                        # its --dp, --pp, --tp differ
-    if other is None:
-        return f"why: {short_layout(best['args'])} is the only shape that fits"
-    part = max(best["parts"], key=lambda part: other["parts"][part] - best["parts"][part])
-    return (f"why: {short_layout(best['args'])} ({seconds(best['step_s'])}) beats the best of "
-            f"another shape, {short_layout(other['args'])} ({seconds(other['step_s'])}), most on "
-            f"{part}: {seconds(best['parts'][part])} against {seconds(other['parts'][part])}")
 
 
 PLAN_FLAGS = ["world_size", "hardware", "gpus_per_node", "vocab_size", "top"]

@@ -337,7 +337,7 @@ def test_the_text_is_cpythons_help_in_97_classes():
     want = [ord(c) - 32 if 32 <= ord(c) < 127 else 95 if c == "\n" else 96 for c in sample]
     assert ids[:2000].tolist() == want
     assert dp.decode(ids[:2000]) == "".join(c if 32 <= ord(c) < 127 or c == "\n" else "?" for c in sample)
-    train, val = dp.training_text(), dp.validation_text()
+    train, val = dp.text_part("training"), dp.text_part("validation")
     assert len(train) == len(ids) * 9 // 10 and torch.equal(torch.cat([train, val]), ids)
     uniform, unigram, bigram = dp.baselines()
     assert uniform == pytest.approx(math.log(97))
@@ -361,7 +361,7 @@ def test_the_text_falls_back_to_the_scripts_without_pydoc_data(monkeypatch):
 
 def test_make_batch_is_windows_of_the_text_drawn_by_seed_and_step():
     args = _args(batch_size=6, context=5, seed=5)
-    text = dp.training_text()
+    text = dp.text_part("training")
     inputs, targets = dp.make_batch(args, step=3)
     gen = torch.Generator().manual_seed(5 * 1_000_003 + 3)
     starts = torch.randint(len(text) - 5, (6,), generator=gen)

@@ -714,10 +714,10 @@ def test_the_docstrings_commands_are_accepted_as_printed(monkeypatch, capsys):
 
 @pytest.mark.parametrize("script, argv, named", [
     (tensor_parallel, ["--world-size", "2", "--tp-style", "megatron", "--num-layers", "3"],
-     "tensor parallel over 2 ranks: the embedding (its rows by class), 1 Megatron pair (column, row), "
-     "1 all-gather layer and the head (its columns by class)"),
-    (three_d, ["--tp-style", "megatron", "--num-layers", "4"], "each stage: 1 Megatron pair (column, row) over tp=2"),
-    (three_d, ["--num-layers", "8"], "each stage: 4 all-gather layers over tp=2"),
+     "tensor parallel over 2 ranks: the embedding by class, Megatron pairs (column, row) x1, "
+     "all-gather layers x1, the head by class"),
+    (three_d, ["--tp-style", "megatron", "--num-layers", "4"], "each stage: Megatron pairs (column, row) x1 over tp=2"),
+    (three_d, ["--num-layers", "8"], "each stage: all-gather layers x4 over tp=2"),
 ])
 def test_the_tensor_parallel_style_that_ran_is_named(script, argv, named, capfd):
     script.main([*argv, "--steps", "1", "--dim", "8", "--batch-size", "8"])

@@ -451,7 +451,7 @@ def test_make_3d_defaults_pass_check_and_learn_the_text(tmp_path):
     assert loss < bigram < unigram < uniform
     # the same number from the saved weights, on the same windows of the validation text
     val_args = argparse.Namespace(**{**config, "batch_size": int(validation[0][2])})
-    inputs, targets = dp.make_batch(val_args, step=0, text=dp.validation_text())
+    inputs, targets = dp.make_batch(val_args, step=0, text=dp.text_part("validation"))
     want = dp.serial_loss(final_params(result), inputs, targets)[0].item()
     assert loss == pytest.approx(want, abs=1e-3)
     at = lines.index(next(line for line in lines if line.startswith("a sample, 200 characters")))
