@@ -387,9 +387,8 @@ def dp_costs(lengths, dp_size, zero=0, num_micro_batches=1, optimizer="adamw", b
 
 
 def in_step_bytes(chunks, dp_size, zero=0, num_micro_batches=1):
-    """Bytes a replica holds within a step beyond dp_costs's, chunks: each chunk's bucket elements.
-    ZeRO-2/3: a chunk's buckets whole (4 n) until reduce-scattered, less the 4/d parts not made
-    yet (earlier chunks', its own in the first micro-batch); ZeRO-2, m > 1: 4 P - 4 P/d."""
+    """Bytes a replica holds in a step beyond dp_costs's (chunks: each chunk's bucket elements): a
+    chunk's buckets whole (ZeRO-2, 3) until reduce-scattered, less the parts not made yet."""
     whole = 4 * sum(chunks)
     if zero < 2:
         return 0
@@ -486,16 +485,17 @@ def serial_loss(params, tokens, targets, bf16=False, halves=False, record=None):
     the same maths in another order, which moves only what rounding moves. record: a list that
     gets each part's (input, output): (tokens, x), then each matmul's (x, z)."""
     dtype = torch.bfloat16 if bf16 else torch.float32
+    record = [] if record is None else record
 
     def matmul(x, w):
         w = w.to(dtype)
         h = w.shape[0] // 2
         z = x[:, :h] @ w[:h] + x[:, h:] @ w[h:] if halves else x @ w
-        record.append((x, z)) if record is not None else None
+        record.append((x, z))
         return z
     embedding, *weights, head = params
     x = embedding.to(dtype)[tokens].reshape(len(tokens), -1)
-    record.append((tokens, x)) if record is not None else None
+    record.append((tokens, x))
     for w in weights:
         x = F.gelu(matmul(x, w))
     logits = matmul(x, head).float()
