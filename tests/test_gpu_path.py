@@ -22,7 +22,11 @@ import tensor_parallel
 import three_d
 from gpu_path import OffDevice, rank_matmuls, run_step
 
-SMALL = ["--num-layers", "16", "--dim", "64", "--batch-size", "64", "--micro-batches", "8"]
+SMALL = {   # small enough to record fast; 16 layers and 8 micro-batches for 8 interleaved stages
+    "data_parallel": ["--num-layers", "4", "--dim", "64", "--batch-size", "64"],
+    "tensor_parallel": ["--num-layers", "4", "--dim", "64", "--batch-size", "64"],
+    "pipeline_parallel": ["--num-layers", "16", "--dim", "64", "--batch-size", "64", "--micro-batches", "8"],
+    "three_d": ["--num-layers", "8", "--dim", "64", "--batch-size", "64", "--micro-batches", "4"]}
 FAMILIES = {
     "data_parallel": [["--zero", str(zero)] for zero in range(4)] + [
         ["--overlap"], ["--zero", "2", "--overlap"], ["--recompute"], ["--bf16"],
@@ -101,7 +105,7 @@ def assert_as_planned(ran):
 @pytest.mark.parametrize("script,flags", CASES)
 def test_a_rank_of_8_gpus_runs_as_planned(script, flags):
     for rank in RANKS[script]:
-        ran = run_step(script, [*WORLD[script], *SMALL, *flags], rank)
+        ran = run_step(script, [*WORLD[script], *SMALL[script], *flags], rank)
         assert_as_planned(ran)
 
 
@@ -134,4 +138,4 @@ def test_a_step_that_leaves_a_tensor_on_the_cpu_fails(monkeypatch, make):
         return real(logits, y, n)
     monkeypatch.setattr(data_parallel, "cross_entropy", loss_beside_a_cpu_tensor)
     with pytest.raises(OffDevice, match="on cpu"):
-        run_step("data_parallel", ["--world-size", "8", *SMALL], 0)
+        run_step("data_parallel", ["--world-size", "8", *SMALL["data_parallel"]], 0)
