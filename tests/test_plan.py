@@ -15,6 +15,7 @@ prices against the published figures and physics, its table, and its refusals.
   tests/plan_machine.py, and prices every layout of 2 ranks.
 - Bad input: one line naming the flag, exit 2; nothing fitting: one line, exit 1.
 """
+import functools
 import re
 import subprocess
 import sys
@@ -45,6 +46,7 @@ def plan_rows(argv, gpus_per_node=8, bf16=True):
     return [three_d.predict(layout, machine) for layout in three_d.layouts(args, gpus_per_node)]
 
 
+@functools.lru_cache(maxsize=None)
 def planned(world_size, bf16=False):
     """SMALL's rows on a world of two nodes (so that both orders are weighed and groups cross
     nodes); bf16 as asked."""
