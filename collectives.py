@@ -225,7 +225,7 @@ def ring_demo(rank, world_size, device):
 
 # Below the fold: the launcher (spawn, setup, cleanup and the process management behind
 # them), the command line that every script shares, and this step's printing. ---
-import argparse, contextlib, ctypes, glob, logging, math, os, pickle, re  # noqa: E401, E402
+import argparse, contextlib, ctypes, errno, glob, logging, math, os, pickle, re  # noqa: E401, E402
 import shutil, signal, socket, sys, tempfile, threading, time  # noqa: E401, E402
 from datetime import timedelta  # noqa: E402
 from unittest import mock  # noqa: E402
@@ -389,7 +389,12 @@ def _child(index, in_parent, parent, fn, world_size, args):
         signal.signal(s, signal.SIG_DFL)
     sys.settrace(None)           # the parent's handlers are not ours, nor a debugger's tracer
     os.environ.update(RANK=str(index + in_parent), LOCAL_RANK=str(index + in_parent))
-    fn(index + in_parent, world_size, *args)
+    try:
+        fn(index + in_parent, world_size, *args)
+    except OSError as e:         # the output's reader went away, or its disk is full: a Stop
+        if not output_failed(e):
+            raise
+        raise Stop(OUTPUT_CLOSED if e.errno == errno.EPIPE else output_error(e)) from None
 
 
 def _culprit(context, first, in_parent):
@@ -435,16 +440,23 @@ def measured_bandwidth(nbytes, points, floor, plateau):
 
 
 def run_main(main):
-    """A failed rank: one line and exit 1; Ctrl-C 130, SIGTERM 143, SIGHUP 129. Under torchrun,
-    record() puts the failing rank's traceback into torchrun's failure summary instead."""
+    """A failed rank: one line and exit 1; Ctrl-C 130, SIGTERM 143, SIGHUP 129; the output's
+    reader gone (| head) 141, quietly, as a shell reports SIGPIPE. Under torchrun, record()
+    puts the failing rank's traceback into torchrun's failure summary instead."""
     try:
         if under_torchrun():
             from torch.distributed.elastic.multiprocessing.errors import record
             main = record(main)
         main()
+    except OSError as e:     # this process's own output (--plan's table) failed
+        if not output_failed(e):
+            raise
+        sys.exit(141 if e.errno == errno.EPIPE else f"error: {output_error(e)}")
     except Stop as e:        # this rank (under torchrun) or the one process stopped on purpose
-        sys.exit(f"error: {e}")
+        sys.exit(141 if str(e) == OUTPUT_CLOSED else f"error: {e}")
     except RankFailed as e:
+        if e.stopped == OUTPUT_CLOSED:
+            sys.exit(141)
         if e.stopped:        # a rank stopped on purpose: its message is the whole story
             sys.exit(f"error: {e.stopped}")
         sys.stderr.write(f"{e.text.rstrip()}\nerror: {e}\n")
@@ -453,6 +465,24 @@ def run_main(main):
         how = e.args[0] if e.args else "Ctrl-C"
         sys.stderr.write(f"error: interrupted ({how}): every rank was stopped\n")
         sys.exit(128 + {"SIGTERM": 15, "SIGHUP": 1}.get(how, 2))
+
+
+OUTPUT_CLOSED = "the output was closed"   # (| head): every rank ends, and nothing is said
+
+
+def output_failed(e):
+    """Whether an OSError is our output's: a write of no named file, its reader gone or no room
+    (a file's error names it). If so, what is printed after goes to /dev/null, not to fail again."""
+    if e.filename is not None or e.errno not in (errno.EPIPE, errno.ENOSPC, errno.EDQUOT,
+                                                 errno.EFBIG, errno.EIO):
+        return False
+    with contextlib.suppress(OSError, ValueError):   # (a stdout with no file: nothing to do)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return True
+
+
+def output_error(e):
+    return f"the output could not be written ({e.strerror or e})"
 
 
 class Parser(argparse.ArgumentParser):

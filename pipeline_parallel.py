@@ -360,7 +360,8 @@ from tensor_parallel import divides, whole_model  # noqa: E402
 
 @functools.lru_cache(maxsize=None)
 def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
-    """The pairs (micro-batches between F and B, between B and W) held after an action."""
+    """(micro-batches between F and B, between B and W) after each action, those no other pair
+    has as many of both (the largest stash is at one of them)."""
     kept = 0
     waiting = 0
     pairs = set()
@@ -369,7 +370,8 @@ def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
         if schedule == "zb-h1":
             waiting += {"F": 0, "B": 1, "W": -1}[op]
         pairs.add((kept, waiting))
-    return sorted(pairs)
+    return [(k, w) for k, w in pairs if not any(a >= k and b >= w and (a, b) != (k, w)
+                                                for a, b in pairs)]
 
 
 class Recorder:

@@ -588,7 +588,7 @@ def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 mega
 
 def plan(args):
     """The layouts that fit a GPU's memory by predicted step, as a table; none fitting, a Stop."""
-    machine = Machine(GPUS[args.hardware], args.gpus_per_node)
+    machine = Machine(GPUS[args.hardware], min(args.gpus_per_node, args.world_size))
     rows = [predict(layout, machine) for layout in layouts(args, machine.gpus_per_node)]
     fits = sorted((row for row in rows if row["memory_bytes"] <= machine.memory),
                   key=lambda row: row["step_s"])
@@ -601,14 +601,17 @@ def plan(args):
 
 def show_plan(args, machine, weighed, fits):
     nodes = args.world_size // machine.gpus_per_node
-    shown = fits[:args.top or None]
+    shown = fits[:args.top]
+    small = ""
+    if args.gpus_per_node > args.world_size:   # a workstation's: one node of the world's GPUs
+        small = f": a world smaller than --gpus-per-node {args.gpus_per_node}"
     print(f"plan: {args.world_size} GPUs ({nodes} node{'s' * (nodes > 1)} of "
-          f"{machine.gpus_per_node}), a language model of {args.num_layers} layers, D={args.dim}, "
-          f"V={args.vocab_size}, k={args.context}, B={args.batch_size}, bf16 on fp32 masters, "
+          f"{machine.gpus_per_node}{small}), a language model of {args.num_layers} layers, "
+          f"D={args.dim}, V={args.vocab_size}, k={args.context}, B={args.batch_size}, bf16 on fp32 masters, "
           f"{args.optimizer}; {machine.figures['name']}, {si(machine.memory)}B")
     print(f"{weighed} layouts weighed, {len(fits)} fit; the "
           f"{'' if len(shown) == len(fits) else f'{len(shown)} '}best by predicted step time "
-          f"(--top 0: all). Bytes: what the busiest rank sends a step, * across nodes")
+          f"(--top N). Bytes: what the busiest rank sends a step, * across nodes")
     width = max([len(short_layout(row["args"])) for row in shown] + [6]) + 2
     print(f"{'#':>4}  {'layout':<{width}}{'memory':>10}{'tp':>10}{'pp':>10}{'dp':>10}"
           f"{'bubble':>8}{'compute':>10}{'comm':>10}{'step':>10}{'MFU':>6}")
@@ -650,7 +653,7 @@ def add_plan_args(parser):
                       help="divides --world-size (default 8)")
     plan.add_argument("--vocab-size", type=positive_int, default=argparse.SUPPRESS,
                       help="the model's classes V (default: the text's, 97)")
-    plan.add_argument("--top", type=int, default=20, help="rows printed; 0: every one that fits")
+    plan.add_argument("--top", type=int, default=20, help="rows printed, the best first")
 
 
 def plan_rules(parser, args):
@@ -664,13 +667,13 @@ def plan_rules(parser, args):
     args.gpus_per_node = getattr(args, "gpus_per_node", 8)
     args.bf16 = True                          # the GPUs' figures are bf16's
     parser.refuse([
-        (args.top < 0, f"--top {args.top}: expected 0 (every row) or more"),
+        (args.top < 1, f"--top {args.top}: expected 1 or more, the rows to print"),
         (args.dim % args.context, f"--dim {args.dim} is not divisible by --context "
                                   f"{args.context}: each character is embedded in D/k columns"),
         (under_torchrun(), "--plan: run it as a plain command, not under torchrun"),
-        (args.world_size % args.gpus_per_node, f"--gpus-per-node {args.gpus_per_node} does not "
-                                               f"divide --world-size {args.world_size}: a plan "
-                                               f"is for whole nodes"),
+        (args.world_size > args.gpus_per_node and args.world_size % args.gpus_per_node,
+         f"--gpus-per-node {args.gpus_per_node} does not divide --world-size "
+         f"{args.world_size}: a world larger than a node is whole nodes"),
         (next(layouts(args, args.gpus_per_node), None) is None,
          f"--world-size {args.world_size}: no layout of it divides --num-layers "
          f"{args.num_layers}, --dim {args.dim} and --batch-size {args.batch_size}")])

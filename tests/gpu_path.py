@@ -24,6 +24,7 @@ StepRecord, a TorchDispatchMode, sees every op of the step. It keeps
 and it ends the step at the first op that touches a tensor on another device than meta, a
 CPU scalar aside (CUDA takes those, and AdamW keeps its step count there).
 """
+import argparse
 import collections
 import contextlib
 import functools
@@ -45,6 +46,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
+import collectives  # noqa: E402
 import data_parallel  # noqa: E402
 import pipeline_parallel  # noqa: E402
 import tensor_parallel  # noqa: E402
@@ -341,11 +343,28 @@ def describe(ran):
 SIZE_NAMES = {2: "bf16", 4: "fp32"}
 
 
+class Door(argparse.ArgumentParser):
+    error = collectives.Parser.error      # the scripts' door: one line on stderr, exit 2
+
+
+def main(argv=None):
+    """The command line: a script, --rank, and the script's own flags, through its own door
+    (as on a node of 8 GPUs); every refusal before any process group exists."""
+    parser = Door(prog="tests/gpu_path.py", description="One rank's training step of a script, "
+                  "as on GPUs, recorded on the meta device over torch's fake process group. "
+                  "Every other flag is the script's own (see its --help); --vocab-size V "
+                  "prices another vocabulary.")
+    parser.add_argument("script", choices=sorted(SCRIPTS), help="the step one rank of runs")
+    parser.add_argument("--rank", type=int, default=0,
+                        help="which rank of the script's world (default 0)")
+    ours, theirs = parser.parse_known_args(argv)
+    args = gpu_node_args(ours.script, theirs)
+    world_size = world_of(ours.script, args)
+    if not 0 <= ours.rank < world_size:
+        parser.error(f"--rank {ours.rank}: expected 0 to {world_size - 1}, a rank of this "
+                     f"world of {world_size}")
+    print(describe(run_step(ours.script, theirs, ours.rank)))
+
+
 if __name__ == "__main__":
-    script_name, argv = sys.argv[1], sys.argv[2:]
-    which = 0
-    if "--rank" in argv:
-        at = argv.index("--rank")
-        which = int(argv[at + 1])
-        argv = argv[:at] + argv[at + 2:]
-    print(describe(run_step(script_name, argv, which)))
+    collectives.run_main(main)

@@ -20,6 +20,7 @@ import torch
 import data_parallel
 import tensor_parallel
 import three_d
+import gpu_path
 from gpu_path import OffDevice, rank_matmuls, run_step
 
 SMALL = {   # small enough to record fast; 16 layers and 8 micro-batches for 8 interleaved stages
@@ -139,3 +140,24 @@ def test_a_step_that_leaves_a_tensor_on_the_cpu_fails(monkeypatch, make):
     monkeypatch.setattr(data_parallel, "cross_entropy", loss_beside_a_cpu_tensor)
     with pytest.raises(OffDevice, match="on cpu"):
         run_step("data_parallel", ["--world-size", "8", *SMALL["data_parallel"]], 0)
+
+
+@pytest.mark.parametrize("argv, named", [
+    ([], "script"), (["nonsense"], "'nonsense'"), (["three_d", "--rank", "8"], "--rank 8"),
+    (["three_d", "--rank", "-1"], "--rank -1"), (["pipeline_parallel", "--world-size", "8", "--rank", "8"], "--rank 8"),
+    (["three_d", "--dp", "3"], "--dp")])
+def test_the_harness_refuses_bad_input_in_one_line_before_any_group(argv, named, capsys):
+    with pytest.raises(SystemExit) as exited:
+        gpu_path.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and named in err, err
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_harness_help_lists_the_scripts_it_runs(capsys):
+    with pytest.raises(SystemExit) as exited:
+        gpu_path.main(["--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("data_parallel", "tensor_parallel", "pipeline_parallel", "three_d"))

@@ -308,6 +308,8 @@ def test_this_machine_prices_every_layout_of_2_ranks():
     (["--plan", "--schedule", "gpipe"], "--schedule"),
     (["--plan", "--gpus-per-node", "3"], "--gpus-per-node"),
     (["--plan", "--top", "-1"], "--top"),
+    (["--plan", "--top", "0"], "--top 0"),
+    (["--plan", "--world-size", "12"], "--world-size 12"),        # larger than a node: whole nodes
     (["--plan", "--world-size", "7", "--gpus-per-node", "7"], "--world-size"),
     (["--plan", "--hardware", "cpu"], "--hardware"),
     (["--plan", "--flops", "-1"], "--flops"),
@@ -331,3 +333,17 @@ def test_nothing_fitting_ends_in_one_line_and_exit_1():
                           text=True, timeout=55)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.splitlines() == [proc.stderr.strip()] and "fits" in proc.stderr
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_world_smaller_than_a_node_plans_as_one_node_of_its_size(world, capsys):
+    """A workstation of 2 or 4 GPUs: one node of that size, said in the header, its groups
+    inside the node (no byte marked as crossing)."""
+    out = run_plan(["--world-size", str(world), *SMALL, "--top", "500"], capsys)
+    lines = out.splitlines()
+    assert lines[0].startswith(f"plan: {world} GPUs (1 node of {world}: a world smaller than "
+                               f"--gpus-per-node 8), ")
+    table = [line for line in lines if re.match(r" *\d+  dp\d", line)]
+    assert table and "*" not in "".join(table)
+    assert {tuple(int(x) for x in re.match(r" *\d+  dp(\d+) pp(\d+) tp(\d+)", line).groups())
+            for line in table} <= {(d, p, world // (d * p)) for d in (1, 2, 4) for p in (1, 2, 4)}

@@ -765,3 +765,40 @@ def test_two_first_makes_at_once_both_succeed(tmp_path):
     listed = subprocess.run([venv, "-m", "pip", "list", "--format", "freeze"], capture_output=True, text=True).stdout
     names = [line.split("==")[0].lower() for line in listed.splitlines()]
     assert len(names) == len(set(names)) and "torch" in names and "pytest" in names
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("what", ["a run", "--check", "--plan"])
+def test_an_output_closed_early_ends_every_rank_quietly(what, tmp_path):
+    """`python three_d.py | head -1`: the reader goes away after a line. The run ends as Unix
+    tools do, with 141 (a shell's SIGPIPE) or 0, nothing on stderr, no rank left behind and
+    nothing in the temp folder."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    flags = {"a run": LONG, "--check": [*SHORT[:-1], "30", "--check"],
+             "--plan": ["--plan", "--world-size", "64", "--top", "2000"]}[what]   # > a pipe's 64 KB
+    proc = start([sys.executable, "three_d.py", *flags], env={"TMPDIR": str(temp)}, start_new_session=True)
+    proc.stdout.readline()
+    ranks = ranks_of(proc.pid)
+    proc.stdout.close()
+    try:
+        err = proc.stderr.read()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode in (0, 141) and err == "", (proc.returncode, err)
+    assert gone_within(ranks, 5) == []
+    assert [name for name in os.listdir(temp) if not name.startswith("torchinductor_")] == []
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("flags", [SHORT, ["--plan", "--world-size", "16"]], ids=["a run", "--plan"])
+def test_an_output_that_cannot_be_written_ends_in_one_line(flags):
+    """`python three_d.py > /dev/full`: the disk is full. One line names what failed."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "three_d.py", *flags], cwd=ROOT, env=clean, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=50)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == ["error: the output could not be written (No space left on device)"]
