@@ -283,12 +283,10 @@ def test_a_correct_run_passes_its_check_at_any_lr_and_number_of_steps(script, si
 
 
 @pytest.mark.deadline(120)
-def test_megatron_near_convergence_passes_its_check():
-    code, out, err = finish(start([sys.executable, "tensor_parallel.py", "--world-size", "2", "--tp-style", "megatron",
-                                   "--optimizer", "adamw", "--lr", "0.01", "--steps", "100", "--check"],
-                                  start_new_session=True), timeout=110)
-    assert code == 0, out[-3000:] + err
-    figures, verdict = check_report(out)
+def test_megatron_near_convergence_passes_its_check(capfd):
+    tensor_parallel.main(["--world-size", "2", "--tp-style", "megatron", "--optimizer", "adamw", "--lr", "0.01",
+                          "--steps", "100", "--check", "--timeout-s", "60"])
+    figures, verdict = check_report(capfd.readouterr().out)
     assert verdict == "OK" and figures["gradients"][0] < 1e-5     # 4e-4 of the gradient itself
 
 
@@ -539,8 +537,11 @@ def test_a_parent_killed_by_sigkill_leaves_no_rank_behind():
     (signal.SIGINT, 130, "error: interrupted (Ctrl-C): every rank was stopped"),
     (signal.SIGHUP, 129, "error: interrupted (SIGHUP): every rank was stopped"),   # a closing terminal
 ])
-def test_kill_or_ctrl_c_stops_every_rank_with_one_line(how, code, line):
-    proc = training()
+def test_kill_or_ctrl_c_stops_every_rank_with_one_line(how, code, line, tmp_path):
+    """... and leaves nothing in the temp folder (test_no_ending_but_kill_9_...'s, for these)."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    proc = training(env={"TMPDIR": str(temp)})
     ranks = ranks_of(proc.pid)
     if how == signal.SIGINT:
         os.killpg(proc.pid, how)   # Ctrl-C reaches the whole foreground group: parent and ranks
@@ -550,36 +551,30 @@ def test_kill_or_ctrl_c_stops_every_rank_with_one_line(how, code, line):
     assert proc.returncode == code, err
     assert err.splitlines() == [line], err
     assert gone_within(ranks, 5) == []
+    assert [name for name in os.listdir(temp) if not name.startswith("torchinductor_")] == [], err
 
 
 @pytest.mark.deadline(90)
-@pytest.mark.parametrize("ending", ["SIGTERM", "SIGHUP", "Ctrl-C", "a failing rank", "a diverged run", "a failed check"])
+@pytest.mark.parametrize("ending", ["a failing rank", "a diverged run", "a failed check"])
 def test_no_ending_but_kill_9_leaves_anything_in_the_temp_folder(ending, tmp_path):
     """torch.multiprocessing writes a rank's traceback to pytorch-errorfile-*.pickle in the
     temporary folder, and a rank that outlives a killed peer fails too; the launcher's own
-    folder holds the store. Whatever the ending, none of it stays."""
+    folder holds the store. Whatever the ending, none of it stays. (SIGTERM, SIGHUP and
+    Ctrl-C: test_kill_or_ctrl_c_stops_every_rank_with_one_line.)"""
     temp = tmp_path / "temp"
     temp.mkdir()
     env = {"TMPDIR": str(temp)}
-    if ending in ("SIGTERM", "SIGHUP", "Ctrl-C"):
-        proc = training(env=env)
-        if ending == "Ctrl-C":
-            os.killpg(proc.pid, signal.SIGINT)
-        else:
-            os.kill(proc.pid, getattr(signal, ending))
-        code, _, err = finish(proc, timeout=30)
-    else:
-        flags = {"a failing rank": ["--backend", "nccl"], "a diverged run": ["--optimizer", "sgd", "--lr", "1e30"],
-                 "a failed check": ["--check"]}[ending]
-        argv = [sys.executable, "three_d.py", *SHORT, *flags]
-        if ending == "a failing rank":   # rank 3 raises in its second layer
-            argv = [sys.executable, "tests/faults.py", "3", "2", "raise", *SHORT]
-        if ending == "a failed check":   # every dW doubled: the check fails on rank 0
-            argv = [sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); import data_parallel as dp, "
-                    "three_d; real = dp.DataParallel.add_grad; dp.DataParallel.add_grad = lambda self, i, x, dz: "
-                    "real(self, i, x, 2 * dz); sys.argv = ['three_d.py', *sys.argv[1:]]; three_d.run_main(three_d.main)",
-                    *SHORT, "--check"]
-        code, _, err = finish(start(argv, env=env, start_new_session=True))
+    flags = {"a failing rank": ["--backend", "nccl"], "a diverged run": ["--optimizer", "sgd", "--lr", "1e30"],
+             "a failed check": ["--check"]}[ending]
+    argv = [sys.executable, "three_d.py", *SHORT, *flags]
+    if ending == "a failing rank":   # rank 3 raises in its second layer
+        argv = [sys.executable, "tests/faults.py", "3", "2", "raise", *SHORT]
+    if ending == "a failed check":   # every dW doubled: the check fails on rank 0
+        argv = [sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); import data_parallel as dp, "
+                "three_d; real = dp.DataParallel.add_grad; dp.DataParallel.add_grad = lambda self, i, x, dz: "
+                "real(self, i, x, 2 * dz); sys.argv = ['three_d.py', *sys.argv[1:]]; three_d.run_main(three_d.main)",
+                *SHORT, "--check"]
+    code, _, err = finish(start(argv, env=env, start_new_session=True))
     assert code != 0, err
     # PyTorch's own compile cache, torchinductor_<user>: one empty folder a user, made by
     # importing torch._dynamo (every optimizer step does) and kept for every later program
@@ -731,7 +726,7 @@ def test_the_tensor_parallel_style_that_ran_is_named(script, argv, named, capfd)
 
 
 @pytest.mark.deadline(120)
-def test_make_pp_draws_within_100_columns_and_its_schedules_differ():
+def test_make_pp_draws_within_100_columns_and_its_schedules_differ(capfd):
     """make pp's own command: m > p, so GPipe's order and 1F1B's differ on every stage but
     the last; every line of the output fits 100 columns, and says when cores are shared."""
     with open(os.path.join(ROOT, "Makefile")) as f:
@@ -740,8 +735,8 @@ def test_make_pp_draws_within_100_columns_and_its_schedules_differ():
     p, m = args.world_size, args.micro_batches
     assert m > p and all(pipeline_parallel.compute_order("gpipe", p, s, m) != pipeline_parallel.compute_order(
         "1f1b", p, s, m) for s in range(p - 1))
-    code, out, err = finish(start([sys.executable, *command], start_new_session=True), timeout=100)
-    assert code == 0, err
+    pipeline_parallel.main(command[1:])             # in this process: the script's own main
+    out = capfd.readouterr().out
     assert max(map(len, out.splitlines())) <= 100
     assert ("note: 4 stages share" in out) == (os.cpu_count() < 4)
 
@@ -749,9 +744,11 @@ def test_make_pp_draws_within_100_columns_and_its_schedules_differ():
 @pytest.mark.deadline(600)
 def test_two_first_makes_at_once_both_succeed(tmp_path):
     """make 3d and make test started together in a fresh clone: the second waits for the
-    first's install, and .venv ends whole (one of each package, nothing broken)."""
-    for name in ("Makefile", "requirements.txt"):
-        shutil.copy(os.path.join(ROOT, name), tmp_path)
+    first's install, and .venv ends whole (one of each package, nothing broken). The install
+    is pytest's alone, which shows the lock as well as torch's would, in a fifth of the time
+    (CI's first make installs the real requirements from nothing)."""
+    shutil.copy(os.path.join(ROOT, "Makefile"), tmp_path)
+    (tmp_path / "requirements.txt").write_text("pytest\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "MAKEFLAGS", "MAKELEVEL", "VIRTUAL_ENV")}
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if ".venv" not in p)
     runs = [subprocess.Popen(["make", "deps"], cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
@@ -764,7 +761,7 @@ def test_two_first_makes_at_once_both_succeed(tmp_path):
     assert check.returncode == 0, check.stdout + check.stderr
     listed = subprocess.run([venv, "-m", "pip", "list", "--format", "freeze"], capture_output=True, text=True).stdout
     names = [line.split("==")[0].lower() for line in listed.splitlines()]
-    assert len(names) == len(set(names)) and "torch" in names and "pytest" in names
+    assert len(names) == len(set(names)) and "pytest" in names
 
 
 @pytest.mark.deadline(60)
