@@ -62,8 +62,9 @@ def count_worker(rank, world_size, layouts):
     for args in layouts:
         me = three_d.ThreeDRank(rank, args, device)
         batch = me.micro_batches(first_batch(args), args)
-        me.train_step(*batch)        # a step first: AdamW makes its state in its first one
-        me.replica.update()
+        if args.optimizer == "adamw":   # a step first: AdamW makes its state in its first one
+            me.train_step(*batch)
+            me.replica.update()
         counter, sampler = CommCounter(me.groups), Sampler(device, me.replica)
         with counter.step():
             me.train_step(*batch, recorder=sampler)

@@ -31,7 +31,7 @@ from plan_machine import ThisMachine
 from race import spawn_returning
 from race import ROOT as REPO
 
-SMALL = ["--num-layers", "8", "--dim", "16", "--batch-size", "32"]
+SMALL = ["--num-layers", "8", "--dim", "16", "--batch-size", "32", "--optimizer", "sgd"]   # a step
 MODEL = ["--num-layers", "64", "--dim", "8192", "--batch-size", "8192"]   # the README's
 FIELDS = ("dp", "pp", "tp", "order", "schedule", "virtual_stages", "micro_batches", "zero",
           "tp_style", "p2p_shard", "recompute", "bf16", "num_layers", "dim", "batch_size")
