@@ -58,9 +58,9 @@ FAMILIES = [
     dict(PLAIN, schedule="gpipe"), dict(PLAIN, schedule="1f1b"), dict(PLAIN, schedule="zb-h1"),
     dict(PLAIN, schedule="interleaved", virtual_stages=2),
     dict(PLAIN, schedule="interleaved", virtual_stages=4),
-    dict(PLAIN, schedule="1f1b", micro_batches="most"),
+    dict(PLAIN, schedule="1f1b", micro_batches="more"),
     dict(PLAIN, zero=1),    # its exchange is once a step at any m; ZeRO-2's and 3's vary with m
-    *[dict(PLAIN, zero=zero, micro_batches=m) for zero in (2, 3) for m in ("fewest", "most")],
+    *[dict(PLAIN, zero=zero, micro_batches=m) for zero in (2, 3) for m in ("fewest", "more")],
     dict(PLAIN, tp_style="megatron"), dict(PLAIN, p2p_shard=True),
     dict(PLAIN, recompute=True), dict(PLAIN, recompute=True, schedule="zb-h1"),
     dict(PLAIN, order="tp-dp-pp"),
@@ -71,17 +71,19 @@ FAMILIES = [
 
 
 def pick(rows, family):
-    """The first row whose layout has every value of family; micro_batches "fewest" or "most"
-    of those."""
+    """The first row whose layout has every value of family; micro_batches "fewest" or "more"
+    of those (the next number up, 2 p: more than one, and more than the stages)."""
     want = {key: value for key, value in family.items() if key != "micro_batches"}
     fits = [row for row in rows if all(getattr(row["args"], key) == value
                                        for key, value in want.items())]
     if not fits:
         return None
     how = family.get("micro_batches")
-    if how in ("fewest", "most"):
-        ms = [row["args"].micro_batches for row in fits]
-        m = min(ms) if how == "fewest" else max(ms)
+    if how in ("fewest", "more"):
+        ms = sorted({row["args"].micro_batches for row in fits})   # p, 2 p, 4 p, 8 p
+        m = ms[0]
+        if how == "more" and len(ms) > 1:
+            m = ms[1]
         fits = [row for row in fits if row["args"].micro_batches == m]
     return fits[0]
 
