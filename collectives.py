@@ -225,7 +225,7 @@ def ring_demo(rank, world_size, device):
 
 # Below the fold: the launcher (spawn, setup, cleanup and the process management behind
 # them), the command line that every script shares, and this step's printing. ---
-import argparse, contextlib, ctypes, errno, glob, logging, math, os, pickle, re  # noqa: E401, E402
+import argparse, contextlib, ctypes, errno, logging, math, os, pickle, re  # noqa: E401, E402
 import shutil, signal, socket, sys, tempfile, threading, time  # noqa: E401, E402
 from datetime import timedelta  # noqa: E402
 from unittest import mock  # noqa: E402
@@ -257,19 +257,9 @@ def spawn(fn, world_size, *args, backend="auto", timeout_s=DEFAULT_TIMEOUT_S):
     env = {"PARALLEL_BACKEND": pick_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                                             backend),
            "PARALLEL_TIMEOUT_S": str(timeout_s)}
-    if under_torchrun():
-        if int(os.environ["WORLD_SIZE"]) != world_size:
-            raise SystemExit(f"error: torchrun started {os.environ['WORLD_SIZE']} ranks "
-                             f"but this run needs {world_size}")
+    if under_torchrun():       # (the door refused a WORLD_SIZE that is not world_size)
         with mock.patch.dict(os.environ, env):
             return fn(int(os.environ["RANK"]), world_size, *args)
-    for old in glob.glob(os.path.join(tempfile.gettempdir(), "parallel-[0-9]*-*")):
-        try:
-            os.kill(int(os.path.basename(old).split("-")[1]), 0)   # does its launcher run?
-        except ProcessLookupError:      # no: it was killed by SIGKILL, which cleans nothing
-            shutil.rmtree(old, ignore_errors=True)
-        except OSError:                 # another user's
-            pass
     folder = tempfile.mkdtemp(prefix=f"parallel-{os.getpid()}-")
     env.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                PARALLEL_STORE=os.path.join(folder, "store"))
@@ -392,9 +382,10 @@ def _child(index, in_parent, parent, fn, world_size, args):
     try:
         fn(index + in_parent, world_size, *args)
     except OSError as e:         # the output's reader went away, or its disk is full: a Stop
-        if not output_failed(e):
+        failure = output_failure(e)
+        if failure is None:
             raise
-        raise Stop(OUTPUT_CLOSED if e.errno == errno.EPIPE else output_error(e)) from None
+        raise Stop(failure) from None
 
 
 def _culprit(context, first, in_parent):
@@ -449,9 +440,10 @@ def run_main(main):
             main = record(main)
         main()
     except OSError as e:     # this process's own output (--plan's table) failed
-        if not output_failed(e):
+        failure = output_failure(e)
+        if failure is None:
             raise
-        sys.exit(141 if e.errno == errno.EPIPE else f"error: {output_error(e)}")
+        sys.exit(141 if failure == OUTPUT_CLOSED else f"error: {failure}")
     except Stop as e:        # this rank (under torchrun) or the one process stopped on purpose
         sys.exit(141 if str(e) == OUTPUT_CLOSED else f"error: {e}")
     except RankFailed as e:
@@ -470,19 +462,16 @@ def run_main(main):
 OUTPUT_CLOSED = "the output was closed"   # (| head): every rank ends, and nothing is said
 
 
-def output_failed(e):
-    """Whether an OSError is our output's: a write of no named file, its reader gone or no room
-    (a file's error names it). If so, what is printed after goes to /dev/null, not to fail again."""
-    if e.filename is not None or e.errno not in (errno.EPIPE, errno.ENOSPC, errno.EDQUOT,
-                                                 errno.EFBIG, errno.EIO):
-        return False
+def output_failure(e):
+    """What an OSError says if it is our output's (a write of no named file: its reader gone, or
+    no room), else None; what is printed after it then goes to /dev/null, to fail no more."""
+    if e.filename is not None or e.errno not in (errno.EPIPE, errno.ENOSPC, errno.EDQUOT):
+        return None
     with contextlib.suppress(OSError, ValueError):   # (a stdout with no file: nothing to do)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return True
-
-
-def output_error(e):
-    return f"the output could not be written ({e.strerror or e})"
+    if e.errno == errno.EPIPE:
+        return OUTPUT_CLOSED
+    return f"the output could not be written ({e.strerror})"
 
 
 class Parser(argparse.ArgumentParser):

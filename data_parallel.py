@@ -457,8 +457,7 @@ def init_params(args):
     D = args.dim
     gen = torch.Generator().manual_seed(args.seed)
     embedding = torch.randn(args.vocab_size, D // args.context, generator=gen)
-    weights = [torch.randn(D, D, generator=gen) * math.sqrt(2.0 / D)
-               for _ in range(args.num_layers)]
+    weights = [torch.randn(D, D, generator=gen) * math.sqrt(2 / D) for _ in range(args.num_layers)]
     head = torch.randn(D, args.vocab_size, generator=gen) * math.sqrt(1.0 / D)
     return [embedding, *weights, head]
 
@@ -475,8 +474,7 @@ def make_batch(args, step, text=None):
 
 
 def replica_rows(batch_size, dp_rank, dp_size):   # by its dp rank, never the global rank (3D)
-    per_replica = batch_size // dp_size
-    return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
+    return torch.arange(batch_size).chunk(dp_size)[dp_rank]
 
 
 def serial_loss(params, tokens, targets, bf16=False, halves=False, record=None):
@@ -646,8 +644,7 @@ def writable(path):   # a regular file this process can write, or make: tried, n
 def parse_args(argv=None):
     parser = training_parser("Data parallelism: replicas on slices of the batch.", dp=True)
     parser.add_argument("--world-size", type=positive_int, default=4, help="replicas d")
-    parser.add_argument("--overlap", action="store_true",
-                        help="start each bucket's exchange as soon as its gradients are final")
+    parser.add_argument("--overlap", action="store_true", help="exchange a bucket once final")
     args = parser.parse_args(argv)
     check_training_args(parser, args, args.world_size, args.world_size, "--world-size")
     return args

@@ -375,9 +375,8 @@ def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
 
 
 class Recorder:
-    """What a step of run_schedule() did, for the timeline and the stash table: each F, B and W's
-    start and end, and after each the micro-batches held and their bytes. On a GPU a call returns
-    before its kernels run: CUDA events, recorded as actions are queued, read once at the end."""
+    """A step of run_schedule(): each F, B and W's start and end, and the micro-batches held after
+    it and their bytes. On a GPU, CUDA events recorded as actions are queued, read at the end."""
 
     def __init__(self, device):
         self.device, self.cuda = device, device.type == "cuda"
@@ -465,8 +464,7 @@ def stash_bytes(stage):
 
 
 def gather_on_rank0(tensor):
-    """Every rank's tensor (one shape), stacked on rank 0; None elsewhere (no pickled objects:
-    torch's object collectives need numpy)."""
+    """Every rank's tensor (one shape), stacked on rank 0, else None (objects need numpy)."""
     rank0 = dist.get_rank() == 0
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if rank0 else None
     dist.gather(tensor.contiguous(), parts, dst=0)

@@ -331,9 +331,8 @@ from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_
 
 
 def whole_model(owned, full, kinds, owners=None):
-    """Rank 0: every part whole, fp32 (None elsewhere). owned: this rank's pieces, a list or
-    {part: tensor}; owners(j): part j's ranks in tp order (default every rank); full: for shapes.
-    A piece at a time: steps 4 and 5 hold parts on some ranks, so no one collective serves."""
+    """Rank 0: every part whole, fp32 (else None), a piece at a time (steps 4, 5 hold parts on some
+    ranks). owned: this rank's, a list or {part: tensor}; owners(j): part j's ranks in tp order."""
     if not isinstance(owned, dict):
         owned = dict(enumerate(owned))
     rank = dist.get_rank()
@@ -407,8 +406,7 @@ def refuse_unused(parser, args, used, mode):   # a flag this mode ignores is ref
 
 def parse_args(argv=None):
     parser = training_parser("Tensor parallelism: column-parallel layers with an all-gather.")
-    parser.add_argument("--world-size", type=positive_int, default=4,
-                        help="ranks T sharing each layer; divides --dim")
+    parser.add_argument("--world-size", type=positive_int, default=4, help="ranks T; divides --dim")
     parser.add_argument("--tp-style", choices=["all-gather", "megatron"], default="all-gather",
                         help="every layer column-parallel with an all-gather, or Megatron's pairs")
     args = parser.parse_args(argv)

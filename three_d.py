@@ -510,7 +510,7 @@ def predict(args, machine):
     parts["update"] = machine.update_s(params, args.optimizer)
     step = sum(parts.values())
     model_flops = 6 * args.batch_size * (args.num_layers * args.dim + args.vocab_size) * args.dim
-    return dict(flags=layout_flags(args), step_s=step, parts=parts, bubble=slowest["bubble"],
+    return dict(step_s=step, parts=parts, bubble=slowest["bubble"],
                 memory_bytes=most_memory(args),
                 bytes={group: max(stage["sent"][group] for stage in stages) for group in sizes},
                 stage=slowest["stage"], args=args,
@@ -562,21 +562,6 @@ def layouts(args, gpus_per_node):
                 recompute=recompute)})
 
 
-def layout_flags(args):
-    """The three_d.py flags that run this layout."""
-    flags = [f"--dp {args.dp} --pp {args.pp} --tp {args.tp} --num-layers {args.num_layers} "
-             f"--dim {args.dim} --batch-size {args.batch_size} --micro-batches "
-             f"{args.micro_batches} --schedule {args.schedule}",
-             f"--virtual-stages {args.virtual_stages}" * (args.schedule == "interleaved"),
-             f"--order {args.order}" * (args.order != "tp-pp-dp"),
-             f"--zero {args.zero}" * (args.zero > 0),
-             f"--tp-style {args.tp_style}" * (args.tp_style != "all-gather"),
-             "--p2p-shard" * args.p2p_shard, "--recompute" * args.recompute, "--bf16" * args.bf16,
-             f"--optimizer {args.optimizer}" * (args.optimizer != "adamw"),
-             f"--bucket-mb {args.bucket_mb:g}" * (args.bucket_mb != 25)]
-    return " ".join(flag for flag in flags if flag)
-
-
 def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 megatron ...
     words = [f"dp{a.dp} pp{a.pp} tp{a.tp}", a.order * (a.order != "tp-pp-dp"),
              f"{a.schedule}{f' v{a.virtual_stages}' * (a.virtual_stages > 1)}" * (a.pp > 1),
@@ -607,8 +592,8 @@ def show_plan(args, machine, weighed, fits):
         small = f": a world smaller than --gpus-per-node {args.gpus_per_node}"
     print(f"plan: {args.world_size} GPUs ({nodes} node{'s' * (nodes > 1)} of "
           f"{machine.gpus_per_node}{small}), a language model of {args.num_layers} layers, "
-          f"D={args.dim}, V={args.vocab_size}, k={args.context}, B={args.batch_size}, bf16 on fp32 masters, "
-          f"{args.optimizer}; {machine.figures['name']}, {si(machine.memory)}B")
+          f"D={args.dim}, V={args.vocab_size}, k={args.context}, B={args.batch_size}, bf16 on "
+          f"fp32 masters, {args.optimizer}; {machine.figures['name']}, {si(machine.memory)}B")
     print(f"{weighed} layouts weighed, {len(fits)} fit; the "
           f"{'' if len(shown) == len(fits) else f'{len(shown)} '}best by predicted step time "
           f"(--top N). Bytes: what the busiest rank sends a step, * across nodes")
@@ -643,8 +628,7 @@ PLAN_FLAGS = ["world_size", "hardware", "gpus_per_node", "vocab_size", "top"]
 
 def add_plan_args(parser):
     plan = parser.add_argument_group("--plan: which layout? (the model's flags, and these)")
-    plan.add_argument("--plan", action="store_true",
-                      help="rank every layout of --world-size GPUs by predicted step time")
+    plan.add_argument("--plan", action="store_true", help="rank every layout of --world-size GPUs")
     plan.add_argument("--world-size", type=positive_int, default=argparse.SUPPRESS,
                       help="GPUs to lay out (default 8)")
     plan.add_argument("--hardware", choices=sorted(GPUS), default=argparse.SUPPRESS,
@@ -690,8 +674,7 @@ def parse_args(argv=None):
                         help="nesting of the rank map, fastest-varying axis first")
     parser.add_argument("--tp-style", choices=["all-gather", "megatron"], default="all-gather",
                         help="every layer column-parallel with an all-gather, or Megatron's pairs")
-    parser.add_argument("--p2p-shard", action="store_true",
-                        help="send 1/tp of each activation between stages and all-gather it there")
+    parser.add_argument("--p2p-shard", action="store_true", help="send 1/tp of what crosses stages")
     parser.add_argument("--show-rank-map", action="store_true", help="print the rank map and exit")
     add_plan_args(parser)
     args = parser.parse_args(argv)

@@ -52,6 +52,21 @@ class Sampler(Recorder):
         self.sample()
 
 
+def layout_flags(args):
+    """The three_d.py flags that run a --plan row's layout (row["args"])."""
+    flags = [f"--dp {args.dp} --pp {args.pp} --tp {args.tp} --num-layers {args.num_layers} "
+             f"--dim {args.dim} --batch-size {args.batch_size} --micro-batches "
+             f"{args.micro_batches} --schedule {args.schedule}",
+             f"--virtual-stages {args.virtual_stages}" * (args.schedule == "interleaved"),
+             f"--order {args.order}" * (args.order != "tp-pp-dp"),
+             f"--zero {args.zero}" * (args.zero > 0),
+             f"--tp-style {args.tp_style}" * (args.tp_style != "all-gather"),
+             "--p2p-shard" * args.p2p_shard, "--recompute" * args.recompute, "--bf16" * args.bf16,
+             f"--optimizer {args.optimizer}" * (args.optimizer != "adamw"),
+             f"--bucket-mb {args.bucket_mb:g}" * (args.bucket_mb != 25)]
+    return " ".join(flag for flag in flags if flag)
+
+
 def count_worker(rank, world_size, layouts):
     """Each layout (three_d's args) for one step. On rank 0, every rank's figures, [ranks,
     layouts, 8]: its stage; the bytes it sent on tp, pp and dp; what its replica held at the
@@ -104,7 +119,7 @@ def bench(argv):
         a = row["args"]
         best.setdefault((a.dp, a.pp, a.tp, a.schedule, a.virtual_stages, a.tp_style, a.zero), row)
     chosen = sorted(best.values(), key=lambda row: row["step_s"])
-    layouts = [three_d.parse_args(row["flags"].split() + ["--steps", "1"]) for row in chosen]
+    layouts = [three_d.parse_args(layout_flags(row["args"]).split() + ["--steps", "1"]) for row in chosen]
     measured = spawn_returning(measure_worker, args.world_size, layouts, sizes.steps)
     show_bench(args, machine, chosen, measured, calibrated, sizes.steps)
 

@@ -289,9 +289,6 @@ def test_under_torchrun_spawn_runs_this_rank_in_process(monkeypatch, capsys):
     assert SEEN == {3: (os.getpid(), 4, "gloo", "7")}  # the flags reach setup()
     assert "PARALLEL_BACKEND" not in os.environ
 
-    # A world size that does not match what torchrun started is an error, not a hang
-    with pytest.raises(SystemExit, match="torchrun started 4 ranks but this run needs 2"):
-        spawn(record_rank, 2)
     # At the door: every rank exits 2, and rank 0 alone says why, in one line (not 4 times)
     parser = C.Parser(prog="collectives.py")
 

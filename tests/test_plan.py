@@ -26,7 +26,7 @@ import data_parallel
 import tensor_parallel
 import three_d
 from gpu_path import gpu_node_args, rank_matmuls, run_step
-from plan_check import count_worker
+from plan_check import count_worker, layout_flags
 from plan_machine import ThisMachine
 from race import spawn_returning
 from race import ROOT as REPO
@@ -115,12 +115,12 @@ def test_planned_bytes_and_memory_are_what_a_run_counts(world, dp, pp, tp):
         row = pick(rows, family)
         if row is not None and row not in chosen:
             chosen.append(row)
-    assert len(chosen) >= 3, [row["flags"] for row in chosen]
+    assert len(chosen) >= 3, [layout_flags(row["args"]) for row in chosen]
     layouts = []
     for row in chosen:   # the row's flags run its layout: three_d.py parses them to it
-        args = three_d.parse_args([*row["flags"].split(), "--timeout-s", "30"])
+        args = three_d.parse_args([*layout_flags(row["args"]).split(), "--timeout-s", "30"])
         assert {key: getattr(args, key) for key in FIELDS} == \
-            {key: getattr(row["args"], key) for key in FIELDS}, row["flags"]
+            {key: getattr(row["args"], key) for key in FIELDS}, layout_flags(row["args"])
         layouts.append(args)
     counted = spawn_returning(count_worker, world, layouts, timeout_s=30)   # [ranks, layouts, 8]
     for j, row in enumerate(chosen):
@@ -128,9 +128,9 @@ def test_planned_bytes_and_memory_are_what_a_run_counts(world, dp, pp, tp):
         for rank in range(world):
             stage, tp_sent, pp_sent, dp_sent, end, stash, in_step, tp_rank = counted[rank, j].tolist()
             sent, memory = stage_costs(row["args"], int(stage), int(tp_rank))
-            assert {"tp": tp_sent, "pp": pp_sent, "dp": dp_sent} == sent, (row["flags"], rank)
+            assert {"tp": tp_sent, "pp": pp_sent, "dp": dp_sent} == sent, (layout_flags(row["args"]), rank)
             assert (end, stash, in_step) == (memory["held"], memory["stash"],
-                                             memory["in step"]), (row["flags"], rank)
+                                             memory["in step"]), (layout_flags(row["args"]), rank)
         assert row["memory_bytes"] == max(sum(memory.values()) for _, memory in costs)
         assert row["bytes"] == {group: max(sent[group] for sent, _ in costs)
                                 for group in ("tp", "pp", "dp")}
@@ -143,7 +143,7 @@ def assert_priced_as_recorded(row, rank):
     """A rank of the row's slowest stage, its step recorded on the meta device: its matmuls
     (shapes, dtypes, adding into their output or not, calls) are those the row was priced by,
     and so are its FLOPs by dtype and the bytes they move."""
-    ran = run_step("three_d", row["flags"].split(), rank)
+    ran = run_step("three_d", layout_flags(row["args"]).split(), rank)
     assert ran.stage == row["stage"]
     planned = rank_matmuls(row["args"], row["stage"], ran.tp_rank)
     assert ran.matmuls == planned
@@ -232,8 +232,8 @@ def test_no_row_beats_its_matmuls_flops_and_hbm_traffic(argv):
                                     mm.bytes_moved() / (gpu["hbm_gbps"] * 1e9))
                         for mm, calls in rank_matmuls(row["args"], s).items())
                     for s in range(row["args"].pp))
-        assert row["step_s"] >= bound, row["flags"]
-        assert 0 < row["mfu"] <= gpu["gemm_best"], row["flags"]
+        assert row["step_s"] >= bound, layout_flags(row["args"])
+        assert 0 < row["mfu"] <= gpu["gemm_best"], layout_flags(row["args"])
         assert sum(row["parts"].values()) == pytest.approx(row["step_s"], rel=1e-12)
         assert 0 <= row["bubble"] < 1
 
@@ -250,9 +250,9 @@ def test_every_row_runs_as_its_flags_say():
         assert set(row["bytes"]) == {"tp", "pp", "dp"}
         assert 0 <= row["bubble"] < 1 and row["memory_bytes"] <= 80e9
         assert sum(row["parts"].values()) == pytest.approx(row["step_s"], rel=1e-12)
-        args = three_d.parse_args(row["flags"].split())   # each runs, as three_d.py reads it
+        args = three_d.parse_args(layout_flags(row["args"]).split())   # each runs, as three_d.py reads it
         assert args.dp * args.pp * args.tp == 8 and args.bf16   # the GPUs' figures are bf16's
-    assert len({row["flags"] for row in rows}) == len(rows)
+    assert len({layout_flags(row["args"]) for row in rows}) == len(rows)
 
 
 def test_a_pipeline_is_its_slowest_stage_spread_by_the_bubble():
@@ -260,7 +260,7 @@ def test_a_pipeline_is_its_slowest_stage_spread_by_the_bubble():
     sends over (1 - bubble), the bubble (p-1)/(m+p-1), then the update."""
     rows = plan_rows(["--world-size", "8", "--num-layers", "8", "--dim", "1024",
                       "--batch-size", "64"])
-    row = next(row for row in rows if row["flags"].startswith("--dp 1 --pp 8 --tp 1") and
+    row = next(row for row in rows if layout_flags(row["args"]).startswith("--dp 1 --pp 8 --tp 1") and
                row["args"].schedule == "gpipe" and row["args"].micro_batches == 8 and
                not row["args"].recompute)
     parts = row["parts"]
