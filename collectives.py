@@ -253,7 +253,7 @@ class Stop(Exception):
 def spawn(fn, world_size, *args, backend="auto", timeout_s=DEFAULT_TIMEOUT_S):
     """fn(rank, world_size, *args) on every rank; RankFailed if one fails. Under torchrun, fn runs
     here as this rank; else ranks start by fork on the CPU (8 in under a second), by spawn with
-    CUDA, and meet at a file store in a fresh folder: no port."""
+    CUDA (a forked child cannot use it), and meet at a file store in a fresh folder: no port."""
     env = {"PARALLEL_BACKEND": pick_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                                             backend),
            "PARALLEL_TIMEOUT_S": str(timeout_s)}
@@ -264,7 +264,6 @@ def spawn(fn, world_size, *args, backend="auto", timeout_s=DEFAULT_TIMEOUT_S):
     env.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                PARALLEL_STORE=os.path.join(folder, "store"))
     in_parent = int(sys.gettrace() is not None)   # 1 under a debugger: rank 0 runs in this process
-    # A process that has initialised CUDA cannot hand it to a forked child: start by spawn then
     method = "spawn" if env["PARALLEL_BACKEND"] == "nccl" or torch.cuda.is_initialized() else "fork"
     if method == "fork":   # every rank's first optimizer step imports it (~1 s): once, here
         import torch._dynamo as dynamo  # noqa: F401

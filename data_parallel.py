@@ -474,7 +474,8 @@ def make_batch(args, step, text=None):
 
 
 def replica_rows(batch_size, dp_rank, dp_size):   # by its dp rank, never the global rank (3D)
-    return torch.arange(batch_size).chunk(dp_size)[dp_rank]
+    per_replica = batch_size // dp_size
+    return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
 
 def serial_loss(params, tokens, targets, bf16=False, halves=False, record=None):

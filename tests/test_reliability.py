@@ -674,7 +674,7 @@ def test_a_stale_environment_pointing_nowhere_fails_in_one_line(rank):
         port = s.getsockname()[1]
     env = dict(RANK=str(rank), WORLD_SIZE="8", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     start_time = time.monotonic()
-    code, out, err = finish(start([sys.executable, "three_d.py", "--timeout-s", "2"], env, start_new_session=True),
+    code, out, err = finish(start([sys.executable, "three_d.py", "--timeout-s", "1"], env, start_new_session=True),
                             timeout=30)
     assert code == 1 and time.monotonic() - start_time < 20
     assert err.splitlines() == [err.strip()] and err.startswith(
