@@ -23,7 +23,7 @@ from collectives import cleanup, setup
 from comm_count import CommCounter
 from data_parallel import memory_held
 from pipeline_parallel import Recorder, gather_on_rank0
-from plan_machine import ThisMachine
+from plan_machine import this_machine
 from race import first_batch, race, spawn_returning
 
 
@@ -111,7 +111,7 @@ def bench(argv):
                                "--dim", str(sizes.dim), "--batch-size", str(sizes.batch_size)])
     args.bf16 = False                # the CPU's runs are fp32's (the GPUs' plans are bf16's)
     start = time.perf_counter()
-    machine = ThisMachine(args.world_size, len(os.sched_getaffinity(0)))
+    machine = this_machine(args.world_size, len(os.sched_getaffinity(0)))
     rows = [three_d.predict(layout, machine) for layout in three_d.layouts(args, args.world_size)]
     calibrated = time.perf_counter() - start
     best = {}    # one a shape, schedule, TP style and ZeRO stage: the predicted best

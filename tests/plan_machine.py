@@ -9,6 +9,7 @@ the difference, alpha what is left), and a matmul, whose slowdown over the one a
 cores the ranks share. Where ranks outnumber cores, the step's pipeline is played out action by
 action, as run_schedule() runs it, the cores shared among the ranks computing at each moment.
 """
+import functools
 import math
 import os
 import statistics
@@ -23,6 +24,12 @@ from data_parallel import (cross_entropy, embedding_forward, head_backward, head
 from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, build_schedule
 from tensor_parallel import side_by_side
 from three_d import Machine
+
+
+@functools.lru_cache(maxsize=None)
+def this_machine(world_size, cores):
+    """ThisMachine, timed once a process for a world and a core count: its users share it."""
+    return ThisMachine(world_size, cores)
 
 
 class ThisMachine(Machine):

@@ -27,7 +27,7 @@ import tensor_parallel
 import three_d
 from gpu_path import gpu_node_args, rank_matmuls, run_step
 from plan_check import count_worker, layout_flags
-from plan_machine import ThisMachine
+from plan_machine import this_machine
 from race import spawn_returning
 from race import ROOT as REPO
 
@@ -294,7 +294,7 @@ def test_this_machine_prices_every_layout_of_2_ranks():
     args = three_d.parse_args(["--plan", "--world-size", "2", "--gpus-per-node", "2",
                                "--num-layers", "2", "--dim", "64", "--batch-size", "16"])
     args.bf16 = False
-    machine = ThisMachine(2, 2)
+    machine = this_machine(2, 2)
     rows = [three_d.predict(layout, machine) for layout in three_d.layouts(args, 2)]
     assert rows and all(row["step_s"] > 0 for row in rows)
     for row in rows:
