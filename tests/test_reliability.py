@@ -556,26 +556,30 @@ def test_kill_or_ctrl_c_stops_every_rank_with_one_line(how, code, line, tmp_path
 
 @pytest.mark.deadline(90)
 @pytest.mark.parametrize("ending", ["a failing rank", "a diverged run", "a failed check"])
-def test_no_ending_but_kill_9_leaves_anything_in_the_temp_folder(ending, tmp_path):
+def test_no_ending_but_kill_9_leaves_anything_in_the_temp_folder(ending, tmp_path, monkeypatch):
     """torch.multiprocessing writes a rank's traceback to pytorch-errorfile-*.pickle in the
     temporary folder, and a rank that outlives a killed peer fails too; the launcher's own
     folder holds the store. Whatever the ending, none of it stays. (SIGTERM, SIGHUP and
-    Ctrl-C: test_kill_or_ctrl_c_stops_every_rank_with_one_line.)"""
+    Ctrl-C: test_kill_or_ctrl_c_stops_every_rank_with_one_line.) A failing rank from the
+    shell; the others in this process, its temporary folder moved."""
     temp = tmp_path / "temp"
     temp.mkdir()
-    env = {"TMPDIR": str(temp)}
-    flags = {"a failing rank": ["--backend", "nccl"], "a diverged run": ["--optimizer", "sgd", "--lr", "1e30"],
-             "a failed check": ["--check"]}[ending]
-    argv = [sys.executable, "three_d.py", *SHORT, *flags]
     if ending == "a failing rank":   # rank 3 raises in its second layer
         argv = [sys.executable, "tests/faults.py", "3", "2", "raise", *SHORT]
-    if ending == "a failed check":   # every dW doubled: the check fails on rank 0
-        argv = [sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); import data_parallel as dp, "
-                "three_d; real = dp.DataParallel.add_grad; dp.DataParallel.add_grad = lambda self, i, x, dz: "
-                "real(self, i, x, 2 * dz); sys.argv = ['three_d.py', *sys.argv[1:]]; three_d.run_main(three_d.main)",
-                *SHORT, "--check"]
-    code, _, err = finish(start(argv, env=env, start_new_session=True))
-    assert code != 0, err
+        code, _, err = finish(start(argv, env={"TMPDIR": str(temp)}, start_new_session=True))
+        assert code != 0, err
+    else:
+        monkeypatch.setattr(tempfile, "tempdir", str(temp))
+        flags = ["--optimizer", "sgd", "--lr", "1e30"]
+        if ending == "a failed check":   # every dW doubled: the check fails on rank 0
+            real = data_parallel.DataParallel.add_grad
+            monkeypatch.setattr(data_parallel.DataParallel, "add_grad",
+                                lambda self, i, x, dz: real(self, i, x, 2 * dz))
+            flags = ["--check"]
+        with pytest.raises(SystemExit) as exited:
+            collectives.run_main(lambda: three_d.main([*SHORT, *flags]))
+        err = str(exited.value.code)
+        assert err.startswith("error: "), err
     # PyTorch's own compile cache, torchinductor_<user>: one empty folder a user, made by
     # importing torch._dynamo (every optimizer step does) and kept for every later program
     assert [name for name in os.listdir(temp) if not name.startswith("torchinductor_")] == [], err
@@ -583,7 +587,7 @@ def test_no_ending_but_kill_9_leaves_anything_in_the_temp_folder(ending, tmp_pat
 
 @pytest.mark.deadline(60)
 def test_a_stopped_rank_is_named_when_the_others_time_out():
-    proc = start([sys.executable, "three_d.py", *SMALL[:-1], "100000", "--timeout-s", "3"], start_new_session=True)
+    proc = start([sys.executable, "three_d.py", *SMALL[:-1], "100000", "--timeout-s", "2"], start_new_session=True)
     for line in proc.stdout:
         if "step   0 " in line:
             break
