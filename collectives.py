@@ -444,7 +444,7 @@ def run_main(main):
             raise
         sys.exit(141 if failure == OUTPUT_CLOSED else f"error: {failure}")
     except Stop as e:        # this rank (under torchrun) or the one process stopped on purpose
-        sys.exit(141 if str(e) == OUTPUT_CLOSED else f"error: {e}")
+        sys.exit(f"error: {e}")
     except RankFailed as e:
         if e.stopped == OUTPUT_CLOSED:
             sys.exit(141)

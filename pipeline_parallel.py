@@ -635,7 +635,7 @@ def schedule_rules(args, num_stages, stages_flag):
     v = getattr(args, "virtual_stages", None)
     args.virtual_stages = (v or 2) if args.schedule == "interleaved" else 1
     if args.schedule != "interleaved":
-        return [(v not in (None, 1), f"--virtual-stages {v}: only --schedule interleaved chunks")]
+        return [(v not in (None, 1), f"--virtual-stages {v}: for --schedule interleaved only")]
     virtual = num_stages * args.virtual_stages
     return [(num_stages == 1, f"--schedule interleaved: needs {stages_flag} of 2 or more (one "
                               f"stage's chunks would only pass activations to themselves)"),
