@@ -195,8 +195,11 @@ class DataParallel:
     def clip(self, max_norm, groups=()):   # every replica holds the whole average: no dp
         return clip_grads(self.grads(), max_norm, groups)
 
-    def update(self):                   # the optimizer's step; --bf16: the layers' copies then
+    def update(self):                   # the optimizer's step, then the layers' weights from it
         self.step_optimizer()
+        self.refresh_weights()
+
+    def refresh_weights(self):          # --bf16: the layers' copies of the new masters
         for weight, param in zip(self.weights, self.params):
             if weight is not param:
                 weight.copy_(param)
@@ -239,9 +242,8 @@ class ZeRO1(DataParallel):
     def clip(self, max_norm, groups=()):   # each replica holds 1/d: summed over dp too
         return clip_grads(self.grads(), max_norm, (*groups, self.group))
 
-    def update(self):
-        """The optimizer's step on this replica's part of each bucket, then all-gathered."""
-        self.step_optimizer()
+    def refresh_weights(self):
+        """The optimizer stepped this replica's part of each bucket: all-gathered."""
         for flat, param in zip(self.flat, self.params):
             part = self.my_part(flat)
             if self.dtype != torch.float32:                   # bf16: the new part, rounded
@@ -312,8 +314,8 @@ class ZeRO3(ZeRO2):
         for i in self.buckets[b]:
             self.weights[i] = None
 
-    def update(self):                   # nothing to all-gather: a bucket is gathered when used
-        self.step_optimizer()
+    def refresh_weights(self):          # nothing to all-gather: a bucket is gathered when used
+        pass
 
 
 def dp_worker(rank, world_size, args):
@@ -324,10 +326,12 @@ def dp_worker(rank, world_size, args):
                            optimizer=args.optimizer, lr=args.lr, bucket_mb=args.bucket_mb,
                            bf16=args.bf16, overlap=args.overlap)
     rows = replica_rows(args.batch_size, rank, world_size)   # the world's ranks are the replicas
+    parts = range(len(init))                            # its parts' indices in the model: all
+    load_checkpoint(args, replica, parts)               # --resume: from a step before, at any layout
     losses = []
     norms = []
     check = SerialCheck(args)
-    for step in range(args.steps):
+    for step in range(args.start_step, args.steps):
         inputs, targets = (t[rows].to(device) for t in make_batch(args, step))   # the text's
         loss = dp_step(replica, model_blocks(args.num_layers), cross_entropy, inputs.chunk(m),
                        targets.chunk(m), len(rows), recompute=args.recompute)   # n: its rows
@@ -339,6 +343,7 @@ def dp_worker(rank, world_size, args):
         losses.append(global_loss(loss, None))
         if rank == 0:
             log_step(f"[rank {rank}]", step, losses, norms, args)
+        save_checkpoint(args, step + 1, replica, parts)     # --checkpoint: its pieces, on disk
     finish_replicas(replica, args, init, losses, check, norms)
     cleanup()
 
@@ -350,7 +355,7 @@ def main(argv=None):
 
 # Below the fold: each stage's costs, the bucket layout and the clipping norm; what later steps
 # share (training flags and rules, --save, --check); the memory table.
-import argparse, contextlib, functools, math, os  # noqa: E401, E402
+import argparse, contextlib, functools, json, math, os, shutil, sys  # noqa: E401, E402
 from typing import Callable, NamedTuple  # noqa: E402
 
 from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
@@ -584,6 +589,11 @@ def training_parser(description, dp=False):
             ("--seed", int, 0, "the weights, and each step's windows with the step"),
             ("--save", str, None, "torch.save the run: config, parameters, batches, losses"),
             ("--clip-grad", positive_float, None, "clip the gradient's 2-norm (clip_grad_norm_)"),
+            ("--checkpoint", str, None, "write the run's state into this folder, each rank its "
+             "pieces"),
+            ("--checkpoint-every", int, 0, "steps between checkpoints; 0: after the last only"),
+            ("--resume", str, None, "continue from the newest complete checkpoint in this "
+             "folder, at any layout"),
             *[("--bucket-mb", float, 25.0, "gradients a bucket holds, in MB (the first 1 MB at "
                "most, as DDP's); 0: one layer a bucket")] * dp]:
         p.add_argument(flag, type=kind, default=default, help=help)
@@ -622,7 +632,14 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
         (m > rows, f"--micro-batches {m}: more micro-batches than rows per replica ({rows})"),
         (B % (replicas * m), f"--batch-size {B} is not divisible by {by}--micro-batches "
                              f"({replicas * m})"),
-        (not 0 <= bucket_mb <= 1e6, f"--bucket-mb {bucket_mb:g}: expected 0 to 1e6")])
+        (not 0 <= bucket_mb <= 1e6, f"--bucket-mb {bucket_mb:g}: expected 0 to 1e6"),
+        (args.checkpoint_every < 0, f"--checkpoint-every {args.checkpoint_every}: expected 0 "
+                                    f"(after the last step only) or more"),
+        (args.checkpoint_every and args.checkpoint is None,
+         f"--checkpoint-every {args.checkpoint_every}: needs --checkpoint DIR to write into"),
+        (args.checkpoint is not None and not writable_folder(args.checkpoint),
+         f"--checkpoint {args.checkpoint!r}: cannot make or write a folder there"),
+        *resume_rules(args)])
     P = L * D * D + V * D // args.context + D * V
     held = dp_costs([P], replicas, zero=getattr(args, "zero", 0))[1]
     state = sum(size for size, _ in held.values())
@@ -640,6 +657,14 @@ def writable(path):   # a regular file this process can write, or make: tried, n
         return os.remove(path) is None
     except OSError:                         # also: a missing folder, '' (no such file)
         return False
+
+
+def writable_folder(path):   # a folder this process can write into, made if missing
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK | os.X_OK)
 
 
 def parse_args(argv=None):
@@ -665,7 +690,9 @@ def finish_run(args, init, final, losses, check, norms=(), extra=None):
     """Rank 0, the full [E, W_1 .. W_L, H]: --save (written beside, renamed onto it: a full disk
     leaves what was there), a non-finite loss's Stop, the validation loss and a sample, --check."""
     if args.save:
-        batches = [make_batch(args, step) for step in range(args.steps)]
+        batches = [make_batch(args, step) for step in range(args.start_step, args.steps)]
+        if args.resume:                 # the state it resumed from, read whole
+            init = whole_checkpoint(args.resume_from, args)["param"]
         init = [w.float().cpu() for w in init]
         final = [w.detach().float().cpu() for w in final]
         try:
@@ -695,6 +722,227 @@ def finish_run(args, init, final, losses, check, norms=(), extra=None):
     show_language_model([w.detach().float().cpu() for w in final], args)
     if args.check:
         check.finish(final, losses, norms)
+
+
+# Checkpoints: --checkpoint DIR, --checkpoint-every N, --resume DIR. A run's state is its step
+# (which, with --seed, decides the data: make_batch draws step s's windows from them alone), the
+# fp32 parameters and AdamW's two moments and step count. No rank gathers it: each writes the
+# pieces it holds, each with its place in the whole, and each reads back the pieces that overlap
+# what it will hold, at whatever layout the resumed run has. That is what
+# torch.distributed.checkpoint (DCP) does for DTensors, whose shards are boxes of the whole
+# (offsets and sizes), planned and read the same way: with DTensor, use DCP. Our tp shards are
+# boxes too (shard_box); ZeRO's flat buckets are no DTensor layout at all, and a replica's
+# range of a bucket is mapped back to its parts: at most three boxes each (range_boxes).
+CHECKPOINT_STATE = ("param", "exp_avg", "exp_avg_sq")   # a piece's tensors: fp32, AdamW's two
+COMPLETE = "complete.json"   # written last, by rename: the checkpoint's every piece is there
+
+
+def held_pieces(replica, parts, boxes=None):
+    """What this rank's optimizer holds, as pieces of the whole model: (part, box, start, end,
+    {"param": [end - start], "exp_avg": .., "exp_avg_sq": ..}), views into what it steps. Its
+    part i is the box (row_start, row_end, col_start, col_end) of whole part parts[i] (its tp
+    shard; None: the whole), and [start, end) the elements of that box it holds, row-major: all
+    of them, or under ZeRO what falls in this replica's 1/d of i's bucket (padding: no part's)."""
+    pieces = []
+    for i, part in enumerate(parts):
+        rows, cols = replica.shapes[i]
+        box = boxes[i] if boxes else (0, rows, 0, cols)
+        start = 0
+        end = rows * cols
+        at = 0                                        # where [start, end) begins in tensor
+        if not isinstance(replica, ZeRO1):
+            tensor = replica.params[i]                # the whole part, [rows, cols]
+        else:
+            tensor = replica.params[replica.layout.bucket_of[i]]   # [S]: this replica's 1/d
+            mine = replica.dp_rank * len(tensor)      # of the bucket: from element r S
+            offset = replica.layout.offset[i]         # part i: from here in the bucket
+            start = max(offset, mine) - offset
+            end = min(offset + rows * cols, mine + len(tensor)) - offset
+            at = offset + start - mine
+            if start >= end:
+                continue
+        state = {"param": tensor, **replica.optimizer.state.get(tensor, {})}
+        views = {name: state[name].view(-1)[at:at + end - start]
+                 for name in CHECKPOINT_STATE if name in state}
+        pieces.append((part, box, start, end, views))
+    return pieces
+
+
+def range_boxes(box, start, end):
+    """A row-major range [start, end) of a box's elements as boxes of the whole, each with where
+    it begins in the range: the first row's tail, whole rows, the last row's head."""
+    row_start, _, col_start, col_end = box
+    width = col_end - col_start
+    boxes = []
+    k = start
+    while k < end:
+        row, col = divmod(k, width)
+        row += row_start
+        if col == 0 and end - k >= width:             # whole rows
+            rows = (end - k) // width
+            boxes.append(((row, row + rows, col_start, col_end), k - start))
+            k += rows * width
+        else:                                         # a piece of one row
+            n = min(width - col, end - k)
+            boxes.append(((row, row + 1, col_start + col, col_start + col + n), k - start))
+            k += n
+    return boxes
+
+
+def copy_overlaps(mine, theirs):
+    """Into each of my pieces, what overlaps it of theirs (pieces as held_pieces gives them);
+    the elements copied."""
+    copied = 0
+    for part, box, start, end, views in mine:
+        for their_part, their_box, their_start, their_end, their_views in theirs:
+            if their_part != part:
+                continue
+            for a, at in range_boxes(box, start, end):
+                for b, their_at in range_boxes(their_box, their_start, their_end):
+                    top, bottom = max(a[0], b[0]), min(a[1], b[1])
+                    left, right = max(a[2], b[2]), min(a[3], b[3])
+                    if top >= bottom or left >= right:
+                        continue
+                    for name, view in views.items():
+                        dst = view[at:at + (a[1] - a[0]) * (a[3] - a[2])].view(a[1] - a[0], -1)
+                        src = their_views[name][their_at:their_at + (b[1] - b[0]) * (b[3] - b[2])]
+                        src = src.view(b[1] - b[0], -1)
+                        dst[top - a[0]:bottom - a[0], left - a[2]:right - a[2]].copy_(
+                            src[top - b[0]:bottom - b[0], left - b[2]:right - b[2]])
+                    copied += (bottom - top) * (right - left)
+    return copied
+
+
+def save_checkpoint(args, step, replica, parts, boxes=None):
+    """--checkpoint DIR after every --checkpoint-every N steps and the last: DIR/step-00000150/,
+    a file a rank with its pieces (a replica of stage 0 beyond the first writes none: it holds
+    the same), then complete.json, by rename, once every rank's file is on disk. A run killed
+    before that leaves the checkpoints before as they were; the two newest complete are kept."""
+    due = step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
+    if not args.checkpoint or not due:
+        return
+    rank = dist.get_rank()
+    folder = os.path.join(args.checkpoint, f"step-{step:08d}")
+    if rank == 0:                                     # an earlier run's, left incomplete
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+    dist.barrier()
+    pieces = held_pieces(replica, parts, boxes)
+    if replica.dp_rank > 0 and not isinstance(replica, ZeRO1):
+        pieces = []
+    with open(os.path.join(folder, f"rank-{rank:05d}.pt"), "wb") as f:
+        torch.save([(part, box, start, end, {name: view.to("cpu", copy=True)   # its own bytes,
+                                             for name, view in views.items()})  # not the bucket's
+                    for part, box, start, end, views in pieces], f)
+        f.flush()
+        os.fsync(f.fileno())
+    dist.barrier()
+    if rank == 0:
+        state = replica.optimizer.state.get(replica.params[0], {})
+        marker = {"step": step, "world_size": dist.get_world_size(), "script": sys.argv[0],
+                  "optimizer_steps": state["step"].item() if "step" in state else None,
+                  **{name: vars(args)[name] for name in CHECKPOINT_MODEL}}
+        with open(os.path.join(folder, COMPLETE + ".partial"), "w") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(folder, COMPLETE + ".partial"), os.path.join(folder, COMPLETE))
+        log("[rank 0]", f"checkpoint {folder}: complete")
+        complete = checkpoints(args.checkpoint)
+        for name in os.listdir(args.checkpoint):      # all but the two newest complete, and what
+            older = name.startswith("step-") and name < os.path.basename(complete[-2:][0])
+            if older:                                 # a killed run left before them
+                shutil.rmtree(os.path.join(args.checkpoint, name), ignore_errors=True)
+
+
+def load_checkpoint(args, replica, parts, boxes=None):
+    """--resume: this rank's parameters and AdamW's state, from the pieces of the checkpoint
+    that overlap what it holds (its files' indexes read; their bytes mapped, read where used);
+    then the layers' weights from them (bf16 copies; ZeRO-1, 2: the buckets all-gathered)."""
+    if not args.resume:
+        return
+    marker = args.resume_from
+    if marker["optimizer_steps"] is not None:         # AdamW's state, filled in below
+        for param in replica.params:
+            replica.optimizer.state[param] = {
+                "step": torch.tensor(float(marker["optimizer_steps"])),
+                "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+    mine = held_pieces(replica, parts, boxes)
+    copied = read_pieces(marker, mine)
+    if dist.get_rank() == 0:
+        log("[rank 0]", f"resumed from {marker['folder']}: step {marker['step']}, written by "
+                        f"{marker['script']} on {marker['world_size']} ranks")
+    with torch.no_grad():
+        replica.refresh_weights()
+    wanted = sum(end - start for _, _, start, end, _ in mine)
+    if copied != wanted:
+        raise Stop(f"--resume {args.resume}: {marker['folder']} holds {copied} of the {wanted} "
+                   f"elements rank {dist.get_rank()} needs: a broken checkpoint")
+
+
+def read_pieces(marker, mine):   # every file's index, and the bytes that overlap mine
+    copied = 0
+    for rank in range(marker["world_size"]):
+        path = os.path.join(marker["folder"], f"rank-{rank:05d}.pt")
+        theirs = torch.load(path, mmap=True, weights_only=True)
+        copied += copy_overlaps(mine, theirs)
+    return copied
+
+
+def whole_checkpoint(marker, args):
+    """The checkpoint's state whole, {name: [E, W_1 .. W_L, H]}: what --check and --save of a
+    resumed run start from, on rank 0 (they hold the whole model there anyway)."""
+    D = args.dim
+    shapes = [torch.Size([args.vocab_size, D // args.context]),       # E, the layers, H
+              *[torch.Size([D, D])] * args.num_layers, torch.Size([D, args.vocab_size])]
+    state = {name: [torch.zeros(shape) for shape in shapes] for name in CHECKPOINT_STATE}
+    if marker["optimizer_steps"] is None:
+        state = {"param": state["param"]}
+    pieces = [(j, (0, shape[0], 0, shape[1]), 0, shape.numel(),
+               {name: tensors[j].view(-1) for name, tensors in state.items()})
+              for j, shape in enumerate(shapes)]
+    read_pieces(marker, pieces)
+    return state
+
+
+def checkpoints(folder):   # the complete checkpoints in folder, oldest first
+    if not os.path.isdir(folder):
+        return []
+    names = sorted(name for name in os.listdir(folder) if name.startswith("step-"))
+    return [os.path.join(folder, name) for name in names
+            if os.path.exists(os.path.join(folder, name, COMPLETE))]
+
+
+CHECKPOINT_MODEL = ("num_layers", "dim", "context", "vocab_size", "optimizer", "seed")
+
+
+def resume_rules(args):
+    """--resume DIR: its newest complete checkpoint, as args.resume_from (its complete.json, and
+    where it is), the run starting at its step; what it cannot carry over, refused."""
+    args.start_step = 0
+    args.resume_from = None
+    if args.resume is None:
+        return []
+    found = checkpoints(args.resume)
+    if not found:
+        return [(True, f"--resume {args.resume}: no complete checkpoint there (a step-N folder "
+                       f"with its {COMPLETE})")]
+    with open(os.path.join(found[-1], COMPLETE)) as f:
+        marker = json.load(f)
+    marker["folder"] = found[-1]
+    args.resume_from = marker
+    args.start_step = marker["step"]
+    rules = []
+    for name in CHECKPOINT_MODEL:
+        flag = f"--{name.replace('_', '-')}"
+        if name == "vocab_size":
+            flag = "the vocabulary's classes"
+        rules.append((marker[name] != vars(args)[name], f"{flag} {vars(args)[name]}: the "
+                      f"checkpoint in {found[-1]} has {marker[name]}, and a resumed run keeps "
+                      f"its model, optimizer and data"))
+    rules.append((args.steps <= marker["step"], f"--steps {args.steps}: the checkpoint in "
+                  f"{found[-1]} is at step {marker['step']} already; ask for more steps"))
+    return rules
 
 
 # The text: CPython's help, as the pydoc_data package ships it (about 465,000 characters on
@@ -796,7 +1044,20 @@ class SerialCheck:
         if self.on:
             self.params = [w.requires_grad_() for w in init_params(args)]
             self.optimizer = make_optimizer(self.params, args.optimizer, args.lr)
+            if args.resume:
+                self.resume()
             self.expected = [w.detach().clone() for w in self.params]
+
+    def resume(self):   # a resumed run: serial starts from its checkpoint's whole state too
+        state = whole_checkpoint(self.args.resume_from, self.args)
+        steps = self.args.resume_from["optimizer_steps"]
+        with torch.no_grad():
+            for j, param in enumerate(self.params):
+                param.copy_(state["param"][j])
+                if steps is not None:
+                    self.optimizer.state[param] = {"step": torch.tensor(float(steps)),
+                                                   "exp_avg": state["exp_avg"][j],
+                                                   "exp_avg_sq": state["exp_avg_sq"][j]}
 
     def step(self, weights, grads):
         if not self.on:
@@ -807,7 +1068,7 @@ class SerialCheck:
         with torch.no_grad():
             for mine, theirs in zip(self.params, weights):
                 mine.copy_(theirs)
-        batch = make_batch(self.args, len(self.losses))
+        batch = make_batch(self.args, self.args.start_step + len(self.losses))
         self.optimizer.zero_grad()
         record = []
         loss, logits = serial_loss(self.params, *batch, self.args.bf16, record=record)

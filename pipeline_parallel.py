@@ -314,12 +314,13 @@ def pp_worker(rank, world_size, args):
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
     full, mine, replica, stages = hold_stages(args, stage, p, device)   # a Stage a chunk
+    load_checkpoint(args, replica, mine)      # --resume: its parts, from any layout's pieces
     actions = build_schedule(args.schedule, p, stage, m, v)
     grid = torch.arange(p).view(1, p, 1)      # [dp, pp, tp] -> rank: a stage a rank
     losses = []
     norms = []
     check = SerialCheck(args)
-    for step in range(args.steps):
+    for step in range(args.start_step, args.steps):
         inputs, targets = (t.to(device).chunk(m) for t in make_batch(args, step))
         replica.begin_step()
         for chunk in stages:
@@ -337,6 +338,7 @@ def pp_worker(rank, world_size, args):
         losses.append(float(stages[-1].loss))                     # one host sync a step
         if stage == p - 1:
             log_step(f"[stage {stage}]", step, losses, norms, args)
+        save_checkpoint(args, step + 1, replica, mine)   # --checkpoint: its parts' pieces
     final = whole_parts(full_weights(replica), mine, full, args, grid)
     finish_stages(args, recorder, final, full, losses, check, norms, device)
     cleanup()
@@ -353,8 +355,8 @@ import argparse, functools, os, textwrap, time  # noqa: E401, E402
 
 from collectives import positive_int  # noqa: E402
 from data_parallel import (DataParallel, SerialCheck, check_training_args,  # noqa: E402
-                           finish_run, full_grads, full_weights, init_params, log_step,
-                           model_blocks, training_parser)
+                           finish_run, full_grads, full_weights, init_params, load_checkpoint,
+                           log_step, model_blocks, save_checkpoint, training_parser)
 from tensor_parallel import divides, whole_model  # noqa: E402
 
 

@@ -267,19 +267,23 @@ def tp_costs(kinds, act_bytes, rows, num_micro_batches=1, recompute=False):
     return runs
 
 
-def shard(w, kind, tp_rank, tp_size):
-    """Rank t's part of a full matrix, as a copy: its rows W[t D/T : (t+1) D/T, :] for a row
-    layer, its classes' rows of E or columns of H, else its columns."""
+def shard(w, kind, tp_rank, tp_size):   # rank t's part of a full matrix, as a copy
+    row_start, row_end, col_start, col_end = shard_box(w.shape, kind, tp_rank, tp_size)
+    return w[row_start:row_end, col_start:col_end].clone(memory_format=torch.contiguous_format)
+
+
+def shard_box(shape, kind, tp_rank, tp_size):
+    """Rank t's rows and columns of a full matrix, (row_start, row_end, col_start, col_end): its
+    rows W[t D/T : (t+1) D/T, :] for a row layer, its classes' rows of E or columns of H, else
+    its columns. (Where its piece sits in the whole: shard's, and a checkpoint's.)"""
+    rows, cols = shape
     if kind == "row":
-        rows = w.shape[0] // tp_size
-        return w[tp_rank * rows:(tp_rank + 1) * rows].clone()
+        return tp_rank * rows // tp_size, (tp_rank + 1) * rows // tp_size, 0, cols
     if kind == "embedding":
-        start, end = vocab_range(w.shape[0], tp_rank, tp_size)
-        return w[start:end].clone()
+        return (*vocab_range(rows, tp_rank, tp_size), 0, cols)
     if kind == "head":
-        start, end = vocab_range(w.shape[1], tp_rank, tp_size)
-        return w[:, start:end].clone()
-    return shard_columns(w, tp_rank, tp_size)
+        return (0, rows, *vocab_range(cols, tp_rank, tp_size))
+    return 0, rows, tp_rank * cols // tp_size, (tp_rank + 1) * cols // tp_size
 
 
 def tp_worker(rank, world_size, args):
@@ -292,6 +296,8 @@ def tp_worker(rank, world_size, args):
     # The shards live in step 2's replica over a dp group of one: buckets, optimizer, no exchange.
     replica = DataParallel(shards, dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
                            bf16=args.bf16)
+    boxes = [shard_box(w.shape, k, tp_rank, tp_size) for w, k in zip(full, kinds)]   # in the whole
+    load_checkpoint(args, replica, range(len(full)), boxes)   # --resume: from any layout's pieces
     blocks = tp_blocks(kinds, vocab_size=args.vocab_size)   # every rank shares every part
     loss_fn = partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size)
     m = args.micro_batches
@@ -300,7 +306,7 @@ def tp_worker(rank, world_size, args):
     check = SerialCheck(args)
     if rank == 0:
         print(f"tensor parallel over {tp_size} ranks: {describe(kinds)}", flush=True)
-    for step in range(args.steps):
+    for step in range(args.start_step, args.steps):
         inputs, targets = (t.to(device) for t in make_batch(args, step))   # every rank's
         loss = dp_step(replica, blocks, loss_fn, inputs.chunk(m), targets.chunk(m),
                        args.batch_size, recompute=args.recompute)   # step 2's, on tp blocks
@@ -313,6 +319,7 @@ def tp_worker(rank, world_size, args):
         losses.append(loss.item())
         if rank == 0:
             log_step(f"[rank {rank}]", step, losses, norms, args)
+        save_checkpoint(args, step + 1, replica, range(len(full)), boxes)   # --checkpoint
     final = whole_model(full_weights(replica), full, kinds)   # put together on rank 0
     if rank == 0:
         finish_run(args, full, final, losses, check, norms)
@@ -327,7 +334,8 @@ def main(argv=None):
 # Below the fold: the command line and its rules, and what the run says it ran. ---------------
 from collectives import positive_int  # noqa: E402
 from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa
-                           full_grads, full_weights, log_step, training_parser)
+                           full_grads, full_weights, load_checkpoint, log_step, save_checkpoint,
+                           training_parser)
 
 
 def whole_model(owned, full, kinds, owners=None):

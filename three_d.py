@@ -29,8 +29,8 @@ import torch.distributed as dist
 from collectives import cleanup, run_main, setup, spawn
 from data_parallel import dp_costs, init_params, make_batch, make_replica, replica_rows
 from pipeline_parallel import Stage, build_schedule, pipeline_costs, run_schedule, stage_parts
-from tensor_parallel import (all_gather_columns, layer_kinds, shard, shard_columns, tp_blocks,
-                             tp_costs, vocab_parallel_cross_entropy)
+from tensor_parallel import (all_gather_columns, layer_kinds, shard, shard_box, shard_columns,
+                             tp_blocks, tp_costs, vocab_parallel_cross_entropy)
 
 AXES = ("dp", "pp", "tp")
 
@@ -115,6 +115,8 @@ class ThreeDRank:
         self.mine = [j for parts in self.chunks for j in parts]      # its parts' indices
         shards = [shard(self.full[j], self.part_kinds[j], self.tp_rank, args.tp).to(device)
                   for j in self.mine]                                # [D, D/T], [D/T, D], ...
+        self.boxes = [shard_box(self.full[j].shape, self.part_kinds[j], self.tp_rank, args.tp)
+                      for j in self.mine]                            # where each sits in its part
         self.starts = [sum(map(len, self.chunks[:c])) for c in range(v)]   # a chunk's first
         self.replica = make_replica(shards, self.groups["dp"], zero=args.zero,
                                     optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
@@ -221,10 +223,11 @@ def three_d_worker(rank, world_size, args):
     if rank == 0:   # the rank map, and what a stage's (a chunk's) layers are
         show_rank_map(args.dp, args.pp, args.tp, args.order, kinds=me.kinds,
                       chunks=args.virtual_stages)
+    load_checkpoint(args, me.replica, me.mine, me.boxes)   # --resume: from any layout's pieces
     losses = []
     norms = []
     check = SerialCheck(args)
-    for step in range(args.steps):
+    for step in range(args.start_step, args.steps):
         batch = make_batch(args, step)          # tokens [B, k], targets [B]
         me.train_step(*me.micro_batches(batch, args))
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
@@ -237,6 +240,7 @@ def three_d_worker(rank, world_size, args):
             losses.append(global_loss(me.stages[-1].loss, me.groups["dp"]))   # losses, averaged
             if me.dp_rank == me.tp_rank == 0:
                 log_step(me.tag, step, losses, norms, args)
+        save_checkpoint(args, step + 1, me.replica, me.mine, me.boxes)   # --checkpoint: its pieces
     finish_ranks(me, args, losses, check, norms, device)
     cleanup()
 
@@ -260,8 +264,8 @@ from collections import Counter  # noqa: E402
 from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
 from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa: E402
-                           full_grads, full_weights, global_loss, in_step_bytes, log_step,
-                           make_buckets, training_parser)
+                           full_grads, full_weights, global_loss, in_step_bytes, load_checkpoint,
+                           log_step, make_buckets, save_checkpoint, training_parser)
 from pipeline_parallel import add_schedule_args, held_counts, schedule_rules, whole_parts  # noqa
 from tensor_parallel import describe, divides, layer_matmuls, refuse_unused, vocab_range  # noqa
 
@@ -274,7 +278,9 @@ def full_parts(me, params, args):   # on rank 0, replica 0's shards put together
 def finish_ranks(me, args, losses, check, norms, device):
     """The full matrices, the last stage's losses, rank 0's memory table, --save and --check."""
     final = full_parts(me, full_weights(me.replica), args)
-    known = losses if me.stage == args.pp - 1 else [0.0] * args.steps   # the last stage's
+    known = losses                            # the last stage's; elsewhere as many zeros
+    if me.stage != args.pp - 1:
+        known = [0.0] * (args.steps - args.start_step)
     losses = torch.tensor(known, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
     if dist.get_rank() == 0:
