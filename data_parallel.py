@@ -691,8 +691,8 @@ def finish_run(args, init, final, losses, check, norms=(), extra=None):
     leaves what was there), a non-finite loss's Stop, the validation loss and a sample, --check."""
     if args.save:
         batches = [make_batch(args, step) for step in range(args.start_step, args.steps)]
-        if args.resume:                 # the state it resumed from, read whole
-            init = whole_checkpoint(args.resume_from, args)["param"]
+        if args.resume:                 # the state it resumed from, read whole at its start
+            init = check.resumed["param"]
         init = [w.float().cpu() for w in init]
         final = [w.detach().float().cpu() for w in final]
         try:
@@ -1041,6 +1041,10 @@ class SerialCheck:
                                                    dist.get_rank() == 0)
         self.worst = {}        # figure -> (difference / tolerance, difference, tolerance, where)
         self.losses, self.norms = [], []
+        self.resumed = None   # a resumed run's start, whole on rank 0 (--save's init_* too)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if args.resume and rank0 and (args.check or args.save):   # read now: a checkpoint
+            self.resumed = whole_checkpoint(args.resume_from, args)   # goes once two are newer
         if self.on:
             self.params = [w.requires_grad_() for w in init_params(args)]
             self.optimizer = make_optimizer(self.params, args.optimizer, args.lr)
@@ -1048,8 +1052,8 @@ class SerialCheck:
                 self.resume()
             self.expected = [w.detach().clone() for w in self.params]
 
-    def resume(self):   # a resumed run: serial starts from its checkpoint's whole state too
-        state = whole_checkpoint(self.args.resume_from, self.args)
+    def resume(self):   # serial starts from the resumed run's state, AdamW's too
+        state = self.resumed
         steps = self.args.resume_from["optimizer_steps"]
         with torch.no_grad():
             for j, param in enumerate(self.params):

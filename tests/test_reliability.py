@@ -88,6 +88,11 @@ TRAINING = [
     (["--clip-grad", "inf"], "--clip-grad"),
     (["--bf16=yes"], "--bf16"),
     (["--recompute", "2"], "2"),                  # a flag, not a number
+    (["--checkpoint-every", "-1"], "--checkpoint-every"),
+    (["--checkpoint-every", "5"], "--checkpoint-every"),          # and no --checkpoint to write to
+    (["--checkpoint", "{file}/ckpt"], "--checkpoint"),            # below a file
+    (["--resume", "{tmp}"], "--resume"),                          # no complete checkpoint there
+    (["--resume", "{tmp}/no/such/dir"], "--resume"),
 ] + ([(["--backend", "nccl"], "--backend")] if NO_GPU else [])
 
 # (argv, flag, WORLD_SIZE of a torchrun-like environment or None)

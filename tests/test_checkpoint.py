@@ -1,0 +1,233 @@
+"""Tests for checkpoints (--checkpoint, --checkpoint-every, --resume; data_parallel.py's
+machinery, used by every training script): a run stopped and resumed at any layout.
+
+- range_boxes: a row-major range of a box, as at most three boxes that tile exactly its
+  elements, in order.
+- A checkpoint of 3D training (dp2 pp2 tp2, ZeRO-1) resumed at other layouts, every flag family:
+  dp, pp and tp, the rank order, the tp style, virtual stages, ZeRO's stage, the schedule,
+  micro-batches, buckets, --bf16 and the script. Each resumed run loads its state, then (a
+  wrapper, no hook in the scripts) writes it again at its own layout: read back whole, that
+  equals the checkpoint it loaded, bitwise, parameters and AdamW's moments. Each passes
+  --check; with SGD its --save (init_*: the state it resumed from) replays serially.
+- Same layout, AdamW: killed by SIGKILL (the launcher and its ranks) right after a checkpoint
+  completes, or half-way through writing one, the run resumes from its last complete
+  checkpoint and ends bitwise equal to the run never stopped; the two newest are kept.
+- The refusals: another model, optimizer or seed (naming the flag), --steps already reached,
+  a folder with no complete checkpoint: exit 2, one line, no rank started.
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data_parallel as dp
+import pipeline_parallel
+import tensor_parallel
+import three_d
+from common import ATOL, RTOL, check_report, final_params, init_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = {"three_d": three_d, "data_parallel": dp, "tensor_parallel": tensor_parallel,
+           "pipeline_parallel": pipeline_parallel}
+TIMEOUT = ["--timeout-s", "15"]
+MODEL = ["--num-layers", "16", "--dim", "16", "--context", "4", "--batch-size", "16", "--seed", "3"]
+SOURCE = ["--dp", "2", "--pp", "2", "--tp", "2", "--zero", "1", "--micro-batches", "2"]
+LR = {"adamw": "0.01", "sgd": "0.5"}
+
+
+def test_range_boxes_tile_the_range_in_order():
+    whole = torch.arange(20 * 20).view(20, 20)    # each element's own id
+    for box in [(0, 5, 0, 7), (3, 9, 2, 6), (10, 11, 4, 9), (2, 6, 0, 1)]:
+        rows = box[1] - box[0]
+        cols = box[3] - box[2]
+        inside = whole[box[0]:box[1], box[2]:box[3]].reshape(-1)   # the box's ids, row-major
+        for start in range(rows * cols):
+            for end in range(start + 1, rows * cols + 1):
+                pieces = dp.range_boxes(box, start, end)
+                assert len(pieces) <= 3
+                got = [whole[a:b, c:d].reshape(-1) for (a, b, c, d), _ in pieces]
+                assert torch.equal(torch.cat(got), inside[start:end])
+                assert [at for _, at in pieces] == [sum(map(len, got[:k])) for k in range(len(got))]
+
+
+def run(script, argv, optimizer, folder=None, resume=None, save=None):
+    """script.main in-process (ranks forked from here); its --save, if asked for."""
+    argv = [*MODEL, *argv, "--optimizer", optimizer, "--lr", LR[optimizer], *TIMEOUT]
+    if folder:
+        argv += ["--checkpoint", str(folder)]
+    if resume:
+        argv += ["--resume", str(resume)]
+    if save:
+        argv += ["--save", str(save)]
+    SCRIPTS[script].main(argv)
+    return torch.load(save) if save else None
+
+
+def newest(folder):   # the newest complete checkpoint's complete.json, and where it is
+    path = dp.checkpoints(str(folder))[-1]
+    with open(os.path.join(path, dp.COMPLETE)) as f:
+        marker = json.load(f)
+    marker["folder"] = path
+    return marker
+
+
+def whole(folder):   # the newest complete checkpoint, read whole here: {state: [E, W.., H]}
+    marker = newest(folder)
+    return dp.whole_checkpoint(marker, argparse.Namespace(**marker))
+
+
+def names(folder):   # the checkpoints' folders, complete or not
+    return sorted(name for name in os.listdir(folder) if name.startswith("step-"))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """3D training (dp2 pp2 tp2, ZeRO-1) for 2 steps, checkpointed at its end: AdamW and SGD."""
+    found = {}
+    for optimizer in ("adamw", "sgd"):
+        folder = tmp_path_factory.mktemp(f"source-{optimizer}")
+        run("three_d", [*SOURCE, "--steps", "2"], optimizer, folder=folder)
+        found[optimizer] = folder
+    return found
+
+
+# (optimizer, script, its flags): every flag family changed from SOURCE's, and the script
+LAYOUTS = [
+    ("adamw", "three_d", ["--dp", "1", "--pp", "4", "--tp", "2", "--zero", "3", "--tp-style",
+                          "megatron", "--schedule", "interleaved", "--micro-batches", "4"]),
+    ("adamw", "data_parallel", ["--world-size", "4", "--zero", "2", "--bf16"]),
+    ("sgd", "three_d", ["--dp", "4", "--pp", "1", "--tp", "2", "--order", "tp-dp-pp", "--zero",
+                        "2", "--bucket-mb", "0", "--micro-batches", "1"]),
+    ("sgd", "three_d", ["--dp", "1", "--pp", "2", "--tp", "4", "--schedule", "gpipe",
+                        "--micro-batches", "4", "--p2p-shard", "--recompute"]),
+    ("sgd", "tensor_parallel", ["--world-size", "4", "--tp-style", "megatron"]),
+    ("sgd", "pipeline_parallel", ["--world-size", "2", "--schedule", "zb-h1",
+                                  "--micro-batches", "4"]),
+]
+
+
+def replay(result):
+    """A --save result's steps again, serially with autograd, from its init_*: (losses, final)."""
+    config = argparse.Namespace(**result["config"])
+    params = [w.clone().requires_grad_() for w in init_of(result)]
+    optimizer = dp.make_optimizer(params, config.optimizer, config.lr)
+    losses = []
+    for step in range(config.start_step, config.steps):
+        inputs, targets = dp.make_batch(config, step)
+        optimizer.zero_grad()
+        loss, _ = dp.serial_loss(params, inputs, targets)
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+    return losses, [w.detach() for w in params]
+
+
+@pytest.mark.deadline(90)
+@pytest.mark.parametrize("optimizer, script, layout", LAYOUTS,
+                         ids=[f"{s}-{'-'.join(f).replace('--', '')}" for _, s, f in LAYOUTS])
+def test_resumed_at_another_layout(sources, tmp_path, monkeypatch, capfd, optimizer, script,
+                                   layout):
+    """The state loaded equals the state saved, bitwise; the resumed run passes --check; with
+    SGD its --save replays serially from the state it resumed from."""
+    again = tmp_path / "again"
+    load = dp.load_checkpoint
+
+    def load_then_save(args, replica, parts, boxes=None):   # what each rank loaded, written
+        load(args, replica, parts, boxes)                     # again at this layout
+        once = argparse.Namespace(**{**vars(args), "checkpoint": str(again),
+                                     "steps": args.start_step, "checkpoint_every": 0})
+        dp.save_checkpoint(once, args.start_step, replica, parts, boxes)
+    monkeypatch.setattr(SCRIPTS[script], "load_checkpoint", load_then_save)
+    result = run(script, [*layout, "--steps", "4", "--check"], optimizer,
+                 resume=sources[optimizer], save=tmp_path / "run.pt")
+    out = capfd.readouterr().out
+    assert f"resumed from {newest(sources[optimizer])['folder']}: step 2" in out
+    assert check_report(out)[1] == "OK"
+    saved = whole(sources[optimizer])
+    loaded = whole(again)
+    assert sorted(loaded) == sorted(saved) == (["exp_avg", "exp_avg_sq", "param"]
+                                               if optimizer == "adamw" else ["param"])
+    for name in saved:
+        for part, (a, b) in enumerate(zip(loaded[name], saved[name])):
+            assert torch.equal(a, b), f"{name} of part {part}"
+    assert newest(again)["optimizer_steps"] == newest(sources[optimizer])["optimizer_steps"]
+    assert len(result["losses"]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(init_of(result), saved["param"]))
+    if optimizer == "sgd":
+        losses, final = replay(result)
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses),
+                                   atol=ATOL, rtol=RTOL)
+        for a, b in zip(final_params(result), final):
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
+RUN = [*SOURCE, "--steps", "6", "--checkpoint-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run that is never stopped: 3D, AdamW, checkpoints every 2 of 6 steps."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    result = run("three_d", RUN, "adamw", folder=folder, save=folder / "run.pt")
+    assert names(folder) == ["step-00000004", "step-00000006"]   # the two newest
+    return result
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("when, step", [("after", 2), ("during", 4)])
+def test_killed_run_resumes_bitwise(uninterrupted, tmp_path, when, step):
+    """SIGKILL to the launcher and every rank, right after step 2's checkpoint completes or
+    half-way through writing step 4's: the resumed run (from step 2) ends bitwise equal."""
+    folder = tmp_path / "ckpt"
+    argv = [*MODEL, *RUN, "--optimizer", "adamw", "--lr", LR["adamw"], *TIMEOUT,
+            "--checkpoint", str(folder)]
+    proc = subprocess.run([sys.executable, os.path.join("tests", "checkpoint_kill.py"), when,
+                           str(step), "three_d.py", *argv], cwd=ROOT, capture_output=True,
+                          text=True, start_new_session=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert [os.path.basename(path) for path in dp.checkpoints(str(folder))] == ["step-00000002"]
+    if when == "during":              # step 4's pieces, some of them, and no complete.json
+        assert names(folder) == ["step-00000002", "step-00000004"]
+    result = run("three_d", RUN, "adamw", folder=folder, resume=folder, save=tmp_path / "run.pt")
+    assert result["losses"] == uninterrupted["losses"][2:]
+    assert all(torch.equal(a, b) for a, b in zip(final_params(result),
+                                                 final_params(uninterrupted)))
+    assert names(folder) == ["step-00000004", "step-00000006"]
+
+
+def refused(argv, capsys):
+    """three_d.main(argv) ends at the door: exit 2 and one line on stderr, before any rank."""
+    with pytest.raises(SystemExit) as stop:
+        three_d.main([*MODEL, *SOURCE, "--steps", "4", *TIMEOUT, *argv])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("change, flag", [
+    (["--num-layers", "8"], "--num-layers"), (["--dim", "32"], "--dim"),
+    (["--context", "8"], "--context"), (["--optimizer", "sgd"], "--optimizer"),
+    (["--seed", "4"], "--seed"), (["--steps", "2"], "--steps")])
+def test_refused_what_cannot_resume(sources, capsys, change, flag):
+    err = refused(["--optimizer", "adamw", "--resume", str(sources["adamw"]), *change], capsys)
+    assert err.split(": error: ")[1].startswith(flag), err
+
+
+def test_refused_another_vocabulary_and_no_complete_checkpoint(sources, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(sources["adamw"], copy)
+    marker = newest(copy)
+    with open(os.path.join(marker["folder"], dp.COMPLETE), "w") as f:
+        json.dump({**marker, "vocab_size": 98}, f)
+    err = refused(["--optimizer", "adamw", "--resume", str(copy)], capsys)
+    assert "vocabulary" in err and "98" in err, err
+    os.remove(os.path.join(marker["folder"], dp.COMPLETE))   # its pieces, but not complete
+    err = refused(["--optimizer", "adamw", "--resume", str(copy)], capsys)
+    assert err.split(": error: ")[1].startswith("--resume"), err
