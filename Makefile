@@ -58,7 +58,8 @@ test-slurm: deps
 # bench (tests/bench.py): each step against PyTorch's own API for it and against serial,
 # at a compute-heavy size (D=1024) and where communication dominates (the defaults, D=64);
 # the collectives' bandwidth, start-up, the pipeline bubble, the bytes each rank sends, and
-# three_d.py --plan's predicted step times against every shape of 4 ranks run (about 2 minutes)
+# three_d.py --plan's predicted step times against every shape of 4 ranks run; a checkpoint's
+# write and read beside a step (about 2 minutes)
 BIG = --num-layers 4 --dim 1024 --batch-size 2048 --steps 5
 bench: deps
 	$(PYTHON) tests/bench.py collectives
@@ -94,4 +95,6 @@ bench: deps
 	$(PYTHON) tests/bench.py plan
 	$(PYTHON) tests/bench.py plan-speed
 	$(PYTHON) tests/bench.py recompute-memory
+	$(PYTHON) tests/bench.py checkpoint --dp 2 --pp 1 --tp 1 --zero 1 $(BIG)
+	$(PYTHON) tests/bench.py checkpoint --dp 2 --pp 2 --tp 2 --zero 1 $(BIG)
 	$(PYTHON) tests/bench.py machine

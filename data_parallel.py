@@ -923,13 +923,10 @@ def resume_rules(args):
     args.resume_from = None
     if args.resume is None:
         return []
-    found = checkpoints(args.resume)
-    if not found:
+    marker = newest_checkpoint(args.resume)
+    if marker is None:
         return [(True, f"--resume {args.resume}: no complete checkpoint there (a step-N folder "
                        f"with its {COMPLETE})")]
-    with open(os.path.join(found[-1], COMPLETE)) as f:
-        marker = json.load(f)
-    marker["folder"] = found[-1]
     args.resume_from = marker
     args.start_step = marker["step"]
     rules = []
@@ -938,11 +935,21 @@ def resume_rules(args):
         if name == "vocab_size":
             flag = "the vocabulary's classes"
         rules.append((marker[name] != vars(args)[name], f"{flag} {vars(args)[name]}: the "
-                      f"checkpoint in {found[-1]} has {marker[name]}, and a resumed run keeps "
-                      f"its model, optimizer and data"))
+                      f"checkpoint in {marker['folder']} has {marker[name]}, and a resumed run "
+                      f"keeps its model, optimizer and data"))
     rules.append((args.steps <= marker["step"], f"--steps {args.steps}: the checkpoint in "
-                  f"{found[-1]} is at step {marker['step']} already; ask for more steps"))
+                  f"{marker['folder']} is at step {marker['step']} already; ask for more steps"))
     return rules
+
+
+def newest_checkpoint(folder):   # its complete.json, and "folder": where it is; None: none
+    found = checkpoints(folder)
+    if not found:
+        return None
+    with open(os.path.join(found[-1], COMPLETE)) as f:
+        marker = json.load(f)
+    marker["folder"] = found[-1]
+    return marker
 
 
 # The text: CPython's help, as the pydoc_data package ships it (about 465,000 characters on

@@ -14,12 +14,14 @@ figures that are not the lecture. The scripts never import this; it imports them
                                                         # three_d.py --plan's step times against runs
     python tests/bench.py plan-speed                     # --plan's own time, 8 to 1,024 GPUs
     python tests/bench.py recompute-memory [its sizes]   # steps 2, 3: peak memory, --recompute or not
+    python tests/bench.py checkpoint [three_d's flags]   # a checkpoint's write and read beside a step
     python tests/bench.py machine                        # one line naming this machine
 
 Each comparison takes the script's own flags (--steps: the timed steps, at least 5), runs
 the same step with PyTorch's API on the same model, sizes, data and world size, with SGD,
 checks that the two compute the same thing, then times them taking turns (race.py).
 """
+import contextlib
 import functools
 import os
 import re
@@ -804,6 +806,70 @@ def print_bubble_table(table, dim, rows, steps):
 
 # ----------------------------------------------------------------------------------
 
+# ----------------------------------------------------------------------------------
+# Checkpoints: a checkpoint's write and read beside a training step, at one layout
+# ----------------------------------------------------------------------------------
+
+def checkpoint_bench(args):
+    """three_d's flags: medians of --steps training steps, checkpoint writes and reads."""
+    world_size = args.dp * args.pp * args.tp
+    folder = tempfile.mkdtemp(prefix="parallel-checkpoint-")
+    try:
+        args.checkpoint = folder
+        times, nbytes = spawn_returning(checkpoint_worker, world_size, args, backend=args.backend,
+                                        timeout_s=args.timeout_s)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    step = statistics.median(times["step"])
+    print(f"checkpoint beside a training step: {bench_sizes(args, world_size)[:-5]}, "
+          f"{args.optimizer}, --zero {args.zero}; {world_size} files, {human_bytes(nbytes)} "
+          f"(fp32 parameters{' and AdamW moments' * (args.optimizer == 'adamw')})")
+    print(f"  {'':<22}{'median':>10}{'x a step':>10}{'GB/s':>8}   (the slowest rank's, of "
+          f"{len(times['step'])})")
+    for name, label in [("step", "a training step"), ("write", "write (fsync'd)"),
+                        ("read", "read (page cache)")]:
+        median = statistics.median(times[name])
+        speed = f"{nbytes / median / 1e9:>8.2f}" if name != "step" else f"{'':>8}"
+        print(f"  {label:<22}{median * 1e3:>8.1f}ms{median / step:>9.2f}x{speed}", flush=True)
+
+
+def checkpoint_worker(rank, world_size, args):
+    device = setup(rank, world_size)
+    me = three_d.ThreeDRank(rank, args, device)
+    micro_batches = me.micro_batches(first_batch(args), args)
+    resume = SimpleNamespace(resume=args.checkpoint, resume_from=None)
+    times = {"step": [], "write": [], "read": []}
+
+    def timed(name, work):   # the slowest rank's time
+        dist.barrier()
+        start = time.perf_counter()
+        work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        took = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        times[name].append(took.item())
+
+    def step():
+        me.train_step(*micro_batches)
+        me.replica.update()
+    step()                                        # AdamW's state made; one step's warm-up
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        for k in range(1, args.steps + 1):
+            timed("step", step)
+            once = SimpleNamespace(**{**vars(args), "steps": k, "checkpoint_every": 0})
+            timed("write", lambda: data_parallel.save_checkpoint(once, k, me.replica, me.mine,
+                                                                  me.boxes))
+            resume.resume_from = data_parallel.newest_checkpoint(args.checkpoint)
+            timed("read", lambda: data_parallel.load_checkpoint(resume, me.replica, me.mine,
+                                                                 me.boxes))
+    newest = data_parallel.checkpoints(args.checkpoint)[-1]
+    nbytes = sum(os.path.getsize(os.path.join(newest, name)) for name in os.listdir(newest))
+    cleanup()
+    return times, nbytes
+
+
 COMPARISONS = {"data_parallel": (data_parallel, versus_ddp), "tensor_parallel": (tensor_parallel, versus_colwise),
                "pipeline_parallel": (pipeline_parallel, versus_pipelining), "three_d": (three_d, versus_torch_3d)}
 
@@ -905,12 +971,18 @@ def main(argv):
         plan_speed(rest)
     elif what == "recompute-memory":
         recompute_memory(rest)
+    elif what == "checkpoint":
+        args = three_d.parse_args(rest)
+        if args.check or args.save or args.checkpoint or args.resume:
+            refuse("checkpoint writes and reads its own, in a temporary folder: it takes "
+                   "three_d's layout, sizes and --steps (the repetitions)")
+        checkpoint_bench(args)
     elif what == "machine":
         print(machine())
     else:
         refuse(f"the first word names what to bench: collectives, {', '.join(COMPARISONS)}, "
-               f"memory, bubble-table, count-comm, plan, plan-speed, recompute-memory or "
-               f"machine; got {what!r}")
+               f"memory, bubble-table, count-comm, plan, plan-speed, recompute-memory, "
+               f"checkpoint or machine; got {what!r}")
 
 
 if __name__ == "__main__":

@@ -70,11 +70,7 @@ def run(script, argv, optimizer, folder=None, resume=None, save=None):
 
 
 def newest(folder):   # the newest complete checkpoint's complete.json, and where it is
-    path = dp.checkpoints(str(folder))[-1]
-    with open(os.path.join(path, dp.COMPLETE)) as f:
-        marker = json.load(f)
-    marker["folder"] = path
-    return marker
+    return dp.newest_checkpoint(str(folder))
 
 
 def whole(folder):   # the newest complete checkpoint, read whole here: {state: [E, W.., H]}
