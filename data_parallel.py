@@ -26,9 +26,8 @@ backward; --recompute keeps x, makes z again in the backward: L [b, D], not 2 L,
 Data parallelism: each of d replicas holds every weight and trains on its own slice of the
 batch; they sum their gradients with an all-reduce and divide by d. dp_step() reads as that:
 forward; backward part by part, each dW into its bucket; each bucket's exchange once final
-(--overlap: under the backward below); divide. ZeRO (--zero 1, 2, 3): three classes, each the
-stage before plus its change; dp_costs their bytes and memory. PyTorch's: DDP,
-ZeroRedundancyOptimizer, FSDP2 (tests/bench.py). The text and the data: below the fold.
+(--overlap: under the backward); divide. ZeRO (--zero 1, 2, 3): three classes, each the stage
+before plus its change. PyTorch's: DDP, ZeroRedundancyOptimizer, FSDP2 (tests/bench.py).
 """
 import warnings
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
@@ -292,7 +291,7 @@ class ZeRO3(ZeRO2):
     def store_weights(self, weights):
         super().store_weights(weights)
         self.params = [param.clone() for param in self.params]   # [S] each
-        self.flat = None
+        self.flat = []            # no bucket kept whole: nothing to all-gather after an update
         self.weights = [None] * len(weights)
         self.gathering = {}                               # bucket -> (Work, its flat [d S])
 
@@ -314,9 +313,6 @@ class ZeRO3(ZeRO2):
         for i in self.buckets[b]:
             self.weights[i] = None
 
-    def refresh_weights(self):          # nothing to all-gather: a bucket is gathered when used
-        pass
-
 
 def dp_worker(rank, world_size, args):
     device = setup(rank, world_size)
@@ -326,8 +322,7 @@ def dp_worker(rank, world_size, args):
                            optimizer=args.optimizer, lr=args.lr, bucket_mb=args.bucket_mb,
                            bf16=args.bf16, overlap=args.overlap)
     rows = replica_rows(args.batch_size, rank, world_size)   # the world's ranks are the replicas
-    parts = range(len(init))                            # its parts' indices in the model: all
-    load_checkpoint(args, replica, parts)               # --resume: from a step before, at any layout
+    load_checkpoint(args, replica)                      # --resume: a step's state, any layout's
     losses = []
     norms = []
     check = SerialCheck(args)
@@ -343,7 +338,7 @@ def dp_worker(rank, world_size, args):
         losses.append(global_loss(loss, None))
         if rank == 0:
             log_step(f"[rank {rank}]", step, losses, norms, args)
-        save_checkpoint(args, step + 1, replica, parts)     # --checkpoint: its pieces, on disk
+        save_checkpoint(args, step + 1, replica)            # --checkpoint: its pieces, on disk
     finish_replicas(replica, args, init, losses, check, norms)
     cleanup()
 
@@ -354,7 +349,8 @@ def main(argv=None):
 
 
 # Below the fold: each stage's costs, the bucket layout and the clipping norm; what later steps
-# share (training flags and rules, --save, --check); the memory table.
+# share (training flags and rules, --save, checkpoints, the text and its data, --check); the
+# memory table.
 import argparse, contextlib, functools, json, math, os, shutil, sys  # noqa: E401, E402
 from typing import Callable, NamedTuple  # noqa: E402
 
@@ -737,14 +733,14 @@ CHECKPOINT_STATE = ("param", "exp_avg", "exp_avg_sq")   # a piece's tensors: fp3
 COMPLETE = "complete.json"   # written last, by rename: the checkpoint's every piece is there
 
 
-def held_pieces(replica, parts, boxes=None):
+def held_pieces(replica, parts=None, boxes=None):
     """What this rank's optimizer holds, as pieces of the whole model: (part, box, start, end,
     {"param": [end - start], "exp_avg": .., "exp_avg_sq": ..}), views into what it steps. Its
-    part i is the box (row_start, row_end, col_start, col_end) of whole part parts[i] (its tp
-    shard; None: the whole), and [start, end) the elements of that box it holds, row-major: all
-    of them, or under ZeRO what falls in this replica's 1/d of i's bucket (padding: no part's)."""
+    part i is the box (row_start, row_end, col_start, col_end) of whole part parts[i] (parts
+    None: part i; boxes None: the whole), and [start, end) the elements of that box it holds,
+    row-major: all of them, or under ZeRO what falls in this replica's 1/d of i's bucket."""
     pieces = []
-    for i, part in enumerate(parts):
+    for i, part in enumerate(parts or range(len(replica.shapes))):
         rows, cols = replica.shapes[i]
         box = boxes[i] if boxes else (0, rows, 0, cols)
         start = 0
@@ -789,10 +785,9 @@ def range_boxes(box, start, end):
     return boxes
 
 
-def copy_overlaps(mine, theirs):
-    """Into each of my pieces, what overlaps it of theirs (pieces as held_pieces gives them);
-    the elements copied."""
-    copied = 0
+def overlaps(mine, theirs):
+    """Where pieces overlap, (mine's views, its box and where it begins in them, theirs' too, the
+    overlap's rows and columns of the whole), for pieces (part, box, start, end, views)."""
     for part, box, start, end, views in mine:
         for their_part, their_box, their_start, their_end, their_views in theirs:
             if their_part != part:
@@ -801,23 +796,49 @@ def copy_overlaps(mine, theirs):
                 for b, their_at in range_boxes(their_box, their_start, their_end):
                     top, bottom = max(a[0], b[0]), min(a[1], b[1])
                     left, right = max(a[2], b[2]), min(a[3], b[3])
-                    if top >= bottom or left >= right:
-                        continue
-                    for name, view in views.items():
-                        dst = view[at:at + (a[1] - a[0]) * (a[3] - a[2])].view(a[1] - a[0], -1)
-                        src = their_views[name][their_at:their_at + (b[1] - b[0]) * (b[3] - b[2])]
-                        src = src.view(b[1] - b[0], -1)
-                        dst[top - a[0]:bottom - a[0], left - a[2]:right - a[2]].copy_(
-                            src[top - b[0]:bottom - b[0], left - b[2]:right - b[2]])
-                    copied += (bottom - top) * (right - left)
+                    if top < bottom and left < right:
+                        yield views, a, at, their_views, b, their_at, (top, bottom, left, right)
+
+
+def copy_overlaps(mine, theirs):   # into my pieces, what overlaps them of theirs: the elements
+    copied = 0
+    for views, a, at, their_views, b, their_at, (top, bottom, left, right) in overlaps(mine,
+                                                                                     theirs):
+        for name, view in views.items():                  # a box of a piece: [rows, cols]
+            dst = view[at:at + (a[1] - a[0]) * (a[3] - a[2])].view(a[1] - a[0], -1)
+            src = their_views[name][their_at:their_at + (b[1] - b[0]) * (b[3] - b[2])]
+            src = src.view(b[1] - b[0], -1)
+            dst[top - a[0]:bottom - a[0], left - a[2]:right - a[2]].copy_(
+                src[top - b[0]:bottom - b[0], left - b[2]:right - b[2]])
+        copied += (bottom - top) * (right - left)
     return copied
 
 
-def save_checkpoint(args, step, replica, parts, boxes=None):
+def gather_index(pieces, device):
+    """Rank 0: every rank's pieces' places, {rank: [(part, box, start, end)]}, for complete.json
+    (DCP's .metadata): a [n, 7] tensor a rank, padded to the most, gathered."""
+    places = torch.tensor([[part, *box, start, end] for part, box, start, end, _ in pieces],
+                          dtype=torch.int64, device=device).view(-1, 7)
+    most = torch.tensor(len(places), device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    padded = torch.full((most.item(), 7), -1, dtype=torch.int64, device=device)
+    padded[:len(places)] = places
+    every = None
+    if dist.get_rank() == 0:
+        every = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
+    dist.gather(padded, every, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    return {rank: [(row[0], tuple(row[1:5]), row[5], row[6]) for row in rows.tolist()
+                   if row[0] >= 0] for rank, rows in enumerate(every)}
+
+
+def save_checkpoint(args, step, replica, parts=None, boxes=None):
     """--checkpoint DIR after every --checkpoint-every N steps and the last: DIR/step-00000150/,
-    a file a rank with its pieces (a replica of stage 0 beyond the first writes none: it holds
-    the same), then complete.json, by rename, once every rank's file is on disk. A run killed
-    before that leaves the checkpoints before as they were; the two newest complete are kept."""
+    a file a rank with its pieces (without ZeRO, replicas beyond dp rank 0 write none: they hold
+    the same), then complete.json with every rank's pieces' places, by rename, once every rank's
+    file is on disk. A run killed before that leaves the checkpoints before as they were; the
+    two newest complete are kept."""
     due = step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
     if not args.checkpoint or not due:
         return
@@ -830,6 +851,7 @@ def save_checkpoint(args, step, replica, parts, boxes=None):
     pieces = held_pieces(replica, parts, boxes)
     if replica.dp_rank > 0 and not isinstance(replica, ZeRO1):
         pieces = []
+    index = gather_index(pieces, replica.device)
     with open(os.path.join(folder, f"rank-{rank:05d}.pt"), "wb") as f:
         torch.save([(part, box, start, end, {name: view.to("cpu", copy=True)   # its own bytes,
                                              for name, view in views.items()})  # not the bucket's
@@ -839,9 +861,9 @@ def save_checkpoint(args, step, replica, parts, boxes=None):
     dist.barrier()
     if rank == 0:
         state = replica.optimizer.state.get(replica.params[0], {})
-        marker = {"step": step, "world_size": dist.get_world_size(), "script": sys.argv[0],
+        marker = {"step": step, "script": os.path.basename(sys.argv[0]),
                   "optimizer_steps": state["step"].item() if "step" in state else None,
-                  **{name: vars(args)[name] for name in CHECKPOINT_MODEL}}
+                  **{name: vars(args)[name] for name in CHECKPOINT_MODEL}, "index": index}
         with open(os.path.join(folder, COMPLETE + ".partial"), "w") as f:
             json.dump(marker, f)
             f.flush()
@@ -855,7 +877,7 @@ def save_checkpoint(args, step, replica, parts, boxes=None):
                 shutil.rmtree(os.path.join(args.checkpoint, name), ignore_errors=True)
 
 
-def load_checkpoint(args, replica, parts, boxes=None):
+def load_checkpoint(args, replica, parts=None, boxes=None):
     """--resume: this rank's parameters and AdamW's state, from the pieces of the checkpoint
     that overlap what it holds (its files' indexes read; their bytes mapped, read where used);
     then the layers' weights from them (bf16 copies; ZeRO-1, 2: the buckets all-gathered)."""
@@ -871,7 +893,7 @@ def load_checkpoint(args, replica, parts, boxes=None):
     copied = read_pieces(marker, mine)
     if dist.get_rank() == 0:
         log("[rank 0]", f"resumed from {marker['folder']}: step {marker['step']}, written by "
-                        f"{marker['script']} on {marker['world_size']} ranks")
+                        f"{marker['script']} on {len(marker['index'])} ranks")
     with torch.no_grad():
         replica.refresh_weights()
     wanted = sum(end - start for _, _, start, end, _ in mine)
@@ -880,10 +902,14 @@ def load_checkpoint(args, replica, parts, boxes=None):
                    f"elements rank {dist.get_rank()} needs: a broken checkpoint")
 
 
-def read_pieces(marker, mine):   # every file's index, and the bytes that overlap mine
+def read_pieces(marker, mine):
+    """Into my pieces, the checkpoint's that overlap them: only the files that hold some, by
+    complete.json's index, each mapped (torch.load's mmap): the bytes read are the ones used."""
     copied = 0
-    for rank in range(marker["world_size"]):
-        path = os.path.join(marker["folder"], f"rank-{rank:05d}.pt")
+    for rank, places in marker["index"].items():
+        if not any(overlaps(mine, [(*place, None) for place in places])):
+            continue
+        path = os.path.join(marker["folder"], f"rank-{int(rank):05d}.pt")
         theirs = torch.load(path, mmap=True, weights_only=True)
         copied += copy_overlaps(mine, theirs)
     return copied

@@ -328,7 +328,6 @@ def pp_worker(rank, world_size, args):
         recorder = Recorder(device) if step == args.steps - 1 else None   # its timeline, stash
         run_schedule(actions, stages, inputs, (stage - 1) % p, (stage + 1) % p,
                      (args.batch_size // m, args.dim), recorder=recorder)   # tokens [B/m, k] in
-        replica.average()                                         # a group of one: / 1
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
             check.step(whole_parts(full_weights(replica), mine, full, args, grid),
                        whole_parts(full_grads(replica), mine, full, args, grid))

@@ -5,6 +5,7 @@
     python three_d.py --dp 1 --pp 4 --tp 2 --schedule gpipe --order tp-dp-pp
     python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
     python three_d.py --plan --hardware h100            # which layout? 8 H100s, ranked
+    python three_d.py --checkpoint ckpt --resume ckpt --dp 1 --pp 4   # resumed at another layout
     torchrun --nproc-per-node 8 three_d.py              # one node; the README has two nodes
 
 Nothing new is computed here: this file composes the blocks of steps 2-4.
@@ -14,7 +15,10 @@ Nothing new is computed here: this file composes the blocks of steps 2-4.
 - After the last micro-batch step 2's DataParallel averages each shard's gradient over its
   DP group (with --zero, sharded over the replicas), and the optimizer steps.
 What is new is the rank map: which ranks form each group. From-scratch 3D code often
-hard-codes it for 8 ranks; rank_groups() derives it for any sizes and nesting order.
+hard-codes it for 8 ranks; rank_groups() derives it for any sizes and nesting order. And a
+stopped run resumes at any layout: --checkpoint has each rank write the pieces it holds, each
+with its place in the whole (its tp box: shard_box; its range of a ZeRO bucket), --resume
+each read what overlaps its own (data_parallel.py, below its fold: DCP's way, by hand).
 
 What PyTorch gives you: a DeviceMesh of shape (dp, pp, tp) with pipelining over pp,
 ColwiseParallel over tp, and FSDP2 or DDP over dp (tests/bench.py races it against this).

@@ -134,7 +134,7 @@ def test_resumed_at_another_layout(sources, tmp_path, monkeypatch, capfd, optimi
     again = tmp_path / "again"
     load = dp.load_checkpoint
 
-    def load_then_save(args, replica, parts, boxes=None):   # what each rank loaded, written
+    def load_then_save(args, replica, parts=None, boxes=None):   # what each rank loaded, written
         load(args, replica, parts, boxes)                     # again at this layout
         once = argparse.Namespace(**{**vars(args), "checkpoint": str(again),
                                      "steps": args.start_step, "checkpoint_every": 0})
