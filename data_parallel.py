@@ -655,12 +655,11 @@ def writable(path):   # a regular file this process can write, or make: tried, n
         return False
 
 
-def writable_folder(path):   # a folder this process can write into, made if missing
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(path, os.W_OK | os.X_OK)
+def writable_folder(path):   # a folder there, or one this process may make (the first checkpoint)
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
 
 
 def parse_args(argv=None):
@@ -850,14 +849,10 @@ def save_checkpoint(args, step, replica, parts=None, boxes=None):
     dist.barrier()
     pieces = held_pieces(replica, parts, boxes)
     if replica.dp_rank > 0 and not isinstance(replica, ZeRO1):
-        pieces = []
+        pieces = []                                   # dp rank 0 holds the same: no file
     index = gather_index(pieces, replica.device)
-    with open(os.path.join(folder, f"rank-{rank:05d}.pt"), "wb") as f:
-        torch.save([(part, box, start, end, {name: view.to("cpu", copy=True)   # its own bytes,
-                                             for name, view in views.items()})  # not the bucket's
-                    for part, box, start, end, views in pieces], f)
-        f.flush()
-        os.fsync(f.fileno())
+    if pieces:
+        write_pieces(os.path.join(folder, f"rank-{rank:05d}.pt"), pieces, args)
     dist.barrier()
     if rank == 0:
         state = replica.optimizer.state.get(replica.params[0], {})
@@ -870,11 +865,25 @@ def save_checkpoint(args, step, replica, parts=None, boxes=None):
             os.fsync(f.fileno())
         os.replace(os.path.join(folder, COMPLETE + ".partial"), os.path.join(folder, COMPLETE))
         log("[rank 0]", f"checkpoint {folder}: complete")
-        complete = checkpoints(args.checkpoint)
-        for name in os.listdir(args.checkpoint):      # all but the two newest complete, and what
-            older = name.startswith("step-") and name < os.path.basename(complete[-2:][0])
-            if older:                                 # a killed run left before them
+        kept = [os.path.basename(path) for path in checkpoints(args.checkpoint)[-2:]]
+        for name in os.listdir(args.checkpoint):      # older than the newest, complete or
+            older = name.startswith("step-") and name < kept[-1] and name not in kept   # not
+            if older:
                 shutil.rmtree(os.path.join(args.checkpoint, name), ignore_errors=True)
+
+
+def write_pieces(path, pieces, args):   # on disk once this returns; a failure: one line
+    try:
+        with open(path, "wb") as f:
+            torch.save([(part, box, start, end, {name: view.to("cpu", copy=True)  # its own
+                                                 for name, view in views.items()})  # bytes
+                        for part, box, start, end, views in pieces], f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:   # torch's writer: RuntimeError on a short write
+        raise Stop(f"--checkpoint {args.checkpoint}: {path} could not be written "
+                   f"({str(e).splitlines()[0][:80]}); the checkpoints before it are as they "
+                   f"were; free some space, or choose another folder")
 
 
 def load_checkpoint(args, replica, parts=None, boxes=None):
@@ -910,8 +919,12 @@ def read_pieces(marker, mine):
         if not any(overlaps(mine, [(*place, None) for place in places])):
             continue
         path = os.path.join(marker["folder"], f"rank-{int(rank):05d}.pt")
-        theirs = torch.load(path, mmap=True, weights_only=True)
-        copied += copy_overlaps(mine, theirs)
+        try:
+            theirs = torch.load(path, mmap=True, weights_only=True)
+            copied += copy_overlaps(mine, theirs)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise Stop(f"--resume: {path} cannot be read ({str(e).splitlines()[0][:80]}): a "
+                       f"broken checkpoint; move its folder aside to resume from the one before")
     return copied
 
 

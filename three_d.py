@@ -5,7 +5,7 @@
     python three_d.py --dp 1 --pp 4 --tp 2 --schedule gpipe --order tp-dp-pp
     python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
     python three_d.py --plan --hardware h100            # which layout? 8 H100s, ranked
-    python three_d.py --checkpoint ckpt --resume ckpt --dp 1 --pp 4   # resumed at another layout
+    python three_d.py --checkpoint ckpt --checkpoint-every 50   # then: --resume ckpt, any layout
     torchrun --nproc-per-node 8 three_d.py              # one node; the README has two nodes
 
 Nothing new is computed here: this file composes the blocks of steps 2-4.

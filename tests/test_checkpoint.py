@@ -11,9 +11,11 @@ machinery, used by every training script): a run stopped and resumed at any layo
   --check; with SGD its --save (init_*: the state it resumed from) replays serially.
 - Same layout, AdamW: killed by SIGKILL (the launcher and its ranks) right after a checkpoint
   completes, or half-way through writing one, the run resumes from its last complete
-  checkpoint and ends bitwise equal to the run never stopped; the two newest are kept.
+  checkpoint and ends bitwise equal to the run never stopped; the two newest are kept. The
+  other scripts stopped and resumed, bitwise too; an incomplete folder left older is removed.
 - The refusals: another model, optimizer or seed (naming the flag), --steps already reached,
-  a folder with no complete checkpoint: exit 2, one line, no rank started.
+  a folder with no complete checkpoint: exit 2, one line, no rank started. A broken file in a
+  complete checkpoint, and a disk that fills up while writing one: one line, exit 1.
 """
 import argparse
 import json
@@ -26,6 +28,7 @@ import sys
 import pytest
 import torch
 
+import collectives
 import data_parallel as dp
 import pipeline_parallel
 import tensor_parallel
@@ -227,3 +230,56 @@ def test_refused_another_vocabulary_and_no_complete_checkpoint(sources, tmp_path
     os.remove(os.path.join(marker["folder"], dp.COMPLETE))   # its pieces, but not complete
     err = refused(["--optimizer", "adamw", "--resume", str(copy)], capsys)
     assert err.split(": error: ")[1].startswith("--resume"), err
+
+
+SAME = [("data_parallel", ["--world-size", "2", "--zero", "3", "--bf16"]),
+        ("tensor_parallel", ["--world-size", "2", "--tp-style", "megatron"]),
+        ("pipeline_parallel", ["--world-size", "2", "--schedule", "interleaved"])]
+
+
+@pytest.mark.deadline(90)
+@pytest.mark.parametrize("script, layout", SAME, ids=[script for script, _ in SAME])
+def test_resumed_at_the_same_layout_is_bitwise(tmp_path, script, layout):
+    """Each other script, AdamW: 2 steps, then resumed to 5, equals 5 steps bitwise. The
+    resumed run's checkpoints (4 and 5) replace the older: 2, and a folder a killed run left
+    incomplete (3)."""
+    never_stopped = run(script, [*layout, "--steps", "5"], "adamw", save=tmp_path / "whole.pt")
+    folder = tmp_path / "ckpt"
+    run(script, [*layout, "--steps", "2"], "adamw", folder=folder)
+    os.makedirs(folder / "step-00000003")
+    (folder / "step-00000003" / "rank-00000.pt").write_bytes(b"half a file")
+    resumed = run(script, [*layout, "--steps", "5", "--checkpoint-every", "2"], "adamw",
+                  folder=folder, resume=folder, save=tmp_path / "resumed.pt")
+    assert resumed["losses"] == never_stopped["losses"][2:]
+    assert all(torch.equal(a, b) for a, b in zip(final_params(resumed),
+                                                 final_params(never_stopped)))
+    assert names(folder) == ["step-00000004", "step-00000005"]
+
+
+def test_a_broken_checkpoint_ends_in_one_line(sources, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(sources["adamw"], copy)
+    path = os.path.join(newest(copy)["folder"], "rank-00000.pt")
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(SystemExit) as exited:
+        collectives.run_main(lambda: three_d.main([*MODEL, *SOURCE, "--steps", "4", "--optimizer",
+                                                   "adamw", "--resume", str(copy), *TIMEOUT]))
+    message = str(exited.value.code)
+    assert message.startswith(f"error: --resume: {path} cannot be read ("), message
+    assert "\n" not in message
+
+
+def test_a_disk_that_fills_up_at_a_checkpoint_is_one_line(tmp_path, monkeypatch):
+    def full_disk(obj, f, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", full_disk)
+    folder = tmp_path / "ckpt"
+    with pytest.raises(SystemExit) as exited:
+        collectives.run_main(lambda: dp.main([*MODEL, "--world-size", "2", "--steps", "2",
+                                              "--checkpoint", str(folder), *TIMEOUT]))
+    message = str(exited.value.code)
+    assert message.startswith(f"error: --checkpoint {folder}: "), message
+    assert "(No space left on device)" in message or "[Errno 28]" in message, message
+    assert "\n" not in message
+    assert dp.checkpoints(str(folder)) == []
