@@ -824,12 +824,12 @@ def checkpoint_bench(args):
     print(f"checkpoint beside a training step: {bench_sizes(args, world_size)[:-5]}, "
           f"{args.optimizer}, --zero {args.zero}; {world_size} files, {human_bytes(nbytes)} "
           f"(fp32 parameters{' and AdamW moments' * (args.optimizer == 'adamw')})")
-    print(f"  {'':<22}{'median':>10}{'x a step':>10}{'GB/s':>8}   (the slowest rank's, of "
+    print(f"  {'':<22}{'median':>10}{'x a step':>10}{'MB/s':>8}   (the slowest rank's, of "
           f"{len(times['step'])})")
     for name, label in [("step", "a training step"), ("write", "write (fsync'd)"),
                         ("read", "read (page cache)")]:
         median = statistics.median(times[name])
-        speed = f"{nbytes / median / 1e9:>8.2f}" if name != "step" else f"{'':>8}"
+        speed = f"{nbytes / median / 1e6:>8.1f}" if name != "step" else f"{'':>8}"
         print(f"  {label:<22}{median * 1e3:>8.1f}ms{median / step:>9.2f}x{speed}", flush=True)
 
 
@@ -947,7 +947,7 @@ def main(argv):
         args = script.parse_args(rest)
         if args.steps < 5:
             refuse(f"--steps {args.steps}: the bench reports the median of at least 5 timed steps")
-        for flag in ("check", "save", "timeline"):
+        for flag in ("check", "save", "timeline", "checkpoint", "resume"):
             if getattr(args, flag, None):
                 refuse(f"--{flag}: not used by the bench, which checks ours against PyTorch's API "
                        f"and times both")

@@ -164,3 +164,17 @@ def test_plan_bench_prints_each_layout_predicted_and_measured(capsys):
                        lines[-1])
     assert summary, lines[-1]
     assert int(summary[3]) == int(rows[0][0])
+
+
+def test_checkpoint_bench_times_a_step_a_write_and_a_read(capsys):
+    """Its table: a step, a write and a read, each a time, the write and read a speed; the
+    files it names are the ones a ZeRO-1 3D checkpoint writes (every rank holds its own)."""
+    bench.main(["checkpoint", "--dp", "2", "--pp", "2", "--tp", "1", "--zero", "1",
+                "--num-layers", "4", "--dim", "16", "--batch-size", "16", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "; 4 files, " in out, out
+    rows = re.findall(r"^  (a training step|write \(fsync'd\)|read \(page cache\)) +([\d.]+)ms +"
+                      r"([\d.]+)x *([\d.]*)$", out, re.MULTILINE)
+    assert [row[0] for row in rows] == ["a training step", "write (fsync'd)", "read (page cache)"]
+    assert all(float(row[1]) > 0 for row in rows) and rows[0][2] == "1.00"
+    assert rows[0][3] == "" and all(float(row[3]) > 0 for row in rows[1:])
