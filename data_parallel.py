@@ -585,14 +585,15 @@ def training_parser(description, dp=False):
             ("--seed", int, 0, "the weights, and each step's windows with the step"),
             ("--save", str, None, "torch.save the run: config, parameters, batches, losses"),
             ("--clip-grad", positive_float, None, "clip the gradient's 2-norm (clip_grad_norm_)"),
-            ("--checkpoint", str, None, "write the run's state into this folder, each rank its "
-             "pieces"),
-            ("--checkpoint-every", int, 0, "steps between checkpoints; 0: after the last only"),
-            ("--resume", str, None, "continue from the newest complete checkpoint in this "
-             "folder, at any layout"),
             *[("--bucket-mb", float, 25.0, "gradients a bucket holds, in MB (the first 1 MB at "
                "most, as DDP's); 0: one layer a bucket")] * dp]:
         p.add_argument(flag, type=kind, default=default, help=help)
+    p.add_argument("--checkpoint", metavar="DIR", help="write the run's state into DIR, each "
+                   "rank its own pieces, after the last step")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="and after every N steps (0: the last only)")
+    p.add_argument("--resume", metavar="DIR", help="continue from the newest complete checkpoint "
+                   "in DIR, at any layout")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw",
                    help="plain SGD, or AdamW with PyTorch's defaults (SGD shows scale errors)")
     p.add_argument("--check", action="store_true",
