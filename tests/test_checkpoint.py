@@ -13,6 +13,8 @@ machinery, used by every training script): a run stopped and resumed at any layo
   completes, or half-way through writing one, the run resumes from its last complete
   checkpoint and ends bitwise equal to the run never stopped; the two newest are kept. The
   other scripts stopped and resumed, bitwise too; an incomplete folder left older is removed.
+- Nothing gathers the model: while ranks write, no collective or send carries more than the
+  pieces' places; resumed elsewhere, a rank opens exactly the files whose pieces overlap its own.
 - The refusals: another model, optimizer or seed (naming the flag), --steps already reached,
   a folder with no complete checkpoint: exit 2, one line, no rank started. A broken file in a
   complete checkpoint, and a disk that fills up while writing one: one line, exit 1.
@@ -27,6 +29,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import collectives
 import data_parallel as dp
@@ -283,3 +286,78 @@ def test_a_disk_that_fills_up_at_a_checkpoint_is_one_line(tmp_path, monkeypatch)
     assert "(No space left on device)" in message or "[Errno 28]" in message, message
     assert "\n" not in message
     assert dp.checkpoints(str(folder)) == []
+
+
+def record_inside(monkeypatch, module, function, watched, log):
+    """Each rank appends a line to log/<pid> for every call of watched {name: (object, its
+    function name)} made inside module.function: (the name, what describe() says of the call)."""
+    inside = []
+    real = getattr(module, function)
+
+    def marked(*args, **kwargs):
+        inside.append(True)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            inside.pop()
+    monkeypatch.setattr(module, function, marked)
+    for name, (owner, attribute, describe) in watched.items():
+        original = getattr(owner, attribute)
+
+        def watching(*args, _original=original, _name=name, _describe=describe, **kwargs):
+            if inside:
+                with open(os.path.join(log, str(os.getpid())), "a") as f:
+                    f.write(f"{_name} {_describe(*args, **kwargs)}\n")
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(owner, attribute, watching)
+
+
+def largest_tensor(*args, **kwargs):   # the most elements of a tensor a call carries
+    found = [0]
+    for value in [*args, *kwargs.values()]:
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, torch.Tensor):
+                found.append(item.numel())
+    return max(found)
+
+
+def lines(log):   # {pid: [(name, what), ...]}
+    return {pid: [tuple(line.split(" ", 1)) for line in open(os.path.join(log, pid)).read().split("\n")
+                  if line] for pid in os.listdir(log)}
+
+
+def test_a_checkpoint_moves_no_weight_between_ranks(tmp_path, monkeypatch):
+    """Every tensor a collective or a send carries while the ranks write a checkpoint, on every
+    rank: the pieces' places alone (7 integers a piece, 10 pieces a rank at most here), where
+    the smallest piece of a weight has 1,024 elements (D = 64, tp 2, ZeRO over 2)."""
+    log = tmp_path / "calls"
+    log.mkdir()
+    names = ["all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "gather",
+             "broadcast", "reduce", "scatter", "reduce_scatter_single", "send", "recv",
+             "batch_isend_irecv", "all_to_all_single", "gather_object", "all_gather_object",
+             "broadcast_object_list"]   # (not isend, irecv: P2POp takes only the real ones)
+    record_inside(monkeypatch, three_d, "save_checkpoint", {
+        name: (dist, name, largest_tensor) for name in names if hasattr(dist, name)}, str(log))
+    run("three_d", [*SOURCE, "--steps", "1", "--dim", "64"], "adamw", folder=tmp_path / "ckpt")
+    calls = lines(str(log))
+    assert len(calls) == 8                            # every rank wrote: ZeRO-1 shards dp too
+    for pid, made in calls.items():
+        assert "gather" in [name for name, _ in made]
+        assert all(int(size) <= 7 * 10 for _, size in made), made
+
+
+def test_a_rank_opens_only_the_files_that_overlap_its_own(sources, tmp_path, monkeypatch):
+    """The source (dp2 pp2 tp2, ZeRO-1) resumed at dp1 pp2 tp1: a rank of stage s holds its
+    stage's parts whole, and opens the files of the ranks of stage s alone, every one of them."""
+    log = tmp_path / "opened"
+    log.mkdir()
+    record_inside(monkeypatch, three_d, "load_checkpoint", {
+        "load": (torch, "load", lambda path, *args, **kwargs: os.path.basename(str(path)))},
+                  str(log))
+    run("three_d", ["--dp", "1", "--pp", "2", "--tp", "1", "--steps", "3"], "adamw",
+        resume=sources["adamw"])
+    grid = three_d.rank_grid(2, 2, 2)                 # the source's [dp, pp, tp] -> rank
+    stage_files = [sorted(f"rank-{rank:05d}.pt" for rank in grid[:, s].flatten().tolist())
+                   for s in range(2)]
+    opened = sorted(sorted(name for _, name in made) for made in lines(str(log)).values())
+    assert opened == sorted(stage_files), opened
