@@ -215,6 +215,20 @@ def test_check_passes_under_nccls_semantics(script, argv, capfd):
     assert figures["weights after an update"][0] <= 2**-20, figures
 
 
+@pytest.mark.deadline(90)
+def test_a_checkpoint_written_and_resumed_elsewhere_under_nccls_semantics(tmp_path, capfd):
+    """Written by dp2 pp2 tp2 under ZeRO-1, read back by dp1 pp2 tp4 under ZeRO-3 with Megatron's
+    pairs, every collective as NCCL runs it: the resumed run passes --check."""
+    with nccl_semantics():
+        three_d.main(["--zero", "1", "--checkpoint", str(tmp_path), "--steps", "2", *TIMEOUT])
+        three_d.main(["--dp", "1", "--tp", "4", "--zero", "3", "--tp-style", "megatron",
+                      "--resume", str(tmp_path), "--check", *QUICK])
+    out = capfd.readouterr().out
+    assert f"resumed from {tmp_path / 'step-00000002'}: step 2" in out, out
+    figures, verdict = check_report(out)
+    assert verdict == "OK" and len(figures) == 3, out
+
+
 def test_the_collectives_tour_under_nccls_semantics(capfd):
     with nccl_semantics():
         collectives.main(["--world-size", "3", *TIMEOUT])
