@@ -844,7 +844,7 @@ def save_checkpoint(args, step, replica, parts=None, boxes=None):
         return
     rank = dist.get_rank()
     folder = os.path.join(args.checkpoint, f"step-{step:08d}")
-    if rank == 0:                                     # an earlier run's, left incomplete
+    if rank == 0:                                     # an earlier run's of this step: replaced
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
     dist.barrier()
@@ -867,10 +867,9 @@ def save_checkpoint(args, step, replica, parts=None, boxes=None):
         os.replace(os.path.join(folder, COMPLETE + ".partial"), os.path.join(folder, COMPLETE))
         log("[rank 0]", f"checkpoint {folder}: complete")
         kept = [os.path.basename(path) for path in checkpoints(args.checkpoint)[-2:]]
-        for name in os.listdir(args.checkpoint):      # older than the newest, complete or
-            older = name.startswith("step-") and name < kept[-1] and name not in kept   # not
-            if older:
-                shutil.rmtree(os.path.join(args.checkpoint, name), ignore_errors=True)
+        for name in os.listdir(args.checkpoint):      # the rest older than the newest go,
+            if name.startswith("step-") and name < kept[-1] and name not in kept:   # complete
+                shutil.rmtree(os.path.join(args.checkpoint, name), ignore_errors=True)   # or not
 
 
 def write_pieces(path, pieces, args):   # on disk once this returns; a failure: one line
@@ -889,8 +888,8 @@ def write_pieces(path, pieces, args):   # on disk once this returns; a failure: 
 
 def load_checkpoint(args, replica, parts=None, boxes=None):
     """--resume: this rank's parameters and AdamW's state, from the pieces of the checkpoint
-    that overlap what it holds (its files' indexes read; their bytes mapped, read where used);
-    then the layers' weights from them (bf16 copies; ZeRO-1, 2: the buckets all-gathered)."""
+    that overlap what it holds (read_pieces); then the layers' weights from them (bf16 copies;
+    ZeRO-1, 2: the buckets all-gathered)."""
     if not args.resume:
         return
     marker = args.resume_from
