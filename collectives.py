@@ -65,13 +65,13 @@ def all_reduce_is_reduce_scatter_then_all_gather(rank, world_size, device):
     heading(rank, "reduce-scatter: rank r ends with element r of the sum")
     piece = torch.zeros(1, device=device)                                 # [1]: each rank keeps 1/n
     show(rank, "before", input=x, output=piece)
-    dist.reduce_scatter_single(piece, x)  # torch 2.13's name for reduce_scatter_tensor
+    dist.reduce_scatter_single(piece, x)  # older torch: reduce_scatter_tensor
     show(rank, "after", input=x, output=piece)
 
     heading(rank, "all-gather: every rank ends with every rank's piece")
     gathered = torch.zeros(n, device=device)                              # [n]
     show(rank, "before", input=piece, output=gathered)
-    dist.all_gather_single(gathered, piece)   # torch 2.13's name for all_gather_into_tensor
+    dist.all_gather_single(gathered, piece)   # older torch: all_gather_into_tensor
     show(rank, "after", input=piece, output=gathered)
 
     # The same bytes cross the wire either way. This is how NCCL runs a large
@@ -230,6 +230,16 @@ import shutil, signal, socket, sys, tempfile, threading, time  # noqa: E401, E40
 from datetime import timedelta  # noqa: E402
 from unittest import mock  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+
+# torch 2.13 renamed two collectives; the torch a GPU image ships may be older (2.11 on an H100's,
+# older in NGC's containers). There the lectures' names are the old functions, under the new name.
+# Older than 2.8, the door refuses: there a run's ranks and its launcher are sometimes killed by a
+# SIGTERM from no rank of ours as the ranks end (seen on 2.6 and 2.7.1, never on 2.8 or later).
+OLDEST_TORCH = "2.8"
+PINNED_TORCH = "torch 2.13.0"   # requirements.txt's
+if not hasattr(dist, "all_gather_single"):
+    dist.all_gather_single = dist.all_gather_into_tensor
+    dist.reduce_scatter_single = dist.reduce_scatter_tensor
 
 DEFAULT_TIMEOUT_S = 60.0   # how long a rank waits for a peer (PyTorch's 30 min look like a hang)
 RANK_BYTES = 50e6          # one forked CPU rank at the defaults, measured: its share of the pages
@@ -480,8 +490,9 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, **kwargs):   # with the flags every script shares for starting its ranks
         super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
         self.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                          help="auto: NCCL when this node has a GPU for each of its ranks, gloo "
-                               "on the CPU when it has none")
+                          help="auto: NCCL when this node has a GPU for each of its ranks; "
+                               "gloo on the CPU when it has none, or fewer GPUs than ranks "
+                               "(said in one line)")
         self.add_argument("--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S,
                           help="how long a rank waits for a peer before the run fails")
 
@@ -516,6 +527,10 @@ def check_launch_args(parser, args, world_size, flag="--world-size", tensor_byte
     gpus = torch.cuda.device_count()   # NVML: no CUDA starts in this process
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     parser.refuse([
+        (torch.__version__ < OLDEST_TORCH,
+         f"torch {torch.__version__} is installed; these scripts need torch {OLDEST_TORCH} or "
+         f"newer: pip install 'torch>={OLDEST_TORCH}', or run make, which installs "
+         f"{PINNED_TORCH} in .venv"),
         (args.timeout_s < 1, f"--timeout-s {args.timeout_s:g}: at least 1 s, or the ranks give "
                              f"up before they meet"),
         (args.timeout_s > 1e6, f"--timeout-s {args.timeout_s:g}: at most 1e6 s (11 days)"),
@@ -526,7 +541,7 @@ def check_launch_args(parser, args, world_size, flag="--world-size", tensor_byte
         (under_torchrun() and os.environ["WORLD_SIZE"] != str(world_size),
          f"{flag}: this run needs {world_size} ranks but torchrun started "
          f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}"),
-        (args.backend != "gloo" and gpus < ranks and (gpus or args.backend == "nccl"),
+        (args.backend == "nccl" and gpus < ranks,
          f"{flag} {world_size}: {ranks} ranks on this node and {gpus} GPU{'s' * (gpus != 1)}; "
          f"NCCL takes a GPU a rank: run at most {gpus} ranks a node, or pass --backend gloo to "
          f"run every rank on the CPU"),
@@ -534,6 +549,10 @@ def check_launch_args(parser, args, world_size, flag="--world-size", tensor_byte
          f"{sizes or f'{flag} {world_size}'}: about {per_rank / 1e9:.1f} GB per rank, "
          f"{per_rank * ranks / 1e9:.1f} GB for the {ranks} ranks on this machine, which has "
          f"{memory / 1e9:.1f} GB")])
+    speaks = not under_torchrun() or os.environ["RANK"] == "0"
+    if args.backend == "auto" and 0 < gpus < ranks and speaks:   # a laptop's GPU, 8 ranks
+        print(f"{parser.prog}: {ranks} ranks on this node and {gpus} GPU{'s' * (gpus != 1)}, "
+              f"and NCCL takes a GPU a rank: every rank runs on the CPU, with gloo", flush=True)
 
 
 def parse_args(argv=None):

@@ -110,6 +110,7 @@ def dp_step(replica, blocks, loss_fn, xs, ys, n, recompute=False):
                 g, (x_i, dz) = blocks[i].backward(g, stashes.pop(), replica.weights[i],
                                                   need_dx=i > 0)   # the tokens need none
                 replica.add_grad(i, x_i, dz)          # dW = x^T dz, summed over micro-batches
+                del x_i, dz                           # gone before the next part's backward
             replica.release_weights(b)
             if micro_batch == len(xs) - 1 or replica.exchange_each_micro_batch:
                 replica.reduce_gradients(b)           # final: summed over the replicas
@@ -448,8 +449,13 @@ def clip_grads(grads, max_norm, groups):
     return norm                         # on the device: reading it here would stall a GPU
 
 
-def make_optimizer(params, optimizer, lr):   # plain SGD, or AdamW with PyTorch's defaults
-    return (torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW)(params, lr=lr)
+def make_optimizer(params, optimizer, lr):
+    """Plain SGD, or AdamW with PyTorch's defaults; off the CPU, AdamW's fused kernel: one pass
+    over p, g, m and v, where the default (foreach) makes several and a temporary of 4 bytes a
+    parameter (on an H100 at 537 M parameters: 16 ms of a 53.5 ms step; fused, 7)."""
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr, fused=params[0].device.type != "cpu")
 
 
 def init_params(args):

@@ -380,7 +380,11 @@ GPUS = {
                  latency_us=20, send_gbps=150, send_latency_us=3,   # assumed as the H100's
                  inter_gbps=24, inter_latency_us=30),   # HDR 200 Gb/s: 96% (nccl-tests#119)
 }
-UPDATE_BYTES = {"adamw": 36, "sgd": 20}   # a parameter's read and written: g / d, p, m and v
+# A parameter's bytes read and written by the update, as the code runs it: g / d (8), then fused
+# AdamW's one pass over p, g, m and v (28) or SGD's over p and g (12); --bf16 then copies the
+# new master into the layers' weight (6).
+UPDATE_BYTES = {"adamw": 36, "sgd": 20}
+REFRESH_BYTES = 6
 
 
 class Machine:
@@ -431,8 +435,8 @@ class Machine:
         b = 3 * out / self.hbm + self.matmul_s(dx) + self.matmul_s(forward) * recompute
         return f, b, w
 
-    def update_s(self, params, optimizer):
-        return params * UPDATE_BYTES[optimizer] / self.hbm
+    def update_s(self, params, optimizer, bf16):
+        return params * (UPDATE_BYTES[optimizer] + REFRESH_BYTES * bf16) / self.hbm
 
     def collective_s(self, kind, nbytes, n, per_node):
         """NCCL's floor plus a rank's ring bytes at RISE's busbw for the size; across nodes
@@ -517,7 +521,7 @@ def predict(args, machine):
     parts = dict(compute=slowest["compute"], **slowest["comm"], **waits,
                  bubble=pipeline - slowest["inside"])
     params = max(stage["params"] for stage in stages)   # the largest optimizer's, a rank's
-    parts["update"] = machine.update_s(params, args.optimizer)
+    parts["update"] = machine.update_s(params, args.optimizer, args.bf16)
     step = sum(parts.values())
     model_flops = 6 * args.batch_size * (args.num_layers * args.dim + args.vocab_size) * args.dim
     return dict(step_s=step, parts=parts, bubble=slowest["bubble"],
@@ -532,7 +536,7 @@ def predict(args, machine):
 
 def most_memory(args):
     """The most a rank of any stage holds: its replica's state and ZeRO's in-step buckets (alike on
-    the middle stages; the ends hold E and H) plus its own largest stash."""
+    the middle stages; the ends hold E and H) plus its own largest stash and its working set."""
     pp, m, v = args.pp, args.micro_batches, args.virtual_stages
     kept, waiting = stash_bytes(args)
     state = {}
@@ -540,9 +544,17 @@ def most_memory(args):
         held = three_d_costs(args, s)[1]
         state[s] = sum(size for size, _ in held.values()) + in_step_bytes(
             chunk_lengths(args, s), args.dp, zero=args.zero, num_micro_batches=m)
-    return max(state.get(s, state[min(1, pp - 1)]) + max(
+    return max(state.get(s, state[min(1, pp - 1)]) + working_bytes(args, s) + max(
         k * kept + w * waiting for k, w in held_counts(args.schedule, pp, s, m, v))
         for s in range(pp))
+
+
+def working_bytes(args, stage):
+    """What a layer's backward holds beyond the stash: the g it takes, the dz and dx it makes
+    ([b, D] each, whole at most). An H100 at L 8, D 8192, B 8192, m 1 held 20 [B, D] at its
+    peak: the stash's 16, these 3 and the head's input, which dp_step now lets go at once."""
+    act = args.batch_size // (args.dp * args.micro_batches) * args.dim * (2 if args.bf16 else 4)
+    return 3 * act
 
 
 def layouts(args, gpus_per_node):

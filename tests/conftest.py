@@ -1,6 +1,11 @@
 """Every test gets a deadline, so a deadlock fails in seconds instead of hanging CI.
 
 SIGALRM raises in the test's main thread; spawn() then ends every rank it started.
+
+The suite is the CPU's wherever it runs: this machine's GPUs, if any, are hidden from every test
+and from every process a test starts (before torch is imported), so a laptop with one GPU runs
+what CI runs. tests/nccl.py's fake_gpus() shows a door as many GPUs as a test asks for; a real
+GPU is make gpu-check's.
 """
 import os
 import signal
@@ -8,6 +13,7 @@ import sys
 
 import pytest
 
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DEADLINE_S = 60

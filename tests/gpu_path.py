@@ -21,6 +21,7 @@ StepRecord, a TorchDispatchMode, sees every op of the step. It keeps
 - each collective and send (comm_count's CommCounter): its group, kind and tensor bytes;
 - the bytes the step allocates, at their most while alive (a storage counts from the op that
   makes it until its last reference goes);
+- every op's name, as often as it ran (AdamW's fused kernel, once a step, as on a GPU);
 and it ends the step at the first op that touches a tensor on another device than meta, a
 CPU scalar aside (CUDA takes those, and AdamW keeps its step count there).
 """
@@ -100,6 +101,7 @@ class StepRecord(TorchDispatchMode):
         self.device = device
         self.matmuls = collections.Counter()   # tensor_parallel.Matmul -> calls
         self.input_dtypes = collections.Counter()   # a matmul's inputs' dtype -> calls
+        self.ops = collections.Counter()       # every op's name (aten's) -> calls
         self.live = {}                         # id of a storage made in the step -> its bytes
         self.now = 0
         self.peak = 0
@@ -110,6 +112,7 @@ class StepRecord(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.check_devices(func, out)                     # and what it makes
         name = func.overloadpacket.__name__
+        self.ops[name] += 1
         if name in MATMULS:
             self.add_matmul(name, args, out, adds=MATMULS[name] and kwargs.get("beta", 1) != 0)
         for t in tree_flatten(out)[0]:
@@ -159,6 +162,16 @@ def fake_world(rank, world_size):
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fused_on_meta():
+    """AdamW's fused kernel on the meta device, as a GPU runs it: torch's check before it lists
+    the devices it was built for, and meta is not among them, though the kernel has a meta form."""
+    import torch.optim.adam as adam     # (the module: torch.optim's `adam` is deleted)
+    with mock.patch.object(adam, "_device_dtype_check_for_fused",
+                           lambda param, cuda_unsupported=False: None):
+        yield
 
 
 @contextlib.contextmanager
@@ -213,7 +226,7 @@ def run_step(script, argv, rank):
     step taken (AdamW makes its state in its first), then one step recorded."""
     args = gpu_node_args(script, argv)
     world_size = world_of(script, args)
-    with fake_world(rank, world_size), drawn_on_meta():
+    with fake_world(rank, world_size), drawn_on_meta(), fused_on_meta():
         step, replica, groups, stage = BUILDERS[script](args, rank, world_size)
         with StepRecord():                # the first step, checked alike, its record let go
             step()

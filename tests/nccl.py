@@ -27,6 +27,8 @@ The checks raise NCCLSemanticsError in the rank, which names the operation.
 import contextlib
 import functools
 import inspect
+import os
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -270,6 +272,8 @@ def fake_gpus(count=8, capability=(9, 0)):
             raise CUDAInitialised(f"{what}: CUDA initialised in the launching process")
         return call
     with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(os.environ))   # every one of them visible (the
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)       # suite hides this machine's: conftest)
         stack.enter_context(patched(ctypes, "CDLL", cdll))
         stack.enter_context(patched(torch.cuda, "_is_compiled", lambda: True))   # a CPU build here
         stack.enter_context(patched(torch.cuda, "_lazy_init", initialises("torch.cuda._lazy_init")))

@@ -124,7 +124,7 @@ class ThisMachine(Machine):
         alpha, beta = self.links[kind, 2 if kind == "send" else n]
         return collective_cost(kind, nbytes, n, alpha, beta)[1] + self.sync_s * (kind != "send")
 
-    def update_s(self, params, optimizer):   # every rank's at once, on the cores they share
+    def update_s(self, params, optimizer, bf16):   # every rank's at once, on the cores they share
         return params * self.per_param[optimizer] * max(1.0, self.world_size / self.cores)
 
     def pipeline_s(self, args, slowest, stages):

@@ -342,6 +342,33 @@ def test_bad_world_size_is_one_line_and_exit_2():
         assert "Traceback" not in err and out == ""
 
 
+@pytest.mark.parametrize("version,refused", [("2.7.1+cu126", True), ("2.6.0", True),
+                                              ("2.8.0+cu128", False), ("2.11.0+cu130", False)])
+def test_a_torch_older_than_the_oldest_supported_is_refused_in_one_line(monkeypatch, capsys,
+                                                                       version, refused):
+    """Older than 2.8, one line naming the version found, the version needed, and how to get
+    it (CI runs make 3d and tests/test_three_d.py on torch 2.8 itself: .ci/run)."""
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion(version))
+    if not refused:
+        assert C.parse_args(["--world-size", "2"]).world_size == 2
+        return
+    with pytest.raises(SystemExit) as exited:
+        C.parse_args(["--world-size", "2"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{os.path.basename(sys.argv[0])}: error: torch {version} is installed; these scripts "
+        f"need torch 2.8 or newer: pip install 'torch>=2.8', or run make, which installs "
+        f"torch 2.13.0 in .venv"]
+
+
+def test_ci_runs_the_oldest_supported_torch_and_make_pins_the_one_named():
+    with open(os.path.join(os.path.dirname(C.__file__), ".ci", "run")) as f:
+        ci = f.read()
+    assert f"torch=={C.OLDEST_TORCH}.0" in ci and "tests/test_three_d.py" in ci
+    with open(os.path.join(os.path.dirname(C.__file__), "requirements.txt")) as f:
+        assert C.PINNED_TORCH.replace(" ", "==") in f.read().split()
+
+
 ALL_REDUCE_ON_2 = ["[rank 0] after  tensor = [10 12]", "[rank 1] after  tensor = [10 12]"]
 
 

@@ -128,6 +128,31 @@ def test_a_rank_of_1024_gpus_runs_as_planned(rank):
 ON_THE_CPU = torch.ones(97)      # made outside the step, as a CPU tensor left in a script
 
 
+FOREACH_ADAMW = {"_foreach_lerp_", "_foreach_mul_", "_foreach_addcmul_", "_foreach_sqrt",
+                 "_foreach_addcdiv_", "_foreach_div_"}   # foreach AdamW's passes (torch's default)
+
+
+@pytest.mark.parametrize("script,flags", [
+    ("data_parallel", ["--world-size", "4", "--bf16"]),
+    ("data_parallel", ["--world-size", "4", "--zero", "1", "--bf16"]),
+    ("data_parallel", ["--world-size", "4", "--zero", "3"]),
+    ("three_d", ["--dp", "2", "--pp", "2", "--tp", "2", "--zero", "2", "--bf16"]),
+])
+def test_a_gpu_step_updates_with_adamws_fused_kernel_once(script, flags):
+    """Off the CPU, AdamW is one fused kernel a step over the rank's parameters or ZeRO's shard
+    (its step count bumped beside it), none of foreach's passes; on the CPU, torch's default."""
+    ran = run_step(script, flags, 0)
+    assert ran.record.ops["_fused_adamw_"] == 1
+    assert not FOREACH_ADAMW & set(ran.record.ops), ran.record.ops
+    sgd = run_step(script, [*flags, "--optimizer", "sgd"], 0)
+    assert sgd.record.ops["_fused_adamw_"] == 0
+    on_cpu = data_parallel.make_optimizer([torch.zeros(2, requires_grad=True)], "adamw", 1e-3)
+    assert not on_cpu.defaults["fused"]
+    on_meta = data_parallel.make_optimizer([torch.zeros(2, device="meta", requires_grad=True)],
+                                           "adamw", 1e-3)
+    assert on_meta.defaults["fused"] is True
+
+
 @pytest.mark.parametrize("make", [lambda a: torch.zeros(a.shape),      # made on the CPU
                                   lambda a: a + ON_THE_CPU])           # devices mixed
 def test_a_step_that_leaves_a_tensor_on_the_cpu_fails(monkeypatch, make):

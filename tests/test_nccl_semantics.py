@@ -251,19 +251,40 @@ def test_the_door_accepts_bf16_on_gpus_without_starting_cuda(name):
     assert args.bf16
 
 
-def test_fewer_gpus_than_ranks_is_refused_at_the_door(capsys):
+def test_fewer_gpus_than_ranks_run_on_the_cpu_and_say_so_and_nccl_is_refused(capsys):
+    prog = os.path.basename(sys.argv[0])
+    with fake_gpus(count=4):                                     # 8 ranks on a node of 4 GPUs
+        assert three_d.parse_args([]).backend == "auto"
+        assert collectives.pick_backend(8) == "gloo" and collectives.pick_backend(4) == "nccl"
+    assert capsys.readouterr().out.splitlines() == [
+        f"{prog}: 8 ranks on this node and 4 GPUs, and NCCL takes a GPU a rank: every rank runs "
+        f"on the CPU, with gloo"]
     with fake_gpus(count=4), pytest.raises(SystemExit) as exited:
-        three_d.parse_args([])                                   # 8 ranks on a node of 4 GPUs
+        three_d.parse_args(["--backend", "nccl"])
     assert exited.value.code == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"{os.path.basename(sys.argv[0])}: error: --dp x --pp x --tp 8: 8 ranks on this node and "
+    assert err == [f"{prog}: error: --dp x --pp x --tp 8: 8 ranks on this node and "
                    f"4 GPUs; NCCL takes a GPU a rank: run at most 4 ranks a node, or pass --backend gloo to "
                    f"run every rank on the CPU"]
     with fake_gpus(count=4):
         assert three_d.parse_args(["--backend", "gloo"]).backend == "gloo"   # the CPU, as asked
-        assert collectives.pick_backend(4) == "nccl" and collectives.pick_backend(8, "gloo") == "gloo"
-    with fake_gpus(count=0):
+        assert collectives.pick_backend(8, "gloo") == "gloo"
+    with fake_gpus(count=0):                                     # no GPU: gloo, said by no one
         assert three_d.parse_args([]).backend == "auto" and collectives.pick_backend(8) == "gloo"
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.deadline(60)
+def test_make_3d_on_a_laptop_with_one_gpu_trains_on_the_cpu_and_passes_its_check(capfd):
+    """The README's `make 3d` where the door sees one GPU: the ranks start by fork (no CUDA in
+    this process: fake_gpus raises if any starts), on gloo, and --check passes."""
+    with fake_gpus(count=1):
+        three_d.main(["--dp", "2", "--pp", "2", "--tp", "2", "--check", "--steps", "3"])
+    out = capfd.readouterr().out      # (the ranks' lines too: they write to this process's fd)
+    assert out.splitlines()[0] == (f"{os.path.basename(sys.argv[0])}: 8 ranks on this node and "
+                                   f"1 GPU, and NCCL takes a GPU a rank: every rank runs on the "
+                                   f"CPU, with gloo")
+    assert out.rstrip().endswith("check OK")
 
 
 def test_a_parent_with_cuda_starts_its_ranks_by_spawn(monkeypatch):
