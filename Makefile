@@ -6,7 +6,7 @@
 # Bring your own environment instead with PYTHON=...: what it lacks is installed there.
 PYTHON ?= .venv/bin/python
 
-.PHONY: deps install collectives dp tp pp 3d test test-multinode test-slurm bench
+.PHONY: deps install collectives dp tp pp 3d test test-multinode test-slurm bench gpu-check
 
 # Two `make` calls at once (make 3d and make test in two terminals) take turns here: the
 # lock on .venv.lock is the kernel's, so a killed make holds it no longer.
@@ -43,6 +43,12 @@ pp: deps
 
 test: deps
 	$(PYTHON) -m pytest -q -m "not multinode and not slurm" tests
+
+# A machine with GPUs (tests/gpu_check.py): each script on all of this node's GPUs with --check,
+# fp32 and bf16; then one GPU's bf16 step of a large model, ours beside plain PyTorch: step time,
+# MFU, peak memory, and --plan's prediction. Without a GPU: one line, exit 0.
+gpu-check: deps
+	$(PYTHON) tests/gpu_check.py
 
 # Two nodes in network namespaces, as root (about a minute)
 test-multinode: deps
