@@ -23,11 +23,11 @@ Each part is a Block, a forward and its backward; dE is x^T dz with x = onehot(t
 index_add_ sums without making the one-hot matrix. A layer keeps (x, z), its stash, for its
 backward; --recompute keeps x, makes z again in the backward: L [b, D], not 2 L, 4/3 the FLOPs.
 
-Data parallelism: each of d replicas holds every weight and trains on its own slice of the
-batch; they sum their gradients with an all-reduce and divide by d. dp_step() reads as that:
-forward; backward part by part, each dW into its bucket; each bucket's exchange once final
-(--overlap: under the backward); divide. ZeRO (--zero 1, 2, 3): three classes, each the stage
-before plus its change. PyTorch's: DDP, ZeroRedundancyOptimizer, FSDP2 (tests/bench.py).
+Data parallelism: each of d replicas holds every weight and trains on its own slice of the batch;
+they sum their gradients with an all-reduce and divide by d. dp_step() reads as that: forward;
+backward part by part, each dW into its bucket; each bucket's exchange once final (--overlap:
+under the backward); divide. ZeRO (--zero 1, 2, 3): three classes, each the stage before plus its
+change. PyTorch's: DDP, ZeroRedundancyOptimizer, FSDP2 (tests/bench.py).
 """
 import warnings
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
@@ -297,8 +297,7 @@ class ZeRO3(ZeRO2):
         self.gathering = {}                               # bucket -> (Work, its flat [d S])
 
     def gather_weights(self, b, prefetch=None):
-        """Bucket b's weights, whole: (d-1)/d of its bytes come in; the next bucket's too, two
-        held at most."""
+        """Bucket b's weights, whole ((d-1)/d of its bytes come in); the next's too: two at most."""
         for bucket in (b, prefetch):
             if bucket in range(len(self.buckets)) and bucket not in self.gathering:
                 flat = self.params[bucket].new_empty(self.lengths[bucket], dtype=self.dtype)
@@ -547,6 +546,9 @@ def show_memory(replica, args, whose):
     print(f"memory held at the end of a step by {whose}: --zero {args.zero}, d={replica.dp_size}, "
           f"P = {P} parameters{' (buckets padded to a multiple of d)' * bool(args.zero)}, "
           f"{'bf16 on fp32 masters (in the optimizer state)' if args.bf16 else 'fp32'}")
+    if args.bf16:   # what stays between steps, beyond PyTorch's plain model with set_to_none
+        print("  the layers' bf16 weights stay beside the masters, as Megatron keeps them;\n"
+              "  the gradients stay in their flat buckets between steps, as DDP's do")
     for kind, got in [*now.items(), ("total", sum(now.values()))]:
         print(f"  {kind:<16}{got:>12} bytes   formula {want[kind][1]:<18} = {want[kind][0]:>10.0f}")
 
