@@ -234,7 +234,8 @@ import torch.multiprocessing as mp  # noqa: E402
 # torch 2.13 renamed two collectives; the torch a GPU image ships may be older (2.11 on an H100's,
 # older in NGC's containers). There the lectures' names are the old functions, under the new name.
 # Older than 2.8, the door refuses: there a run's ranks and its launcher are sometimes killed by a
-# SIGTERM from no rank of ours as the ranks end (seen on 2.6 and 2.7.1, never on 2.8 or later).
+# SIGTERM from no rank of ours as the ranks end (in 2 or 3 runs of 5 on 2.6 and 2.7.1; in none
+# of 10 on 2.8).
 OLDEST_TORCH = "2.8"
 PINNED_TORCH = "torch 2.13.0"   # requirements.txt's
 if not hasattr(dist, "all_gather_single"):

@@ -544,12 +544,12 @@ def most_memory(args):
         held = three_d_costs(args, s)[1]
         state[s] = sum(size for size, _ in held.values()) + in_step_bytes(
             chunk_lengths(args, s), args.dp, zero=args.zero, num_micro_batches=m)
-    return max(state.get(s, state[min(1, pp - 1)]) + working_bytes(args, s) + max(
+    return max(state.get(s, state[min(1, pp - 1)]) + working_bytes(args) + max(
         k * kept + w * waiting for k, w in held_counts(args.schedule, pp, s, m, v))
         for s in range(pp))
 
 
-def working_bytes(args, stage):
+def working_bytes(args):
     """What a layer's backward holds beyond the stash: the g it takes, the dz and dx it makes
     ([b, D] each, whole at most). An H100 at L 8, D 8192, B 8192, m 1 held 20 [B, D] at its
     peak: the stash's 16, these 3 and the head's input, which dp_step now lets go at once."""

@@ -99,7 +99,7 @@ def stage_costs(args, stage, tp_rank=0):
     in_step = data_parallel.in_step_bytes(three_d.chunk_lengths(args, stage, tp_rank), args.dp,
                                           zero=args.zero, num_micro_batches=args.micro_batches)
     return sent, {"held": sum(size for size, _ in held.values()), "stash": stash, "in step": in_step,
-                  "working": three_d.working_bytes(args, stage)}
+                  "working": three_d.working_bytes(args)}
 
 
 SHAPES = [(world, dp, pp, world // (dp * pp)) for world in (4, 8)
@@ -202,7 +202,7 @@ def test_the_plan_is_within_10_percent_of_an_h100s_step_and_memory(m):
         assert row["memory_bytes"] == pytest.approx(peak, rel=0.10)
     else:   # foreach's peak: the state and its temporary; fused's, below it, is the backward's
         held = row["memory_bytes"] - (three_d.stash_bytes(row["args"])[0] +
-                                      three_d.working_bytes(row["args"], 0))
+                                      three_d.working_bytes(row["args"]))
         assert held + 4 * params == pytest.approx(peak, rel=0.10)
         assert row["memory_bytes"] < peak
     assert row["parts"]["update"] == pytest.approx(params * (36 + 6) / 3.35e12)   # fused, bf16
