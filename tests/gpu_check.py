@@ -18,6 +18,7 @@ On a machine without a GPU it says so in one line and exits 0: make test is the 
 import argparse
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -146,10 +147,10 @@ def plan_row(flags, m, plan_key):
                 if layout.micro_batches == m and not layout.recompute)
 
 
-def join_alone(device):
+def join_alone(device, folder):
     """This process as the one rank of a world of one (DataParallel asks its group's size)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="gpu-check-"), "store"), 1)
+    store = dist.FileStore(os.path.join(folder, "store"), 1)
     dist.init_process_group(backend, store=store, rank=0, world_size=1,
                             device_id=device if backend == "nccl" else None)
 
@@ -207,7 +208,8 @@ def time_one_gpu(args, device=None):
     peak_flops, source, plan_key = card_peak(name, args.peak_tflops)
     flags = sized_for(memory) if device.type == "cuda" else dict(MODEL, num_layers=2, dim=64,
                                                                  batch_size=64)
-    join_alone(device)
+    folder = tempfile.mkdtemp(prefix="gpu-check-")
+    join_alone(device, folder)
     try:
         L, D, B = flags["num_layers"], flags["dim"], flags["batch_size"]
         model_flops = 6 * B * (L * D + data_parallel.VOCAB_SIZE) * D   # a step's, as --plan's
@@ -229,6 +231,7 @@ def time_one_gpu(args, device=None):
                       flush=True)
     finally:
         dist.destroy_process_group()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def table_line(m, side, seconds, peak, model_flops, peak_flops, row):

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from unittest import mock
 
 import pytest
@@ -64,8 +65,10 @@ def test_the_model_is_the_h100s_where_it_fits_and_smaller_where_not():
 
 
 @pytest.mark.deadline(60)
-def test_its_timing_table_runs_on_the_cpu(capsys):
+def test_its_timing_table_runs_on_the_cpu(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))     # where its store goes, and goes
     gpu_check.time_one_gpu(argparse.Namespace(peak_tflops=50e-3, steps=2), torch.device("cpu"))
+    assert list(tmp_path.glob("gpu-check-*")) == []             # (torch may leave its own)
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("the CPU: the language model at L 2, D 64, k 8, B 64")
     rows = [line.split() for line in out[4:]]
