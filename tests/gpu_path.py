@@ -348,6 +348,9 @@ def describe(ran):
                      f"{' (adds into its output)' * mm.accumulate}")
     for (group, kind, nbytes), calls in sorted(ran.comms.items()):
         lines.append(f"  {calls:>4} x {group} {kind} of {nbytes} bytes")
+    if ran.record.ops["_fused_adamw_"]:
+        lines.append(f"  {ran.record.ops['_fused_adamw_']:>4} x AdamW's fused kernel over the "
+                     f"rank's parameters (torch._fused_adamw_)")
     lines.append(f"  held at the step's end {sum(ran.held.values())} bytes; the step's "
                  f"allocations at their most {ran.peak_bytes} bytes")
     return "\n".join(lines)
