@@ -352,6 +352,7 @@ def main(argv=None):
 # share (training flags and rules, --save, checkpoints, the text and its data, --check); the
 # memory table.
 import argparse, contextlib, functools, json, math, os, shutil, sys  # noqa: E401, E402
+import tempfile  # noqa: E402
 from typing import Callable, NamedTuple  # noqa: E402
 
 from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
@@ -664,11 +665,15 @@ def writable(path):   # a regular file this process can write, or make: tried, n
         return False
 
 
-def writable_folder(path):   # a folder there, or one this process may make (the first checkpoint)
-    path = os.path.abspath(path)
+def writable_folder(path):   # a folder there, or one this process can make: tried, not asked
+    path = os.path.abspath(path)   # (root passes os.access everywhere, /proc included)
     while not os.path.exists(path):
         path = os.path.dirname(path)
-    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+    try:                           # a folder made inside the nearest that exists, and removed
+        os.rmdir(tempfile.mkdtemp(dir=path))
+        return True
+    except OSError:                # a file there, or a folder no one can write (/proc)
+        return False
 
 
 def parse_args(argv=None):

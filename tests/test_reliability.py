@@ -91,6 +91,7 @@ TRAINING = [
     (["--checkpoint-every", "-1"], "--checkpoint-every"),
     (["--checkpoint-every", "5"], "--checkpoint-every"),          # and no --checkpoint to write to
     (["--checkpoint", "{file}/ckpt"], "--checkpoint"),            # below a file
+    (["--checkpoint", "/proc/x"], "--checkpoint"),                # no one may make it, root too
     (["--resume", "{tmp}"], "--resume"),                          # no complete checkpoint there
     (["--resume", "{tmp}/no/such/dir"], "--resume"),
 ] + ([(["--backend", "nccl"], "--backend")] if NO_GPU else [])
