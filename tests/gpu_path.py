@@ -32,6 +32,7 @@ import functools
 import importlib.util
 import os
 import sys
+import warnings
 import weakref
 from typing import NamedTuple
 from unittest import mock
@@ -40,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 if importlib.util.find_spec("numpy") is None:   # torch's meta kernels try `import numpy` at
     sys.modules["numpy"] = None                 # every size they compare: fail it at once
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch's, at import: unneeded
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")   # the fake group's C++ warning as it ends
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

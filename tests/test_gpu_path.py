@@ -13,6 +13,9 @@ Each recorded step must
 """
 import argparse
 import collections
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -178,6 +181,17 @@ def test_the_harness_refuses_bad_input_in_one_line_before_any_group(argv, named,
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and named in err, err
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.deadline(60)
+def test_the_harness_from_the_shell_prints_its_record_and_nothing_on_stderr():
+    """As the README runs it: no torch warning (numpy's, the fake group's) before the record."""
+    proc = subprocess.run([sys.executable, os.path.join("tests", "gpu_path.py"), "data_parallel",
+                           "--world-size", "2"], cwd=os.path.dirname(os.path.dirname(
+                               os.path.abspath(__file__))), capture_output=True, text=True,
+                          timeout=50)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.startswith("rank 0 (stage 0) of 2: 30 matmuls")
 
 
 def test_the_harness_help_lists_the_scripts_it_runs(capsys):
