@@ -626,7 +626,12 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
     L, D, B, m, V = args.num_layers, args.dim, args.batch_size, args.micro_batches, VOCAB_SIZE
     by, rows = f"{replicas_flag} x " if replicas_flag else "", B // replicas
     bucket_mb = getattr(args, "bucket_mb", 0)
+    ids, source = read_text()                       # read here, once: forked ranks share it
+    smaller = min(len(text_part("training")), len(text_part("validation")))
     parser.refuse([
+        (smaller <= args.context, f"--context {args.context}: a window is {args.context + 1} "
+                                  f"characters, and {source} has {len(ids)} (its smaller part, "
+                                  f"{smaller})"),
         (not 0 <= args.seed < 2**32, f"--seed {args.seed}: expected 0 to {2**32 - 1}"),
         (D % args.context, f"--dim {D} is not divisible by --context {args.context}: each "
                            f"character is embedded in D/k columns"),
@@ -649,7 +654,6 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
     P = L * D * D + V * D // args.context + D * V
     held = dp_costs([P], replicas, zero=getattr(args, "zero", 0))[1]
     state = sum(size for size, _ in held.values())
-    text_part("training")                           # read here, once: forked ranks share it
     check_launch_args(parser, args, world_size, ranks_flag,
                       4 * (P + 2 * B * V + 2 * L * B * D) + state,
                       f"--num-layers {L} --dim {D} --batch-size {B}")

@@ -8,6 +8,7 @@
 - --check passes on a correct run and fails on a broken one; bad flags exit 2.
 """
 import math
+import os
 import re
 import subprocess
 import sys
@@ -355,6 +356,24 @@ def test_the_text_falls_back_to_the_scripts_without_pydoc_data(monkeypatch):
         scripts = "".join((REPO / name).read_text() for name in sorted(
             p.name for p in REPO.iterdir() if p.suffix == ".py"))
         assert "scripts" in source and ids.tolist() == dp.encode(scripts).tolist()
+    finally:
+        dp.read_text.cache_clear()
+
+
+def test_a_text_shorter_than_a_window_is_refused_at_the_door_in_one_line(monkeypatch, capsys):
+    """An empty (or stripped) pydoc_data.topics: one line naming the text and its length, exit 2,
+    before any rank starts, not randint's error in every rank."""
+    import pydoc_data.topics
+    monkeypatch.setattr(pydoc_data.topics, "topics", {"stripped": "x" * 40})
+    dp.read_text.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            dp.parse_args(["--context", "4"])
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"{os.path.basename(sys.argv[0])}: error: --context 4: a window is 5 characters, and "
+            f"CPython's help (pydoc_data.topics) has 40 (its smaller part, 4)"]
+        assert dp.parse_args(["--context", "2", "--dim", "8"]).context == 2   # 3 fit in 4
     finally:
         dp.read_text.cache_clear()
 
