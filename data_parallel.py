@@ -979,7 +979,10 @@ def resume_rules(args):
     args.resume_from = None
     if args.resume is None:
         return []
-    marker = newest_checkpoint(args.resume)
+    try:
+        marker = newest_checkpoint(args.resume)
+    except ValueError as e:                          # its complete.json is not one
+        return [(True, f"--resume {args.resume}: {e}")]
     if marker is None:
         return [(True, f"--resume {args.resume}: no complete checkpoint there (a step-N folder "
                        f"with its {COMPLETE})")]
@@ -1002,9 +1005,14 @@ def newest_checkpoint(folder):   # its complete.json, and "folder": where it is;
     found = checkpoints(folder)
     if not found:
         return None
-    with open(os.path.join(found[-1], COMPLETE)) as f:
-        marker = json.load(f)
-    marker["folder"] = found[-1]
+    path = os.path.join(found[-1], COMPLETE)
+    try:
+        with open(path) as f:
+            marker = json.load(f)
+        marker["folder"] = found[-1]
+    except (OSError, ValueError, TypeError) as e:   # a disk that filled, an editor: not JSON
+        raise ValueError(f"{path} cannot be read ({str(e).splitlines()[0][:80]}): a broken "
+                         f"checkpoint; move its folder aside to resume from the one before")
     return marker
 
 

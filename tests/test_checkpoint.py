@@ -273,6 +273,26 @@ def test_a_broken_checkpoint_ends_in_one_line(sources, tmp_path):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("text", ['{"step": 4, "dim"', "", "[4]"])
+def test_a_broken_marker_is_refused_at_the_door_in_one_line(sources, tmp_path, capsys, text):
+    """complete.json cut short (a disk that filled), emptied, or not a marker: one line at the
+    door, exit 2, as a broken rank file gets at its read."""
+    copy = tmp_path / "copy"
+    shutil.copytree(sources["adamw"], copy)
+    path = os.path.join(newest(copy)["folder"], dp.COMPLETE)
+    with open(path, "w") as f:
+        f.write(text)
+    with pytest.raises(SystemExit) as exited:
+        three_d.parse_args([*MODEL, *SOURCE, "--steps", "4", "--optimizer", "adamw",
+                            "--resume", str(copy)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"{os.path.basename(sys.argv[0])}: error: --resume {copy}: {path} cannot be read ("), err
+    assert err[0].endswith("a broken checkpoint; move its folder aside to resume from the one "
+                           "before")
+
+
 def test_a_disk_that_fills_up_at_a_checkpoint_is_one_line(tmp_path, monkeypatch):
     def full_disk(obj, f, *args, **kwargs):
         raise OSError(28, "No space left on device")
