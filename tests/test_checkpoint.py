@@ -189,10 +189,15 @@ def test_killed_run_resumes_bitwise(uninterrupted, tmp_path, when, step):
     folder = tmp_path / "ckpt"
     argv = [*MODEL, *RUN, "--optimizer", "adamw", "--lr", LR["adamw"], *TIMEOUT,
             "--checkpoint", str(folder)]
+    temp = tmp_path / "temp"          # its TMPDIR: SIGKILL leaves the ranks' meeting folder
+    temp.mkdir()
     proc = subprocess.run([sys.executable, os.path.join("tests", "checkpoint_kill.py"), when,
                            str(step), "three_d.py", *argv], cwd=ROOT, capture_output=True,
-                          text=True, start_new_session=True, timeout=60)
+                          text=True, start_new_session=True, timeout=60,
+                          env={**os.environ, "TMPDIR": str(temp)})
     assert proc.returncode == -signal.SIGKILL, proc.stderr
+    left = [path.name for path in temp.iterdir() if not path.name.startswith("torchinductor_")]
+    assert [name.startswith("parallel-") for name in left] == [True], left
     assert [os.path.basename(path) for path in dp.checkpoints(str(folder))] == ["step-00000002"]
     if when == "during":              # step 4's pieces, some of them, and no complete.json
         assert names(folder) == ["step-00000002", "step-00000004"]
