@@ -385,9 +385,12 @@ def _child(index, in_parent, parent, fn, world_size, args):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     if os.getppid() != parent:   # it died before that line
         sys.exit(1)
-    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):   # Ctrl-C: end without a word;
-        signal.signal(s, signal.SIG_DFL)
-    sys.settrace(None)           # the parent's handlers are not ours, nor a debugger's tracer
+    # The launcher alone answers these: Ctrl-C (a closing terminal, Slurm's scancel) reaches the
+    # whole group, and a rank dead of it first would be blamed for the end. The launcher ends
+    # every rank.
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    sys.settrace(None)           # nor is a debugger's tracer ours
     os.environ.update(RANK=str(index + in_parent), LOCAL_RANK=str(index + in_parent))
     try:
         fn(index + in_parent, world_size, *args)

@@ -560,6 +560,24 @@ def test_kill_or_ctrl_c_stops_every_rank_with_one_line(how, code, line, tmp_path
     assert [name for name in os.listdir(temp) if not name.startswith("torchinductor_")] == [], err
 
 
+@pytest.mark.deadline(60)
+def test_ctrl_c_that_reaches_the_ranks_first_still_blames_none():
+    """Ctrl-C reaches the whole group, and the ranks may see it before the launcher does: here
+    they get it half a second first. The answer is the same, exit 130 and one line: a rank
+    leaves the signal to the launcher, which ends every rank."""
+    proc = training()
+    ranks = ranks_of(proc.pid)
+    for rank in ranks:
+        os.kill(rank, signal.SIGINT)
+    time.sleep(0.5)
+    assert all(map(alive, ranks))
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert (proc.returncode, err.splitlines()) == (
+        130, ["error: interrupted (Ctrl-C): every rank was stopped"]), err
+    assert gone_within(ranks, 5) == []
+
+
 @pytest.mark.deadline(90)
 @pytest.mark.parametrize("ending", ["a failing rank", "a diverged run", "a failed check"])
 def test_no_ending_but_kill_9_leaves_anything_in_the_temp_folder(ending, tmp_path, monkeypatch):
