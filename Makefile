@@ -95,7 +95,7 @@ bench: deps
 	$(PYTHON) tests/bench.py count-comm tensor_parallel
 	$(PYTHON) tests/bench.py count-comm tensor_parallel --tp-style megatron
 	$(PYTHON) tests/bench.py count-comm pipeline_parallel
-	$(PYTHON) tests/bench.py count-comm pipeline_parallel --schedule interleaved --micro-batches 4
+	$(PYTHON) tests/bench.py count-comm pipeline_parallel --schedule interleaved --virtual-stages 2 --num-layers 8 --micro-batches 4
 	$(PYTHON) tests/bench.py count-comm three_d
 	$(PYTHON) tests/bench.py count-comm three_d --p2p-shard --tp-style megatron --zero 3
 	$(PYTHON) tests/bench.py plan

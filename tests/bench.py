@@ -934,15 +934,16 @@ def recompute_memory(argv):
               f"{t_plain:>11.1f} s{t_again:>11.1f} s")
 
 
-def main(argv):
+def parse(argv):
+    """The bench named by argv's first word, its flags through its script's door and the bench's
+    own rules (each refusal one line, exit 2), as a call that runs it: nothing runs here."""
     what, rest = (argv[0], argv[1:]) if argv else ("", [])
     if what in ("bubble-table", "machine") and rest:
         refuse(f"{what} takes no flags (the bubble table has its own sizes), got {' '.join(rest)}")
     if what == "collectives":
         args = collectives.parse_args(rest)
-        spawn(bandwidth, args.world_size, backend=args.backend, timeout_s=args.timeout_s)
-        print_startup(startup_race(8, repeats=3), 8, repeats=3)
-    elif what in COMPARISONS:
+        return functools.partial(bench_collectives, args)
+    if what in COMPARISONS:
         script, versus = COMPARISONS[what]
         args = script.parse_args(rest)
         if args.steps < 5:
@@ -951,38 +952,46 @@ def main(argv):
             if getattr(args, flag, None):
                 refuse(f"--{flag}: not used by the bench, which checks ours against PyTorch's API "
                        f"and times both")
-        print_race(versus(args))
-    elif what == "memory":
+        return lambda: print_race(versus(args))
+    if what == "memory":
         args = data_parallel.parse_args(rest)
         if args.zero or args.save or args.check or args.overlap:
             refuse("memory runs --zero 0 to 3 in turn, for one step each: it takes the sizes, "
                    "--optimizer and the launch flags")
-        memory_table(args)
-    elif what == "bubble-table":
+        return functools.partial(memory_table, args)
+    if what == "bubble-table":
         sizes = dict(dim=1024, rows=64, steps=5)
-        print_bubble_table(bubble_table(**sizes), **sizes)
-    elif what == "count-comm":
+        return lambda: print_bubble_table(bubble_table(**sizes), **sizes)
+    if what == "count-comm":
         import comm_count
-        comm_count.main(rest)
-    elif what == "plan":
+        return comm_count.parse(rest)
+    if what == "plan":
         import plan_check
-        plan_check.bench(rest)
-    elif what == "plan-speed":
-        plan_speed(rest)
-    elif what == "recompute-memory":
-        recompute_memory(rest)
-    elif what == "checkpoint":
+        return functools.partial(plan_check.bench, rest)
+    if what == "plan-speed":
+        return functools.partial(plan_speed, rest)
+    if what == "recompute-memory":
+        return functools.partial(recompute_memory, rest)
+    if what == "checkpoint":
         args = three_d.parse_args(rest)
         if args.check or args.save or args.checkpoint or args.resume:
             refuse("checkpoint writes and reads its own, in a temporary folder: it takes "
                    "three_d's layout, sizes and --steps (the repetitions)")
-        checkpoint_bench(args)
-    elif what == "machine":
-        print(machine())
-    else:
-        refuse(f"the first word names what to bench: collectives, {', '.join(COMPARISONS)}, "
-               f"memory, bubble-table, count-comm, plan, plan-speed, recompute-memory, "
-               f"checkpoint or machine; got {what!r}")
+        return functools.partial(checkpoint_bench, args)
+    if what == "machine":
+        return lambda: print(machine())
+    refuse(f"the first word names what to bench: collectives, {', '.join(COMPARISONS)}, "
+           f"memory, bubble-table, count-comm, plan, plan-speed, recompute-memory, "
+           f"checkpoint or machine; got {what!r}")
+
+
+def bench_collectives(args):
+    spawn(bandwidth, args.world_size, backend=args.backend, timeout_s=args.timeout_s)
+    print_startup(startup_race(8, repeats=3), 8, repeats=3)
+
+
+def main(argv):
+    parse(argv)()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ PyTorch's own API for it (DDP, ColwiseParallel, torch.distributed.pipelining, an
 compare nothing. No time is asserted. And the DDP failure in PyTorch's 3D composition
 that the README describes, pinned.
 """
+import os
 import re
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import pytest
 import bench
 import data_parallel
 import race
+from race import ROOT
 
 TOLERANCE = 1e-5   # float32 summation order gives ~1e-7 here
 
@@ -178,3 +180,28 @@ def test_checkpoint_bench_times_a_step_a_write_and_a_read(capsys):
     assert [row[0] for row in rows] == ["a training step", "write (fsync'd)", "read (page cache)"]
     assert all(float(row[1]) > 0 for row in rows) and rows[0][2] == "1.00"
     assert rows[0][3] == "" and all(float(row[3]) > 0 for row in rows[1:])
+
+
+def bench_lines():
+    """Every `tests/bench.py` line of make bench, as its argv, $(BIG) spelled out."""
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        makefile = f.read()
+    big = re.search(r"^BIG = (.*)$", makefile, re.MULTILINE)[1].split()
+    lines = re.findall(r"^\t\$\(PYTHON\) tests/bench\.py (.*)$", makefile, re.MULTILINE)
+    return [[word for part in line.split() for word in (big if part == "$(BIG)" else [part])]
+            for line in lines]
+
+
+def test_every_line_of_make_bench_passes_its_door():
+    """A line the door refuses would stop make bench half-way, after minutes of tables: each
+    line's flags go through its script's door and the bench's own rules here, running nothing."""
+    lines = bench_lines()
+    assert len(lines) >= 35 and ["count-comm", "pipeline_parallel", "--schedule", "interleaved",
+                                  "--virtual-stages", "2", "--num-layers", "8",
+                                  "--micro-batches", "4"] in lines
+    for argv in lines:
+        assert callable(bench.parse(argv)), argv          # a refusal raises SystemExit
+    with pytest.raises(SystemExit):
+        bench.parse(["count-comm", "pipeline_parallel", "--schedule", "interleaved",
+                     "--micro-batches", "4"])            # 8 chunks for 4 layers: refused
+
