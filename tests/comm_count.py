@@ -251,19 +251,18 @@ COUNTERS = {"data_parallel": (data_parallel, lambda a: a.world_size),
             "three_d": (three_d, lambda a: a.dp * a.pp * a.tp)}
 
 
-def count(script_name, args):
+def count(script_name, argv):
     """One counted step of a script, with its own command line; rank 0 prints the report."""
-    _, world_size = COUNTERS[script_name]
-    spawn(count_worker, world_size(args), script_name, args, backend=args.backend,
-          timeout_s=args.timeout_s)
+    parse([script_name, *argv])()
 
 
 def parse(argv):   # the script's flags through its door, as a call that counts its step
     if not argv or argv[0] not in COUNTERS:
         raise SystemExit(f"usage: python tests/bench.py count-comm {{{','.join(COUNTERS)}}} [its flags]")
-    script, _ = COUNTERS[argv[0]]
+    script, world_size = COUNTERS[argv[0]]
     args = script.parse_args(argv[1:])
-    return lambda: count(argv[0], args)
+    return lambda: spawn(count_worker, world_size(args), argv[0], args, backend=args.backend,
+                         timeout_s=args.timeout_s)
 
 
 def main(argv):
