@@ -231,11 +231,8 @@ from datetime import timedelta  # noqa: E402
 from unittest import mock  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-# torch 2.13 renamed two collectives; the torch a GPU image ships may be older (2.11 on an H100's,
-# older in NGC's containers). There the lectures' names are the old functions, under the new name.
-# Older than 2.8, the door refuses: there a run's ranks and its launcher are sometimes killed by a
-# SIGTERM from no rank of ours as the ranks end (in 2 or 3 runs of 5 on 2.6 and 2.7.1; in none
-# of 10 on 2.8).
+# Before 2.13 (a GPU image's torch) the two collectives had older names. Before 2.8 a SIGTERM from
+# no rank of ours ends some runs as the ranks finish (2 or 3 in 5 on 2.6 and 2.7.1): refused.
 OLDEST_TORCH = "2.8"
 PINNED_TORCH = "torch 2.13.0"   # requirements.txt's
 if not hasattr(dist, "all_gather_single"):
@@ -385,9 +382,7 @@ def _child(index, in_parent, parent, fn, world_size, args):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     if os.getppid() != parent:   # it died before that line
         sys.exit(1)
-    # The launcher alone answers these: Ctrl-C (a closing terminal, Slurm's scancel) reaches the
-    # whole group, and a rank dead of it first would be blamed for the end. The launcher ends
-    # every rank.
+    # Ctrl-C reaches the whole group: a rank dead of it first would be blamed. The launcher ends us.
     for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(s, signal.SIG_IGN)
     sys.settrace(None)           # nor is a debugger's tracer ours
@@ -553,8 +548,7 @@ def check_launch_args(parser, args, world_size, flag="--world-size", tensor_byte
          f"{sizes or f'{flag} {world_size}'}: about {per_rank / 1e9:.1f} GB per rank, "
          f"{per_rank * ranks / 1e9:.1f} GB for the {ranks} ranks on this machine, which has "
          f"{memory / 1e9:.1f} GB")])
-    speaks = not under_torchrun() or os.environ["RANK"] == "0"
-    if args.backend == "auto" and 0 < gpus < ranks and speaks:   # a laptop's GPU, 8 ranks
+    if args.backend == "auto" and 0 < gpus < ranks and os.environ.get("RANK", "0") == "0":
         print(f"{parser.prog}: {ranks} ranks on this node and {gpus} GPU{'s' * (gpus != 1)}, "
               f"and NCCL takes a GPU a rank: every rank runs on the CPU, with gloo", flush=True)
 

@@ -351,8 +351,7 @@ def main(argv=None):
 # Below the fold: each stage's costs, the bucket layout and the clipping norm; what later steps
 # share (training flags and rules, --save, checkpoints, the text and its data, --check); the
 # memory table.
-import argparse, contextlib, functools, json, math, os, shutil, sys  # noqa: E401, E402
-import tempfile  # noqa: E402
+import argparse, contextlib, functools, json, math, os, shutil, sys, tempfile  # noqa
 from typing import Callable, NamedTuple  # noqa: E402
 
 from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
@@ -449,10 +448,7 @@ def clip_grads(grads, max_norm, groups):
     return norm                         # on the device: reading it here would stall a GPU
 
 
-def make_optimizer(params, optimizer, lr):
-    """Plain SGD, or AdamW with PyTorch's defaults; off the CPU, AdamW's fused kernel: one pass
-    over p, g, m and v, where the default (foreach) makes several and a temporary of 4 bytes a
-    parameter (on an H100 at 537 M parameters: 16 ms of a 53.5 ms step; fused, 7)."""
+def make_optimizer(params, optimizer, lr):   # SGD; AdamW, fused off the CPU (one pass, not 5)
     if optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr)
     return torch.optim.AdamW(params, lr=lr, fused=params[0].device.type != "cpu")
@@ -547,9 +543,8 @@ def show_memory(replica, args, whose):
     print(f"memory held at the end of a step by {whose}: --zero {args.zero}, d={replica.dp_size}, "
           f"P = {P} parameters{' (buckets padded to a multiple of d)' * bool(args.zero)}, "
           f"{'bf16 on fp32 masters (in the optimizer state)' if args.bf16 else 'fp32'}")
-    if args.bf16:   # what stays between steps, beyond PyTorch's plain model with set_to_none
-        print("  the layers' bf16 weights stay beside the masters, as Megatron keeps them;\n"
-              "  the gradients stay in their flat buckets between steps, as DDP's do")
+    if args.bf16:
+        print("  kept as Megatron and DDP keep them: the bf16 copies, the gradient buckets")
     for kind, got in [*now.items(), ("total", sum(now.values()))]:
         print(f"  {kind:<16}{got:>12} bytes   formula {want[kind][1]:<18} = {want[kind][0]:>10.0f}")
 
@@ -669,13 +664,12 @@ def writable(path):   # a regular file this process can write, or make: tried, n
         return False
 
 
-def writable_folder(path):   # a folder there, or one this process can make: tried, not asked
-    path = os.path.abspath(path)   # (root passes os.access everywhere, /proc included)
+def writable_folder(path):   # tried, not asked (root passes os.access, /proc included)
+    path = os.path.abspath(path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
     try:                           # a folder made inside the nearest that exists, and removed
-        os.rmdir(tempfile.mkdtemp(dir=path))
-        return True
+        return os.rmdir(tempfile.mkdtemp(dir=path)) is None
     except OSError:                # a file there, or a folder no one can write (/proc)
         return False
 
@@ -940,8 +934,7 @@ def read_pieces(marker, mine):
             theirs = torch.load(path, mmap=True, weights_only=True)
             copied += copy_overlaps(mine, theirs)
         except (OSError, RuntimeError, ValueError) as e:
-            raise Stop(f"--resume: {path} cannot be read ({str(e).splitlines()[0][:80]}): a "
-                       f"broken checkpoint; move its folder aside to resume from the one before")
+            raise Stop(f"--resume: {broken(path, e)}") from None
     return copied
 
 
@@ -979,9 +972,9 @@ def resume_rules(args):
     args.resume_from = None
     if args.resume is None:
         return []
-    try:
+    try:                                             # its complete.json may be no marker
         marker = newest_checkpoint(args.resume)
-    except ValueError as e:                          # its complete.json is not one
+    except ValueError as e:
         return [(True, f"--resume {args.resume}: {e}")]
     if marker is None:
         return [(True, f"--resume {args.resume}: no complete checkpoint there (a step-N folder "
@@ -1011,9 +1004,13 @@ def newest_checkpoint(folder):   # its complete.json, and "folder": where it is;
             marker = json.load(f)
         marker["folder"] = found[-1]
     except (OSError, ValueError, TypeError) as e:   # a disk that filled, an editor: not JSON
-        raise ValueError(f"{path} cannot be read ({str(e).splitlines()[0][:80]}): a broken "
-                         f"checkpoint; move its folder aside to resume from the one before")
+        raise ValueError(broken(path, e)) from None
     return marker
+
+
+def broken(path, e):   # what a file of a checkpoint that cannot be read says
+    return (f"{path} cannot be read ({str(e).splitlines()[0][:80]}): a broken checkpoint; move "
+            f"its folder aside to resume from the one before")
 
 
 # The text: CPython's help, as the pydoc_data package ships it (about 465,000 characters on

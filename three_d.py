@@ -380,9 +380,8 @@ GPUS = {
                  latency_us=20, send_gbps=150, send_latency_us=3,   # assumed as the H100's
                  inter_gbps=24, inter_latency_us=30),   # HDR 200 Gb/s: 96% (nccl-tests#119)
 }
-# A parameter's bytes read and written by the update, as the code runs it: g / d (8), then fused
-# AdamW's one pass over p, g, m and v (28) or SGD's over p and g (12); --bf16 then copies the
-# new master into the layers' weight (6).
+# A parameter's bytes of the update: g / d (8), fused AdamW's pass over p, g, m, v (28) or SGD's
+# over p, g (12); --bf16's copy of the new master into the layers' weight (6).
 UPDATE_BYTES = {"adamw": 36, "sgd": 20}
 REFRESH_BYTES = 6
 
@@ -549,10 +548,7 @@ def most_memory(args):
         for s in range(pp))
 
 
-def working_bytes(args):
-    """What a layer's backward holds beyond the stash: the g it takes, the dz and dx it makes
-    ([b, D] each, whole at most). An H100 at L 8, D 8192, B 8192, m 1 held 20 [B, D] at its
-    peak: the stash's 16, these 3 and the head's input, which dp_step now lets go at once."""
+def working_bytes(args):   # a layer's backward beside the stash: its g, dz and dx, [b, D] each
     act = args.batch_size // (args.dp * args.micro_batches) * args.dim * (2 if args.bf16 else 4)
     return 3 * act
 
