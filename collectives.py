@@ -234,7 +234,6 @@ import torch.multiprocessing as mp  # noqa: E402
 # Before 2.13 (a GPU image's torch) the two collectives had older names. Before 2.8 a SIGTERM from
 # no rank of ours ends some runs as the ranks finish (2 or 3 in 5 on 2.6 and 2.7.1): refused.
 OLDEST_TORCH = "2.8"
-PINNED_TORCH = "torch 2.13.0"   # requirements.txt's
 if not hasattr(dist, "all_gather_single"):
     dist.all_gather_single = dist.all_gather_into_tensor
     dist.reduce_scatter_single = dist.reduce_scatter_tensor
@@ -529,7 +528,7 @@ def check_launch_args(parser, args, world_size, flag="--world-size", tensor_byte
         (torch.__version__ < OLDEST_TORCH,
          f"torch {torch.__version__} is installed; these scripts need torch {OLDEST_TORCH} or "
          f"newer: pip install 'torch>={OLDEST_TORCH}', or run make, which installs "
-         f"{PINNED_TORCH} in .venv"),
+         f"requirements.txt's in .venv"),
         (args.timeout_s < 1, f"--timeout-s {args.timeout_s:g}: at least 1 s, or the ranks give "
                              f"up before they meet"),
         (args.timeout_s > 1e6, f"--timeout-s {args.timeout_s:g}: at most 1e6 s (11 days)"),

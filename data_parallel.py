@@ -1001,11 +1001,9 @@ def newest_checkpoint(folder):   # its complete.json, and "folder": where it is;
     path = os.path.join(found[-1], COMPLETE)
     try:
         with open(path) as f:
-            marker = json.load(f)
-        marker["folder"] = found[-1]
-    except (OSError, ValueError, TypeError) as e:   # a disk that filled, an editor: not JSON
+            return {**json.load(f), "folder": found[-1]}
+    except (OSError, ValueError, TypeError) as e:   # a disk that filled, an editor: not a marker
         raise ValueError(broken(path, e)) from None
-    return marker
 
 
 def broken(path, e):   # what a file of a checkpoint that cannot be read says
