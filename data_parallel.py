@@ -304,8 +304,15 @@ class DataParallel:
         return [self.view(self.grad_buckets[self.layout.bucket_of[i]], i)
                 for i in range(len(self.shapes))]
 
-    def clip(self, max_norm, groups=()):   # every replica holds the whole average: no dp
-        return clip_grads(self.grads(), max_norm, groups)
+    def clip(self, max_norm, groups=(), shares=None):   # every replica holds the whole average
+        """shares: each tensor's share of its squares this rank counts (1/t for one that every
+        tp rank holds whole: counted once)."""
+        return clip_grads(self.grads(), max_norm, groups, self.weigh(shares))
+
+    def weigh(self, shares):            # shares, one per tensor, as grads() lays them out
+        if shares is None:
+            return None
+        return [torch.tensor(share, device=self.device) for share in shares]
 
     def update(self):                   # the optimizer's step, then the layers' weights from it
         self.step_optimizer()
@@ -351,8 +358,16 @@ class ZeRO1(DataParallel):
     def grads(self):
         return [self.my_part(bucket) for bucket in self.grad_buckets]
 
-    def clip(self, max_norm, groups=()):   # each replica holds 1/d: summed over dp too
-        return clip_grads(self.grads(), max_norm, (*groups, self.group))
+    def clip(self, max_norm, groups=(), shares=None):   # each replica holds 1/d: summed over dp
+        return clip_grads(self.grads(), max_norm, (*groups, self.group), self.weigh(shares))
+
+    def weigh(self, shares):            # each bucket's part: its tensors' shares, element-wise
+        if shares is None:
+            return None
+        buckets = [torch.ones(n, device=self.device) for n in self.lengths]
+        for i, share in enumerate(shares):
+            self.view(buckets[self.layout.bucket_of[i]], i).fill_(share)
+        return [self.my_part(bucket) for bucket in buckets]
 
     def refresh_weights(self):
         """The optimizer stepped this replica's part of each bucket: all-gathered."""
@@ -554,12 +569,15 @@ def make_buckets(numels, bucket_mb, chunk_starts=()):
                         [sum(flat[j] for j in tensors) for tensors in buckets], spans)
 
 
-def clip_grads(grads, max_norm, groups):
+def clip_grads(grads, max_norm, groups, shares=None):
     """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_: the whole
     model's norm, each rank's squares summed over the groups that hold the other parts: tp
-    (shards), pp (stages), dp where ZeRO shards. (A weight held whole on every tp rank would
-    count once, not tp times.)"""
-    squares = torch.stack([g.float().square().sum() for g in grads]).sum()
+    (shards), pp (stages), dp where ZeRO shards; shares: what of each's squares counts here (a
+    tensor every tp rank holds whole: 1/t of it on each, counted once)."""
+    if shares is None:
+        shares = [1.0] * len(grads)
+    squares = torch.stack([(g.float().square() * share).sum()
+                           for g, share in zip(grads, shares)]).sum()
     for group in groups:
         if dist.get_world_size(group) > 1:
             dist.all_reduce(squares, group=group)

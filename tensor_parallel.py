@@ -1,31 +1,38 @@
-"""Step 3: tensor parallelism. Every layer is split across the ranks, and so is the vocabulary.
+"""Step 3: tensor parallelism. Every block is split across the ranks, a head a unit, and so is
+the vocabulary.
 
-    python tensor_parallel.py                           # 4 ranks share each layer
+    python tensor_parallel.py                           # 4 ranks share each block
     python tensor_parallel.py --world-size 2 --check
     python tensor_parallel.py --tp-style megatron       # Megatron's column-then-row pairs
     torchrun --nproc-per-node 4 tensor_parallel.py
 
-The lecture's column-parallel layer: rank t of T holds the columns W_t of every W
-[D, D/T], computes its slice of the activations, and an all-gather rebuilds the full
-activation for the next layer. The lecture stops at the forward pass ("Backward pass:
-homework exercise"). Here is the backward, derived by hand:
+The lecture's column-parallel layer: rank t of T holds the columns W_t of a weight, computes its
+slice of the output, and an all-gather rebuilds the whole output for the next layer. The lecture
+stops at the forward pass ("Backward pass: homework exercise"). Here is the backward, derived by
+hand, for a column layer z_t = x W_t followed by the all-gather:
 
-    forward    z_t = x W_t          a_t = gelu(z_t)            [b, D/T]
-               a = [a_0 | a_1 | ... | a_T-1]                   all-gather  [b, D]
-    backward   g_t = g[:, cols_t]   the all-gather's backward is a slice: g is the same
-                                    on every rank, so each keeps its own columns
-               dz_t = g_t * gelu'(z_t)                         [b, D/T]
-               dW_t = x^T dz_t      this rank's columns of dW  [D, D/T], no communication
-               dx = sum_t dz_t W_t^T    each rank holds one term: all-reduce  [b, D]
+    forward    z_t = x W_t                                     [b, T, n/T]
+               z = [z_0 | z_1 | ... | z_T-1]                   all-gather  [b, T, n]
+    backward   g_t = g[..., cols_t]  the all-gather's backward is a slice: g is the same on every
+                                     rank, so each keeps its own columns
+               dW_t = x^T g_t        this rank's columns of dW, no communication
+               dx = sum_t g_t W_t^T  each rank holds one term: all-reduce  [b, T, D]
 
-Bytes each rank sends per layer and micro-batch, A for one activation [b, D]: the
-all-gather (T-1)/T A forward, the all-reduce of dx 2(T-1)/T A backward. Real systems
-(Megatron-LM, torchtitan) pair the layers instead and send a third less: the second
-section. The third splits the vocabulary, the embedding's rows and the head's columns,
-and takes the softmax in pieces (Megatron's vocab-parallel embedding and cross-entropy).
+In a block, heads are the unit: Wq, Wk and Wv are cut at head boundaries, so rank t holds h/T
+whole heads, q, k and v [b, T, D/T], and runs their attention with no collective at all. Two
+styles then differ in what follows (GatherSplit and MegatronSplit below; step 2's block takes
+either). The norms' gains and P are whole on every rank: each rank's x is the whole residual
+stream, the same on all, and the dn its norm's backward reads comes after f's all-reduce, the
+same on all too, so every rank computes the same dg and dP with no collective.
 
---recompute keeps each layer's input alone, as in step 2: z_t = x W_t again in the backward,
-with no collective; a Megatron row layer's z again needs g's all-reduce again (tp_costs).
+Bytes each rank sends per block and micro-batch, A for one activation [b, T, D]: the all-gather
+style 7(T-1)/T A forward (o, its Wo, the MLP's 4D, its W2) and 2 x 7(T-1)/T A backward; Megatron's
+pairs (Megatron-LM, torchtitan) 2 x 2(T-1)/T A each way: 8(T-1)/T A, where the all-gather style
+sends 21(T-1)/T A. The vocabulary's ends split its rows of E and columns of H, and take the softmax
+in pieces (Megatron's vocab-parallel embedding and cross-entropy).
+
+--recompute keeps each block's input alone, as in step 2: the forward again in the backward, its
+collectives too (tp_costs).
 
 What PyTorch gives you: ColwiseParallel, RowwiseParallel and loss_parallel on a DeviceMesh
 (tests/bench.py races them against this).
@@ -36,46 +43,94 @@ from typing import NamedTuple
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from collectives import cleanup, run_main, setup, spawn
-from data_parallel import (Block, DataParallel, dp_step, embedding_backward, head_backward,
-                           head_forward, init_params, layer_backward, layer_forward, make_batch)
-
-
-def gather_forward(x, w_t, recompute=False, group=None):
-    """All-gather in forward: x [b, D], the same on every rank -> a [b, D], the same on every
-    rank. Each rank sends (T-1)/T x [b, D]."""
-    a_t, stash = layer_forward(x, w_t, recompute=recompute)   # z_t = x W_t, a_t = gelu(z_t)
-    return all_gather_columns(a_t, group), stash              # [b, D/T] -> [b, D]
-
-
-def gather_backward(g, stash, w_t, need_dx=True, group=None):
-    """Slice in backward, then the all-reduce of dx: g = dL/da [b, D], the same on every rank
-    -> (dx [b, D], the (x, dz_t) of dW_t = x^T dz_t). need_dx=False skips dx and its
-    all-reduce where nobody needs it: the model's first layer."""
-    cols = w_t.shape[1]                       # D/T
-    t = dist.get_rank(group)
-    g_t = g[:, t * cols:(t + 1) * cols]       # [b, D/T]
-    dx, x_dz = layer_backward(g_t, stash, w_t, need_dx=need_dx)   # dz_t = g_t gelu'(z_t)
-    if need_dx and dist.get_world_size(group) > 1:
-        dist.all_reduce(dx, group=group)      # dx = sum_t dz_t W_t^T   2(T-1)/T x [b, D]
-    return dx, x_dz
+from data_parallel import (Block, DataParallel, block_backward, block_forward, dp_step,
+                           embedding_backward, head_backward, head_forward, init_params,
+                           make_batch, tensors_of)
 
 
 def all_gather_columns(a_t, group=None):
-    """[b, n] on each of T ranks -> [b, T n] on all: the pieces side by side, in rank order."""
-    if dist.get_world_size(group) == 1:
+    """[..., n] on each of T ranks -> [..., T n] on all: the pieces side by side, in rank order."""
+    size = dist.get_world_size(group)
+    if size == 1:
         return a_t
-    stacked = a_t.new_empty(dist.get_world_size(group) * a_t.shape[0], a_t.shape[1])   # [T b, n]
-    dist.all_gather_single(stacked, a_t.contiguous(), group=group)   # rank t's rows t b ..
-    return side_by_side(stacked, a_t.shape[0])
+    stacked = a_t.new_empty(size * a_t.shape[0], *a_t.shape[1:])   # rank t's from row t b
+    dist.all_gather_single(stacked, a_t.contiguous(), group=group)
+    return stacked.view(size, *a_t.shape).movedim(0, -2).flatten(-2)
 
 
-def side_by_side(stacked, b):   # [T b, n]: rank t's [b, n] in rows t b .. -> [b, T n]
-    T = stacked.shape[0] // b
-    n = stacked.shape[1]
-    return stacked.view(T, b, n).permute(1, 0, 2).reshape(b, T * n)
+def my_columns(g, group=None):   # the all-gather's backward: this rank's slice of g's columns
+    cols = g.shape[-1] // dist.get_world_size(group)
+    t = dist.get_rank(group)
+    return g[..., t * cols:(t + 1) * cols]
+
+
+def reduce_over(tensor, group, op=dist.ReduceOp.SUM):   # an all-reduce, where there are ranks
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+class MegatronSplit:
+    """Megatron's pairs: Wq, Wk, Wv and W1 are column layers (rank t holds W[:, cols_t]) whose
+    outputs stay sharded: attention runs on this rank's heads, GELU on its columns. Wo and W2 are
+    row layers (rank t holds W[rows_t, :]) that take the shard as it is, since o Wo = sum_t o_t Wo_t:
+
+      forward   n, the same on every rank                  f: the identity
+                q_t, k_t, v_t = n Wq_t ..; o_t = attention of this rank's heads   [b, T, D/T]
+                y = sum_t o_t Wo_t                         g: all-reduce   [b, T, D]
+      backward  dy, the same on every rank                 g: the identity
+                dWo_t = o_t^T dy     do_t = dy Wo_t^T      this rank's own: no communication
+                dq_t, dk_t, dv_t from do_t; dWq_t = n^T dq_t ..
+                dn = sum_t dq_t Wq_t^T + dk_t Wk_t^T + dv_t Wv_t^T    f: all-reduce   [b, T, D]
+
+    and the MLP alike (W1 column, GELU on the shard, W2 row). f and g are conjugates, a
+    forward/backward pair each: f copies in forward and all-reduces in backward; g all-reduces
+    in forward and copies in backward. Per block and micro-batch: two g, two f, 8(T-1)/T A."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def gather(self, a):                      # o_t, gelu(z)_t stay sharded
+        return a
+
+    def gather_back(self, g):
+        return g
+
+    def out(self, y):                         # g forward: y = sum_t o_t Wo_t   2(T-1)/T A
+        return reduce_over(y, self.group)
+
+    def out_back(self, g):                    # g backward: the identity
+        return g
+
+    def f_back(self, dx):                     # f backward: dx = sum_t dz_t W_t^T   2(T-1)/T A
+        return reduce_over(dx, self.group)
+
+    def row_back(self, dx):                   # a row layer's dx, do_t = dy Wo_t^T: this rank's
+        return dx
+
+
+class GatherSplit(MegatronSplit):
+    """The lecture's style: every weight a column layer, each output all-gathered. q, k, v as
+    above; o_t all-gathered [b, T, D], the input of Wo's column layer, whose output [b, T, D/T]
+    is all-gathered; GELU(n W1_t) all-gathered [b, T, 4D]; W2's output all-gathered. Backward:
+    each all-gather a slice, each column layer's dx an all-reduce (f): Wo's, W2's too."""
+
+    def gather(self, a):                      # [b, T, n/T] -> [b, T, n]   (T-1)/T of it
+        return all_gather_columns(a, self.group)
+
+    def gather_back(self, g):                 # the slice: this rank's columns
+        return my_columns(g, self.group)
+
+    def out(self, y):
+        return self.gather(y)
+
+    def out_back(self, g):
+        return self.gather_back(g)
+
+    def row_back(self, dx):                   # Wo, W2: column layers here, so f's all-reduce
+        return self.f_back(dx)
 
 
 def shard_columns(w, tp_rank, tp_size):
@@ -87,78 +142,20 @@ def shard_columns(w, tp_rank, tp_size):
     return w[:, tp_rank * cols:(tp_rank + 1) * cols].clone(memory_format=torch.contiguous_format)
 
 
-# Megatron's pairs: a column layer whose output stays sharded, then a row layer.
-#
-# The column layer (rank t holds W1[:, cols_t]) does not gather its output: GELU is
-# elementwise, so it runs on the shard, and the row layer (rank t holds W2[rows_t, :])
-# takes that shard as it is, since a W2 = sum_t a_t W2_t:
-#
-#   forward   x [b, D], the same on every rank               f: the identity
-#             a_t = gelu(x W1_t)                             [b, D/T], no communication
-#             z = sum_t a_t W2_t                             g: all-reduce  [b, D]
-#             a = gelu(z)                                    [b, D], the same on every rank
-#   backward  dz = g * gelu'(z)                              the same on every rank (g: identity)
-#             dW2_t = a_t^T dz  [D/T, D]    da_t = dz W2_t^T [b, D/T]: no communication
-#             dz_t = da_t * gelu'(x W1_t)   dW1_t = x^T dz_t [D, D/T]
-#             dx = sum_t dz_t W1_t^T                         f: all-reduce  [b, D]
-#
-# f and g are conjugates, a forward/backward pair each: f copies in forward and all-reduces in
-# backward; g all-reduces in forward and copies in backward. Per pair and micro-batch each rank
-# sends 2(T-1)/T A with g in forward and 2(T-1)/T A with f in backward: 4(T-1)/T A, where two
-# all-gather layers send 2 x (T-1)/T A + 2 x 2(T-1)/T A = 6(T-1)/T A. Each layer below is its
-# forward/backward pair, with its half of f or g inside.
-
-def column_forward(x, w_t, recompute=False, group=None):
-    """f in forward, the identity: x, the same on every rank, is every shard's input."""
-    return layer_forward(x, w_t, recompute=recompute)   # a_t = gelu(x W_t), sharded [b, D/T]
-
-
-def column_backward(g_t, stash, w_t, need_dx=True, group=None):
-    """f in backward, an all-reduce: dx sums every shard's part, dz_t W_t^T."""
-    dx, x_dz = layer_backward(g_t, stash, w_t, need_dx=need_dx)   # dW1_t's (x, dz_t)
-    if need_dx and dist.get_world_size(group) > 1:
-        dist.all_reduce(dx, group=group)      # dx = sum_t dz_t W1_t^T   2(T-1)/T x [b, D]
-    return dx, x_dz
-
-
-def row_forward(a_t, w_t, recompute=False, group=None):
-    """g in forward, an all-reduce: each rank holds one term of z."""
-    z = row_z(a_t, w_t, group)
-    if recompute:                             # a_t alone kept: the backward makes z again
-        return F.gelu(z), (a_t, None)
-    return F.gelu(z), (a_t, z)
-
-
-def row_backward(g, stash, w_t, need_dx=True, group=None):
-    """g in backward, the identity: dz is the same on every rank, and da_t = dz W2_t^T is
-    this rank's own: step 2's layer backward with no communication at all."""
-    a_t, z = stash
-    if z is None:                             # --recompute: z again, and g's all-reduce too
-        z = row_z(a_t, w_t, group)
-    return layer_backward(g, (a_t, z), w_t, need_dx=need_dx)   # dW2_t's (a_t, dz)
-
-
-def row_z(a_t, w_t, group=None):
-    z = a_t @ w_t                             # a_t W2_t, a term of z   [b, D/T] @ [D/T, D]
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(z, group=group)       # z = sum_t a_t W2_t       2(T-1)/T x [b, D]
-    return z
-
-
 # The vocabulary over the tp ranks: rank t holds the classes [v_t, v_t+1), vocab_range's.
 #
-#   embedding  E_t = E[v_t:v_t+1] [V_t, D/k]: each rank looks up the tokens it holds, zeros
-#              for the rest, and an all-reduce adds the pieces (each token has one owner).
+#   embedding  E_t = E[v_t:v_t+1] [V_t, D]: each rank looks up the tokens it holds, zeros for the
+#              rest, and an all-reduce adds the pieces (each token has one owner); P after it.
 #              Backward: g is the same on every rank; each adds into its own rows: no collective.
-#   head       H_t = H[:, v_t:v_t+1]: logits_t = a H_t [b, V_t], never gathered. f before it:
-#              da = sum_t dlogits_t H_t^T, all-reduced in the backward.
-#   loss       m = max of each row over all V             all-reduce MAX   [b]
-#              s = sum_t sum_v exp(logits_t - m)          all-reduce SUM   [b]
-#              l_y = logits[y] - m, from y's owner        all-reduce SUM   [b]
+#   head       n = rmsnorm(x; g), whole on every rank; H_t = H[:, v_t:v_t+1]: logits_t = n H_t
+#              [b T, V_t], never gathered. f between: dn = sum_t dlogits_t H_t^T, all-reduced.
+#   loss       m = max of each row over all V             all-reduce MAX   [b T]
+#              s = sum_t sum_v exp(logits_t - m)          all-reduce SUM   [b T]
+#              l_y = logits[y] - m, from y's owner        all-reduce SUM   [b T]
 #              loss = sum_rows (log s - l_y) / n          = -log softmax(logits)[y]: m cancels
 #   backward   dlogits_t = (exp(logits_t - m) / s - onehot_t(y)) / n: no collective
 #
-# Three [b] all-reduces, where gathering the logits moves (T-1)/T of [b, V]: at V = 128,256
+# Three [b T] all-reduces, where gathering the logits moves (T-1)/T of [b T, V]: at V = 128,256
 # the largest activation of the model. No class is padded: when T does not divide V the shards
 # differ by one class, where a padded class of logit 0 would add exp(-m) to s.
 
@@ -170,47 +167,36 @@ def vocab_range(vocab_size, tp_rank, tp_size):
     return start, start + size + (tp_rank < extra)
 
 
-def vocab_embedding_forward(tokens, e_t, recompute=False, group=None, vocab_size=None):
-    """The tokens [b, k] this rank holds, looked up; zeros for the rest; summed: x [b, D]."""
+def vocab_embedding_forward(tokens, w, recompute=False, group=None, vocab_size=None):
+    """The tokens [b, T] this rank holds, looked up; zeros for the rest; summed; + P: x [b, T, D]."""
+    e_t, p = w
     start, end = vocab_range(vocab_size, dist.get_rank(group), dist.get_world_size(group))
-    outside = (tokens < start) | (tokens >= end)                       # [b, k]
+    outside = (tokens < start) | (tokens >= end)                       # [b, T]
     local = (tokens - start).masked_fill(outside, 0)                   # any row: masked below
-    x = e_t[local].masked_fill(outside[..., None], 0.0).reshape(len(tokens), -1)   # [b, D]
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)       # x = sum_t its tokens' rows   2(T-1)/T x [b, D]
-    return x, (local, outside)
+    x = e_t[local].masked_fill(outside[..., None], 0.0)                # [b, T, D]
+    reduce_over(x, group)                     # x = sum_t its tokens' rows   2(T-1)/T A
+    return x + p, (local, outside)
 
 
-def vocab_embedding_backward(g, stash, e_t, need_dx=False, group=None):
-    """g [b, D], the same on every rank: each keeps its own tokens' blocks, for dE_t[local]."""
+def vocab_embedding_backward(g, stash, w, need_dx=False, group=None):
+    """g [b, T, D], the same on every rank: each keeps its own tokens' rows, for dE_t[local];
+    dP from the whole g, step 2's."""
     local, outside = stash
-    g = g.reshape(*local.shape, -1).masked_fill(outside[..., None], 0.0)   # [b, k, D/k]
-    return embedding_backward(g, (local, None), e_t)   # step 2's, on its local rows
-
-
-def vocab_head_forward(a, h_t, recompute=False, group=None):
-    """f in forward, the identity: logits_t = a H_t  [b, D] @ [D, V_t], kept sharded."""
-    return head_forward(a, h_t)
-
-
-def vocab_head_backward(dlogits_t, stash, h_t, need_dx=True, group=None):
-    """f in backward: da = sum_t dlogits_t H_t^T, an all-reduce; dH_t = a^T dlogits_t."""
-    da, a_dlogits = head_backward(dlogits_t, stash, h_t)   # one term of da  [b, D]
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(da, group=group)      # 2(T-1)/T x [b, D]
-    return da, a_dlogits
+    _, (_, positions) = embedding_backward(g, (local,), w)
+    return None, [(local, g.masked_fill(outside[..., None], 0.0)), positions]
 
 
 def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
-    """The cross-entropy over all V classes from this rank's logits_t [b, V_t], in fp32, and its
-    dlogits_t; the same loss on every rank."""
+    """The cross-entropy over all V classes from this rank's logits_t [b T, V_t], in fp32, and its
+    dlogits_t; the same loss on every rank. y [b, T]."""
     start, end = vocab_range(vocab_size, dist.get_rank(group), dist.get_world_size(group))
+    y = y.reshape(-1)
     dtype = logits_t.dtype
     logits_t = logits_t.float()
     rows = torch.arange(len(y), device=y.device)
-    row_max = logits_t.max(dim=1).values                               # [b]
+    row_max = logits_t.max(dim=1).values                               # [b T]
     reduce_over(row_max, group, op=dist.ReduceOp.MAX)                  # m
-    exps = (logits_t - row_max[:, None]).exp()                         # [b, V_t]
+    exps = (logits_t - row_max[:, None]).exp()                         # [b T, V_t]
     sum_exps = exps.sum(dim=1)
     reduce_over(sum_exps, group)                                       # s
     mine = (y >= start) & (y < end)                                    # y's owner is this rank
@@ -222,105 +208,118 @@ def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
     return (sum_exps.log() - target).sum() / n, (dlogits_t / n).to(dtype)
 
 
-def reduce_over(tensor, group, op=dist.ReduceOp.SUM):   # an all-reduce, where there are ranks
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=op, group=group)
+def tp_blocks(kinds, tp_style, head_dim, group=None, vocab_size=None):
+    """Each part's forward and backward over group, by kind ("embedding", "block", "head"): what
+    tp_worker runs, and 3D's stages. A block is step 2's, handed this style's split."""
+    split = GatherSplit(group) if tp_style == "all-gather" else MegatronSplit(group)
+    blocks = {"embedding": Block(partial(vocab_embedding_forward, group=group,
+                                         vocab_size=vocab_size),
+                                 partial(vocab_embedding_backward, group=group)),
+              "block": Block(partial(block_forward, head_dim=head_dim, split=split),
+                             partial(block_backward, head_dim=head_dim, split=split)),
+              "head": Block(head_forward, partial(head_backward, split=MegatronSplit(group)))}
+    return [blocks[kind] for kind in kinds]
 
 
-BLOCKS = {"gather": Block(gather_forward, gather_backward),
-          "column": Block(column_forward, column_backward),
-          "row": Block(row_forward, row_backward),
-          "embedding": Block(vocab_embedding_forward, vocab_embedding_backward),
-          "head": Block(vocab_head_forward, vocab_head_backward)}
+def part_kinds(num_layers):   # the model's parts, in order
+    return ["embedding", *["block"] * num_layers, "head"]
 
 
-def layer_kinds(num_layers, tp_style):
-    """Per layer: "gather" (the all-gather layer above) for every one, or Megatron's pairs
-    ("column", "row"), with an odd last layer a "gather" one."""
-    if tp_style == "all-gather":
-        return ["gather"] * num_layers
-    return ["column", "row"] * (num_layers // 2) + ["gather"] * (num_layers % 2)
+def tensor_kinds(kinds, tp_style):
+    """How each part's tensors are split: "embedding" (E's rows by class), "head" (H's
+    columns by class), "column", "row", or "whole" (a gain, P): the same on every rank."""
+    mlp_out = "column" if tp_style == "all-gather" else "row"          # Wo, W2
+    by_part = {"embedding": ["embedding", "whole"], "head": ["whole", "head"],
+               "block": ["whole", "column", "column", "column", mlp_out, "whole", "column",
+                         mlp_out]}
+    return [by_part[part] for part in kinds]
 
 
-def tp_blocks(kinds, group=None, vocab_size=None):
-    """Each part's forward and backward over group: what tp_worker runs, and 3D's stages."""
-    blocks = []
-    for kind in kinds:
-        forward = partial(BLOCKS[kind].forward, group=group)
-        if kind == "embedding":
-            forward = partial(forward, vocab_size=vocab_size)
-        blocks.append(Block(forward, partial(BLOCKS[kind].backward, group=group)))
-    return blocks
-
-
-def tp_costs(kinds, act_bytes, rows, num_micro_batches=1, recompute=False):
+def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=False):
     """A tp rank's collectives a step, (kind, bytes of the tensor, times), A = act_bytes for one
-    activation [b, D]: each micro-batch, each part all-reduces one A: an all-gather layer its dx
-    (and all-gathers its A forward), Megatron's column layer dx (f), its row layer z (g, again
-    with --recompute), the embedding x, the head da; the loss three [b] of fp32."""
+    activation [b, T, D]. A block, each micro-batch: Megatron two g all-reduces forward (again
+    with --recompute) and two f backward; the all-gather style all-gathers o, Wo's output, the
+    MLP's [b, T, 4D] and W2's (again with --recompute), and all-reduces dn1, do, du (4 A), dn2.
+    The embedding all-reduces x, the head dn; the loss three [b T] of fp32."""
     m = num_micro_batches
-    reduces = len(kinds) + kinds.count("row") * recompute
-    runs = [("all-gather", act_bytes, kinds.count("gather") * m),
-            ("all-reduce", act_bytes, reduces * m)]
+    blocks = kinds.count("block")
+    ends = ("embedding" in kinds) + ("head" in kinds)
+    if tp_style == "megatron":
+        runs = [("all-reduce", act_bytes, (blocks * (4 + 2 * recompute) + ends) * m)]
+    else:
+        gathers = blocks * (1 + recompute) * m
+        runs = [("all-gather", act_bytes, 3 * gathers), ("all-gather", 4 * act_bytes, gathers),
+                ("all-reduce", act_bytes, (3 * blocks + ends) * m),
+                ("all-reduce", 4 * act_bytes, blocks * m)]
     if "head" in kinds:
         runs.append(("all-reduce", 4 * rows, 3 * m))   # m, s and l_y
     return runs
 
 
-def shard(w, kind, tp_rank, tp_size):   # rank t's part of a full matrix, as a copy
+def shard(w, kind, tp_rank, tp_size):   # rank t's part of a whole tensor, as a copy
     row_start, row_end, col_start, col_end = shard_box(w.shape, kind, tp_rank, tp_size)
+    if w.dim() == 1:                      # a gain: whole
+        return w.clone()
     return w[row_start:row_end, col_start:col_end].clone(memory_format=torch.contiguous_format)
 
 
 def shard_box(shape, kind, tp_rank, tp_size):
-    """Rank t's rows and columns of a full matrix, (row_start, row_end, col_start, col_end): its
-    rows W[t D/T : (t+1) D/T, :] for a row layer, its classes' rows of E or columns of H, else
-    its columns. (Where its piece sits in the whole: shard's, and a checkpoint's.)"""
-    rows, cols = shape
+    """Rank t's rows and columns of a whole tensor, (row_start, row_end, col_start, col_end): its
+    rows W[t D/T : (t+1) D/T, :] for a row layer, its classes' rows of E or columns of H, its
+    columns of a column layer, else all (a gain [D]: one row). (Where its piece sits in the
+    whole: shard's, and a checkpoint's.)"""
+    rows, cols = (1, *shape)[-2:]
     if kind == "row":
         return tp_rank * rows // tp_size, (tp_rank + 1) * rows // tp_size, 0, cols
     if kind == "embedding":
         return (*vocab_range(rows, tp_rank, tp_size), 0, cols)
     if kind == "head":
         return (0, rows, *vocab_range(cols, tp_rank, tp_size))
-    return 0, rows, tp_rank * cols // tp_size, (tp_rank + 1) * cols // tp_size
+    if kind == "column":
+        return 0, rows, tp_rank * cols // tp_size, (tp_rank + 1) * cols // tp_size
+    return 0, rows, 0, cols
 
 
 def tp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     tp_rank = rank
     tp_size = world_size
-    kinds = ["embedding", *layer_kinds(args.num_layers, args.tp_style), "head"]
-    full = init_params(args)                                            # drawn whole, then cut
-    shards = [shard(w, k, tp_rank, tp_size).to(device) for w, k in zip(full, kinds)]
+    kinds = part_kinds(args.num_layers)
+    splits = tensor_kinds(kinds, args.tp_style)                        # a part's tensors'
+    init = init_params(args)                                           # drawn whole, then cut
+    shards = [[shard(w, k, tp_rank, tp_size).to(device) for w, k in zip(part, part_splits)]
+              for part, part_splits in zip(init, splits)]
+    full = tensors_of(init)
+    split = tensors_of(splits)
     # The shards live in step 2's replica over a dp group of one: buckets, optimizer, no exchange.
     replica = DataParallel(shards, dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
                            bf16=args.bf16)
-    boxes = [shard_box(w.shape, k, tp_rank, tp_size) for w, k in zip(full, kinds)]   # in the whole
+    boxes = [shard_box(w.shape, k, tp_rank, tp_size) for w, k in zip(full, split)]   # in the whole
     load_checkpoint(args, replica, range(len(full)), boxes)   # --resume: from any layout's pieces
-    blocks = tp_blocks(kinds, vocab_size=args.vocab_size)   # every rank shares every part
+    blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, vocab_size=args.vocab_size)
     loss_fn = partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size)
     m = args.micro_batches
     losses = []
     norms = []
     check = SerialCheck(args)
     if rank == 0:
-        print(f"tensor parallel over {tp_size} ranks: {describe(kinds)}", flush=True)
+        print(f"tensor parallel over {tp_size} ranks: {describe(args, tp_size)}", flush=True)
     for step in range(args.start_step, args.steps):
         inputs, targets = (t.to(device) for t in make_batch(args, step))   # every rank's
         loss = dp_step(replica, blocks, loss_fn, inputs.chunk(m), targets.chunk(m),
-                       args.batch_size, recompute=args.recompute)   # step 2's, on tp blocks
+                       args.batch_size * args.context, recompute=args.recompute)   # step 2's
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
-            check.step(whole_model(full_weights(replica), full, kinds),
-                       whole_model(full_grads(replica), full, kinds))
-        if args.clip_grad:     # the norm's squares summed over the shards
-            norms.append(replica.clip(args.clip_grad, [dist.group.WORLD]).item())
+            check.step(whole_model(full_weights(replica), full, split),
+                       whole_model(full_grads(replica), full, split))
+        if args.clip_grad:     # the norm's squares summed over the shards, a whole tensor once
+            shares = [1 / tp_size if k == "whole" else 1.0 for k in split]   # held by all: once
+            norms.append(replica.clip(args.clip_grad, [dist.group.WORLD], shares).item())
         replica.update()
         losses.append(loss.item())
         if rank == 0:
             log_step(f"[rank {rank}]", step, losses, norms, args)
         save_checkpoint(args, step + 1, replica, range(len(full)), boxes)   # --checkpoint
-    final = whole_model(full_weights(replica), full, kinds)   # put together on rank 0
+    final = whole_model(full_weights(replica), full, split)   # put together on rank 0
     if rank == 0:
         finish_run(args, full, final, losses, check, norms)
     cleanup()
@@ -348,6 +347,8 @@ def whole_model(owned, full, kinds, owners=None):
     parts = []
     for j, (w, kind) in enumerate(zip(full, kinds)):
         ranks = list(owners(j)) if owners else list(range(dist.get_world_size()))
+        if kind == "whole":                   # the same on every tp rank: the first's
+            ranks = ranks[:1]
         pieces = []
         for t, source in enumerate(ranks):
             if rank == source == 0:
@@ -359,7 +360,7 @@ def whole_model(owned, full, kinds, owners=None):
                                           device=device))
                 dist.recv(pieces[-1], src=source)
         if rank == 0:
-            parts.append(torch.cat(pieces, dim=0 if kind in ("row", "embedding") else 1).cpu())
+            parts.append(torch.cat(pieces, dim=0 if kind in ("row", "embedding") else -1).cpu())
     return parts if rank == 0 else None
 
 
@@ -395,11 +396,11 @@ def layer_matmuls(kind, rows, dim, tp, bf16, classes=0):
     return forward, dx, dw
 
 
-def describe(kinds):   # what ran: "the embedding by class, Megatron pairs (column, row) x2, ..."
-    names = {"embedding": "the embedding by class", "row": "Megatron pairs (column, row)",
-             "gather": "all-gather layers", "head": "the head by class"}
-    counts = {"row": f" x{kinds.count('row')}", "gather": f" x{kinds.count('gather')}"}
-    return ", ".join(names[kind] + counts.get(kind, "") for kind in names if kind in kinds)
+def describe(args, tp_size):   # what ran: "h/T = 2 heads a rank, Megatron's pairs, ..."
+    style = {"megatron": "Megatron's pairs (Wq Wk Wv W1 column, Wo W2 row)",
+             "all-gather": "every weight column-parallel, each output all-gathered"}
+    return (f"{args.heads // tp_size} of {args.heads} heads a rank, {style[args.tp_style]}, "
+            f"the embedding and the head by class")
 
 
 def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor
@@ -414,14 +415,12 @@ def refuse_unused(parser, args, used, mode):   # a flag this mode ignores is ref
 
 def parse_args(argv=None):
     parser = training_parser("Tensor parallelism: column-parallel layers with an all-gather.")
-    parser.add_argument("--world-size", type=positive_int, default=4, help="ranks T; divides --dim")
+    parser.add_argument("--world-size", type=positive_int, default=4,
+                        help="ranks T; divides --heads")
     parser.add_argument("--tp-style", choices=["all-gather", "megatron"], default="all-gather",
                         help="every layer column-parallel with an all-gather, or Megatron's pairs")
     args = parser.parse_args(argv)
-    parser.refuse([divides(args.dim, "--dim", args.world_size, "--world-size"),
-                   (args.tp_style == "megatron" and args.num_layers < 2,
-                    f"--tp-style megatron: a pair is two layers, and --num-layers "
-                    f"{args.num_layers} has none; use --tp-style all-gather"),
+    parser.refuse([divides(args.heads, "--heads", args.world_size, "--world-size"),
                    (args.world_size > VOCAB_SIZE, f"--world-size {args.world_size}: more ranks "
                                                   f"than the vocabulary's {VOCAB_SIZE} classes")])
     check_training_args(parser, args, args.world_size)
