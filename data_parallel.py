@@ -555,8 +555,7 @@ def make_buckets(numels, bucket_mb, chunk_starts=()):
         parts[-1].insert(0, i)
         size += 4 * sizes[i]
     parts.reverse()
-    firsts = [sum(len(part) for part in numels[:i]) for i in range(len(numels) + 1)]
-    spans = [range(firsts[i], firsts[i + 1]) for i in range(len(numels))]
+    spans = spans_of(numels)
     flat = [n for part in numels for n in part]
     buckets = [[j for i in group for j in spans[i]] for group in parts]
     bucket_of = {}
@@ -620,6 +619,13 @@ def param_names(num_layers):   # --save's names, each tensor's, in the init orde
 
 def tensors_of(parts):         # the parts' tensors, in order
     return [w for part in parts for w in part]
+
+
+def spans_of(parts):           # part -> the indices of its tensors among tensors_of(parts)
+    firsts = [0]
+    for part in parts:
+        firsts.append(firsts[-1] + len(part))
+    return [range(first, end) for first, end in zip(firsts, firsts[1:])]
 
 
 def make_batch(args, step, text=None):
@@ -748,7 +754,7 @@ def training_parser(description, dp=False):
             ("--dim", positive_int, 64, "width D: the residual stream's"),
             ("--heads", positive_int, 4, "attention heads h; divides --dim"),
             ("--context", positive_int, 32, "characters T a sequence holds"),
-            ("--batch-size", positive_int, 128, "global batch B: windows of the text a step"),
+            ("--batch-size", positive_int, 32, "global batch B: windows of the text a step"),
             ("--micro-batches", positive_int, 2, "micro-batches m"),
             ("--steps", positive_int, 300, "optimizer steps"),
             ("--lr", positive_float, 1e-2, "learning rate"),

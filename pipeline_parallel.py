@@ -193,7 +193,7 @@ class Stage:
         self.blocks = blocks
         self.first = first                    # the embedding is here: it takes token ids
         self.last = last                      # the head is here, and the loss
-        self.buckets = [(b, bucket) for b, bucket in enumerate(replica.buckets)
+        self.buckets = [(b, bucket) for b, bucket in enumerate(replica.part_buckets)
                         if bucket[0] in self.layers]
         self.num_micro_batches = num_micro_batches
         self.recompute = recompute
@@ -209,14 +209,14 @@ class Stage:
         self.targets = targets
 
     def forward(self, mb, x):
-        """F: the parts in turn on x (tokens [b, k] first, else [b, D]), each one's stash kept."""
+        """F: the parts in turn on x (tokens [b, T] first, else [b, T, D]), each one's stash kept."""
         out = x
         stashes = []
         for b, bucket in self.buckets:
             self.replica.gather_weights(b)    # ZeRO-3 (in 3D): the bucket's weights, whole
             for i in bucket:
                 block = self.blocks[i - self.layers[0]]
-                out, stash = block.forward(out, self.replica.weights[i], recompute=self.recompute)
+                out, stash = block.forward(out, self.replica.part(i), recompute=self.recompute)
                 stashes.append(stash)
             self.replica.release_weights(b)
         self.stash[mb] = stashes
@@ -226,7 +226,7 @@ class Stage:
         return out
 
     def backward(self, mb, g):
-        """B: dL/dx of this stage's input, from its last part; each part's (x, dz) kept for W."""
+        """B: dL/dx of this stage's input, from its last part; each part's (x, dz)s kept for W."""
         if self.last:
             g = self.loss_grad.pop(mb)
         stashes = self.stash.pop(mb)
@@ -236,14 +236,14 @@ class Stage:
             for i in reversed(bucket):           # (the embedding's, first: no dx, for tokens)
                 block = self.blocks[i - self.layers[0]]
                 g, self.waiting_for_w[mb][i] = block.backward(g, stashes.pop(),
-                                                              self.replica.weights[i])
+                                                              self.replica.part(i))
             self.replica.release_weights(b)
         return g
 
     def weight_grads(self, mb):
         """W: dW = x^T dz, which nobody waits for; after the last micro-batch's, the exchange."""
-        for i, (x, dz) in self.waiting_for_w.pop(mb).items():
-            self.replica.add_grad(i, x, dz)       # dW = x^T dz, summed over micro-batches
+        for i, terms in self.waiting_for_w.pop(mb).items():
+            self.replica.add_grads(i, terms)      # each dW = x^T dz, summed over micro-batches
         self.weight_passes += 1
         if self.weight_passes == self.num_micro_batches or self.replica.exchange_each_micro_batch:
             for b, _ in self.buckets:
@@ -313,8 +313,9 @@ def pp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
-    full, mine, replica, stages = hold_stages(args, stage, p, device)   # a Stage a chunk
-    load_checkpoint(args, replica, mine)      # --resume: its parts, from any layout's pieces
+    init, mine, replica, stages = hold_stages(args, stage, p, device)   # a Stage a chunk
+    held = [i for j in mine for i in spans_of(init)[j]]   # its parts' tensors, in the whole
+    load_checkpoint(args, replica, held)      # --resume: its parts, from any layout's pieces
     actions = build_schedule(args.schedule, p, stage, m, v)
     grid = torch.arange(p).view(1, p, 1)      # [dp, pp, tp] -> rank: a stage a rank
     losses = []
@@ -327,19 +328,19 @@ def pp_worker(rank, world_size, args):
             chunk.begin_step(targets)         # the loss's, on the last stage
         recorder = Recorder(device) if step == args.steps - 1 else None   # its timeline, stash
         run_schedule(actions, stages, inputs, (stage - 1) % p, (stage + 1) % p,
-                     (args.batch_size // m, args.dim), recorder=recorder)   # tokens [B/m, k] in
+                     (args.batch_size // m, args.context, args.dim), recorder=recorder)
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
-            check.step(whole_parts(full_weights(replica), mine, full, args, grid),
-                       whole_parts(full_grads(replica), mine, full, args, grid))
+            check.step(whole_parts(full_weights(replica), mine, init, args, grid),
+                       whole_parts(full_grads(replica), mine, init, args, grid))
         if args.clip_grad:      # the norm's squares summed over the stages
             norms.append(replica.clip(args.clip_grad, [dist.group.WORLD]).item())
         replica.update()
         losses.append(float(stages[-1].loss))                     # one host sync a step
         if stage == p - 1:
             log_step(f"[stage {stage}]", step, losses, norms, args)
-        save_checkpoint(args, step + 1, replica, mine)   # --checkpoint: its parts' pieces
-    final = whole_parts(full_weights(replica), mine, full, args, grid)
-    finish_stages(args, recorder, final, full, losses, check, norms, device)
+        save_checkpoint(args, step + 1, replica, held)   # --checkpoint: its parts' pieces
+    final = whole_parts(full_weights(replica), mine, init, args, grid)
+    finish_stages(args, recorder, final, init, losses, check, norms, device)
     cleanup()
 
 
@@ -355,7 +356,8 @@ import argparse, functools, os, textwrap, time  # noqa: E401, E402
 from collectives import positive_int  # noqa: E402
 from data_parallel import (DataParallel, SerialCheck, check_training_args,  # noqa: E402
                            finish_run, full_grads, full_weights, init_params, load_checkpoint,
-                           log_step, model_blocks, save_checkpoint, training_parser)
+                           log_step, model_blocks, save_checkpoint, spans_of, tensors_of,
+                           training_parser)
 from tensor_parallel import divides, whole_model  # noqa: E402
 
 
@@ -417,23 +419,23 @@ def hold_stages(args, stage, num_stages, device):
     """(the whole model as drawn, this stage's parts' indices, step 2's replica holding them over a
     dp group of one, a Stage a chunk): what pp_worker trains, and tests/bench.py."""
     p, v = num_stages, args.virtual_stages
-    full = init_params(args)
-    blocks = model_blocks(args.num_layers)
+    init = init_params(args)
+    blocks = model_blocks(args.num_layers, args.dim // args.heads)
     chunks = [stage_parts(args.num_layers, p, stage, v, c) for c in range(v)]
     mine = [j for parts in chunks for j in parts]
     starts = [sum(map(len, chunks[:c])) for c in range(v)]   # where each chunk's parts begin
-    replica = DataParallel([full[j].to(device, copy=True) for j in mine], dist.new_subgroups(1)[0],
-                           optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
-                           chunk_starts=starts)
+    replica = DataParallel([[w.to(device, copy=True) for w in init[j]] for j in mine],
+                           dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
+                           bf16=args.bf16, chunk_starts=starts)
     stages = [Stage(replica, range(start, start + len(parts)), blocks=[blocks[j] for j in parts],
                     first=c * p + stage == 0, last=c * p + stage == v * p - 1,
-                    num_micro_batches=args.micro_batches, mean_over=args.batch_size,
-                    recompute=args.recompute)
+                    num_micro_batches=args.micro_batches,
+                    mean_over=args.batch_size * args.context, recompute=args.recompute)
               for c, (start, parts) in enumerate(zip(starts, chunks))]
-    return full, mine, replica, stages
+    return init, mine, replica, stages
 
 
-def finish_stages(args, recorder, final, full, losses, check, norms, device):
+def finish_stages(args, recorder, final, init, losses, check, norms, device):
     """The last step's pictures (timeline, stash table, schedules), then rank 0's end of the run
     with the losses, which the last stage alone knows."""
     p, rank = dist.get_world_size(), dist.get_rank()
@@ -444,7 +446,7 @@ def finish_stages(args, recorder, final, full, losses, check, norms, device):
     dist.broadcast(losses, src=p - 1)
     if rank == 0:
         print_schedules(args.schedule, p, args.micro_batches, args.virtual_stages, args.num_layers)
-        finish_run(args, full, final, losses.tolist(), check, norms)
+        finish_run(args, tensors_of(init), final, losses.tolist(), check, norms)
 
 
 def nbytes(tensors):   # each tensor once (a layer's output is the next one's input), by where
@@ -459,8 +461,8 @@ def stash_bytes(stage):
     offset = int(stage.first)
     kept = [t for stashes in stage.stash.values()
             for stash in stashes[offset:offset + len(layers)] for t in stash]
-    kept += [t for waiting in stage.waiting_for_w.values() for i, pair in waiting.items()
-             if i in layers for t in pair]
+    kept += [t for waiting in stage.waiting_for_w.values() for i, terms in waiting.items()
+             if i in layers for term in terms for t in term]
     return nbytes(kept)
 
 
@@ -472,18 +474,21 @@ def gather_on_rank0(tensor):
     return torch.stack(parts) if rank0 else None
 
 
-def whole_parts(params, mine, full, args, grid, kinds=None):
-    """Rank 0: the parts whole (step 3's whole_model); params are this rank's parts `mine`, and
-    part j's pieces come from grid[0, its stage] ([dp, pp, tp] -> rank). kinds: 3D's, by part."""
+def whole_parts(params, mine, init, args, grid, kinds=None):
+    """Rank 0: every tensor whole (step 3's whole_model); params are the tensors of this rank's
+    parts `mine`, in order, and part j's pieces come from grid[0, its stage] ([dp, pp, tp] ->
+    rank). kinds: 3D's, each part's tensors' tp split."""
     num_stages = grid.shape[1]
-    kinds = kinds or ["embedding", *["gather"] * args.num_layers, "head"]
+    kinds = kinds or [["whole"] * len(part) for part in init]
+    spans = spans_of(init)
     stage_of = {}
     for s in range(num_stages):
         for c in range(args.virtual_stages):
             for j in stage_parts(args.num_layers, num_stages, s, args.virtual_stages, c):
-                stage_of[j] = s
-    return whole_model(dict(zip(mine, params)), full, kinds,
-                       owners=lambda j: grid[0, stage_of[j]].tolist())
+                stage_of.update((i, s) for i in spans[j])
+    owned = dict(zip([i for j in mine for i in spans[j]], params))
+    return whole_model(owned, tensors_of(init), tensors_of(kinds),
+                       owners=lambda i: grid[0, stage_of[i]].tolist())
 
 
 def simulate(stages, times=None):
@@ -525,26 +530,40 @@ def simulate(stages, times=None):
     return [events[s] if pc[s] > len(stages[s]) else None for s in range(p)]
 
 
+def block_stash(args, rows, tp=1):
+    """Bytes a block keeps, a micro-batch of rows: from F to B its stash, 16 [b, T, D]-sized (x,
+    n1, q, k, v, o, x', n2; z and gelu(z) 4 D wide), r1 and r2 [b, T] and A [b, h, T, T] in fp32,
+    or x alone with --recompute; from B to W its (x, dz)s, 16 of them and two gains' dg [D].
+    tp: a rank's, its shards (Megatron's: q, k, v, o, z, u and A by t)."""
+    T, D, h = args.context, args.dim, args.heads
+    size = 2 if args.bf16 else 4
+    A = rows * T * D * size
+    if args.recompute:
+        kept = A
+    else:
+        kept = 16 * A + 2 * rows * T * 4 + rows * h * T * T * 4
+    return kept, 16 * A + 2 * D * 4
+
+
 def show_stash(memory, args, num_stages, rank, device):
     """Rank 0: each stage's largest stash in the last step, counted from the tensors, beside the
-    formula (F to B: 2 l [b, D], x and z, or l with --recompute; B to W: 2 l, x and dz) and
-    pipeline_costs()'s prediction from the schedule alone."""
+    formula (block_stash's, l blocks a stage) and pipeline_costs()'s prediction from the schedule
+    alone."""
     peaks = gather_on_rank0(torch.tensor(max(memory, key=lambda entry: entry[2]), device=device))
     if rank != 0:
         return
     l = args.num_layers // (num_stages * args.virtual_stages)
-    A = args.batch_size // args.micro_batches * args.dim * (2 if args.bf16 else 4)
-    kept = l if args.recompute else 2 * l
-    say(f"stash at its largest, by stage: l = {l} layers a stage"
-        f"{' (a chunk)' * (args.virtual_stages > 1)}, [b, D] = {A} bytes"
-        f"{', --recompute: x alone kept, z made again in its backward' * args.recompute}")
+    kept, waiting = block_stash(args, args.batch_size // args.micro_batches)
+    say(f"stash at its largest, by stage: l = {l} blocks a stage"
+        f"{' (a chunk)' * (args.virtual_stages > 1)}, a block's {kept} bytes from F to B"
+        f"{' (--recompute: x alone)' * args.recompute}, {waiting} from B to W")
     print(f"  {'stage':<6}{'F to B':>8}{'B to W':>8}{'bytes held':>12}   formula", flush=True)
     for s, (n, w, counted) in enumerate(peaks.tolist()):
         predicted = pipeline_costs(args.schedule, num_stages, s, args.micro_batches,
-                                   args.virtual_stages, act_bytes=A, kept_bytes=kept * A,
-                                   waiting_bytes=2 * l * A)[1]
-        print(f"  {s:<6}{n:>8}{w:>8}{counted:>12}   ({n} x {kept} + {w} x {2 * l}) x "
-              f"[b, D] = {(n * kept + w * 2 * l) * A}   predicted {predicted}", flush=True)
+                                   args.virtual_stages, kept_bytes=l * kept,
+                                   waiting_bytes=l * waiting)[1]
+        print(f"  {s:<6}{n:>8}{w:>8}{counted:>12}   {n} x {l} x {kept} + {w} x {l} x {waiting}"
+              f" = {(n * kept + w * waiting) * l}   predicted {predicted}", flush=True)
 
 
 def print_schedules(schedule, num_stages, num_micro_batches, num_chunks, num_layers):
