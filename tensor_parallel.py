@@ -120,8 +120,8 @@ class GatherSplit(MegatronSplit):
     def gather(self, a):                      # [b, T, n/T] -> [b, T, n]   (T-1)/T of it
         return all_gather_columns(a, self.group)
 
-    def gather_back(self, g):                 # the slice: this rank's columns
-        return my_columns(g, self.group)
+    def gather_back(self, g):                 # the slice: this rank's columns, its own
+        return my_columns(g, self.group).contiguous()   # (a view would hold all of g)
 
     def out(self, y):
         return self.gather(y)

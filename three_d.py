@@ -31,10 +31,12 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, run_main, setup, spawn
-from data_parallel import dp_costs, init_params, make_batch, make_replica, replica_rows
-from pipeline_parallel import Stage, build_schedule, pipeline_costs, run_schedule, stage_parts
-from tensor_parallel import (all_gather_columns, layer_kinds, shard, shard_box, shard_columns,
-                             tp_blocks, tp_costs, vocab_parallel_cross_entropy)
+from data_parallel import (dp_costs, init_params, make_batch, make_replica, replica_rows,
+                           spans_of)
+from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
+                               stage_parts)
+from tensor_parallel import (all_gather_columns, my_columns, part_kinds, shard, shard_box,
+                             tensor_kinds, tp_blocks, tp_costs, vocab_parallel_cross_entropy)
 
 AXES = ("dp", "pp", "tp")
 
@@ -106,21 +108,22 @@ class ThreeDRank:
 
     def hold_shards(self, args, device):
         """The parts of its stage (of each of its chunks, interleaved: the embedding in the first
-        chunk of stage 0, the head in the last of the last stage), each cut to its tp part: its
-        columns, or its rows for a Megatron row layer (a pair stays in a chunk), its classes of
-        E and H, from the whole model every rank draws. Step 2's replica holds them over dp."""
-        self.full = init_params(args)
+        chunk of stage 0, the head in the last of the last stage), each tensor cut to its tp
+        part: a column layer's columns (whole heads), a row layer's rows, its classes of E and
+        H, a gain and P whole, from the whole model every rank draws. Step 2's replica holds them
+        over dp."""
+        self.init = init_params(args)
         v = args.virtual_stages
-        self.per_chunk = args.num_layers // (args.pp * v)
-        self.kinds = layer_kinds(self.per_chunk, args.tp_style)       # the same in every chunk
-        self.part_kinds = ["embedding", *[self.kinds[i % self.per_chunk]   # by part, in order
-                                          for i in range(args.num_layers)], "head"]
+        self.part_kinds = part_kinds(args.num_layers)                 # by part, in order
+        self.splits = tensor_kinds(self.part_kinds, args.tp_style)    # each part's tensors'
         self.chunks = [stage_parts(args.num_layers, args.pp, self.stage, v, c) for c in range(v)]
         self.mine = [j for parts in self.chunks for j in parts]      # its parts' indices
-        shards = [shard(self.full[j], self.part_kinds[j], self.tp_rank, args.tp).to(device)
-                  for j in self.mine]                                # [D, D/T], [D/T, D], ...
-        self.boxes = [shard_box(self.full[j].shape, self.part_kinds[j], self.tp_rank, args.tp)
-                      for j in self.mine]                            # where each sits in its part
+        shards = [[shard(w, k, self.tp_rank, args.tp).to(device)
+                   for w, k in zip(self.init[j], self.splits[j])] for j in self.mine]
+        spans = spans_of(self.init)
+        self.held = [i for j in self.mine for i in spans[j]]          # its tensors' indices
+        self.boxes = [shard_box(w.shape, k, self.tp_rank, args.tp)   # where each sits
+                      for j in self.mine for w, k in zip(self.init[j], self.splits[j])]
         self.starts = [sum(map(len, self.chunks[:c])) for c in range(v)]   # a chunk's first
         self.replica = make_replica(shards, self.groups["dp"], zero=args.zero,
                                     optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
@@ -133,7 +136,7 @@ class ThreeDRank:
         self.rows = replica_rows(args.batch_size, self.dp_rank, args.dp)
         self.device = device
 
-    def micro_batches(self, batch, args):   # [B, k], [B] -> its rows, m micro-batches each
+    def micro_batches(self, batch, args):   # [B, T] twice -> its rows, m micro-batches each
         return [t[self.rows].to(self.device).chunk(args.micro_batches) for t in batch]
 
     def build_stages(self, args):
@@ -147,9 +150,10 @@ class ThreeDRank:
             kinds = [self.part_kinds[j] for j in self.chunks[c]]
             self.stages.append(Stage(
                 self.replica, range(self.starts[c], self.starts[c] + len(kinds)),
-                blocks=tp_blocks(kinds, tp_group, vocab_size=args.vocab_size),
+                blocks=tp_blocks(kinds, args.tp_style, args.dim // args.heads, tp_group,
+                                 vocab_size=args.vocab_size),
                 first=virtual == 0, last=virtual == v * p - 1,
-                num_micro_batches=args.micro_batches, mean_over=len(self.rows),
+                num_micro_batches=args.micro_batches, mean_over=len(self.rows) * args.context,
                 loss_fn=partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size,
                                 group=tp_group),
                 recompute=args.recompute))
@@ -167,10 +171,9 @@ class ThreeDRank:
         self.boundary = {}
         if args.p2p_shard:
             width = args.dim // args.tp
-            self.boundary = dict(outgoing=partial(shard_columns, tp_rank=self.tp_rank,
-                                                  tp_size=args.tp),
+            self.boundary = dict(outgoing=partial(my_columns, group=self.groups["tp"]),
                                  incoming=partial(all_gather_columns, group=self.groups["tp"]))
-        self.buffer_shape = (len(self.rows) // args.micro_batches, width)   # [b, D] or [b, D/tp]
+        self.buffer_shape = (len(self.rows) // args.micro_batches, args.context, width)
 
     def train_step(self, inputs, targets, recorder=None):
         """Every micro-batch forward and backward through the pipeline; each bucket's gradient
@@ -190,9 +193,10 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     largest stash, bytes; its bubble (ZB-H1's for times (T_F, T_B, T_W)). tp_rank: whose classes."""
     v, m, tp = args.virtual_stages, args.micro_batches, args.tp
     kinds = [kind for chunk in stage_kinds(args, stage) for kind in chunk]   # the ends' too
-    rows = args.batch_size // (args.dp * m)
-    act = rows * args.dim * (2 if args.bf16 else 4)                         # [b, D]
-    tp_runs = tp_costs(kinds, act, rows, num_micro_batches=m, recompute=args.recompute)
+    rows = args.batch_size // (args.dp * m) * args.context                  # positions, b T
+    act = rows * args.dim * (2 if args.bf16 else 4)                         # [b, T, D]
+    tp_runs = tp_costs(kinds, act, rows, args.tp_style, num_micro_batches=m,
+                       recompute=args.recompute)
     sent = act // tp if args.p2p_shard else act                 # --p2p-shard: 1/tp crosses
     kept, waiting = stash_bytes(args)
     bubble, stash, pp_runs = pipeline_costs(args.schedule, args.pp, stage, m, v, act_bytes=sent,
@@ -209,42 +213,40 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
 
 
 def stash_bytes(args):
-    """A micro-batch's stash in a chunk from its F to its B, and from its B to its W: a layer's
-    (x, z) is one [b, D] whole and one 1/tp (a row layer's x is the column layer's sharded
-    output), (x, dz) as much; --recompute keeps x alone from F to B."""
-    kinds = layer_kinds(args.num_layers // (args.pp * args.virtual_stages), args.tp_style)
-    act = args.batch_size // (args.dp * args.micro_batches) * args.dim * (2 if args.bf16 else 4)
-    pairs = len(kinds) * (act + act // args.tp)                 # (x, z) of every layer (the ends'
-    # stashes aside: the embedding's token ids, the head's input, as the stash table counts)
-    if args.recompute:
-        return sum(act // args.tp if kind == "row" else act for kind in kinds), pairs
-    return pairs, pairs
+    """A micro-batch's stash in a chunk from its F to its B, and from its B to its W: each of its
+    blocks' (step 4's block_stash, on this rank's shards); the ends' stashes aside (the token
+    ids, the head's input), as the stash table counts."""
+    blocks = args.num_layers // (args.pp * args.virtual_stages)
+    kept, waiting = block_stash(args, args.batch_size // (args.dp * args.micro_batches), args.tp)
+    return blocks * kept, blocks * waiting
 
 
 def three_d_worker(rank, world_size, args):
     device = setup(rank, world_size)
     me = ThreeDRank(rank, args, device)
     if rank == 0:   # the rank map, and what a stage's (a chunk's) layers are
-        show_rank_map(args.dp, args.pp, args.tp, args.order, kinds=me.kinds,
+        show_rank_map(args.dp, args.pp, args.tp, args.order, args=args,
                       chunks=args.virtual_stages)
-    load_checkpoint(args, me.replica, me.mine, me.boxes)   # --resume: from any layout's pieces
+    load_checkpoint(args, me.replica, me.held, me.boxes)   # --resume: from any layout's pieces
     losses = []
     norms = []
     check = SerialCheck(args)
     for step in range(args.start_step, args.steps):
-        batch = make_batch(args, step)          # tokens [B, k], targets [B]
+        batch = make_batch(args, step)          # tokens, targets [B, T]
         me.train_step(*me.micro_batches(batch, args))
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
             check.step(full_parts(me, full_weights(me.replica), args),
                        full_parts(me, full_grads(me.replica), args))
         if args.clip_grad:   # the norm's squares summed over tp and pp (and dp, if ZeRO shards)
-            norms.append(me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]]).item())
+            shares = [1 / args.tp if k == "whole" else 1.0 for j in me.mine for k in me.splits[j]]
+            norms.append(me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]],
+                                         shares).item())
         me.replica.update()                   # each rank's optimizer steps its own shards
         if me.stage == args.pp - 1:   # the last stage knows the loss: the replicas' mean
             losses.append(global_loss(me.stages[-1].loss, me.groups["dp"]))   # losses, averaged
             if me.dp_rank == me.tp_rank == 0:
                 log_step(me.tag, step, losses, norms, args)
-        save_checkpoint(args, step + 1, me.replica, me.mine, me.boxes)   # --checkpoint: its pieces
+        save_checkpoint(args, step + 1, me.replica, me.held, me.boxes)   # --checkpoint: pieces
     finish_ranks(me, args, losses, check, norms, device)
     cleanup()
 
@@ -269,14 +271,14 @@ from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E40
                          positive_int, seconds, si, under_torchrun)
 from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa: E402
                            full_grads, full_weights, global_loss, in_step_bytes, load_checkpoint,
-                           log_step, make_buckets, save_checkpoint, training_parser)
+                           log_step, make_buckets, save_checkpoint, tensors_of, training_parser)
 from pipeline_parallel import add_schedule_args, held_counts, schedule_rules, whole_parts  # noqa
 from tensor_parallel import describe, divides, layer_matmuls, refuse_unused, vocab_range  # noqa
 
 
 def full_parts(me, params, args):   # on rank 0, replica 0's shards put together (step 4)
     grid = rank_grid(args.dp, args.pp, args.tp, args.order)
-    return whole_parts(params, me.mine, me.full, args, grid, me.part_kinds)
+    return whole_parts(params, me.mine, me.init, args, grid, me.splits)
 
 
 def finish_ranks(me, args, losses, check, norms, device):
@@ -288,7 +290,7 @@ def finish_ranks(me, args, losses, check, norms, device):
     losses = torch.tensor(known, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
     if dist.get_rank() == 0:
-        finish_run(args, me.full, final, losses.tolist(), check, norms)
+        finish_run(args, tensors_of(me.init), final, losses.tolist(), check, norms)
 
 
 def stage_kinds(args, stage):
@@ -336,7 +338,7 @@ def buckets_of(chunks, dim, context, vocab_size, tp, tp_rank, bucket_mb, pad_to)
     return [(c, -(-n // pad_to) * pad_to) for c, n in zip(chunk_of, layout.lengths)]
 
 
-def show_rank_map(dp, pp, tp, order, kinds=None, chunks=1):
+def show_rank_map(dp, pp, tp, order, args=None, chunks=1):
     groups = rank_groups(dp, pp, tp, order)
     width = {name: max(len(str(groups[name][0])) + 2, 10) for name in AXES}
     print(f"rank map: dp={dp} pp={pp} tp={tp}, order {order} (fastest first)")
@@ -347,8 +349,9 @@ def show_rank_map(dp, pp, tp, order, kinds=None, chunks=1):
         coords = " ".join(f"{c:>3}" for c in coordinates(rank, groups))
         cells = "".join(f"{str(mine[name]):<{width[name]}}" for name in ("tp", "pp", "dp"))
         print(f"{rank:>5} {coords}   {cells}".rstrip(), flush=True)
-    if kinds:
-        print(f"each stage{' chunk' * (chunks > 1)}: {describe(kinds)} over tp={tp}", flush=True)
+    if args:
+        print(f"each stage{' chunk' * (chunks > 1)}: {describe(args, tp)} over tp={tp}",
+              flush=True)
 
 
 # --plan: which layout? Each layout of --world-size GPUs priced as the code runs it: each
