@@ -52,18 +52,22 @@ from collectives import cleanup, log, run_main, setup, spawn
 EPS = 1e-5                                    # rmsnorm's, as nn.RMSNorm(D, eps=1e-5)
 
 
+def wide(t):   # fp32 at least: where bf16 would round too much (float64 stays, for the tests)
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def rmsnorm(x, g):
     """x r g, r = (mean_D x^2 + eps)^-1/2 [b, T, 1], in fp32; and r, for the backward."""
-    r = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + EPS)
-    return (x.float() * r * g).to(x.dtype), r
+    r = torch.rsqrt(wide(x).square().mean(-1, keepdim=True) + EPS)
+    return (wide(x) * r * g).to(x.dtype), r
 
 
 def rmsnorm_backward(dy, x, r, g):
     """dx = r u - x r^3 mean_D(u x), u = g dy  [b, T, D]; dg = sum over positions of dy x r  [D]."""
-    x = x.float()
-    u = g * dy.float()
+    x = wide(x)
+    u = g * wide(dy)
     dx = r * u - x * r**3 * (u * x).mean(-1, keepdim=True)
-    return dx.to(dy.dtype), (dy.float() * x * r).flatten(0, -2).sum(0)
+    return dx.to(dy.dtype), (wide(dy) * x * r).flatten(0, -2).sum(0)
 
 
 def heads(t, head_dim):   # [b, T, h dh] -> [b, h, T, dh]: head j's columns j dh .. (j+1) dh
@@ -73,7 +77,7 @@ def heads(t, head_dim):   # [b, T, h dh] -> [b, h, T, dh]: head j's columns j dh
 def attention(q, k, v, head_dim):
     """Causal attention of every head q, k and v hold [b, T, h dh]: o [b, T, h dh], A [b, h, T, T]."""
     q, k, v = heads(q, head_dim), heads(k, head_dim), heads(v, head_dim)
-    s = (q @ k.transpose(-1, -2)).float() / math.sqrt(head_dim)       # [b, h, T, T], fp32
+    s = wide(q @ k.transpose(-1, -2)) / math.sqrt(head_dim)           # [b, h, T, T], fp32
     future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
     a = s.masked_fill(future, float("-inf")).softmax(-1)              # row i sees 0 .. i
     o = a.to(v.dtype) @ v                                             # [b, h, T, dh]
@@ -85,7 +89,7 @@ def attention_backward(do, q, k, v, a, head_dim):
     rowsum(dA * A)), dq = dS k / sqrt(dh), dk = dS^T q / sqrt(dh)."""
     do, q, k, v = (heads(t, head_dim) for t in (do, q, k, v))
     dv = a.to(do.dtype).transpose(-1, -2) @ do                        # [b, h, T, dh]
-    da = (do @ v.transpose(-1, -2)).float()                           # [b, h, T, T]
+    da = wide(do @ v.transpose(-1, -2))                               # [b, h, T, T]
     ds = (a * (da - (da * a).sum(-1, keepdim=True)) / math.sqrt(head_dim)).to(q.dtype)
     dq = ds @ k
     dk = ds.transpose(-1, -2) @ q
@@ -177,7 +181,7 @@ def cross_entropy(logits, y, n):
     """sum -log softmax(logits)[y] / n and dlogits = (softmax - onehot(y)) / n, in fp32 always:
     logits [b T, V], y [b, T]."""
     y = y.reshape(-1)
-    log_p = logits.float().log_softmax(dim=1)             # [b T, V]
+    log_p = wide(logits).log_softmax(dim=1)               # [b T, V]
     dlogits = log_p.exp().scatter_add_(1, y[:, None], -torch.ones_like(log_p[:, :1]))
     return -log_p.gather(1, y[:, None]).sum() / n, (dlogits / n).to(logits.dtype)
 
@@ -650,7 +654,7 @@ def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False):
     runs' casts (bf16 matmuls on fp32 masters; norms, softmax and loss in fp32). halves: each
     matmul sums the halves of its terms apart, as two tp ranks do: the same maths in another
     order, which moves only what rounding moves."""
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = torch.bfloat16 if bf16 else params[0].dtype
 
     def matmul(x, w):
         w = w.to(dtype)
@@ -658,7 +662,7 @@ def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False):
         return x[..., :h] @ w[:h] + x[..., h:] @ w[h:] if halves else x @ w
 
     def norm(x, g):
-        return F.rms_norm(x.float(), g.shape, g, EPS).to(dtype)
+        return F.rms_norm(wide(x), g.shape, g, EPS).to(dtype)
 
     def split_heads(t):   # [b, T, D] -> [b, h, T, dh]
         return t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
@@ -668,10 +672,10 @@ def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False):
         g1, wq, wk, wv, wo, g2, w1, w2 = blocks[8 * layer:8 * layer + 8]
         n = norm(x, g1)
         q, k, v = (split_heads(matmul(n, w)) for w in (wq, wk, wv))
-        o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        o = F.scaled_dot_product_attention(wide(q), wide(k), wide(v), is_causal=True)
         x = x + matmul(o.to(dtype).transpose(1, 2).flatten(-2), wo)
         x = x + matmul(F.gelu(matmul(norm(x, g2), w1)), w2)
-    logits = matmul(norm(x, gain), head).flatten(0, 1).float()
+    logits = wide(matmul(norm(x, gain), head).flatten(0, 1))
     return F.cross_entropy(logits, targets.reshape(-1)), logits
 
 

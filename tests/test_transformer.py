@@ -1,0 +1,152 @@
+"""The transformer's hand-derived pieces (step 2) against autograd: RMSNorm, attention with its
+causal mask and every head, a whole block; and the defects each comparison must catch."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data_parallel as dp
+
+torch.set_default_dtype(torch.float64)   # the maths, not float32's rounding
+
+
+def autograd_block(x, w, head_dim):
+    """A pre-norm block from torch's own layers: rms_norm, scaled_dot_product_attention, gelu."""
+    g1, wq, wk, wv, wo, g2, w1, w2 = w
+
+    def split(t):
+        return t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
+    n = F.rms_norm(x, g1.shape, g1, dp.EPS)
+    o = F.scaled_dot_product_attention(split(n @ wq), split(n @ wk), split(n @ wv), is_causal=True)
+    x = x + o.transpose(1, 2).flatten(-2) @ wo
+    return x + F.gelu(F.rms_norm(x, g2.shape, g2, dp.EPS) @ w1) @ w2
+
+
+def random_block(D=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(D,), (D, D), (D, D), (D, D), (D, D), (D,), (D, 4 * D), (4 * D, D)]
+    return [torch.randn(*shape, generator=gen) / math.sqrt(shape[0]) + (len(shape) == 1)
+            for shape in shapes]
+
+
+def weight_grads(terms):   # each (x, dz) as its dW = x^T dz, a gain's ready
+    return [dz if x is None else x.flatten(0, -2).T @ dz.flatten(0, -2) for x, dz in terms]
+
+
+def rmsnorm_backward_without_r3(dy, x, r, g):   # the defect: dx = r g dy alone
+    return (r * g * dy), (dy * x * r).flatten(0, -2).sum(0)
+
+
+@pytest.mark.parametrize("backward,agrees", [(dp.rmsnorm_backward, True),
+                                             (rmsnorm_backward_without_r3, False)])
+def test_rmsnorm_backward_is_autograds_and_needs_its_r_cubed_term(backward, agrees):
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    g = torch.randn(8, requires_grad=True)
+    dy = torch.randn(3, 5, 8)
+    y, r = dp.rmsnorm(x.detach(), g.detach())
+    F.rms_norm(x, (8,), g, dp.EPS).backward(dy)
+    torch.testing.assert_close(y, F.rms_norm(x, (8,), g, dp.EPS).detach())
+    dx, dg = backward(dy, x.detach(), r, g.detach())
+    torch.testing.assert_close(dg, g.grad)
+    assert torch.allclose(dx, x.grad) == agrees
+
+
+def attention_backward_without_scale(do, q, k, v, a, head_dim):   # the defect: no 1/sqrt(dh)
+    dq, dk, dv = dp.attention_backward(do, q, k, v, a, head_dim)
+    return dq * math.sqrt(head_dim), dk * math.sqrt(head_dim), dv
+
+
+def attention_backward_without_mask(do, q, k, v, a, head_dim):
+    """The defect: the mask in the forward but not the backward (A made again, unmasked)."""
+    s = dp.heads(q, head_dim) @ dp.heads(k, head_dim).transpose(-1, -2) / math.sqrt(head_dim)
+    return dp.attention_backward(do, q, k, v, s.softmax(-1), head_dim)
+
+
+@pytest.mark.parametrize("backward,agrees", [(dp.attention_backward, True),
+                                             (attention_backward_without_scale, False),
+                                             (attention_backward_without_mask, False)])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_attention_backward_is_autograds_for_every_head(backward, agrees, heads):
+    b, T, head_dim = 2, 6, 3
+    q, k, v = (torch.randn(b, T, heads * head_dim, requires_grad=True) for _ in range(3))
+    do = torch.randn(b, T, heads * head_dim)
+    o, a = dp.attention(q.detach(), k.detach(), v.detach(), head_dim)
+    split = [t.unflatten(-1, (heads, head_dim)).transpose(1, 2) for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*split, is_causal=True).transpose(1, 2).flatten(-2)
+    torch.testing.assert_close(o, want.detach())
+    assert (a.triu(1) == 0).all()                     # no position sees one after it
+    want.backward(do)
+    got = backward(do, q.detach(), k.detach(), v.detach(), a, head_dim)
+    matches = [torch.allclose(mine, t.grad) for mine, t in zip(got, (q, k, v))]
+    assert all(matches) == agrees, matches
+
+
+def test_a_later_position_never_changes_an_earlier_ones_output():
+    q, k, v = (torch.randn(1, 5, 8) for _ in range(3))
+    o, _ = dp.attention(q, k, v, 4)
+    k[:, -1] += 10.0
+    v[:, -1] += 10.0
+    o2, _ = dp.attention(q, k, v, 4)
+    torch.testing.assert_close(o[:, :-1], o2[:, :-1])
+    assert not torch.allclose(o[:, -1], o2[:, -1])
+
+
+def block_backward_without_the_skip(dout, stash, w, need_dx=True, head_dim=None):
+    """The defect: the residual's gradient not summed (dx the branch's alone)."""
+    dx, terms = dp.block_backward(dout, stash, w, head_dim=head_dim)
+    return dx - dout, terms
+
+
+@pytest.mark.parametrize("backward,agrees", [(dp.block_backward, True),
+                                             (block_backward_without_the_skip, False)])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_whole_block_is_autograds_every_weight_and_its_input(backward, agrees, recompute):
+    D, head_dim = 8, 2
+    w = [t.requires_grad_() for t in random_block(D)]
+    x = torch.randn(2, 5, D, requires_grad=True)
+    dout = torch.randn(2, 5, D)
+    out, stash = dp.block_forward(x.detach(), [t.detach() for t in w], recompute=recompute,
+                                  head_dim=head_dim)
+    want = autograd_block(x, w, head_dim)
+    torch.testing.assert_close(out, want.detach())
+    want.backward(dout)
+    dx, terms = backward(dout, stash, [t.detach() for t in w], head_dim=head_dim)
+    for got, t in zip(weight_grads(terms), w):
+        torch.testing.assert_close(got, t.grad)
+    assert torch.allclose(dx, x.grad) == agrees
+
+
+def test_the_model_is_torchs_layers_from_embedding_to_loss():
+    """Step 2's parts end to end (dp_step's order, by hand) against serial_loss under autograd:
+    the loss and every tensor's gradient."""
+    import argparse
+    args = argparse.Namespace(dim=8, heads=2, context=5, vocab_size=11, num_layers=2, seed=3)
+    parts = dp.init_params(args)
+    params = [w.double().requires_grad_() for w in dp.tensors_of(parts)]
+    tokens = torch.randint(11, (3, 5))
+    targets = torch.randint(11, (3, 5))
+    loss, _ = dp.serial_loss(params, tokens, targets, head_dim=4)
+    loss.backward()
+    blocks = dp.model_blocks(2, head_dim=4)
+    weights = [[w.detach() for w in params[span.start:span.stop]] for span in dp.spans_of(parts)]
+    a = tokens
+    stashes = []
+    for block, w in zip(blocks, weights):
+        a, stash = block.forward(a, w)
+        stashes.append(stash)
+    mine, g = dp.cross_entropy(a, targets, 15)
+    torch.testing.assert_close(mine, loss.detach())
+    grads = []
+    for block, w in reversed(list(zip(blocks, weights))):
+        g, terms = block.backward(g, stashes.pop(), w)
+        part = []
+        for (x, dz), weight in zip(terms, w):
+            if x is not None and not x.is_floating_point():   # rows added at the ids
+                part.append(torch.zeros_like(weight).index_add_(0, x.reshape(-1),
+                                                                dz.flatten(0, -2)))
+            else:
+                part.append(weight_grads([(x, dz)])[0])
+        grads = part + grads
+    for got, param in zip(grads, params):
+        torch.testing.assert_close(got, param.grad)
