@@ -382,18 +382,31 @@ class Matmul(NamedTuple):
         return inputs + self.m * self.n * self.out_bytes * (1 + self.accumulate)
 
 
-def layer_matmuls(kind, rows, dim, tp, bf16, classes=0):
-    """A tp rank's layer (or head, of its classes), a micro-batch: z = x W, dx = dz W^T, and dW =
-    x^T dz into the fp32 gradient: what --plan prices and tests/gpu_path.py records."""
+def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", context=1,
+                  heads=1):
+    """A tp rank's part, a micro-batch of rows positions: each matmul's (z = x W, dx = dz W^T,
+    dW = x^T dz into the fp32 gradient); a block's six, and attention's Q K^T and A V as one
+    [b h/t T, dh] x [dh, T] each (dx: their two backward matmuls each, dW none). What --plan
+    prices and tests/gpu_path.py records."""
     size = 2 if bf16 else 4
-    n_in = dim // tp if kind == "row" else dim
-    n_out = dim if kind == "row" else dim // tp
+    D = dim
+
+    def linear(n_in, n_out):
+        return (Matmul(rows, n_in, n_out, size, size, accumulate=False),
+                Matmul(rows, n_out, n_in, size, size, accumulate=False),
+                Matmul(n_in, rows, n_out, size, 4, accumulate=False))
     if kind == "head":
-        n_out = classes
-    forward = Matmul(rows, n_in, n_out, size, size, accumulate=False)   # z = x W
-    dx = Matmul(rows, n_out, n_in, size, size, accumulate=False)        # dx = dz W^T
-    dw = Matmul(n_in, rows, n_out, size, 4, accumulate=False)           # dW = x^T dz, fp32
-    return forward, dx, dw
+        return [linear(D, classes)]
+    row = tp_style == "megatron"
+    out_in = [D // tp if row else D, 4 * D // tp if row else 4 * D]     # Wo's, W2's input
+    out_width = [D if row else D // tp] * 2
+    layers = [linear(D, D // tp)] * 3 + [linear(out_in[0], out_width[0]),
+                                         linear(D, 4 * D // tp), linear(out_in[1], out_width[1])]
+    head_dim = D // heads
+    batched = rows * (heads // tp)             # b h/t T rows of the scores
+    scores = Matmul(batched, head_dim, context, size, size, accumulate=False)
+    mix = Matmul(batched, context, head_dim, size, size, accumulate=False)
+    return layers + [(scores, scores, None), (mix, mix, None)]
 
 
 def describe(args, tp_size):   # what ran: "h/T = 2 heads a rank, Megatron's pairs, ..."

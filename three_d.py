@@ -273,7 +273,7 @@ from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_
                            full_grads, full_weights, global_loss, in_step_bytes, load_checkpoint,
                            log_step, make_buckets, save_checkpoint, tensors_of, training_parser)
 from pipeline_parallel import add_schedule_args, held_counts, schedule_rules, whole_parts  # noqa
-from tensor_parallel import describe, divides, layer_matmuls, refuse_unused, vocab_range  # noqa
+from tensor_parallel import block_matmuls, describe, divides, refuse_unused, vocab_range  # noqa
 
 
 def full_parts(me, params, args):   # on rank 0, replica 0's shards put together (step 4)
@@ -300,7 +300,7 @@ def stage_kinds(args, stage):
 
 @functools.lru_cache(maxsize=None)   # many layouts share one
 def chunk_kinds(num_layers, num_stages, num_chunks, tp_style, stage):
-    kinds = tuple(layer_kinds(num_layers // (num_stages * num_chunks), tp_style))
+    kinds = ("block",) * (num_layers // (num_stages * num_chunks))
     chunks = []
     for c in range(num_chunks):
         virtual = c * num_stages + stage
@@ -328,13 +328,16 @@ def replica_buckets(args, stage, tp_rank):
 
 @functools.lru_cache(maxsize=None)
 def buckets_of(chunks, dim, context, vocab_size, tp, tp_rank, bucket_mb, pad_to):
-    """A rank's buckets (chunk, elements): D^2/tp a layer, its classes of E and H (ZeRO: d S)."""
+    """A rank's buckets (chunk, elements): a block's 12 D^2/tp and two gains, its classes of E and
+    H with P and the final gain (ZeRO: d S)."""
     start, end = vocab_range(vocab_size, tp_rank, tp)
-    size = {"embedding": (end - start) * (dim // context), "head": dim * (end - start)}
-    numels = [size.get(kind, dim * dim // tp) for chunk in chunks for kind in chunk]
+    D = dim
+    size = {"embedding": [(end - start) * D, context * D], "head": [D, D * (end - start)],
+            "block": [D, *[D * D // tp] * 4, D, 4 * D * D // tp, 4 * D * D // tp]}
+    numels = [size[kind] for chunk in chunks for kind in chunk]
     starts = [sum(map(len, chunks[:c])) for c in range(len(chunks))]
     layout = make_buckets(numels, bucket_mb, starts)
-    chunk_of = [sum(start <= layers[0] for start in starts) - 1 for layers in layout.buckets]
+    chunk_of = [sum(start <= parts[0] for start in starts) - 1 for parts in layout.parts]
     return [(c, -(-n // pad_to) * pad_to) for c, n in zip(chunk_of, layout.lengths)]
 
 
@@ -415,26 +418,31 @@ class Machine:
         compute = mm.flops() / (peak * self.efficiency(mm.m, mm.k, mm.n))
         return max(compute, mm.bytes_moved() / self.hbm)
 
-    def layer_s(self, kind, rows, dim, tp, bf16, recompute, micro_batches, classes=0):
-        """(F, B, W) of a tp rank's part, a micro-batch (W: the step's mean): a layer's matmuls,
-        gelu, gelu' and the gather layer's pieces; the head's matmuls and the loss's fp32 passes
-        over [b, classes] (6 forward, 4 back); the embedding's rows moved (masked: tp > 1) and
-        its index_add_, no matmul."""
-        size = 2 if bf16 else 4
+    def layer_s(self, kind, rows, args, tp, micro_batches, classes=0):
+        """(F, B, W) of a tp rank's part, a micro-batch of rows positions (W: the step's mean):
+        its matmuls (block_matmuls); a block's memory-bound passes, its norms, softmax and gelu,
+        about 12 [b, T, D] and 3 [b, h, T, T] forward, twice that back; the head's loss fp32
+        passes over [b T, classes] (6 forward, 4 back); the embedding's rows moved, no matmul."""
+        size = 2 if args.bf16 else 4
+        dim = args.dim
         if kind == "embedding":
             rows_bytes = rows * dim * size
             f = (2 + 2 * (tp > 1)) * rows_bytes / self.hbm
             return f, 0.0, (rows_bytes + 2 * rows * dim * 4) / self.hbm
-        forward, dx, dw = layer_matmuls(kind, rows, dim, tp, bf16, classes)
-        later = self.matmul_s(dw._replace(accumulate=True))
-        w = (self.matmul_s(dw) + (micro_batches - 1) * later) / micro_batches
+        f = b = w = 0.0
+        for forward, dx, dw in block_matmuls(kind, rows, dim, tp, args.bf16, classes,
+                                             args.tp_style, args.context, args.heads):
+            f += self.matmul_s(forward)
+            b += self.matmul_s(dx) * (1 + (dw is None))   # attention's: two backward matmuls
+            if dw is not None:
+                later = self.matmul_s(dw._replace(accumulate=True))
+                w += (self.matmul_s(dw) + (micro_batches - 1) * later) / micro_batches
         if kind == "head":
             loss = rows * classes * 4 / self.hbm
-            return self.matmul_s(forward) + 6 * loss, self.matmul_s(dx) + 4 * loss, w
-        out = forward.m * forward.n * forward.in_bytes
-        pieces = 2 * rows * dim * forward.in_bytes * (kind == "gather" and tp > 1)
-        f = self.matmul_s(forward) + (2 * out + pieces) / self.hbm
-        b = 3 * out / self.hbm + self.matmul_s(dx) + self.matmul_s(forward) * recompute
+            return f + 6 * loss, b + 4 * loss, w
+        passes = (12 * rows * dim * size + 3 * rows * args.heads // tp * args.context * 4)
+        f += passes / self.hbm
+        b += 2 * passes / self.hbm + f * args.recompute
         return f, b, w
 
     def update_s(self, params, optimizer, bf16):
@@ -478,11 +486,9 @@ def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved):
     return stages
 
 
-@functools.lru_cache(maxsize=None)
-def chunk_s(machine, kinds, rows, dim, tp, bf16, recompute, micro_batches, classes):
-    """(F, B, W) of a chunk's parts, a micro-batch; --recompute repeats a layer's forward only."""
-    times = [machine.layer_s(kind, rows, dim, tp, bf16, recompute=recompute and kind not in
-                             ("embedding", "head"), micro_batches=micro_batches, classes=classes)
+def chunk_s(machine, kinds, rows, args, tp, micro_batches, classes):
+    """(F, B, W) of a chunk's parts, a micro-batch; --recompute repeats a block's forward only."""
+    times = [machine.layer_s(kind, rows, args, tp, micro_batches=micro_batches, classes=classes)
              for kind in kinds]
     return tuple(sum(column) for column in zip(*times))
 
@@ -505,8 +511,8 @@ def predict(args, machine):
     chosen = {(s == 0, s == pp - 1, tuple(per_node[s].items())): s for s in reversed(range(pp))}
     stages = []
     for s in chosen.values():
-        chunks = [chunk_s(machine, kinds, args.batch_size // (dp * m), args.dim, tp, args.bf16,
-                          args.recompute, m, classes) for kinds in stage_kinds(args, s)]
+        chunks = [chunk_s(machine, kinds, args.batch_size // (dp * m) * args.context, args, tp,
+                          m, classes) for kinds in stage_kinds(args, s)]
         runs, held, _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
         comm = {group: sum(times * machine.collective_s(kind, nbytes, sizes[group],
                                                         per_node[s][group])
@@ -525,7 +531,8 @@ def predict(args, machine):
     params = max(stage["params"] for stage in stages)   # the largest optimizer's, a rank's
     parts["update"] = machine.update_s(params, args.optimizer, args.bf16)
     step = sum(parts.values())
-    model_flops = 6 * args.batch_size * (args.num_layers * args.dim + args.vocab_size) * args.dim
+    L, D, T = args.num_layers, args.dim, args.context   # 6 a weight a position; attention 12 T D
+    model_flops = args.batch_size * T * (6 * (12 * L * D + args.vocab_size) * D + 12 * L * T * D)
     return dict(step_s=step, parts=parts, bubble=slowest["bubble"],
                 memory_bytes=most_memory(args),
                 bytes={group: max(stage["sent"][group] for stage in stages) for group in sizes},
@@ -551,19 +558,19 @@ def most_memory(args):
         for s in range(pp))
 
 
-def working_bytes(args):   # a layer's backward beside the stash: its g, dz and dx, [b, D] each
-    act = args.batch_size // (args.dp * args.micro_batches) * args.dim * (2 if args.bf16 else 4)
-    return 3 * act
+def working_bytes(args):   # a block's backward beside the stash: its MLP's g, dz, dx, 4 D wide
+    act = args.batch_size // (args.dp * args.micro_batches) * args.context * args.dim
+    return 3 * 4 * act * (2 if args.bf16 else 4)
 
 
 def layouts(args, gpus_per_node):
     """Every layout as parse_args() leaves it: (dp, pp, tp), order (past a node), schedule (v 2, 4
     interleaved), micro-batches (p to 8 p), ZeRO, TP style, --p2p-shard, --recompute."""
-    world, L, D, B = args.world_size, args.num_layers, args.dim, args.batch_size
+    world, L, B = args.world_size, args.num_layers, args.batch_size
     divisors = [n for n in range(1, world + 1) if world % n == 0]
     for dp, pp in itertools.product(divisors, repeat=2):
         tp = world // (dp * pp)
-        if dp * pp * tp != world or D % tp or L % pp or B % dp or tp > args.vocab_size:
+        if dp * pp * tp != world or args.heads % tp or L % pp or B % dp or tp > args.vocab_size:
             continue
         orders = ["tp-pp-dp", "tp-dp-pp"][:1 + (world > gpus_per_node and dp * pp > 1)]
         schedules = [("1f1b", 1)]
@@ -575,7 +582,7 @@ def layouts(args, gpus_per_node):
                 ["all-gather", "megatron"][:1 + (tp > 1)],
                 [False, True][:1 + (tp > 1 and pp > 1)], [False, True]):
             m = pp * 2**k
-            if B % (dp * m) or (style == "megatron" and L // (pp * v) < 2):
+            if B % (dp * m):
                 continue
             yield argparse.Namespace(**{**vars(args), **dict(
                 dp=dp, pp=pp, tp=tp, order=order, schedule=schedule, virtual_stages=v,
@@ -663,7 +670,8 @@ def add_plan_args(parser):
 
 def plan_rules(parser, args):
     """--plan takes the world, the machine and the model; it chooses the rest."""
-    used = {"plan", *PLAN_FLAGS, "num_layers", "dim", "context", "batch_size", "optimizer",
+    used = {"plan", *PLAN_FLAGS, "num_layers", "dim", "heads", "context", "batch_size",
+            "optimizer",
             "bf16", "bucket_mb", "backend", "timeout_s"}
     refuse_unused(parser, args, used, "--plan, which chooses it")
     args.vocab_size = getattr(args, "vocab_size", VOCAB_SIZE)
@@ -673,15 +681,15 @@ def plan_rules(parser, args):
     args.bf16 = True                          # the GPUs' figures are bf16's
     parser.refuse([
         (args.top < 1, f"--top {args.top}: expected 1 or more, the rows to print"),
-        (args.dim % args.context, f"--dim {args.dim} is not divisible by --context "
-                                  f"{args.context}: each character is embedded in D/k columns"),
+        (args.dim % args.heads, f"--dim {args.dim} is not divisible by --heads {args.heads}: "
+                                f"each head has D/h columns"),
         (under_torchrun(), "--plan: run it as a plain command, not under torchrun"),
         (args.world_size > args.gpus_per_node and args.world_size % args.gpus_per_node,
          f"--gpus-per-node {args.gpus_per_node} does not divide --world-size "
          f"{args.world_size}: a world larger than a node is whole nodes"),
         (next(layouts(args, args.gpus_per_node), None) is None,
          f"--world-size {args.world_size}: no layout of it divides --num-layers "
-         f"{args.num_layers}, --dim {args.dim} and --batch-size {args.batch_size}")])
+         f"{args.num_layers}, --heads {args.heads} and --batch-size {args.batch_size}")])
 
 
 def parse_args(argv=None):
@@ -689,7 +697,7 @@ def parse_args(argv=None):
                              dp=True)
     parser.add_argument("--dp", type=positive_int, default=2, help="data-parallel replicas")
     parser.add_argument("--pp", type=positive_int, default=2, help="stages; divides --num-layers")
-    parser.add_argument("--tp", type=positive_int, default=2, help="ranks per layer; divides --dim")
+    parser.add_argument("--tp", type=positive_int, default=2, help="ranks per block; divides --heads")
     add_schedule_args(parser)
     parser.add_argument("--order", choices=["tp-pp-dp", "tp-dp-pp"], default="tp-pp-dp",
                         help="nesting of the rank map, fastest-varying axis first")
@@ -710,18 +718,12 @@ def parse_args(argv=None):
         used = {"show_rank_map", "dp", "pp", "tp", "order", "backend", "timeout_s"}
         refuse_unused(parser, args, used, "--show-rank-map")
         return args
-    parser.refuse([divides(args.dim, "--dim", args.tp, "--tp"),
+    parser.refuse([divides(args.heads, "--heads", args.tp, "--tp"),
                    (args.pp > args.num_layers, f"--pp {args.pp}: more stages than --num-layers "
                                                f"({args.num_layers})"),
                    divides(args.num_layers, "--num-layers", args.pp, "--pp"),
                    *schedule_rules(args, args.pp, "--pp")])
-    per_chunk = args.num_layers // (args.pp * args.virtual_stages)
     parser.refuse([
-        (args.tp_style == "megatron" and per_chunk < 2,
-         f"--tp-style megatron: a pair of layers stays inside a stage, where the activation is "
-         f"whole on every tp rank, as Megatron cuts stages between whole transformer layers; "
-         f"--num-layers {args.num_layers} gives {per_chunk} a stage"
-         f"{' chunk' * (args.virtual_stages > 1)}: use fewer stages or all-gather"),
         (args.p2p_shard and args.tp == 1, "--p2p-shard: with --tp 1 there is nothing to shard"),
         (args.p2p_shard and args.pp == 1, "--p2p-shard: with --pp 1 nothing crosses a stage")])
     check_training_args(parser, args, args.dp * args.pp * args.tp, args.dp, "--dp",
