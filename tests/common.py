@@ -9,25 +9,23 @@ import torch
 ATOL = RTOL = 1e-5
 
 
-PARTS = ("final_embedding", "final_weights", "final_head")
-
-
 def final_params(result):
-    """A --save result's (or serial_train's) final parameters in order: E, the layers, H."""
-    return [result["final_embedding"], *result["final_weights"], result["final_head"]]
+    """A --save result's (or serial_train's) final parameters, every tensor in the init order."""
+    return list(result["final_params"].values())
 
 
 def init_of(result):
-    """A --save result's initial parameters in order: E, the layers, H."""
-    return [result["init_embedding"], *result["init_weights"], result["init_head"]]
+    """A --save result's initial parameters, every tensor in the init order."""
+    return list(result["init_params"].values())
 
 
 def assert_same_training(got, want):
     """Two --save results (or serial_train's): the same loss at every step, the same final parameters."""
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), atol=ATOL, rtol=RTOL)
-    assert len(got["final_weights"]) == len(want["final_weights"])
-    for part, (a, b) in enumerate(zip(final_params(got), final_params(want))):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda msg: f"part {part}: {msg}")
+    assert list(got["final_params"]) == list(want["final_params"])
+    for name, a in got["final_params"].items():
+        torch.testing.assert_close(a, want["final_params"][name], atol=ATOL, rtol=RTOL,
+                                   msg=lambda msg: f"{name}: {msg}")
 
 
 def child_pids():
@@ -46,16 +44,17 @@ def serial_train(args):
     """The same training in one process, with autograd, as a whole run: what the tests
     compare every parallel run's --save with (--check compares each step instead). With
     --bf16 the same casts: bf16 matmuls and activations on fp32 master weights."""
-    from data_parallel import VOCAB_SIZE, init_params, make_batch, make_optimizer, serial_loss
+    from data_parallel import (VOCAB_SIZE, init_params, make_batch, make_optimizer, param_names,
+                               serial_loss, tensors_of)
     if "vocab_size" not in vars(args):
         args.vocab_size = VOCAB_SIZE
-    params = [w.requires_grad_() for w in init_params(args)]
+    params = [w.requires_grad_() for w in tensors_of(init_params(args))]
     optimizer = make_optimizer(params, args.optimizer, args.lr)
     losses, norms, first_grads = [], [], None
     for step in range(args.steps):
         inputs, targets = make_batch(args, step)
         optimizer.zero_grad()
-        loss, _ = serial_loss(params, inputs, targets, args.bf16)
+        loss, _ = serial_loss(params, inputs, targets, args.dim // args.heads, args.bf16)
         loss.backward()
         losses.append(loss.item())
         first_grads = first_grads or [w.grad.clone() for w in params]
@@ -63,8 +62,7 @@ def serial_train(args):
             norms.append(torch.nn.utils.clip_grad_norm_(params, args.clip_grad).item())
         optimizer.step()
     final = [w.detach() for w in params]
-    return {"final_embedding": final[0], "final_weights": final[1:-1], "final_head": final[-1],
-            "losses": losses, "first_grads": first_grads, "grad_norms": norms}
+    return {"final_params": dict(zip(param_names(args.num_layers), final)), "losses": losses, "first_grads": first_grads, "grad_norms": norms}
 
 
 def check_report(out):

@@ -8,7 +8,14 @@ import torch.nn.functional as F
 
 import data_parallel as dp
 
-torch.set_default_dtype(torch.float64)   # the maths, not float32's rounding
+
+
+@pytest.fixture(autouse=True)
+def float64():   # the maths, not float32's rounding; the suite's other tests keep float32
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
 
 
 def autograd_block(x, w, head_dim):
