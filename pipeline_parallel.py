@@ -564,8 +564,8 @@ def show_stash(memory, args, num_stages, rank, device):
         predicted = pipeline_costs(args.schedule, num_stages, s, args.micro_batches,
                                    args.virtual_stages, kept_bytes=l * kept,
                                    waiting_bytes=l * waiting)[1]
-        print(f"  {s:<6}{n:>8}{w:>8}{counted:>12}   {n} x {l} x {kept} + {w} x {l} x {waiting}"
-              f" = {(n * kept + w * waiting) * l}   predicted {predicted}", flush=True)
+        print(f"  {s:<6}{n:>8}{w:>8}{counted:>12}   ({n} x {kept} + {w} x {waiting}) x {l} = "
+              f"{(n * kept + w * waiting) * l}  predicted {predicted}", flush=True)
 
 
 def print_schedules(schedule, num_stages, num_micro_batches, num_chunks, num_layers):

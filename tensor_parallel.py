@@ -338,30 +338,37 @@ from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_
 
 
 def whole_model(owned, full, kinds, owners=None):
-    """Rank 0: every part whole, fp32 (else None), a piece at a time (steps 4, 5 hold parts on some
-    ranks). owned: this rank's, a list or {part: tensor}; owners(j): part j's ranks in tp order."""
+    """Rank 0: every tensor whole, fp32 (else None). owned: this rank's, a list or {index: tensor}
+    (steps 4, 5 hold parts on some ranks); owners(j): tensor j's ranks in tp order (a tensor
+    held whole: the first's). Each rank sends rank 0 its pieces in one message."""
     if not isinstance(owned, dict):
         owned = dict(enumerate(owned))
     rank = dist.get_rank()
-    device = next(iter(owned.values())).device
-    parts = []
-    for j, (w, kind) in enumerate(zip(full, kinds)):
+    sources = []
+    for j, kind in enumerate(kinds):
         ranks = list(owners(j)) if owners else list(range(dist.get_world_size()))
-        if kind == "whole":                   # the same on every tp rank: the first's
-            ranks = ranks[:1]
-        pieces = []
-        for t, source in enumerate(ranks):
-            if rank == source == 0:
-                pieces.append(owned[j].float())
-            elif rank == source:
-                dist.send(owned[j].float().contiguous(), dst=0)
-            elif rank == 0:
-                pieces.append(torch.empty(shard(w.to("meta"), kind, t, len(ranks)).shape,
-                                          device=device))
-                dist.recv(pieces[-1], src=source)
-        if rank == 0:
-            parts.append(torch.cat(pieces, dim=0 if kind in ("row", "embedding") else -1).cpu())
-    return parts if rank == 0 else None
+        sources.append(ranks[:1] if kind == "whole" else ranks)
+    if rank != 0:
+        mine = [owned[j].float().reshape(-1) for j, ranks in enumerate(sources) if rank in ranks]
+        if mine:
+            dist.send(torch.cat(mine), dst=0)
+        return None
+    device = next(iter(owned.values())).device
+    pieces = {}                               # (tensor, its tp rank) -> the piece
+    for source in sorted({r for ranks in sources for r in ranks}):
+        wanted = [(j, ranks.index(source)) for j, ranks in enumerate(sources) if source in ranks]
+        if source == 0:
+            pieces.update(((j, t), owned[j].float()) for j, t in wanted)
+            continue
+        shapes = [shard(full[j].to("meta"), kinds[j], t, len(sources[j])).shape for j, t in wanted]
+        flat = torch.empty(sum(shape.numel() for shape in shapes), device=device)
+        dist.recv(flat, src=source)
+        parts = flat.split([shape.numel() for shape in shapes])
+        pieces.update(((j, t), part.view(shape)) for (j, t), part, shape in zip(wanted, parts,
+                                                                                 shapes))
+    return [torch.cat([pieces[j, t] for t in range(len(ranks))],
+                      dim=0 if kinds[j] in ("row", "embedding") else -1).cpu()
+            for j, ranks in enumerate(sources)]
 
 
 class Matmul(NamedTuple):

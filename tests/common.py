@@ -113,3 +113,41 @@ def assert_same_bits(a, b):
 def gelu_grad(z):   # the formula that PyTorch's fused kernel (aten.gelu_backward) computes
     return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-z * z / 2) / math.sqrt(
         2 * math.pi)                          # Phi(z) + z phi(z)
+
+
+def contract_shapes(config):
+    """--save's names and shapes, in the init order (DESIGN.md's contract), from a run's config."""
+    L, D, T, V = config["num_layers"], config["dim"], config["context"], config["vocab_size"]
+    block = {"norm1": (D,), "wq": (D, D), "wk": (D, D), "wv": (D, D), "wo": (D, D),
+             "norm2": (D,), "w1": (D, 4 * D), "w2": (4 * D, D)}
+    return {"embedding": (V, D), "positions": (T, D),
+            **{f"blocks.{l}.{name}": shape for l in range(L) for name, shape in block.items()},
+            "norm": (D,), "head": (D, V)}
+
+
+def assert_follows_the_contract(result, flags=()):
+    """--save: every flag (and these), init_params and final_params as full float32 tensors under
+    the contract's names and shapes, the initial ones init_params' own; each step's global batch,
+    inputs and targets [steps, B, T], make_batch's; one loss a step."""
+    import argparse
+    import data_parallel as dp
+    config = result["config"]
+    for flag in ("num_layers", "dim", "heads", "context", "vocab_size", "batch_size", "micro_batches",
+                 "steps", "lr", "optimizer", "seed", "save", "check", *flags):
+        assert flag in config, flag
+    shapes = contract_shapes(config)
+    for when in ("init", "final"):
+        params = result[f"{when}_params"]
+        assert list(params) == list(shapes), when
+        assert all(tuple(w.shape) == shapes[name] and w.dtype == torch.float32
+                   for name, w in params.items()), when
+    init = dp.tensors_of(dp.init_params(argparse.Namespace(**config)))
+    assert all(torch.equal(a, b) for a, b in zip(init_of(result), init))
+    args = argparse.Namespace(**config)
+    steps = config["steps"] - config.get("start_step", 0)
+    shape = (steps, config["batch_size"], config["context"])
+    assert result["inputs"].shape == shape and result["targets"].shape == shape
+    for step in range(steps):
+        inputs, targets = dp.make_batch(args, config.get("start_step", 0) + step)
+        assert torch.equal(result["inputs"][step], inputs) and torch.equal(result["targets"][step], targets)
+    assert len(result["losses"]) == steps
