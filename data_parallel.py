@@ -1057,10 +1057,10 @@ def gather_index(pieces, device):
                    if row[0] >= 0] for rank, rows in enumerate(every)}
 
 
-def save_checkpoint(args, step, replica, parts=None, boxes=None):
+def save_checkpoint(args, step, replica, parts=None, boxes=None, copies=()):
     """--checkpoint DIR after every --checkpoint-every N steps and the last: DIR/step-00000150/,
     a file a rank with its pieces (without ZeRO, replicas beyond dp rank 0 write none: they hold
-    the same), then complete.json with every rank's pieces' places, by rename, once every rank's
+    the same; nor does a rank write its copies, tensors that tp rank 0 holds whole too), then complete.json with every rank's pieces' places, by rename, once every rank's
     file is on disk. A run killed before that leaves the checkpoints before as they were; the
     two newest complete are kept."""
     due = step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
@@ -1072,7 +1072,7 @@ def save_checkpoint(args, step, replica, parts=None, boxes=None):
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
     dist.barrier()
-    pieces = held_pieces(replica, parts, boxes)
+    pieces = [piece for piece in held_pieces(replica, parts, boxes) if piece[0] not in copies]
     if replica.dp_rank > 0 and not isinstance(replica, ZeRO1):
         pieces = []                                   # dp rank 0 holds the same: no file
     index = gather_index(pieces, replica.device)

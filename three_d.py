@@ -124,6 +124,8 @@ class ThreeDRank:
         self.held = [i for j in self.mine for i in spans[j]]          # its tensors' indices
         self.boxes = [shard_box(w.shape, k, self.tp_rank, args.tp)   # where each sits
                       for j in self.mine for w, k in zip(self.init[j], self.splits[j])]
+        self.copies = {i for j in self.mine for i, k in zip(spans[j], self.splits[j])
+                       if k == "whole" and self.tp_rank > 0}          # tp rank 0 writes them
         self.starts = [sum(map(len, self.chunks[:c])) for c in range(v)]   # a chunk's first
         self.replica = make_replica(shards, self.groups["dp"], zero=args.zero,
                                     optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
@@ -246,7 +248,7 @@ def three_d_worker(rank, world_size, args):
             losses.append(global_loss(me.stages[-1].loss, me.groups["dp"]))   # losses, averaged
             if me.dp_rank == me.tp_rank == 0:
                 log_step(me.tag, step, losses, norms, args)
-        save_checkpoint(args, step + 1, me.replica, me.held, me.boxes)   # --checkpoint: pieces
+        save_checkpoint(args, step + 1, me.replica, me.held, me.boxes, me.copies)   # its pieces
     finish_ranks(me, args, losses, check, norms, device)
     cleanup()
 

@@ -384,7 +384,7 @@ def single_stage_worker(rank, world_size):
     """One stage, four micro-batches: the runner asks nothing of the host, the loss is a tensor."""
     setup(rank, world_size)
     D, m = 8, 4
-    args = SimpleNamespace(optimizer="sgd", lr=0.1, num_layers=2, dim=D, context=4, vocab_size=dp.VOCAB_SIZE,
+    args = SimpleNamespace(optimizer="sgd", lr=0.1, num_layers=2, dim=D, heads=2, context=4, vocab_size=dp.VOCAB_SIZE,
                            seed=0, bf16=False, recompute=False, virtual_stages=1, micro_batches=m, batch_size=8)
     _, _, replica, (stage,) = pp.hold_stages(args, 0, 1, torch.device("cpu"))   # the whole model
     x, y = dp.make_batch(args, step=0)
@@ -395,7 +395,7 @@ def single_stage_worker(rank, world_size):
     try:
         replica.begin_step()
         stage.begin_step(y.chunk(m))
-        pp.run_schedule(pp.build_schedule("1f1b", 1, 0, m), [stage], x.chunk(m), 0, 0, (2, D))
+        pp.run_schedule(pp.build_schedule("1f1b", 1, 0, m), [stage], x.chunk(m), 0, 0, (2, 4, D))
     finally:
         for name, fn in real.items():
             setattr(torch.Tensor, name, fn)
