@@ -392,29 +392,29 @@ class Matmul(NamedTuple):
 
 def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", context=1,
                   heads=1):
-    """A tp rank's part, a micro-batch of rows positions: each matmul's (z = x W, dx = dz W^T,
-    dW = x^T dz into the fp32 gradient); a block's six, and attention's Q K^T and A V as one
-    [b h/t T, dh] x [dh, T] each (dx: their two backward matmuls each, dW none). What --plan
-    prices and tests/gpu_path.py records."""
+    """A tp rank's part ("block" or "head"), a micro-batch of rows positions: its matmuls'
+    (forwards, backwards' dx, dWs into the fp32 gradient); a block's six weights, and per head
+    attention's S = q k^T and A v, [b h/t T, dh] x [dh, T] and [b h/t T, T] x [T, dh] as one
+    batch each (back: dv, dA, dq, dk). What --plan prices and tests/gpu_path.py records."""
     size = 2 if bf16 else 4
     D = dim
 
     def linear(n_in, n_out):
-        return (Matmul(rows, n_in, n_out, size, size, accumulate=False),
-                Matmul(rows, n_out, n_in, size, size, accumulate=False),
-                Matmul(n_in, rows, n_out, size, 4, accumulate=False))
+        return (Matmul(rows, n_in, n_out, size, size, accumulate=False),   # z = x W
+                Matmul(rows, n_out, n_in, size, size, accumulate=False),   # dx = dz W^T
+                Matmul(n_in, rows, n_out, size, 4, accumulate=False))      # dW = x^T dz
     if kind == "head":
-        return [linear(D, classes)]
+        return [[m] for m in linear(D, classes)]
     row = tp_style == "megatron"
-    out_in = [D // tp if row else D, 4 * D // tp if row else 4 * D]     # Wo's, W2's input
-    out_width = [D if row else D // tp] * 2
-    layers = [linear(D, D // tp)] * 3 + [linear(out_in[0], out_width[0]),
-                                         linear(D, 4 * D // tp), linear(out_in[1], out_width[1])]
-    head_dim = D // heads
+    layers = [linear(D, D // tp)] * 3 + [linear(D // tp if row else D, D if row else D // tp),
+                                         linear(D, 4 * D // tp),
+                                         linear(4 * D // tp if row else 4 * D, D if row else D // tp)]
     batched = rows * (heads // tp)             # b h/t T rows of the scores
+    head_dim = D // heads
     scores = Matmul(batched, head_dim, context, size, size, accumulate=False)
     mix = Matmul(batched, context, head_dim, size, size, accumulate=False)
-    return layers + [(scores, scores, None), (mix, mix, None)]
+    forwards, dxs, dws = (list(column) for column in zip(*layers))
+    return forwards + [scores, mix], dxs + [mix, scores, mix, mix], dws
 
 
 def describe(args, tp_size):   # what ran: "h/T = 2 heads a rank, Megatron's pairs, ..."

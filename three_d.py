@@ -431,14 +431,12 @@ class Machine:
             rows_bytes = rows * dim * size
             f = (2 + 2 * (tp > 1)) * rows_bytes / self.hbm
             return f, 0.0, (rows_bytes + 2 * rows * dim * 4) / self.hbm
-        f = b = w = 0.0
-        for forward, dx, dw in block_matmuls(kind, rows, dim, tp, args.bf16, classes,
-                                             args.tp_style, args.context, args.heads):
-            f += self.matmul_s(forward)
-            b += self.matmul_s(dx) * (1 + (dw is None))   # attention's: two backward matmuls
-            if dw is not None:
-                later = self.matmul_s(dw._replace(accumulate=True))
-                w += (self.matmul_s(dw) + (micro_batches - 1) * later) / micro_batches
+        forwards, dxs, dws = block_matmuls(kind, rows, dim, tp, args.bf16, classes,
+                                           args.tp_style, args.context, args.heads)
+        f = sum(map(self.matmul_s, forwards))
+        b = sum(map(self.matmul_s, dxs))
+        w = sum(self.matmul_s(dw) + (micro_batches - 1) * self.matmul_s(
+            dw._replace(accumulate=True)) for dw in dws) / micro_batches
         if kind == "head":
             loss = rows * classes * 4 / self.hbm
             return f + 6 * loss, b + 4 * loss, w

@@ -34,7 +34,7 @@ from collectives import cleanup, setup, spawn
 from collectives import collective_cost
 from data_parallel import dp_costs
 from pipeline_parallel import gather_on_rank0, pipeline_costs
-from tensor_parallel import layer_kinds, tp_costs
+from tensor_parallel import part_kinds, tp_costs
 
 RING_COST = {  # dist function -> (kind, the argument that holds N, factor)
     "all_reduce": ("all-reduce", "tensor", 2),
@@ -141,30 +141,31 @@ def three_d_formula(args, stage, tp_rank=0):
 
 
 def style_bytes(num_layers, tp_style, act_bytes, num_micro_batches, tp_size):
-    """A TP rank's bytes per step over the model's layers, in one style (tp_costs)."""
-    runs = tp_costs(layer_kinds(num_layers, tp_style), act_bytes, 0, num_micro_batches=num_micro_batches)
+    """A TP rank's bytes per step over the model's blocks, in one style (tp_costs)."""
+    runs = tp_costs(["block"] * num_layers, act_bytes, 0, tp_style, num_micro_batches=num_micro_batches)
     return sum(sent for sent, _ in formula("tp", runs, tp_size).values())
 
 
 def megatron_comparison(num_layers, act_bytes, num_micro_batches, tp_size):
     """One paragraph: the two TP styles' bytes over the layers, for this run's sizes.
 
-    Per pair of layers and micro-batch, with A the bytes of one activation [b, D]:
-      all-gather layers: 2 all-gathers (forward) + 2 all-reduces of dx (backward)
-                         = 2 (t-1)/t A + 4 (t-1)/t A = 6 (t-1)/t A
-      Megatron:          g's all-reduce of z (forward) + f's all-reduce of dx (backward)
-                         = 4 (t-1)/t A: exactly 2/3
+    Per block and micro-batch, with A the bytes of one activation [b, T, D]:
+      all-gather style: all-gathers of o, Wo's output, the MLP's 4 A and W2's output (forward),
+                        all-reduces of dn1, do, the MLP's 4 A and dn2 (backward)
+                        = 7 (t-1)/t A + 14 (t-1)/t A = 21 (t-1)/t A
+      Megatron:         two g all-reduces (forward) + two f all-reduces (backward)
+                        = 8 (t-1)/t A: 8/21 of it
     The ends are the same in both styles: the embedding's all-reduce, the head's, the loss's.
     """
     L, A, m, t = num_layers, act_bytes, num_micro_batches, tp_size
     if t == 1:
         return "Megatron comparison: with --tp 1 neither style sends anything."
     gather, megatron = (style_bytes(L, style, A, m, t) for style in ("all-gather", "megatron"))
-    return (f"TP bytes per rank and step over the model's {L} layers (t={t}, m={m}, A={A} bytes), by the "
-            f"formulas above: all-gather layers {float(gather):.0f}, Megatron's pairs {float(megatron):.0f}, "
-            f"{float(megatron / gather):.3f} of it. Per pair of layers and micro-batch Megatron sends "
-            f"4(t-1)/t A where two all-gather layers send 6(t-1)/t A: 2/3 (an odd last layer is an "
-            f"all-gather one in both). The embedding, the head and the loss send the same in both.")
+    return (f"TP bytes per rank and step over the model's {L} blocks (t={t}, m={m}, A={A} bytes), by the "
+            f"formulas above: the all-gather style {float(gather):.0f}, Megatron's pairs {float(megatron):.0f}, "
+            f"{float(megatron / gather):.3f} of it. Per block and micro-batch Megatron sends 8(t-1)/t A "
+            f"where the all-gather style sends 21(t-1)/t A: 8/21. The embedding, the head and the loss "
+            f"send the same in both.")
 
 
 # ---- one counted step of each script -------------------------------------------------
@@ -179,15 +180,15 @@ def count_worker(rank, world_size, script, args):
     with counter.step():
         step()
     m = args.micro_batches
-    act_bytes = args.batch_size // m * args.dim * (2 if args.bf16 else 4)   # one micro-batch's [B/m, D]
+    act_bytes = args.batch_size // m * args.context * args.dim * (2 if args.bf16 else 4)   # [B/m, T, D]
     notes = ""
     if script == "data_parallel":
         runs = dp_costs(replica.lengths, world_size, zero=args.zero, num_micro_batches=m,
                         optimizer=args.optimizer, bf16=args.bf16)[0]
         want = formula("dp", runs, world_size)
     elif script == "tensor_parallel":
-        kinds = ["embedding", *layer_kinds(args.num_layers, args.tp_style), "head"]
-        runs = tp_costs(kinds, act_bytes, args.batch_size // m, num_micro_batches=m, recompute=args.recompute)
+        runs = tp_costs(part_kinds(args.num_layers), act_bytes, args.batch_size // m * args.context,
+                        args.tp_style, num_micro_batches=m, recompute=args.recompute)
         want = formula("tp", runs, world_size)
         notes = megatron_comparison(args.num_layers, act_bytes, m, world_size)
     elif script == "pipeline_parallel":
@@ -195,7 +196,7 @@ def count_worker(rank, world_size, script, args):
         want = formula("pp", runs, world_size)
     else:
         want = three_d_formula(args, stage, dist.get_rank(groups["tp"]))
-        act_bytes = (args.batch_size // (args.dp * m)) * args.dim * (2 if args.bf16 else 4)
+        act_bytes = (args.batch_size // (args.dp * m)) * args.context * args.dim * (2 if args.bf16 else 4)
         notes = megatron_comparison(args.num_layers, act_bytes, m, args.tp)
     report(counter, want, notes)
     cleanup()

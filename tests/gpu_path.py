@@ -65,35 +65,41 @@ GPUS_PER_NODE = 8
 
 
 @functools.lru_cache(maxsize=None)   # many layouts alike; callers only read the Counter
-def matmuls_of(kinds, rows, dim, tp, bf16, num_micro_batches, recompute, classes):
+def matmuls_of(kinds, rows, tp, classes, dim, bf16, micro_batches, recompute, tp_style, context,
+               heads):
     """A tp rank's {Matmul: calls} a step over parts of these kinds, as --plan prices them from
-    tensor_parallel.layer_matmuls: a forward (a layer's twice with --recompute), dx, and dW into
-    the fp32 gradient (the first of the step, then m - 1 adding into it); the embedding none."""
+    tensor_parallel.block_matmuls: the forwards (a block's twice with --recompute), the dxs,
+    and each dW into the fp32 gradient (the first of the step, then m - 1 adding into it)."""
+    m = micro_batches
     calls = collections.Counter()
     for kind in kinds:
         if kind == "embedding":
             continue
-        forward, dx, dw = tensor_parallel.layer_matmuls(kind, rows, dim, tp, bf16, classes)
-        calls[forward] += num_micro_batches * (1 + (recompute and kind != "head"))
-        calls[dx] += num_micro_batches
-        calls[dw] += 1
-        calls[dw._replace(accumulate=True)] += num_micro_batches - 1
+        forwards, dxs, dws = tensor_parallel.block_matmuls(kind, rows, dim, tp, bf16, classes,
+                                                           tp_style, context, heads)
+        for mm in forwards:
+            calls[mm] += m * (1 + (recompute and kind != "head"))
+        for mm in dxs:
+            calls[mm] += m
+        for dw in dws:
+            calls[dw] += 1
+            calls[dw._replace(accumulate=True)] += m - 1
     return +calls
 
 
 def rank_matmuls(args, stage, tp_rank=0):
     """The matmuls a rank of this stage (and tp rank) runs a step, by the plan's reckoning."""
     kinds = tuple(kind for chunk in three_d.stage_kinds(args, stage) for kind in chunk)
-    rows = args.batch_size // (args.dp * args.micro_batches)
+    rows = args.batch_size // (args.dp * args.micro_batches) * args.context   # positions
     start, end = tensor_parallel.vocab_range(args.vocab_size, tp_rank, args.tp)   # its classes
-    return matmuls_of(kinds, rows, args.dim, args.tp, args.bf16, args.micro_batches,
-                      args.recompute, end - start)
+    return matmuls_of(kinds, rows, args.tp, end - start, args.dim, args.bf16, args.micro_batches,
+                      args.recompute, args.tp_style, args.context, args.heads)
 
 class OffDevice(RuntimeError):
     """An op of the step touched a tensor that is not on the step's device."""
 
 
-MATMULS = {"mm": False, "addmm": True, "addmm_": True}   # an op's name -> it adds into its output
+MATMULS = {"mm": False, "bmm": False, "addmm": True, "addmm_": True}   # -> it adds into its output
 
 
 class StepRecord(TorchDispatchMode):
@@ -135,7 +141,8 @@ class StepRecord(TorchDispatchMode):
         if a.dtype != b.dtype:
             raise TypeError(f"{name}: inputs of two dtypes, {a.dtype} and {b.dtype}")
         self.input_dtypes[a.dtype] += 1
-        self.matmuls[tensor_parallel.Matmul(a.shape[0], a.shape[1], b.shape[1], a.element_size(),
+        rows = a.shape[:-1].numel()          # bmm: its batch's rows, [batch m, k] x [k, n]
+        self.matmuls[tensor_parallel.Matmul(rows, a.shape[-1], b.shape[-1], a.element_size(),
                                             out.element_size(), adds)] += 1
 
     def note_alive(self, storage):
@@ -258,19 +265,19 @@ def build_data_parallel(args, rank, world_size, device=META):
     """dp_worker's replica and step (steps 2): the world's ranks are the replicas."""
     m = args.micro_batches
     init = data_parallel.init_params(args)
-    replica = data_parallel.make_replica([w.to(device, copy=True) for w in init], None,
-                                         zero=args.zero, optimizer=args.optimizer, lr=args.lr,
+    replica = data_parallel.make_replica([[w.to(device, copy=True) for w in part] for part in init],
+                                         None, zero=args.zero, optimizer=args.optimizer, lr=args.lr,
                                          bucket_mb=args.bucket_mb, bf16=args.bf16,
                                          overlap=args.overlap)
     rows = data_parallel.replica_rows(args.batch_size, rank, world_size)
     inputs, targets = (t[rows] for t in first_batch(args))
     xs = inputs.to(device).chunk(m)
     ys = targets.to(device).chunk(m)
-    blocks = data_parallel.model_blocks(args.num_layers)
+    blocks = data_parallel.model_blocks(args.num_layers, args.dim // args.heads)
 
     def step():
-        data_parallel.dp_step(replica, blocks, data_parallel.cross_entropy, xs, ys, len(rows),
-                              args.recompute)
+        data_parallel.dp_step(replica, blocks, data_parallel.cross_entropy, xs, ys,
+                              len(rows) * args.context, args.recompute)
         if args.clip_grad:
             replica.clip(args.clip_grad)
         replica.update()
@@ -280,22 +287,25 @@ def build_data_parallel(args, rank, world_size, device=META):
 def build_tensor_parallel(args, rank, world_size, device=META):
     """tp_worker's shards, replica and step (step 3)."""
     m = args.micro_batches
-    kinds = ["embedding", *tensor_parallel.layer_kinds(args.num_layers, args.tp_style), "head"]
-    full = data_parallel.init_params(args)
-    shards = [tensor_parallel.shard(w, kind, rank, world_size).to(device)
-              for w, kind in zip(full, kinds)]
+    kinds = tensor_parallel.part_kinds(args.num_layers)
+    splits = tensor_parallel.tensor_kinds(kinds, args.tp_style)
+    init = data_parallel.init_params(args)
+    shards = [[tensor_parallel.shard(w, k, rank, world_size).to(device) for w, k in zip(part, ks)]
+              for part, ks in zip(init, splits)]
     replica = data_parallel.DataParallel(shards, dist.new_subgroups(1)[0],
                                          optimizer=args.optimizer, lr=args.lr, bf16=args.bf16)
     inputs, targets = (t.to(device) for t in first_batch(args))
-    blocks = tensor_parallel.tp_blocks(kinds, vocab_size=args.vocab_size)
+    blocks = tensor_parallel.tp_blocks(kinds, args.tp_style, args.dim // args.heads,
+                                       vocab_size=args.vocab_size)
     loss_fn = functools.partial(tensor_parallel.vocab_parallel_cross_entropy,
                                 vocab_size=args.vocab_size)
+    shares = [1 / world_size if k == "whole" else 1.0 for ks in splits for k in ks]
 
     def step():
         data_parallel.dp_step(replica, blocks, loss_fn, inputs.chunk(m), targets.chunk(m),
-                              args.batch_size, recompute=args.recompute)
+                              args.batch_size * args.context, recompute=args.recompute)
         if args.clip_grad:
-            replica.clip(args.clip_grad, [dist.group.WORLD])
+            replica.clip(args.clip_grad, [dist.group.WORLD], shares)
         replica.update()
     return step, replica, {"tp": None}, 0
 
@@ -312,7 +322,8 @@ def build_pipeline_parallel(args, rank, world_size, device=META):
         for chunk in stages:
             chunk.begin_step(targets)
         pipeline_parallel.run_schedule(actions, stages, inputs, (stage - 1) % p,
-                                       (stage + 1) % p, (args.batch_size // m, args.dim))
+                                       (stage + 1) % p,
+                                       (args.batch_size // m, args.context, args.dim))
         replica.average()
         if args.clip_grad:
             replica.clip(args.clip_grad, [dist.group.WORLD])
@@ -329,7 +340,8 @@ def build_three_d(args, rank, world_size, device=META):
     def step():
         me.train_step(*micro_batches)
         if args.clip_grad:
-            me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]])
+            shares = [1 / args.tp if k == "whole" else 1.0 for j in me.mine for k in me.splits[j]]
+            me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]], shares)
         me.replica.update()
     return step, me.replica, me.groups, me.stage
 

@@ -2,10 +2,10 @@
 alive as a rank of step 2 or 3 runs its step on the CPU, for --recompute's tests.
 
 - StashWatch wraps the layers' forwards and backwards: what each forward returns for its
-  backward (the stash: (x, z), or x alone with --recompute) is watched by weak reference, and
+  backward (the stash: a block's 13 tensors, or x alone with --recompute) is watched by weak reference, and
   at the start of every backward the bytes of what is still alive are summed, each tensor once
   (by where it lies). The largest sum is the stash at its largest, z made again aside: that
-  lives inside one layer's backward, with its dz and dx.
+  lives inside one block's backward, with its gradients.
 - tests/gpu_path.py's StepRecord, on the CPU, counts the bytes the step allocates, alive at
   their most: the step's peak, which --recompute lowers by what the formula says.
 
@@ -61,17 +61,16 @@ def stash_and_peak(script, argv, rank=0):
     args = SCRIPTS[script].parse_args(argv)
     watch = StashWatch()
     with ExitStack() as stack:
-        if script == "data_parallel":   # model_blocks() hands dp_step the module's functions
-            for part in ("embedding", "layer", "head"):
-                for name, wrap in ((f"{part}_forward", watch.forward),
-                                   (f"{part}_backward", watch.backward)):
-                    stack.enter_context(mock.patch.object(data_parallel, name,
-                                                          wrap(getattr(data_parallel, name))))
-        else:                           # step 3 runs the blocks tp_blocks() hands it
-            for kind, block in list(tensor_parallel.BLOCKS.items()):
-                watched = tensor_parallel.Block(watch.forward(block.forward),
-                                                watch.backward(block.backward))
-                stack.enter_context(mock.patch.dict(tensor_parallel.BLOCKS, {kind: watched}))
+        # model_blocks() and tp_blocks() hand the step the module's functions, by name
+        module = data_parallel if script == "data_parallel" else tensor_parallel
+        names = ["block", "head"] + (["embedding"] if script == "data_parallel" else [])
+        wrapped = {f"{name}_{half}": wrap for name in names
+                   for half, wrap in (("forward", watch.forward), ("backward", watch.backward))}
+        if script != "data_parallel":
+            wrapped.update(vocab_embedding_forward=watch.forward,
+                           vocab_embedding_backward=watch.backward)
+        for name, wrap in wrapped.items():
+            stack.enter_context(mock.patch.object(module, name, wrap(getattr(module, name))))
         stack.enter_context(fake_world(rank, args.world_size))
         step = BUILDERS[script](args, rank, args.world_size, device=CPU)[0]
         step()
