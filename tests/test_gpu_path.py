@@ -28,7 +28,7 @@ from gpu_path import OffDevice, rank_matmuls, run_step
 
 SMALL = {   # small enough to record fast; 16 layers and 8 micro-batches for 8 interleaved stages
     "data_parallel": ["--num-layers", "4", "--dim", "64", "--batch-size", "64"],
-    "tensor_parallel": ["--num-layers", "4", "--dim", "64", "--batch-size", "64"],
+    "tensor_parallel": ["--num-layers", "4", "--dim", "64", "--heads", "8", "--batch-size", "64"],
     "pipeline_parallel": ["--num-layers", "16", "--dim", "64", "--batch-size", "64", "--micro-batches", "8"],
     "three_d": ["--num-layers", "8", "--dim", "64", "--batch-size", "64", "--micro-batches", "4"]}
 FAMILIES = {
@@ -97,12 +97,15 @@ def assert_as_planned(ran):
     assert ran.comms == comms
     assert sum(ran.held.values()) == held
     flops = ran.record.flops()
-    rows = layout.batch_size // (layout.dp * layout.micro_batches)
-    per_layer = 2 * rows * layout.dim * layout.dim // layout.tp * layout.micro_batches
-    layers = layout.num_layers // layout.pp
+    b = layout.batch_size // (layout.dp * layout.micro_batches)          # a micro-batch's rows
+    T, D, m, tp = layout.context, layout.dim, layout.micro_batches, layout.tp
+    weights = 2 * b * T * 12 * D * D // tp * m        # a block's six matmuls, 12 D^2 a position
+    attention = 2 * b * T * T * D // tp * m            # S = q k^T, or A v: h/t heads of [T, dh]
+    blocks = layout.num_layers // layout.pp
     start, end = tensor_parallel.vocab_range(layout.vocab_size, ran.tp_rank, layout.tp)
-    head = 3 * 2 * rows * layout.dim * (end - start) * layout.micro_batches   # F, dx, dW; the last's
-    assert flops == per_layer * layers * (3 + layout.recompute) + head * (ran.stage == layout.pp - 1)
+    head = 3 * 2 * b * T * D * (end - start) * m       # F, dx, dW; the last stage's
+    per_block = weights * (3 + layout.recompute) + attention * (6 + 2 * layout.recompute)   # F 2, back 4
+    assert flops == per_block * blocks + head * (ran.stage == layout.pp - 1)
 
 
 @pytest.mark.deadline(120)
@@ -113,8 +116,9 @@ def test_a_rank_of_8_gpus_runs_as_planned(script, flags):
         assert_as_planned(ran)
 
 
-LARGE = ["--dp", "16", "--pp", "8", "--tp", "8", "--num-layers", "64", "--dim", "8192", "--vocab-size", "128256",
-         "--batch-size", "8192", "--micro-batches", "16", "--bf16", "--zero", "3",
+LARGE = ["--dp", "16", "--pp", "8", "--tp", "8", "--num-layers", "64", "--dim", "8192", "--heads", "64",
+         "--context", "1024", "--vocab-size", "128256", "--batch-size", "1024", "--micro-batches", "16", "--bf16",
+         "--zero", "3",
          "--tp-style", "megatron", "--schedule", "interleaved", "--p2p-shard"]
 
 
@@ -124,8 +128,9 @@ def test_a_rank_of_1024_gpus_runs_as_planned(rank):
     ran = run_step("three_d", LARGE, rank)
     assert ran.stage == {0: 0, 229: 4, 1023: 7}[rank]
     assert_as_planned(ran)
-    # 16 micro-batches through 2 chunks of 4 layers: F, dx and dW each; the head's too, last
-    assert sum(ran.matmuls.values()) == 16 * 8 * 3 + 16 * 3 * (ran.stage == 7)
+    # 16 micro-batches through 2 chunks of 4 blocks: 6 weights' F, dx and dW, attention's 2 F
+    # and 4 back each; the head's F, dx and dW, last
+    assert sum(ran.matmuls.values()) == 16 * 8 * (6 * 3 + 2 + 4) + 16 * 3 * (ran.stage == 7)
 
 
 ON_THE_CPU = torch.ones(97)      # made outside the step, as a CPU tensor left in a script
@@ -191,7 +196,8 @@ def test_the_harness_from_the_shell_prints_its_record_and_nothing_on_stderr():
                                os.path.abspath(__file__))), capture_output=True, text=True,
                           timeout=50)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-    assert proc.stdout.startswith("rank 0 (stage 0) of 2: 30 matmuls")
+    # 4 blocks x 2 micro-batches x (8 forward + 10 backward) + 24 dW, twice; the head's 6
+    assert proc.stdout.startswith("rank 0 (stage 0) of 2: 198 matmuls")
 
 
 def test_the_harness_help_lists_the_scripts_it_runs(capsys):
