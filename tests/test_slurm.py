@@ -198,7 +198,7 @@ def test_the_readme_script_runs_on_two_nodes_as_on_one(cluster, tmp_path):
     three_d.main([*SIZES.split(), "--timeout-s", "20", "--save", str(tmp_path / "one_node.pt")])
     two, one = torch.load(save), torch.load(tmp_path / "one_node.pt")
     assert two["losses"] == one["losses"]
-    assert all(torch.equal(a, b) for a, b in zip(two["final_weights"], one["final_weights"]))
+    assert all(torch.equal(a, b) for a, b in zip(two["final_params"].values(), one["final_params"].values()))
 
 
 @pytest.mark.deadline(600)
