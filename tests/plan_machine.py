@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from collectives import RANK_BYTES, cleanup, collective_cost, setup, spawn
-from data_parallel import (cross_entropy, embedding_forward, head_backward, head_forward,
-                           layer_backward, layer_forward)
+from data_parallel import (WHOLE, block_backward, block_forward, cross_entropy, embedding_forward,
+                           head_backward, head_forward)
 from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, build_schedule
-from tensor_parallel import side_by_side
+from tensor_parallel import shard, tensor_kinds
 from three_d import Machine
 
 
@@ -75,48 +75,74 @@ class ThisMachine(Machine):
             step = optimizer([grads], lr=1e-3).step
             self.per_param[name] = timed(lambda: (grads.grad.div_(2), step())) / grads.numel()
 
-    def layer_s(self, kind, rows, dim, tp, bf16, recompute, micro_batches, classes=0):
-        key = (kind, rows, dim, tp, bf16, classes)
+    def layer_s(self, kind, rows, args, tp, micro_batches, classes=0):
+        key = (kind, rows, args.dim, args.heads, args.context, args.tp_style, tp, args.bf16, classes)
         if key not in self.timed:
-            self.timed[key] = self.time_part(kind, rows, dim, tp, bf16, classes)
+            self.timed[key] = self.time_part(kind, rows, args, tp, classes)
         f, b, w, again = self.timed[key]
-        return f, b + again * recompute, w
+        return f, b + again * args.recompute, w
 
-    def time_part(self, kind, rows, dim, tp, bf16, classes):
+    def time_part(self, kind, rows, args, tp, classes):
         """(F, B, W, the forward again) of a tp rank's part, its own work as step 3's blocks do
-        it: a layer (the gather layer's copies too); the head and its loss over its classes
-        (on one rank: its own softmax's work); the embedding's lookup and its index_add_."""
-        n = dim // tp
-        dtype = torch.bfloat16 if bf16 else torch.float32
-        if kind == "embedding":      # rows [b, D] looked up, as k characters' [b, D/k] are
+        it: a block on its shards (the all-gather style's copies too, its collectives apart);
+        the head and its loss over its classes; the embedding's lookup and its index_add_.
+        rows: positions, b T."""
+        dim = args.dim
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        if kind == "embedding":
             table = torch.randn(classes, dim, dtype=dtype)
-            tokens = torch.randint(classes, (rows, 1))
+            tokens = torch.randint(classes, (rows // args.context, args.context))
+            positions = torch.randn(args.context, dim, dtype=dtype)
             g = torch.randn(rows, dim)
             grad = torch.zeros(classes, dim)
-            return (timed(lambda: embedding_forward(tokens, table)), 0.0,
+            return (timed(lambda: embedding_forward(tokens, [table, positions])), 0.0,
                     timed(lambda: grad.index_add_(0, tokens.reshape(-1), g)), 0.0)
-        inner, cols = (n, dim) if kind == "row" else (dim, n)
+        x = torch.randn(rows // args.context, args.context, dim, dtype=dtype)
         if kind == "head":
-            cols = classes
-        x = torch.randn(rows, inner, dtype=dtype)
-        w = torch.randn(inner, cols, dtype=dtype)
-        g = torch.randn(rows, dim if kind == "gather" else cols, dtype=dtype)[:, :cols]
-        if kind == "head":
+            w = [torch.ones(dim), torch.randn(dim, classes, dtype=dtype)]
             y = torch.randint(classes, (rows,))
-
-            def forward():
-                cross_entropy(head_forward(x, w)[0], y, rows)
-            backward = (lambda: head_backward(g, (x, None), w))
+            g = torch.randn(rows, classes, dtype=dtype)
+            stash = head_forward(x, w)[1]
+            forward = (lambda: cross_entropy(head_forward(x, w)[0], y, rows))
+            backward = (lambda: head_backward(g, stash, w))
+            terms = head_backward(g, stash, w)[1]
         else:
-            def forward():   # the gather layer puts the pieces side by side, a copy
-                a = layer_forward(x, w)[0]
-                if kind == "gather" and tp > 1:
-                    side_by_side(torch.cat([a] * tp), rows)
-            stash = layer_forward(x, w)[1]
-            backward = (lambda: layer_backward(g, stash, w))
-        dw = timed(lambda: torch.mm(x.T.float(), g.float()))
-        self.flops = max(self.flops, 2 * rows * inner * cols / dw)
-        return timed(forward), timed(backward), dw, timed(lambda: x @ w)   # z again: --recompute
+            kinds = tensor_kinds(["block"], args.tp_style)[0]
+            shapes = [(dim,), (dim, dim), (dim, dim), (dim, dim), (dim, dim), (dim,),
+                      (dim, 4 * dim), (4 * dim, dim)]
+            w = [shard(torch.randn(*shape), k, 0, tp).to(dtype) for shape, k in zip(shapes, kinds)]
+            split = LocalSplit(args.tp_style, tp)
+            head_dim = dim // args.heads
+            stash = block_forward(x, w, head_dim=head_dim, split=split)[1]
+            g = torch.randn_like(x)
+            forward = (lambda: block_forward(x, w, head_dim=head_dim, split=split))
+            backward = (lambda: block_backward(g, stash, w, head_dim=head_dim, split=split))
+            terms = block_backward(g, stash, w, head_dim=head_dim, split=split)[1]
+        matmuls = [(a.flatten(0, -2).T.float(), dz.flatten(0, -2).float()) for a, dz in terms
+                   if a is not None]
+        dw = timed(lambda: [torch.mm(a, dz) for a, dz in matmuls])
+        self.flops = max(self.flops, sum(2 * a.shape[0] * a.shape[1] * dz.shape[1]
+                                         for a, dz in matmuls) / dw)
+        return timed(forward), timed(backward), dw, timed(forward) * (kind == "block")
+
+
+class LocalSplit:
+    """A tp split whose collectives are priced apart: what a rank's own work holds of them, the
+    all-gather style's copy of the pieces side by side (its own piece, tp times)."""
+
+    def __init__(self, tp_style, tp):
+        self.gathers = tp_style == "all-gather" and tp > 1
+        self.tp = tp
+
+    def gather(self, a):
+        return torch.cat([a] * self.tp, dim=-1) if self.gathers else a
+
+    def gather_back(self, g):
+        return g[..., :g.shape[-1] // self.tp].contiguous() if self.gathers else g
+
+    out = gather
+    out_back = gather_back
+    f_back = row_back = WHOLE.f_back
 
     def collective_s(self, kind, nbytes, n, per_node):
         if n == 1:

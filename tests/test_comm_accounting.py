@@ -64,15 +64,38 @@ def all_gather(n, nbytes):
     return value
 
 
-COMMON = ["--steps", "1", "--optimizer", "sgd", *TIMEOUT]
-V = 97                             # the text's classes; D = 8 and k = 8: E is [97, 1]
+COMMON = ["--steps", "1", "--optimizer", "sgd", "--context", "4", "--heads", "4", *TIMEOUT]
+V = 97                             # the text's classes
+T = 4                              # --context
 
 
 def model_parts(L, D, tp=1, t=0):
-    """The elements of tp rank t's parts: E's rows of its classes [V_t, D/8], L layers' D x D/tp,
-    H's columns of its classes [D, V_t]; V_t = 49 or 48 classes of 97 at tp = 2."""
+    """The elements of tp rank t's parts: [E's rows of its classes [V_t, D], P [T, D]], each
+    block's two gains [D] and 12 D^2 / tp of its six matrices, [the gain, H's columns of its
+    classes [D, V_t]]; V_t = 49 or 48 classes of 97 at tp = 2."""
     classes = V // tp + (t < V % tp)
-    return [classes * (D // 8), *[D * D // tp] * L, D * classes]
+    return [classes * D + T * D, *[2 * D + 12 * D * D // tp] * L, D + D * classes]
+
+
+def block_collectives(style, t, act, m, blocks, recompute=False):
+    """A tp rank's collectives for its blocks, {kind: (calls, bytes sent)}: Megatron's two g
+    all-reduces forward (again with --recompute) and two f backward, of A each; the all-gather
+    style's all-gathers of o, Wo's output, the MLP's 4 A and W2's (again with --recompute), and
+    all-reduces of dn1, do, du (4 A) and dn2."""
+    if t == 1:
+        return {}
+    if style == "megatron":
+        calls = blocks * m * (4 + 2 * recompute)
+        return {"all-reduce": (calls, calls * all_reduce(t, act))}
+    gathers = blocks * m * (1 + recompute)
+    reduces = blocks * m
+    return {"all-gather": (4 * gathers, gathers * (3 * all_gather(t, act) + all_gather(t, 4 * act))),
+            "all-reduce": (4 * reduces, reduces * (3 * all_reduce(t, act) + all_reduce(t, 4 * act)))}
+
+
+def add(counts, kind, calls, sent):
+    had = counts.get(kind, (0, 0))
+    counts[kind] = (had[0] + calls, had[1] + sent)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -87,35 +110,31 @@ def test_data_parallel(capfd, overlap, bucket_mb):
 
 
 @pytest.mark.parametrize("flags", [("--bf16",), ("--recompute",), ("--bf16", "--recompute")])
-def test_bf16_halves_what_crosses_and_recompute_repeats_the_row_layers_all_reduce(capfd, flags):
+def test_bf16_halves_what_crosses_and_recompute_repeats_g(capfd, flags):
     """--bf16: every activation and its gradient between tp ranks in 2 bytes, not 4. --recompute:
-    each layer keeps its input and computes z again in its backward: a row layer's z needs g's
-    all-reduce again; an all-gather layer's z_t = x W_t needs none (its all-gather made the next
-    layer's input, which is kept); the backward's own collectives are unchanged."""
-    t, L, D, B, m = 2, 4, 8, 12, 3
+    each block keeps its input and runs its forward again in its backward, g's two all-reduces
+    with it; the backward's own collectives are unchanged."""
+    t, L, D, B, m = 2, 3, 8, 12, 3
     comm_count.count("tensor_parallel", ["--world-size", str(t), "--num-layers", str(L), "--dim", str(D),
                                          "--batch-size", str(B), "--micro-batches", str(m), "--tp-style", "megatron",
-                                         "--num-layers", "5", *flags, *COMMON])
-    L, act = 5, B // m * D * (2 if "--bf16" in flags else F32)
-    again = "--recompute" in flags
-    parts = L + 2 + 2 * again           # an A each: the embedding's x, each layer's dx or z, the head's da
-    rows = 3 * m * all_reduce(t, B // m * F32)     # and the loss's three [b] rows of fp32, bf16 or not
-    assert_counts(capfd, t, lambda rank: {                            # 2 pairs and an all-gather layer
-        ("tp", "all-gather"): (m, m * all_gather(t, act)),
-        ("tp", "all-reduce"): (parts * m + 3 * m, parts * m * all_reduce(t, act) + rows),
-    })
+                                         *flags, *COMMON])
+    act = B // m * T * D * (2 if "--bf16" in flags else F32)
+    counts = block_collectives("megatron", t, act, m, L, recompute="--recompute" in flags)
+    add(counts, "all-reduce", 2 * m, 2 * m * all_reduce(t, act))          # the embedding's x, the head's dn
+    add(counts, "all-reduce", 3 * m, 3 * m * all_reduce(t, B // m * T * F32))   # the loss's three [b T], fp32
+    assert_counts(capfd, t, lambda rank: {("tp", kind): value for kind, value in counts.items()})
 
 
 def test_bf16_halves_the_pipelines_messages_and_zeros_weight_gathers(capfd):
-    """dp=2 pp=2 tp=1 with ZeRO-3, a layer a unit: the stage boundaries send bf16; the units
-    are gathered in bf16, twice a micro-batch (forward, backward), --recompute or not: z is
-    made again from the weights the backward gathers; the gradients are reduced in fp32."""
+    """dp=2 pp=2 tp=1 with ZeRO-3, a part a unit: the stage boundaries send bf16; the units
+    are gathered in bf16, twice a micro-batch (forward, backward), --recompute or not: the
+    forward again runs on the weights the backward gathers; the gradients are reduced in fp32."""
     comm_count.count("three_d", ["--dp", "2", "--pp", "2", "--tp", "1", "--num-layers", "4", "--dim", "8",
                                  "--batch-size", "8", "--micro-batches", "2", "--zero", "3", "--bucket-mb", "0",
                                  "--bf16", "--recompute", *COMMON])
-    m, d, act = 2, 2, 8 // 2 // 2 * 8 * 2      # [b, D] in bf16
-    E, W, _, _, _, H = model_parts(4, 8)
-    stages = [[E + 1, W, W], [W, W, H]]        # each unit padded to a multiple of d; E 97 to 98
+    m, d, act = 2, 2, 8 // 2 // 2 * T * 8 * 2      # [b, T, D] in bf16
+    ends, block, _, _, _, head = model_parts(4, 8)
+    stages = [[ends, block, block], [block, block, head]]   # each even: no padding at d = 2
     out = capfd.readouterr().out
     assert "DIFFERENT" not in out
     rows = [(kind, int(counted)) for _, kind, calls, counted in
@@ -128,23 +147,20 @@ def test_bf16_halves_the_pipelines_messages_and_zeros_weight_gathers(capfd):
 
 
 def comparison(L, m, t, act):
-    """Both TP styles' bytes over the model's layers, per rank and step: one all-reduce per
-    layer and micro-batch (of dx; of z for a row layer), and an all-gather for every all-gather
-    layer: all L of them, or Megatron's odd last one."""
-    gather = m * (L * all_gather(t, act) + L * all_reduce(t, act))
-    megatron = m * ((L % 2) * all_gather(t, act) + L * all_reduce(t, act))
-    return (f"all-gather layers {float(gather):.0f}, Megatron's pairs {float(megatron):.0f}, "
+    """Both TP styles' bytes over the model's blocks, per rank and step (block_collectives)."""
+    gather, megatron = (sum(sent for _, sent in block_collectives(style, t, act, m, L).values())
+                        for style in ("all-gather", "megatron"))
+    return (f"the all-gather style {float(gather):.0f}, Megatron's pairs {float(megatron):.0f}, "
             f"{float(megatron / gather):.3f} of it")
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
 @pytest.mark.parametrize("bucket_mb", ["0", "25"])
 def test_data_parallel_with_zero(capfd, zero, bucket_mb):
-    """3 replicas, D = 8. A part a bucket: each padded to a multiple of 3 (E's 97 parameters to 99,
-    a layer's 64 to 66, H's 776 to 777); ZeRO-1 and 2: one reduce-scatter and one all-gather a
-    part; ZeRO-3: per micro-batch an all-gather a part for the forward and one for its
-    backward, as FSDP does, and a reduce-scatter a part. One bucket of the five parts: 1,065
-    parameters, no padding, and one collective where there were five."""
+    """3 replicas, D = 8. A part a bucket: each padded to a multiple of 3; ZeRO-1 and 2: one
+    reduce-scatter and one all-gather a part; ZeRO-3: per micro-batch an all-gather a part for
+    the forward and one for its backward, as FSDP does, and a reduce-scatter a part. One
+    bucket of the five parts: one collective where there were five."""
     d, L, D, B, m = 3, 3, 8, 12, 2
     comm_count.count("data_parallel", ["--world-size", str(d), "--num-layers", str(L), "--dim", str(D),
                                        "--batch-size", str(B), "--micro-batches", str(m), "--zero", str(zero),
@@ -169,16 +185,13 @@ def test_tensor_parallel(capfd, style, L):
     comm_count.count("tensor_parallel", ["--world-size", str(t), "--num-layers", str(L), "--dim", str(D),
                                          "--batch-size", str(B), "--micro-batches", str(m), "--tp-style", style,
                                          *COMMON])
-    act = B // m * D * F32   # one micro-batch's activation [B/m, D]
-    gathers = L if style == "all-gather" else L % 2
-    rows = 3 * m * all_reduce(t, B // m * F32)   # the loss's max, sum and target logit: [b] each
-    out = assert_counts(capfd, t, lambda rank: {
-        ("tp", "all-gather"): (gathers * m, gathers * m * all_gather(t, act)),
-        ("tp", "all-reduce"): ((L + 2) * m + 3 * m, (L + 2) * m * all_reduce(t, act) + rows),   # E, layers, H
-    })
+    act = B // m * T * D * F32   # one micro-batch's activation [B/m, T, D]
+    counts = block_collectives(style, t, act, m, L)
+    add(counts, "all-reduce", 2 * m, 2 * m * all_reduce(t, act))          # the embedding's x, the head's dn
+    add(counts, "all-reduce", 3 * m, 3 * m * all_reduce(t, B // m * T * F32))   # the loss's max, sum, l_y
+    out = assert_counts(capfd, t, lambda rank: {("tp", kind): value for kind, value in counts.items()})
     assert comparison(L, m, t, act) in " ".join(out.split())
-    if L == 4:   # 2 L against 3 L units of (t-1)/t A: 2/3
-        assert "0.667 of it" in out
+    assert "0.381 of it" in out                  # 8 against 21 units of (t-1)/t A: 8/21
 
 
 @pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
@@ -187,7 +200,7 @@ def test_pipeline_parallel(capfd, schedule, virtual):
     comm_count.count("pipeline_parallel", ["--world-size", str(p), "--num-layers", str(L), "--dim", str(D),
                                            "--batch-size", str(B), "--micro-batches", str(m), "--schedule", schedule,
                                            *(["--virtual-stages", str(virtual)] if virtual > 1 else []), *COMMON])
-    act = B // m * D * F32
+    act = B // m * T * D * F32
 
     def expected(s):
         # per micro-batch, an activation forward and a gradient back at every virtual stage
@@ -207,33 +220,31 @@ def test_three_d(capfd, schedule, shard, style):
                                  "--dim", str(D), "--batch-size", str(B), "--micro-batches", str(m),
                                  "--schedule", schedule, "--tp-style", style, *COMMON,
                                  *(["--p2p-shard"] if shard else [])])
-    act = B // (dp * m) * D * F32        # one micro-batch of one replica, [B/(dp m), D]
-    layers = L // pp
+    act = B // (dp * m) * T * D * F32    # one micro-batch of one replica, [B/(dp m), T, D]
+    blocks = L // pp
 
     def expected(rank):
         p = rank // tp % pp               # rank = (d pp + p) tp + t
         t = rank % tp
         neighbours = (p > 0) + (p < pp - 1)
-        own = layers if style == "all-gather" else 0       # a stage of 2 layers: one Megatron pair
-        gathers = own * m + (neighbours * m if shard else 0)   # --p2p-shard gathers what it receives
-        reduces = (layers + 1) * m        # an A each: the layers', and the embedding's or the head's
-        rows = 3 * m * (p == pp - 1)      # the loss's [b] rows, on the last stage
-        E, W, _, _, _, H = model_parts(L, D, tp, t)
-        held = E + 2 * W if p == 0 else 2 * W + H
-        return {
-            ("tp", "all-gather"): (gathers, gathers * all_gather(tp, act)),
-            ("tp", "all-reduce"): (reduces + rows,
-                                   reduces * all_reduce(tp, act) + rows * all_reduce(tp, B // (dp * m) * F32)),
-            ("pp", "send"): (neighbours * m, neighbours * m * (act // tp if shard else act)),
-            ("dp", "all-reduce"): (1, all_reduce(dp, held * F32)),
-        }
+        counts = block_collectives(style, tp, act, m, blocks)
+        add(counts, "all-reduce", m, m * all_reduce(tp, act))      # the embedding's x, or the head's dn
+        if p == pp - 1:                   # the loss's [b T] rows, on the last stage
+            add(counts, "all-reduce", 3 * m, 3 * m * all_reduce(tp, B // (dp * m) * T * F32))
+        if shard:                         # --p2p-shard gathers what it receives
+            add(counts, "all-gather", neighbours * m, neighbours * m * all_gather(tp, act))
+        ends, block, _, _, _, head = model_parts(L, D, tp, t)
+        held = ends + 2 * block if p == 0 else 2 * block + head
+        return {**{("tp", kind): value for kind, value in counts.items()},
+                ("pp", "send"): (neighbours * m, neighbours * m * (act // tp if shard else act)),
+                ("dp", "all-reduce"): (1, all_reduce(dp, held * F32))}
     out = assert_counts(capfd, dp * pp * tp, expected)
     assert comparison(L, m, tp, act) in " ".join(out.split())
 
 
 def test_sizes_of_one_send_nothing(capfd):
     """dp = tp = 1: the groups of one are never called, and their formulas are zero."""
-    comm_count.count("three_d", ["--dp", "1", "--pp", "2", "--tp", "1", "--num-layers", "2", "--dim", "4", "--context", "4", "--batch-size", "4",
-                  "--micro-batches", "2", *COMMON])
-    act = 2 * 4 * F32
+    comm_count.count("three_d", ["--dp", "1", "--pp", "2", "--tp", "1", "--num-layers", "2", "--dim", "4",
+                                 "--batch-size", "4", "--micro-batches", "2", *COMMON])
+    act = 2 * T * 4 * F32
     assert_counts(capfd, 2, lambda rank: {("pp", "send"): (2, 2 * act)})
