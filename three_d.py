@@ -619,9 +619,9 @@ def show_plan(args, machine, weighed, fits):
     if args.gpus_per_node > args.world_size:   # a workstation's: one node of the world's GPUs
         small = f": a world smaller than --gpus-per-node {args.gpus_per_node}"
     print(f"plan: {args.world_size} GPUs ({nodes} node{'s' * (nodes > 1)} of "
-          f"{machine.gpus_per_node}{small}), a language model of {args.num_layers} layers, "
-          f"D={args.dim}, V={args.vocab_size}, k={args.context}, B={args.batch_size}, bf16 on "
-          f"fp32 masters, {args.optimizer}; {machine.figures['name']}, {si(machine.memory)}B")
+          f"{machine.gpus_per_node}{small}), a transformer of {args.num_layers} blocks, "
+          f"D={args.dim}, h={args.heads}, V={args.vocab_size}, T={args.context}, "
+          f"B={args.batch_size}, bf16 on fp32 masters, {args.optimizer}; {machine.figures['name']}, {si(machine.memory)}B")
     print(f"{weighed} layouts weighed, {len(fits)} fit; the "
           f"{'' if len(shown) == len(fits) else f'{len(shown)} '}best by predicted step time "
           f"(--top N). Bytes: what the busiest rank sends a step, * across nodes")

@@ -29,13 +29,13 @@ from race import first_batch, race, spawn_returning
 
 class Sampler(Recorder):
     """The stash table's Recorder, and the most the replica held: after every action, after
-    every dW summed into a bucket, and after every gather of ZeRO-3's weights."""
+    every part's dWs summed into its bucket, and after every gather of ZeRO-3's weights."""
 
     def __init__(self, device, replica):
         super().__init__(device)
         self.replica = replica
         self.most = 0
-        for name in ("add_grad", "gather_weights"):
+        for name in ("add_grads", "gather_weights"):
             setattr(replica, name, self.sampling(getattr(replica, name)))
 
     def sampling(self, method):
@@ -55,7 +55,8 @@ class Sampler(Recorder):
 def layout_flags(args):
     """The three_d.py flags that run a --plan row's layout (row["args"])."""
     flags = [f"--dp {args.dp} --pp {args.pp} --tp {args.tp} --num-layers {args.num_layers} "
-             f"--dim {args.dim} --batch-size {args.batch_size} --micro-batches "
+             f"--dim {args.dim} --heads {args.heads} --context {args.context} "
+             f"--batch-size {args.batch_size} --micro-batches "
              f"{args.micro_batches} --schedule {args.schedule}",
              f"--virtual-stages {args.virtual_stages}" * (args.schedule == "interleaved"),
              f"--order {args.order}" * (args.order != "tp-pp-dp"),

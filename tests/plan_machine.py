@@ -126,6 +126,21 @@ class ThisMachine(Machine):
         return timed(forward), timed(backward), dw, timed(forward) * (kind == "block")
 
 
+    def collective_s(self, kind, nbytes, n, per_node):
+        if n == 1:
+            return 0.0
+        alpha, beta = self.links[kind, 2 if kind == "send" else n]
+        return collective_cost(kind, nbytes, n, alpha, beta)[1] + self.sync_s * (kind != "send")
+
+    def update_s(self, params, optimizer, bf16):   # every rank's at once, on the cores they share
+        return params * self.per_param[optimizer] * max(1.0, self.world_size / self.cores)
+
+    def pipeline_s(self, args, slowest, stages):
+        if args.dp * args.pp * args.tp <= self.cores:
+            return super().pipeline_s(args, slowest, stages)
+        return play_schedule(args, stages, self), {}
+
+
 class LocalSplit:
     """A tp split whose collectives are priced apart: what a rank's own work holds of them, the
     all-gather style's copy of the pieces side by side (its own piece, tp times)."""
@@ -143,20 +158,6 @@ class LocalSplit:
     out = gather
     out_back = gather_back
     f_back = row_back = WHOLE.f_back
-
-    def collective_s(self, kind, nbytes, n, per_node):
-        if n == 1:
-            return 0.0
-        alpha, beta = self.links[kind, 2 if kind == "send" else n]
-        return collective_cost(kind, nbytes, n, alpha, beta)[1] + self.sync_s * (kind != "send")
-
-    def update_s(self, params, optimizer, bf16):   # every rank's at once, on the cores they share
-        return params * self.per_param[optimizer] * max(1.0, self.world_size / self.cores)
-
-    def pipeline_s(self, args, slowest, stages):
-        if args.dp * args.pp * args.tp <= self.cores:
-            return super().pipeline_s(args, slowest, stages)
-        return play_schedule(args, stages, self), {}
 
 
 def timed(fn, at_least_s=0.03):

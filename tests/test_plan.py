@@ -31,10 +31,11 @@ from plan_machine import this_machine
 from race import spawn_returning
 from race import ROOT as REPO
 
-SMALL = ["--num-layers", "8", "--dim", "16", "--batch-size", "32", "--optimizer", "sgd"]   # a step
-MODEL = ["--num-layers", "64", "--dim", "8192", "--batch-size", "8192"]   # the README's
+SMALL = ["--num-layers", "8", "--dim", "16", "--heads", "8", "--context", "4", "--batch-size", "32",
+         "--optimizer", "sgd"]   # a step
+MODEL = ["--num-layers", "32", "--dim", "4096", "--heads", "32", "--context", "8192", "--batch-size", "64"]   # Llama 3 8B's shape
 FIELDS = ("dp", "pp", "tp", "order", "schedule", "virtual_stages", "micro_batches", "zero",
-          "tp_style", "p2p_shard", "recompute", "bf16", "num_layers", "dim", "batch_size")
+          "tp_style", "p2p_shard", "recompute", "bf16", "num_layers", "dim", "heads", "context", "batch_size")
 H100 = three_d.GPUS["h100"]
 
 
@@ -168,7 +169,7 @@ def test_a_row_prices_what_a_rank_of_8_gpus_executes():
 
 @pytest.mark.deadline(120)
 def test_a_row_prices_what_a_rank_of_1024_gpus_executes():
-    flags = ("--dp 16 --pp 8 --tp 8 --num-layers 64 --dim 8192 --batch-size 8192 "
+    flags = ("--dp 16 --pp 8 --tp 8 --num-layers 64 --dim 8192 --heads 64 --context 1024 --batch-size 1024 "
              "--micro-batches 16 --schedule interleaved --virtual-stages 2 --zero 3 --tp-style "
              "megatron --p2p-shard --bf16").split()
     args = gpu_node_args("three_d", flags)          # its door, as on a node of 8 GPUs
@@ -176,35 +177,18 @@ def test_a_row_prices_what_a_rank_of_1024_gpus_executes():
     assert_priced_as_recorded(row, three_d.rank_grid(16, 8, 8)[5, row["stage"], 0].item())
 
 
-# One H100 80GB HBM3 (torch 2.11, NCCL 2.28.9), measured by a person timing data_parallel.py's
-# bf16 step (fp32 masters, AdamW, synchronised before each clock read) of the language model at
-# L 8, D 8192, k 8, B 8192, V 97 (537.8 M parameters), world size 1:
-# - m 1, AdamW fused: 44.2 ms a step, 12.41 GB at the peak (torch.cuda.max_memory_allocated);
-# - m 1, AdamW foreach (torch's default then): 53.5 ms and the same 12.41 GB;
-# - m 4, foreach: 56.9 ms and 11.87 GB. Fused, the m 4 step is 56.9 - (53.5 - 44.2) = 47.6 ms
-#   (the optimizer's work does not change with m). Its peak was foreach's: the step made a
-#   temporary of 4 bytes a parameter (the square roots of v) beside the state, with no
-#   activation left: 18 P + 4 P.
-H100_MEASURED = {1: (44.2e-3, 12.41e9), 4: (47.6e-3, 11.87e9)}
-
-
-@pytest.mark.parametrize("m", [1, 4])
-def test_the_plan_is_within_10_percent_of_an_h100s_step_and_memory(m):
-    row = next(row for row in plan_rows(["--world-size", "1", "--num-layers", "8", "--dim",
-                                         "8192", "--context", "8", "--batch-size", "8192",
+def test_the_plan_prices_a_gpus_update_as_the_h100_measured_it():
+    """What an H100 measured of the step that does not depend on the model: AdamW fused in one
+    pass over the parameters, 36 bytes each, and --bf16's copy of each new master into the
+    blocks' weights, 6 more (an MLP's step at L 8, D 8192 on one H100: the fused update saved
+    9.3 ms of 53.5). The transformer's whole step awaits a GPU (make gpu-check prints both)."""
+    row = next(row for row in plan_rows(["--world-size", "1", "--num-layers", "2", "--dim", "4096",
+                                         "--heads", "32", "--context", "2048", "--batch-size", "8",
                                          "--vocab-size", "97"], gpus_per_node=1)
-               if row["args"].micro_batches == m and not row["args"].recompute)
-    step_s, peak = H100_MEASURED[m]
-    assert row["step_s"] == pytest.approx(step_s, rel=0.10)
+               if not row["args"].recompute)
     params = sum(three_d.replica_lengths(row["args"]))
-    assert params == 97 * 1024 + 8 * 8192 * 8192 + 8192 * 97      # E, the layers, H
-    if m == 1:
-        assert row["memory_bytes"] == pytest.approx(peak, rel=0.10)
-    else:   # foreach's peak: the state and its temporary; fused's, below it, is the backward's
-        held = row["memory_bytes"] - (three_d.stash_bytes(row["args"])[0] +
-                                      three_d.working_bytes(row["args"]))
-        assert held + 4 * params == pytest.approx(peak, rel=0.10)
-        assert row["memory_bytes"] < peak
+    D = 4096
+    assert params == 97 * D + 2048 * D + 2 * (12 * D * D + 2 * D) + D + D * 97   # [E, P], blocks, [g, H]
     assert row["parts"]["update"] == pytest.approx(params * (36 + 6) / 3.35e12)   # fused, bf16
 
 
@@ -301,7 +285,7 @@ def test_a_pipeline_is_its_slowest_stage_spread_by_the_bubble():
     inside = parts["compute"] + parts["pp"]
     assert parts["bubble"] == pytest.approx(inside * 7 / 15 / (1 - 7 / 15))
     assert row["step_s"] == pytest.approx(inside / (1 - 7 / 15) + parts["update"])
-    assert row["bytes"]["pp"] == 2 * 8 * 8 * 1024 * 2          # a middle stage: both ways, bf16
+    assert row["bytes"]["pp"] == 2 * 8 * 8 * 32 * 1024 * 2     # a middle stage: both ways, [b, T, D] bf16
 
 
 def test_the_table_has_top_rows_apart_columns_and_the_best_ones_stages(capsys):
