@@ -66,7 +66,7 @@ test-slurm: deps
 # the collectives' bandwidth, start-up, the pipeline bubble, the bytes each rank sends, and
 # three_d.py --plan's predicted step times against every shape of 4 ranks run; a checkpoint's
 # write and read beside a step (about 2 minutes)
-BIG = --num-layers 4 --dim 1024 --batch-size 2048 --steps 5
+BIG = --num-layers 4 --dim 512 --heads 8 --context 128 --batch-size 64 --steps 5
 bench: deps
 	$(PYTHON) tests/bench.py collectives
 	$(PYTHON) tests/bench.py data_parallel --world-size 2 $(BIG)

@@ -54,7 +54,7 @@ from data_parallel import init_params, model_blocks, replica_rows  # noqa: E402
 from pipeline_parallel import Recorder, build_schedule, run_schedule, stage_parts  # noqa: E402
 from race import (ROOT, as_module, bench_sizes, ce_sum, check_and_race, dp_side, end_race, first_batch,  # noqa: E402
                   machine, replica_options, print_race, race, serial_side, sgd, spawn_returning)
-from tensor_parallel import layer_kinds, shard, tp_blocks, vocab_range  # noqa: E402
+from tensor_parallel import part_kinds, shard, tensor_kinds, tp_blocks  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------
@@ -220,18 +220,20 @@ def ddp_race(rank, world_size, args):
     inputs, targets = (t.to(device) for t in first_batch(args))
     rows = replica_rows(args.batch_size, rank, world_size)
     m = args.micro_batches
-    xs, ys = inputs[rows].chunk(m), targets[rows].chunk(m)       # [B/(d m), k], [B/(d m)] each
-    n = len(rows)                                                 # this replica's mean divides by n
+    xs, ys = inputs[rows].chunk(m), targets[rows].chunk(m)       # [B/(d m), T] each
+    n = len(rows)                                                 # this replica's mean: n T positions
     init = init_params(args)
 
     def ours(zero=0, overlap=False):
-        return dp_side([w.to(device, copy=True) for w in init], None, args, xs, ys, n, zero, overlap)
+        parts = [[w.to(device, copy=True) for w in part] for part in init]
+        return dp_side(parts, None, args, xs, ys, n, zero, overlap)
+    model = as_module(init, device, heads=args.heads)
     if args.zero:
         sides = {f"ours --zero {args.zero}": ours(args.zero), f"ours --zero {args.zero} --overlap": ours(args.zero, True),
-                 TORCH_ZERO[args.zero]: zero_side(args.zero, as_module(init, device), xs, ys, n, args.lr, device)}
+                 TORCH_ZERO[args.zero]: zero_side(args.zero, model, xs, ys, n * args.context, args.lr, device)}
     else:
         sides = {"ours": ours(), "ours --overlap": ours(overlap=True),
-                 "DDP": ddp_side(as_module(init, device), xs, ys, n, args.lr, device)}
+                 "DDP": ddp_side(model, xs, ys, n * args.context, args.lr, device)}
     sides["serial: our step, whole batch, 1 rank"] = serial_side(args, device)
     result = check_and_race(sides, device, args.steps)
     end_race(sides)
@@ -268,7 +270,7 @@ def zero_side(zero, model, xs, ys, n, lr, device):
 
     def whole(tensor):   # FSDP2's are DTensors, cut over the ranks: gathered whole
         return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-    weights = [part.weight for part in model.parts]
+    weights = [w for w, _ in model.weights()]
     return step, lambda: (model.ours([whole(w) for w in weights]), model.ours([whole(w.grad) for w in weights]))
 
 
@@ -303,17 +305,17 @@ def memory_table(args):
 def memory_worker(rank, world_size, args):
     device = setup(rank, world_size)
     init = init_params(args)
-    replica = data_parallel.make_replica([w.to(device, copy=True) for w in init], None, zero=args.zero,
-                                         **replica_options(args))
+    replica = data_parallel.make_replica([[w.to(device, copy=True) for w in part] for part in init], None,
+                                         zero=args.zero, **replica_options(args))
     inputs, targets = (t.to(device) for t in first_batch(args))
     rows, m = replica_rows(args.batch_size, rank, world_size), args.micro_batches
-    blocks = model_blocks(args.num_layers)
+    blocks = model_blocks(args.num_layers, args.dim // args.heads)
     largest = []
     for step in range(2):   # AdamW's state is made in the first step: the second holds it throughout
         if step == 1 and args.zero == 3:
             largest = watch_gathers(replica)
         data_parallel.dp_step(replica, blocks, data_parallel.cross_entropy, inputs[rows].chunk(m),
-                              targets[rows].chunk(m), len(rows))
+                              targets[rows].chunk(m), len(rows) * args.context)
         replica.update()
     if rank == 0:
         data_parallel.show_memory(replica, args, "each replica")
@@ -357,57 +359,83 @@ def versus_colwise(args):
 def colwise_race(rank, world_size, args):
     device = setup(rank, world_size)
     inputs, targets = (t.to(device) for t in first_batch(args))
-    m, n = args.micro_batches, args.batch_size
+    m, n = args.micro_batches, args.batch_size * args.context
     xs, ys = inputs.chunk(m), targets.chunk(m)                   # the whole batch on every rank
-    full = init_params(args)
-    kinds = ["embedding", *layer_kinds(args.num_layers, args.tp_style), "head"]
-    shards = [shard(w, kind, rank, world_size).to(device) for w, kind in zip(full, kinds)]
+    init = init_params(args)
+    kinds = part_kinds(args.num_layers)
+    splits = tensor_kinds(kinds, args.tp_style)
+    shards = [[shard(w, k, rank, world_size).to(device) for w, k in zip(part, ks)]
+              for part, ks in zip(init, splits)]
     replica = data_parallel.DataParallel(shards, dist.new_subgroups(1)[0], **replica_options(sgd(args)))
-    blocks = tp_blocks(kinds, vocab_size=args.vocab_size)
+    blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, vocab_size=args.vocab_size)
     loss_fn = functools.partial(tensor_parallel.vocab_parallel_cross_entropy, vocab_size=args.vocab_size)
 
     def step():                       # as tp_worker's
         data_parallel.dp_step(replica, blocks, loss_fn, xs, ys, n)
         replica.update()
+    model = as_module(init, device, heads=args.heads)
     sides = {"ours": (step, lambda: (replica.params, replica.grads())),
-             TORCH_TP[args.tp_style]: colwise_side(as_module(full, device), kinds, xs, ys, n, args),
+             TORCH_TP[args.tp_style]: colwise_side(model, xs, ys, n, args),
              "serial: our step, whole batch, 1 rank": serial_side(args, device)}
     result = check_and_race(sides, device, args.steps)
     end_race(sides)
     return result
 
 
-def colwise_side(model, kinds, xs, ys, n, args):
-    """PyTorch's TP step with SGD, as (step, state): the embedding RowwiseParallel (each rank
-    its classes' rows, the lookups all-reduced), each layer's nn.Linear ColwiseParallel (output
-    all-gathered, Replicate, for our all-gather layer; left sharded for Megatron's column
-    layer) or RowwiseParallel, the head ColwiseParallel with its logits left sharded by class,
-    and the loss under loss_parallel(): the vocab-parallel cross-entropy. nn.Linear holds W^T,
-    so a layer's local weight is W_t^T. Each of its shards is ours where T divides V, and where
-    T = 2 (torch cuts 97 classes 49, 48, as vocab_range does; at T = 3, 33, 33, 31)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def torch_tp_plan(model, style, head_logits):
+    """parallelize_module's plan for a TorchLM over tp: the embedding RowwiseParallel (each rank
+    its classes' rows, the lookups all-reduced); Wq, Wk, Wv ColwiseParallel, at head
+    boundaries; Megatron: W1 too, Wo and W2 RowwiseParallel; the all-gather style: Wo, W1, W2
+    ColwiseParallel, the heads' outputs and GELU's all-gathered into Wo and W2, their outputs
+    all-gathered (Replicate); the head ColwiseParallel, its logits as head_logits says."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
-                                                   parallelize_module)
-    mesh = init_device_mesh(xs[0].device.type, (dist.get_world_size(),))
-    plans = {"gather": ColwiseParallel(output_layouts=Replicate()), "column": ColwiseParallel(),
-             "row": RowwiseParallel(),
-             "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-             "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    parallelize_module(model, mesh, {f"parts.{j}": plans[kind] for j, kind in enumerate(kinds)})
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    gathered = ColwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())
+    block = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "w1": ColwiseParallel(),
+             "wo": RowwiseParallel() if style == "megatron" else gathered,
+             "w2": RowwiseParallel() if style == "megatron" else gathered}
+    plan = {}
+    for i, kind in enumerate(model.kinds):
+        if kind == "embedding":
+            plan[f"parts.{i}.embedding"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif kind == "head":
+            plan[f"parts.{i}.head"] = head_logits
+        else:
+            plan.update((f"parts.{i}.{name}", layer) for name, layer in block.items())
+    return plan
+
+
+def colwise_side(model, xs, ys, n, args):
+    """PyTorch's TP step with SGD, as (step, state): torch_tp_plan, the head's logits left
+    sharded by class, and the loss under loss_parallel(): the vocab-parallel cross-entropy.
+    A block runs its rank's h/t heads (torchtitan's way). nn.Linear holds W^T, so a weight's
+    local part is W_t^T. Each of its shards is ours where T divides V, and where T = 2 (torch
+    cuts 97 classes 49, 48, as vocab_range does; at T = 3, 33, 33, 31)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+    tp = dist.get_world_size()
+    mesh = init_device_mesh(xs[0].device.type, (tp,))
+    head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, torch_tp_plan(model, args.tp_style, head))
+    for part in model.parts:
+        if hasattr(part, "heads"):
+            part.heads = args.heads // tp
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 
     def step():
         optimizer.zero_grad()
         for x, y in zip(xs, ys):
             with loss_parallel():     # the softmax over the sharded logits, never gathered
-                (F.cross_entropy(model(x), y) * (len(y) / n)).backward()
+                (F.cross_entropy(model(x).transpose(1, 2), y) * (y.numel() / n)).backward()
         optimizer.step()
-    weights = [part.weight for part in model.parts]
+    weights = [w for w, _ in model.weights()]
 
-    def local(grad, weight):   # the embedding's gradient may come back laid out otherwise
-        return grad.redistribute(weight.device_mesh, weight.placements).to_local()
-    return step, lambda: (model.ours([w.to_local() for w in weights]),
+    def local(tensor, weight):   # a gradient may come back laid out otherwise; a gain: plain
+        if not hasattr(weight, "to_local"):
+            return tensor
+        return tensor.redistribute(weight.device_mesh, weight.placements).to_local()
+    return step, lambda: (model.ours([local(w, w) for w in weights]),
                           model.ours([local(w.grad, w) for w in weights]))
 
 
@@ -449,7 +477,7 @@ def pipelining_race(rank, world_size, args):
         chunk_parts = [stage_parts(args.num_layers, world_size, rank, v, c) for c in range(v)]
         sides[f"ours {name}"] = pp_side(name, rank, world_size, inputs, targets, args)
         sides[f"torch {TORCH_SCHEDULES[name]}"] = pipelining_side(
-            [as_module(full, device, parts) for parts in chunk_parts],
+            [as_module(full, device, parts, args.heads) for parts in chunk_parts],
             getattr(pipelining, TORCH_SCHEDULES[name]), rank, world_size, inputs, targets, args)
     sides["serial: our step, whole batch, 1 rank"] = serial_side(args, device)
     result = check_and_race(sides, device, args.steps)
@@ -466,7 +494,7 @@ def pp_side(schedule, stage, num_stages, inputs, targets, args):
     def step():
         begin_step(replica, chunks, targets.chunk(m))
         run_schedule(actions, chunks, inputs.chunk(m), (stage - 1) % p, (stage + 1) % p,
-                     (args.batch_size // m, args.dim))
+                     (args.batch_size // m, args.context, args.dim))
         replica.average()
         replica.update()
     return step, lambda: (replica.weights, replica.grads())
@@ -479,6 +507,10 @@ def begin_step(replica, stages, targets):
         stage.begin_step(targets)
 
 
+def mean_cross_entropy(logits, y):   # a micro-batch's mean over its positions: [b, T, V], [b, T]
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
 def pipelining_side(modules, schedule_class, rank, num_stages, inputs, targets, args):
     """PyTorch's stages (this rank's chunks of parts, each a module; chunk c is stage c p +
     rank, the embedding in stage 0's, the head in the last's) with a schedule of the same stage
@@ -489,8 +521,8 @@ def pipelining_side(modules, schedule_class, rank, num_stages, inputs, targets, 
     # Shapes given up front (static mode): inferring them sends pickled objects, which needs
     # numpy. An activation between stages requires grad: its gradient is sent back.
     b = args.batch_size // args.micro_batches
-    activation = torch.zeros(b, args.dim, device=inputs.device, requires_grad=True)       # [B/m, D]
-    logits = torch.zeros(b, args.vocab_size, device=inputs.device)                         # [B/m, V]
+    activation = torch.zeros(b, args.context, args.dim, device=inputs.device, requires_grad=True)   # [B/m, T, D]
+    logits = torch.zeros(b, args.context, args.vocab_size, device=inputs.device)                     # [B/m, T, V]
     v = len(modules)
     stages = []
     for c, module in enumerate(modules):
@@ -499,7 +531,7 @@ def pipelining_side(modules, schedule_class, rank, num_stages, inputs, targets, 
                                     input_args=inputs[:b] if virtual == 0 else activation,
                                     output_args=logits if virtual == v * num_stages - 1 else activation))
     single = schedule_class.__name__ in ("ScheduleGPipe", "Schedule1F1B")
-    schedule = schedule_class(stages[0] if single else stages, args.micro_batches, loss_fn=F.cross_entropy)
+    schedule = schedule_class(stages[0] if single else stages, args.micro_batches, loss_fn=mean_cross_entropy)
     first, last = rank == 0, rank == num_stages - 1
     optimizer = torch.optim.SGD([q for module in modules for q in module.parameters()], lr=args.lr)
 
@@ -577,7 +609,7 @@ def our_3d_side(rank, args, device):
     def step():
         me.train_step(*micro_batches)
         me.replica.update()
-    return ((step, lambda: (me.replica.weights, me.replica.grads())), me.full, batch[0][rows].to(device),
+    return ((step, lambda: (me.replica.weights, me.replica.grads())), me.init, batch[0][rows].to(device),
             batch[1][rows].to(device))
 
 
@@ -586,16 +618,19 @@ def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_divide_
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel
     d, p, t = (mesh[name].get_local_rank() for name in three_d.AXES)
     first, last, m = p == 0, p == args.pp - 1, args.micro_batches
-    model = as_module(full, device, stage_parts(args.num_layers, args.pp, p))
-    kinds = model.kinds
-    plans = {"embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-             "layer": ColwiseParallel(output_layouts=Replicate()),
-             "head": ColwiseParallel(output_layouts=Replicate())}
-    parallelize_module(model, mesh["tp"], {f"parts.{i}": plans[kind] for i, kind in enumerate(kinds)})
+    parts = stage_parts(args.num_layers, args.pp, p)
+    model = lm = as_module(full, device, parts, args.heads // args.tp)   # its rank's heads
+    parallelize_module(model, mesh["tp"], torch_tp_plan(model, args.tp_style,
+                                                        ColwiseParallel(output_layouts=Replicate())))
+    splits = [k for j in parts for k in tensor_kinds(part_kinds(args.num_layers), args.tp_style)[j]]
+    names = [name for name, _ in lm.named_parameters()]        # model.parameters()'s order
+    where = {id(q): i for i, q in enumerate(lm.parameters())}
+    ours = [where[id(w)] for w, _ in lm.weights()]             # our order, as indices into it
+    transposed = [t for _, t in lm.weights()]
     if dp_way == "FSDP2":
         fully_shard(model, mesh=mesh["dp"])         # reduce-scatters the gradients, averaged over dp
     if dp_way == "DDP":
@@ -605,13 +640,13 @@ def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_divide_
     # Shapes given up front (static mode): inferring them sends pickled objects, which needs
     # numpy. An activation between stages requires grad: its gradient is sent back.
     b = len(inputs) // m
-    activation = torch.zeros(b, args.dim, device=device, requires_grad=True)    # [B/(dp m), D]
-    logits = torch.zeros(b, args.vocab_size, device=device)
+    activation = torch.zeros(b, args.context, args.dim, device=device, requires_grad=True)   # [B/(dp m), T, D]
+    logits = torch.zeros(b, args.context, args.vocab_size, device=device)
     stage_module = PipelineStage(model, p, args.pp, device, group=mesh["pp"].get_group(),
                                  input_args=inputs[:b] if first else activation,
                                  output_args=logits if last else activation)
     schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule](
-        stage_module, m, loss_fn=F.cross_entropy, scale_grads=scale_grads)
+        stage_module, m, loss_fn=mean_cross_entropy, scale_grads=scale_grads)
     optimizer = torch.optim.SGD(params, lr=args.lr)
 
     def step():
@@ -622,31 +657,33 @@ def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_divide_
                 q.grad.div_(m)
         if dp_way == "all-reduce":
             for q in params:
-                dist.all_reduce(q.grad.to_local(), op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+                grad = q.grad.to_local() if hasattr(q.grad, "to_local") else q.grad
+                dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
         optimizer.step()
 
     def our_layout(tensors):
-        """Each weight or gradient as our shard: E_t, W_t [D, D/T], H_t. The local part of a
-        DTensor sharded over tp is E_t, W_t^T, H_t^T (torch cuts the classes as vocab_range
-        does at tp = 2); FSDP2's is cut over dp too, so gather it whole and cut ours."""
+        """Each weight or gradient as our shard (shard_box's), tensors in params' order: the
+        local part of a DTensor split over tp is ours (W_t^T where nn.Linear holds W^T; torch
+        cuts the classes as vocab_range does at tp = 2); FSDP2's is cut over dp too: gathered
+        whole, cut ours."""
         shards = []
-        for kind, weight, x in zip(kinds, params, tensors):
-            if getattr(x, "device_mesh", None) is not None and x.device_mesh.ndim > 1:
-                x = x.full_tensor()
-                start, end = t * args.dim // args.tp, (t + 1) * args.dim // args.tp
-                if kind != "layer":
-                    start, end = vocab_range(args.vocab_size, t, args.tp)
-                x = x[start:end]
-            elif hasattr(x, "to_local"):   # a gradient may come back laid out otherwise
-                x = x.redistribute(weight.device_mesh, weight.placements).to_local()
-            shards.append(x if kind == "embedding" else x.T)
+        for i, flip, kind in zip(ours, transposed, splits):
+            x = tensors[i]
+            if dp_way == "FSDP2" and hasattr(x, "full_tensor"):
+                whole = x.full_tensor()
+                shards.append(tensor_parallel.shard(whole.T if flip else whole, kind, t, args.tp))
+                continue
+            if hasattr(x, "to_local"):   # a gradient may come back laid out otherwise
+                x = x.redistribute(params[i].device_mesh, params[i].placements).to_local()
+            shards.append(x.T if flip else x)
         return shards
+    assert len(names) == len(params)
     return step, lambda: (our_layout(params), our_layout([q.grad for q in params]))
 
 
 def ddp_as_composed(rank, world_size, args, path):
     """DDP in the composition with the schedule's default scale_grads: rank 0 writes how
-    its first step's gradients compare with ours, then a second step runs (it failed in
+    its first step's gradients of the tp-split weights (DTensors) compare with ours, then a second step runs (it failed in
     DDP's bucket rebuild while the stages inferred their shapes at run time)."""
     device = setup(rank, world_size)
     quiet_dtensor_warnings()
@@ -656,8 +693,12 @@ def ddp_as_composed(rank, world_size, args, path):
     sides = {"ours": (ours, ours_state), "DDP": (theirs, theirs_state)}
     ours()
     theirs()
-    norms = torch.tensor([sum(g.square().sum() for g in state()[1]).item() for state in (ours_state, theirs_state)],
-                         device=device)
+    stage = three_d.coordinates(rank, three_d.rank_groups(args.dp, args.pp, args.tp, args.order))[1]
+    kinds = [k for j in stage_parts(args.num_layers, args.pp, stage)
+             for k in tensor_kinds(part_kinds(args.num_layers), args.tp_style)[j]]
+    norms = torch.tensor([sum(g.square().sum() for g, kind in zip(state()[1], kinds) if kind != "whole").item()
+                          for state in (ours_state, theirs_state)], device=device)   # the tp-split weights'
+
     dist.all_reduce(norms)                                     # squared norms of the whole model's gradients
     if rank == 0:
         with open(path, "w") as f:                             # text: torch.save can hang in a forked rank
@@ -728,8 +769,8 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
     device = setup(rank, num_stages)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     p, stage = num_stages, rank
-    model = SimpleNamespace(num_layers=2 * p, dim=dim, context=8, vocab_size=data_parallel.VOCAB_SIZE, seed=0,
-                            optimizer="sgd", lr=0.0, bf16=False, recompute=False)   # two layers a stage, the ends
+    model = SimpleNamespace(num_layers=2 * p, dim=dim, heads=8, context=8, vocab_size=data_parallel.VOCAB_SIZE,
+                            seed=0, optimizer="sgd", lr=0.0, bf16=False, recompute=False)   # two blocks a stage
     table = []
     for m in micro_batches:
         batch = data_parallel.make_batch(SimpleNamespace(**vars(model), batch_size=m * rows), step=m)
@@ -745,7 +786,8 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
                 dist.barrier()            # every stage starts the step at once
                 begin_step(replica, chunks, y)
                 recorder = Recorder(device)
-                run_schedule(actions, chunks, x, (stage - 1) % p, (stage + 1) % p, (rows, dim), recorder=recorder)
+                run_schedule(actions, chunks, x, (stage - 1) % p, (stage + 1) % p, (rows, model.context, dim),
+                             recorder=recorder)
                 events, peak = recorder.events(), recorder.peak
                 busy = torch.tensor([sum(e[4] - e[3] for e in events), min(e[3] for e in events),
                                      max(e[4] for e in events)], dtype=torch.float64, device=device)
@@ -775,7 +817,7 @@ def peak_bound(schedule, p, s, m, v=2):
 
 
 def print_bubble_table(table, dim, rows, steps):
-    print(f"pipeline bubble and stash: two {dim} x {dim} layers per stage (interleaved: two chunks of one), "
+    print(f"pipeline bubble and stash: two blocks of D={dim} per stage (interleaved: two chunks of one), "
           f"{rows} rows per micro-batch, the median step of {steps} after a warm-up step")
     print(f"{'p':>3}{'m':>3}  {'schedule':<12}{'theory':>8}{'measured':>10}{'ms':>8}   stash per stage, bound")
     for r in table:
@@ -883,14 +925,15 @@ def refuse(message):
 # three_d.py --plan's own time, and --recompute's memory, each a fresh process
 # ----------------------------------------------------------------------------------
 
-PLAN_MODEL = ["--num-layers", "64", "--dim", "8192", "--batch-size", "8192",   # the README's
-              "--vocab-size", "128256"]
+PLAN_MODEL = ["--num-layers", "32", "--dim", "4096", "--heads", "32", "--context", "8192",   # the README's:
+              "--batch-size", "512", "--vocab-size", "128256"]                               # Llama 3 8B's shape
 
 
 def plan_speed(argv):
     """Seconds that `three_d.py --plan` takes (start-up included) for 8 to 1,024 GPUs on the
     README's model, and for a world of 100,000, as a user runs it."""
-    print("three_d.py --plan, the README's model (L=64 D=8192 V=128256 B=8192), H100: seconds to the answer")
+    print("three_d.py --plan, the README's model (L=32 D=4096 h=32 T=8192 V=128256 B=512), H100: seconds to "
+          "the answer")
     for world in (8, 64, 256, 1024, 100000):
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "three_d.py", "--plan", "--world-size", str(world),
@@ -901,8 +944,8 @@ def plan_speed(argv):
         print(f"  {world:>6} GPUs {seconds:6.1f} s  (exit {proc.returncode}) {answer[:60]}")
 
 
-RECOMPUTE_SIZES = ["--world-size", "1", "--num-layers", "32", "--dim", "256", "--batch-size",
-                   "32768", "--micro-batches", "1", "--steps", "1", "--optimizer", "sgd"]
+RECOMPUTE_SIZES = ["--world-size", "1", "--num-layers", "16", "--dim", "256", "--heads", "4", "--context",
+                   "128", "--batch-size", "64", "--micro-batches", "1", "--steps", "1", "--optimizer", "sgd"]
 MEASURE = """import resource, sys, time
 sys.argv = sys.argv[1:]
 script = __import__(sys.argv[0].removesuffix(".py"))

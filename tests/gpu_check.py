@@ -5,9 +5,9 @@
 
 1. Each script at --world-size N (three_d.py at a layout of N), --backend nccl, --check, in
    fp32 and in --bf16, small and short: a few seconds each. A failed check fails the command.
-2. The bf16 step of a language model that fits one GPU (L 8, D 8192, k 8, B 8192: 537.8 M
-   parameters, 12 GB; a smaller D where the card has less memory), timed as data_parallel.py
-   runs it, beside the same model in plain PyTorch (tests/race.py's TorchLM under
+2. The bf16 step of a transformer that fits one GPU (L 8, D 4096, h 32, T 512, B 16: 1.6 G
+   parameters, 43 GB planned; a smaller D where that passes 60% of the card), timed as
+   data_parallel.py runs it, beside the same model in plain PyTorch (tests/race.py's TorchLM under
    torch.autocast, F.cross_entropy, AdamW fused on both sides). For each, at m 1 and 4: the
    median step, MFU against the card's bf16 peak (named, with its source), the peak memory
    (torch.cuda.max_memory_allocated), and three_d.py --plan's prediction for the same layout
@@ -51,7 +51,7 @@ CARDS = [
     ("RTX 4090", 165, "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/"
                       "nvidia-ada-gpu-architecture.pdf", None),
 ]
-MODEL = dict(num_layers=8, dim=8192, context=8, batch_size=8192)   # D falls on smaller cards
+MODEL = dict(num_layers=8, dim=4096, heads=32, context=512, batch_size=16)   # D falls on smaller cards
 
 
 def main(argv=None):
@@ -83,7 +83,8 @@ def check_runs(gpus):
     split of this world divides (the layers over the stages, D and B over the ranks)."""
     dp, pp, tp = layout_of(gpus)
     small = ["--steps", "20", "--check", "--backend", "nccl", "--num-layers",
-             str(math.lcm(4, gpus)), "--dim", str(64 * gpus), "--batch-size", str(64 * gpus)]
+             str(math.lcm(4, gpus)), "--dim", str(16 * gpus), "--heads", str(gpus), "--batch-size",
+             str(16 * gpus)]
     world = ["--world-size", str(gpus)]
     runs = [("data_parallel.py", world), ("data_parallel.py --zero 3", [*world, "--zero", "3"]),
             ("tensor_parallel.py megatron", [*world, "--tp-style", "megatron"]),
@@ -161,24 +162,27 @@ def side(name, flags, m, device):
     args = argparse.Namespace(**flags, vocab_size=data_parallel.VOCAB_SIZE, seed=0)
     init = data_parallel.init_params(args)
     tokens, targets = (t.to(device) for t in data_parallel.make_batch(args, 0))
+    n = tokens.numel()                    # the batch's positions
     if name == "ours":
-        replica = data_parallel.make_replica([w.to(device, copy=True) for w in init], None,
+        replica = data_parallel.make_replica([[w.to(device, copy=True) for w in part]
+                                              for part in init], None,
                                              optimizer="adamw", lr=1e-4, bf16=True)
-        blocks = data_parallel.model_blocks(args.num_layers)
+        blocks = data_parallel.model_blocks(args.num_layers, args.dim // args.heads)
 
         def ours():
             data_parallel.dp_step(replica, blocks, data_parallel.cross_entropy,
-                                  tokens.chunk(m), targets.chunk(m), len(tokens))
+                                  tokens.chunk(m), targets.chunk(m), n)
             replica.update()
         return ours
-    model = as_module(init, device)
+    model = as_module(init, device, heads=args.heads)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type != "cpu")
 
     def theirs():
         for x, y in zip(tokens.chunk(m), targets.chunk(m)):
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 logits = model(x)
-            (F.cross_entropy(logits.float(), y, reduction="sum") / len(tokens)).backward()
+            (F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+             / n).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return theirs
@@ -207,13 +211,14 @@ def time_one_gpu(args, device=None):
         else 2 * 2**30
     peak_flops, source, plan_key = card_peak(name, args.peak_tflops)
     flags = sized_for(memory) if device.type == "cuda" else dict(MODEL, num_layers=2, dim=64,
-                                                                 batch_size=64)
+                                                                 heads=4, context=16, batch_size=8)
     folder = tempfile.mkdtemp(prefix="gpu-check-")
     join_alone(device, folder)
     try:
-        L, D, B = flags["num_layers"], flags["dim"], flags["batch_size"]
-        model_flops = 6 * B * (L * D + data_parallel.VOCAB_SIZE) * D   # a step's, as --plan's
-        print(f"\n{name}: the language model at L {L}, D {D}, k {flags['context']}, B {B}, "
+        L, D, T, B = flags["num_layers"], flags["dim"], flags["context"], flags["batch_size"]
+        model_flops = B * T * (6 * (12 * L * D + data_parallel.VOCAB_SIZE) * D
+                               + 12 * L * T * D)               # a step's, as --plan's
+        print(f"\n{name}: the transformer at L {L}, D {D}, h {flags['heads']}, T {T}, B {B}, "
               f"bf16 on fp32 masters, AdamW (fused on a GPU); medians of {args.steps} steps")
         peak = "unknown (--peak-tflops)"
         if peak_flops:

@@ -160,42 +160,107 @@ def machine():
 
 # ---- pieces every step's comparison uses ---------------------------------------------
 
-class TorchLM(torch.nn.Module):
-    """Our model's parts as torch.nn, a copy: nn.Embedding for E; for each layer an nn.Linear
-    and GELU (nn.Linear computes x @ weight.T, so its weight is W^T); an nn.Linear head (H^T).
-    A stage's module holds its parts alone: the embedding on the first, the head on the last."""
+class TorchEmbedding(torch.nn.Module):
+    """E as nn.Embedding, P a parameter: x = E[tokens] + P."""
 
-    def __init__(self, full, parts, device):
+    def __init__(self, e, p, device):
         super().__init__()
-        self.kinds = [part_kind(j, len(full)) for j in parts]
+        self.embedding = torch.nn.Embedding(*e.shape, device=device)
+        self.positions = torch.nn.Parameter(p.to(device, copy=True))
+        with torch.no_grad():
+            self.embedding.weight.copy_(e)
+
+    def forward(self, tokens):
+        return self.embedding(tokens) + self.positions
+
+    def ours(self):   # its parameters in our order, and whether each is held transposed
+        return [(self.embedding.weight, False), (self.positions, False)]
+
+
+def linear(w, device):   # nn.Linear computes x @ weight.T, so it holds W^T
+    module = torch.nn.Linear(*w.shape, bias=False, device=device)
+    with torch.no_grad():
+        module.weight.copy_(w.T)
+    return module
+
+
+def rms_norm(g, device):
+    module = torch.nn.RMSNorm(len(g), eps=1e-5, device=device)
+    with torch.no_grad():
+        module.weight.copy_(g)
+    return module
+
+
+class TorchBlock(torch.nn.Module):
+    """A pre-norm block: nn.RMSNorm, nn.Linear(bias=False), causal scaled_dot_product_attention
+    over self.heads heads (a tp rank's own, once its Linears are split: torchtitan's way)."""
+
+    def __init__(self, w, heads, device):
+        super().__init__()
+        g1, wq, wk, wv, wo, g2, w1, w2 = w
+        self.heads = heads
+        self.norm1, self.norm2 = rms_norm(g1, device), rms_norm(g2, device)
+        self.wq, self.wk, self.wv, self.wo, self.w1, self.w2 = (
+            linear(m, device) for m in (wq, wk, wv, wo, w1, w2))
+
+    def forward(self, x):
+        n = self.norm1(x)
+        q, k, v = (layer(n).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+                   for layer in (self.wq, self.wk, self.wv))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(-2)
+        x = x + self.wo(o)
+        return x + self.w2(F.gelu(self.w1(self.norm2(x))))
+
+    def ours(self):
+        return [(self.norm1.weight, False), *[(m.weight, True) for m in (self.wq, self.wk, self.wv, self.wo)],
+                (self.norm2.weight, False), (self.w1.weight, True), (self.w2.weight, True)]
+
+
+class TorchHead(torch.nn.Module):
+    """The final nn.RMSNorm and the head's nn.Linear: logits [b, T, V]."""
+
+    def __init__(self, g, h, device):
+        super().__init__()
+        self.norm = rms_norm(g, device)
+        self.head = linear(h, device)
+
+    def forward(self, x):
+        return self.head(self.norm(x))
+
+    def ours(self):
+        return [(self.norm.weight, False), (self.head.weight, True)]
+
+
+class TorchLM(torch.nn.Module):
+    """Our model's parts as torch.nn, a copy: TorchEmbedding, TorchBlocks, TorchHead. A stage's
+    module holds its parts alone: the embedding on the first, the head on the last."""
+
+    def __init__(self, init, parts, device, heads):
+        super().__init__()
+        self.kinds = [part_kind(j, len(init)) for j in parts]
         modules = []
         for j, kind in zip(parts, self.kinds):
-            w = full[j]
             if kind == "embedding":
-                module = torch.nn.Embedding(*w.shape, device=device)
-                weight = w
+                modules.append(TorchEmbedding(*init[j], device))
+            elif kind == "head":
+                modules.append(TorchHead(*init[j], device))
             else:
-                module = torch.nn.Linear(*w.shape, bias=False, device=device)
-                weight = w.T                              # [out, in] = W^T
-            with torch.no_grad():
-                module.weight.copy_(weight)
-            modules.append(module)
+                modules.append(TorchBlock(init[j], heads, device))
         self.parts = torch.nn.ModuleList(modules)
 
     def forward(self, x):
-        for kind, module in zip(self.kinds, self.parts):
+        for module in self.parts:
             x = module(x)
-            if kind == "embedding":
-                x = x.reshape(len(x), -1)                 # [b, k, D/k] -> [b, D]
-            elif kind == "layer":
-                x = F.gelu(x)
         return x
 
-    def ours(self, tensors):   # its weights (or their gradients) in our layout: E, W, H
-        return [t if kind == "embedding" else t.T for kind, t in zip(self.kinds, tensors)]
+    def weights(self):   # every parameter, in our order: (its tensor, held transposed)
+        return [pair for module in self.parts for pair in module.ours()]
+
+    def ours(self, tensors):   # these (weights, or their gradients) in our layout
+        return [t.T if transposed else t for t, (_, transposed) in zip(tensors, self.weights())]
 
     def state(self):
-        weights = [module.weight for module in self.parts]
+        weights = [w for w, _ in self.weights()]
         return self.ours(weights), self.ours([w.grad for w in weights])
 
 
@@ -204,12 +269,12 @@ def part_kind(j, num_parts):
         return "embedding"
     if j == num_parts - 1:
         return "head"
-    return "layer"
+    return "block"
 
 
-def as_module(full, device, parts=None):
+def as_module(init, device, parts=None, heads=1):
     """The whole model (or these parts of it) as a TorchLM."""
-    return TorchLM(full, range(len(full)) if parts is None else parts, device)
+    return TorchLM(init, range(len(init)) if parts is None else parts, device, heads)
 
 
 def sgd_side(weights, compute_grads, lr):
@@ -228,10 +293,10 @@ def dp_side(weights, group, args, xs, ys, n, zero=0, overlap=False):
     """Our data-parallel step (step 2's DataParallel, with SGD), as (step, state); state gives
     the full weights and gradients, gathered from the shards under ZeRO."""
     replica = make_replica(weights, group, zero=zero, overlap=overlap, **replica_options(sgd(args)))
-    blocks = model_blocks(args.num_layers)
+    blocks = model_blocks(args.num_layers, args.dim // args.heads)
 
     def step():
-        dp_step(replica, blocks, cross_entropy, xs, ys, n)
+        dp_step(replica, blocks, cross_entropy, xs, ys, n * args.context)
         replica.update()
     return step, lambda: (full_weights(replica), full_grads(replica))
 
@@ -254,23 +319,24 @@ def serial_side(args, device):
     if dist.get_rank() != 0:
         return (lambda: None), None
     inputs, targets = (t.to(device) for t in first_batch(args))
-    weights = [w.to(device) for w in init_params(args)]
+    weights = [[w.to(device) for w in part] for part in init_params(args)]
     m = args.micro_batches
     return dp_side(weights, alone, args, inputs.chunk(m), targets.chunk(m), len(inputs))[0], None
 
 
 def first_batch(args):
-    """The batch every step of a race trains on: step 0's, tokens [B, k] and targets [B]."""
+    """The batch every step of a race trains on: step 0's, tokens and targets [B, T]."""
     return make_batch(args, step=0)
 
 
 def ce_sum(n):
-    """PyTorch's side of our loss: each micro-batch's cross-entropy summed over its rows / n,
-    n the rows of the whole (replica's) batch, as cross_entropy."""
-    return lambda logits, y: F.cross_entropy(logits, y, reduction="sum") / n
+    """PyTorch's side of our loss: each micro-batch's cross-entropy summed over its positions /
+    n, n the positions of the whole (replica's) batch, as cross_entropy: logits [b, T, V]."""
+    return lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / n
 
 
 def bench_sizes(args, world_size):
     backend = pick_backend(world_size, args.backend)
     return (f"{world_size} ranks ({backend}{', 1 thread each' if backend == 'gloo' else ''}), "
-            f"L={args.num_layers} D={args.dim} B={args.batch_size} m={args.micro_batches}, SGD")
+            f"L={args.num_layers} D={args.dim} h={args.heads} T={args.context} B={args.batch_size} "
+            f"m={args.micro_batches}, SGD")

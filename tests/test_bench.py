@@ -25,7 +25,7 @@ def no_warm_up(monkeypatch):
 
 def tiny(**sizes):
     # one timed step; lr 0.1: a step moves the weights visibly, so a wrong gradient shows in them too
-    return SimpleNamespace(**{**dict(num_layers=4, dim=8, context=4, vocab_size=data_parallel.VOCAB_SIZE,
+    return SimpleNamespace(**{**dict(num_layers=4, dim=8, heads=2, context=4, vocab_size=data_parallel.VOCAB_SIZE,
                                       batch_size=8, micro_batches=2, steps=1, seed=0, lr=0.1,
                                       recompute=False, bf16=False, clip_grad=None, bucket_mb=25.0,
                                       backend="gloo", timeout_s=30.0), **sizes})
@@ -99,9 +99,10 @@ def test_a_wrong_gradient_is_caught_and_its_table_refused(monkeypatch, capsys):
 
 def test_ddp_in_pytorchs_3d_composition_gets_gradients_m_times_too_large():
     """What the README says of DDP in PyTorch's own composition (pipelining + TP + DDP with
-    its defaults) on this torch: the first step's gradients are exactly m times ours, as
-    the schedule's division by m finds no parameters in DDP's module after TP. With the
-    stages' shapes given up front (static mode), the second step runs."""
+    its defaults) on this torch: the first step's gradients of the tp-split weights are exactly
+    m times ours, as the schedule's division by m finds none of them in DDP's module after TP
+    (the gains and P, plain tensors, it finds). With the stages' shapes given up front (static
+    mode), the second step runs.""" 
     args = tiny(dp=2, pp=2, tp=2, schedule="1f1b", order="tp-pp-dp", p2p_shard=False, tp_style="all-gather",
                 zero=0, virtual_stages=1)
     ratio, error = bench.ddp_failure_figures(args, 8, dict(backend="gloo", timeout_s=30.0))
@@ -127,10 +128,10 @@ def test_the_bench_refuses_what_it_would_ignore(argv, flag, capsys):
 
 def test_the_memory_table_holds_the_formulas_at_every_stage(capfd):
     """make bench's memory table: stages 0 to 3 in turn, each row counted from the tensors
-    equal to its formula. With 3 replicas, a part a bucket, each pads to a multiple of 3: E
-    [97, 2] 194 to 195 parameters, a layer [16, 16] 256 to 258, H [16, 97] 1552 to 1554.
-    Stage 3's largest moment, in its second step, is 16P/d and two gathered buckets: the
-    last layer's and the head's."""
+    equal to its formula. With 3 replicas, a part a bucket, each pads to a multiple of 3: [E, P]
+    97 x 16 + 32 x 16 = 2064 parameters (3 divides it), a block's 12 x 16^2 + 2 x 16 = 3104 to
+    3105, [g, H] 16 + 16 x 97 = 1568 to 1569. Stage 3's largest moment, in its second step, is
+    16P/d and two gathered buckets: a block's, and the next one's, prefetched."""
     bench.main(["memory", "--world-size", "3", "--num-layers", "2", "--dim", "16", "--batch-size", "12",
                 "--bucket-mb", "0", "--timeout-s", "30"])
     out = capfd.readouterr().out
@@ -138,10 +139,10 @@ def test_the_memory_table_holds_the_formulas_at_every_stage(capfd):
                       out, re.MULTILINE)
     assert len(rows) == 16 and all(int(got) == int(want) for _, got, want in rows), rows
     totals = [int(got) for kind, got, _ in rows if kind == "total"]
-    whole, padded, part = 194 + 2 * 256 + 1552, 195 + 2 * 258 + 1554, 65 + 2 * 86 + 518
+    whole, padded, part = 2064 + 2 * 3104 + 1568, 2064 + 2 * 3105 + 1569, 688 + 2 * 1035 + 523
     assert totals == [16 * whole, 8 * padded + 8 * part, 4 * padded + 12 * part, 16 * part]
     peak = re.search(r"largest at any moment of the last step: (\d+) bytes", out)
-    assert int(peak[1]) == totals[3] + 4 * (258 + 1554)   # the last layer's and the head's, whole
+    assert int(peak[1]) == totals[3] + 4 * 2 * 3105   # two blocks' buckets whole: one runs, one prefetched
 
 
 @pytest.mark.deadline(120)

@@ -58,10 +58,10 @@ def test_a_card_is_priced_at_its_datasheets_bf16_peak_or_the_one_given():
 
 
 def test_the_model_is_the_h100s_where_it_fits_and_smaller_where_not():
-    assert gpu_check.sized_for(80e9)["dim"] == 8192        # 12.2 GB planned: the H100's figures
-    assert gpu_check.sized_for(16e9)["dim"] == 4096
+    assert gpu_check.sized_for(80e9)["dim"] == 4096        # 42.7 GB planned: 53% of an H100's
+    assert gpu_check.sized_for(24e9)["dim"] == 1024        # 8.5 GB: past 60% of 24 at D 2048
     row = gpu_check.plan_row(gpu_check.MODEL, 1, "h100")
-    assert 0.9 * 12.41e9 < row["memory_bytes"] < 1.1 * 12.41e9
+    assert 0.5 * 80e9 < row["memory_bytes"] < 0.6 * 80e9
 
 
 @pytest.mark.deadline(60)
@@ -70,7 +70,7 @@ def test_its_timing_table_runs_on_the_cpu(capsys, monkeypatch, tmp_path):
     gpu_check.time_one_gpu(argparse.Namespace(peak_tflops=50e-3, steps=2), torch.device("cpu"))
     assert list(tmp_path.glob("gpu-check-*")) == []             # (torch may leave its own)
     out = capsys.readouterr().out.splitlines()
-    assert out[1].startswith("the CPU: the language model at L 2, D 64, k 8, B 64")
+    assert out[1].startswith("the CPU: the transformer at L 2, D 64, h 4, T 16, B 8")
     rows = [line.split() for line in out[4:]]
     assert [(row[0], row[1]) for row in rows] == [("1", "ours"), ("1", "PyTorch"),
                                                    ("4", "ours"), ("4", "PyTorch")]
