@@ -267,6 +267,7 @@ def main(argv=None):
 # Below the fold: the run's end, the rank map's print, --plan (the search and the GPU figures),
 # the command line. ------------------------------------------------------------------------
 import argparse, functools, itertools, math  # noqa: E401, E402
+from typing import NamedTuple  # noqa: E402
 from collections import Counter  # noqa: E402
 
 from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
@@ -420,7 +421,7 @@ class Machine:
         compute = mm.flops() / (peak * self.efficiency(mm.m, mm.k, mm.n))
         return max(compute, mm.bytes_moved() / self.hbm)
 
-    def layer_s(self, kind, rows, args, tp, micro_batches, classes=0):
+    def layer_s(self, kind, rows, args, tp, micro_batches, classes=0):   # args: a Shape
         """(F, B, W) of a tp rank's part, a micro-batch of rows positions (W: the step's mean):
         its matmuls (block_matmuls); a block's memory-bound passes, its norms, softmax and gelu,
         about 12 [b, T, D] and 3 [b, h, T, T] forward, twice that back; the head's loss fp32
@@ -486,9 +487,19 @@ def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved):
     return stages
 
 
-def chunk_s(machine, kinds, rows, args, tp, micro_batches, classes):
+class Shape(NamedTuple):   # what a part's price reads of the run's flags (a cache's key)
+    dim: int
+    heads: int
+    context: int
+    tp_style: str
+    bf16: bool
+    recompute: bool
+
+
+@functools.lru_cache(maxsize=None)   # many layouts share one
+def chunk_s(machine, kinds, rows, shape, tp, micro_batches, classes):
     """(F, B, W) of a chunk's parts, a micro-batch; --recompute repeats a block's forward only."""
-    times = [machine.layer_s(kind, rows, args, tp, micro_batches=micro_batches, classes=classes)
+    times = [machine.layer_s(kind, rows, shape, tp, micro_batches=micro_batches, classes=classes)
              for kind in kinds]
     return tuple(sum(column) for column in zip(*times))
 
@@ -511,7 +522,8 @@ def predict(args, machine):
     chosen = {(s == 0, s == pp - 1, tuple(per_node[s].items())): s for s in reversed(range(pp))}
     stages = []
     for s in chosen.values():
-        chunks = [chunk_s(machine, kinds, args.batch_size // (dp * m) * args.context, args, tp,
+        shape = Shape(args.dim, args.heads, args.context, args.tp_style, args.bf16, args.recompute)
+        chunks = [chunk_s(machine, kinds, args.batch_size // (dp * m) * args.context, shape, tp,
                           m, classes) for kinds in stage_kinds(args, s)]
         runs, held, _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
         comm = {group: sum(times * machine.collective_s(kind, nbytes, sizes[group],

@@ -388,38 +388,42 @@ def without_numpy(tmp_path):
 
 
 LOSS_LINE = re.compile(r"^\[dp0 pp(\d+) tp0\] step\s+(\d+)\s+loss ([0-9.eE+-]+)$")
-VALIDATION = re.compile(r"^validation loss ([\d.]+) nats a character, on (\d+) windows of CPython's help")
+VALIDATION = re.compile(r"^validation loss ([\d.]+) nats a character, on (\d+) windows of \d+ of CPython's help")
 BASELINES = re.compile(r"^  the text's own: uniform ln 97 = ([\d.]+), unigram ([\d.]+), bigram ([\d.]+)")
 
 
-@pytest.mark.deadline(120)   # ~25 s idle; the deadline leaves room for a machine shared with other test runs
+@pytest.mark.deadline(180)   # ~45 s idle; the deadline leaves room for a machine shared with other test runs
 def test_make_3d_defaults_pass_check_and_learn_the_text(tmp_path):
-    """The defaults of `make 3d` (8 ranks, 300 steps) on a machine without numpy, which
+    """The defaults of `make 3d` (8 ranks, 200 steps) on a machine without numpy, which
     torch does not depend on: --check passes with nothing on stderr, the printed losses
     are serial training's, the validation loss falls below the text's bigram entropy (the
     model uses more than one character of context), and a sample follows the prompt."""
     save = tmp_path / "run.pt"
     env = {**os.environ, "PYTHONPATH": without_numpy(tmp_path)}
     proc = subprocess.run([sys.executable, "three_d.py", "--check", "--save", str(save), *TIMEOUT],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=115)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""        # not even torch's warning that numpy is missing
     lines = proc.stdout.splitlines()
     result = torch.load(save)
     config = result["config"]
-    assert (config["dp"], config["pp"], config["tp"], config["steps"]) == (2, 2, 2, 300)
+    assert (config["dp"], config["pp"], config["tp"], config["steps"]) == (2, 2, 2, 200)
     assert "rank map: dp=2 pp=2 tp=2" in proc.stdout
     assert sum(line.split()[:4] == ["rank", "dp", "pp", "tp"] for line in lines) == 1
 
-    # a loss line every 30 steps and at the last, printed by the last stage; serial training's
+    # a loss line every 20 steps and at the last, printed by the last stage; serial training's
     steps = [LOSS_LINE.match(line) for line in lines if LOSS_LINE.match(line)]
-    assert [int(m[2]) for m in steps] == [*range(0, 300, 30), 299]
+    assert [int(m[2]) for m in steps] == [*range(0, 200, 20), 199]
     assert all(int(m[1]) == config["pp"] - 1 for m in steps)
     printed = [float(m[3]) for m in steps]
+    assert printed == [pytest.approx(result["losses"][int(m[2])], abs=5e-7) for m in steps]   # as saved
+    # two whole runs drift apart by their rounding (AdamW's eps, chaotic training): serial
+    # training's own run agrees tightly at first and within 1e-2 to the end; --check, below,
+    # holds every step to the run's own weights
     ref = serial_reference(result)
-    torch.testing.assert_close(torch.tensor(printed), torch.tensor([ref["losses"][int(m[2])] for m in steps]),
+    torch.testing.assert_close(torch.tensor(result["losses"][:50]), torch.tensor(ref["losses"][:50]),
                                atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), atol=1e-2, rtol=0)
 
     validation = [VALIDATION.match(line) for line in lines if VALIDATION.match(line)]
     baselines = [BASELINES.match(line) for line in lines if BASELINES.match(line)]
@@ -427,7 +431,7 @@ def test_make_3d_defaults_pass_check_and_learn_the_text(tmp_path):
     uniform, unigram, bigram = (float(x) for x in baselines[0].groups())
     assert (uniform, unigram, bigram) == (4.57, 3.25, 2.46)        # the text's, on 3.11
     loss = float(validation[0][1])
-    assert loss < bigram < unigram < uniform
+    assert loss < 1.9 < bigram < unigram < uniform              # below Bengio's MLP's 2.13 too
     # the same number from the saved weights, on the same windows of the validation text
     val_args = argparse.Namespace(**{**config, "batch_size": int(validation[0][2])})
     inputs, targets = dp.make_batch(val_args, step=0, text=dp.text_part("validation"))
