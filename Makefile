@@ -66,7 +66,7 @@ test-slurm: deps
 # the collectives' bandwidth, start-up, the pipeline bubble, the bytes each rank sends, and
 # three_d.py --plan's predicted step times against every shape of 4 ranks run; a checkpoint's
 # write and read beside a step (about 2 minutes)
-BIG = --num-layers 4 --dim 512 --heads 8 --context 128 --batch-size 64 --steps 5
+BIG = --num-layers 4 --dim 256 --heads 4 --context 64 --batch-size 32 --steps 5
 bench: deps
 	$(PYTHON) tests/bench.py collectives
 	$(PYTHON) tests/bench.py data_parallel --world-size 2 $(BIG)
@@ -87,7 +87,7 @@ bench: deps
 	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 8 --schedule interleaved $(BIG)
 	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 4 --schedule interleaved
 	$(PYTHON) tests/bench.py three_d --dp 2 --pp 2 --tp 2 --steps 10
-	$(PYTHON) tests/bench.py three_d --dp 2 --pp 2 --tp 2 --dim 512 --batch-size 256 --steps 5
+	$(PYTHON) tests/bench.py three_d --dp 2 --pp 2 --tp 2 --dim 256 --batch-size 64 --steps 5
 	$(PYTHON) tests/bench.py bubble-table
 	$(PYTHON) tests/bench.py count-comm data_parallel
 	$(PYTHON) tests/bench.py count-comm data_parallel --zero 1

@@ -490,8 +490,8 @@ from collectives import Parser, Stop, check_launch_args, positive_float, positiv
 
 
 class Block(NamedTuple):   # a part's pair, as every step runs one: step 2's, and step 3's
-    forward: Callable         # (x, w, recompute) -> (a, stash)
-    backward: Callable        # (g, stash, w, need_dx) -> (dx, (x, dz)): dW = x^T dz
+    forward: Callable         # (x, w, recompute) -> (a, stash); w: the part's weights, a list
+    backward: Callable        # (g, stash, w, need_dx) -> (dx, [(x, dz) a weight]): dW = x^T dz
 
 
 def make_replica(weights, group, zero=0, **options):   # the ZeRO stage asked for (--zero)

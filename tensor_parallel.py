@@ -133,15 +133,6 @@ class GatherSplit(MegatronSplit):
         return self.f_back(dx)
 
 
-def shard_columns(w, tp_rank, tp_size):
-    """Rank t's columns of a full matrix, W[:, t D/T : (t+1) D/T], as a copy.
-
-    A copy even when T = 1 (where .contiguous() would return W itself): the optimizer
-    updates the shard in place, and the full matrix must stay the initial one."""
-    cols = w.shape[1] // tp_size
-    return w[:, tp_rank * cols:(tp_rank + 1) * cols].clone(memory_format=torch.contiguous_format)
-
-
 # The vocabulary over the tp ranks: rank t holds the classes [v_t, v_t+1), vocab_range's.
 #
 #   embedding  E_t = E[v_t:v_t+1] [V_t, D]: each rank looks up the tokens it holds, zeros for the
@@ -256,7 +247,9 @@ def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=Fa
     return runs
 
 
-def shard(w, kind, tp_rank, tp_size):   # rank t's part of a whole tensor, as a copy
+def shard(w, kind, tp_rank, tp_size):
+    """Rank t's part of a whole tensor, as a copy even when T = 1 (where a slice would be W
+    itself): the optimizer updates the shard in place, and the whole must stay the initial one."""
     row_start, row_end, col_start, col_end = shard_box(w.shape, kind, tp_rank, tp_size)
     if w.dim() == 1:                      # a gain: whole
         return w.clone()

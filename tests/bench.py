@@ -4,7 +4,7 @@ figures that are not the lecture. The scripts never import this; it imports them
     python tests/bench.py collectives [--world-size N]   # time and bus bandwidth of each collective;
                                                         # the start-up of 8 ranks by three launchers
     python tests/bench.py data_parallel [its flags]      # ours against DistributedDataParallel and serial
-    python tests/bench.py tensor_parallel [its flags]    # against ColwiseParallel(output_layouts=Replicate())
+    python tests/bench.py tensor_parallel [its flags]    # against ColwiseParallel and RowwiseParallel
     python tests/bench.py pipeline_parallel [its flags]  # against ScheduleGPipe and Schedule1F1B
     python tests/bench.py three_d [its flags]            # against PyTorch's own 3D composition
     python tests/bench.py memory [data_parallel's flags] # ZeRO's memory table, stages 0 to 3
@@ -341,7 +341,7 @@ def watch_gathers(replica):
 # Step 3 against ColwiseParallel on a DeviceMesh
 # ----------------------------------------------------------------------------------
 
-TORCH_TP = {"all-gather": "ColwiseParallel(output_layouts=Replicate())",
+TORCH_TP = {"all-gather": "ColwiseParallel, outputs all-gathered",
             "megatron": "ColwiseParallel + RowwiseParallel"}
 
 

@@ -63,12 +63,12 @@ def _cols(rank, world_size, dim):
 # ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_shard_columns_are_copies_that_tile_the_matrix(world_size):
+def test_column_shards_are_copies_that_tile_the_matrix(world_size):
     """The shards tile W in rank order, and training one in place leaves W alone, also at
     T = 1 (a view of W there once made the saved init weights equal the final ones)."""
     w = torch.randn(6, 6, generator=torch.Generator().manual_seed(2))
     before = w.clone()
-    shards = [tp.shard_columns(w, t, world_size) for t in range(world_size)]
+    shards = [tp.shard(w, "column", t, world_size) for t in range(world_size)]
     assert all(s.shape == (6, 6 // world_size) and s.is_contiguous() for s in shards)
     assert torch.equal(torch.cat(shards, dim=1), w)
     for s in shards:
