@@ -10,9 +10,9 @@ build it) of CPython's own help text: T characters in, the next one's V logits a
 out. Its backward is derived by hand here, once; every later step splits these lines:
 
     embed      x = E[tokens] + P                   tokens [b, T], E [V, D], P [T, D], x [b, T, D]
-    block      n = rmsnorm(x; g1)                  rmsnorm(x; g) = x r g, r = (mean_D x^2 + eps)^-1/2
-               q, k, v = n Wq, n Wk, n Wv          [b, T, D]; head j: columns j dh .. (j+1) dh, dh = D/h
-               A_j = softmax(q_j k_j^T / sqrt(dh) + mask)     [b, T, T]; mask: -inf above the diagonal
+    block      n = rmsnorm(x; g1)               rmsnorm(x; g) = x r g, r = (mean_D x^2 + eps)^-1/2
+               q, k, v = n Wq, n Wk, n Wv          [b, T, D]; head j: columns j dh .. (j+1) dh
+               A_j = softmax(q_j k_j^T / sqrt(dh) + mask)     [b, T, T]; -inf above the diagonal
                o = [A_1 v_1 | .. | A_h v_h]        [b, T, D]
                x' = x + o Wo                       the residual; then the MLP, with its own:
                out = x' + gelu(rmsnorm(x'; g2) W1) W2          W1 [D, 4D], W2 [4D, D]; L blocks
@@ -75,7 +75,7 @@ def heads(t, head_dim):   # [b, T, h dh] -> [b, h, T, dh]: head j's columns j dh
 
 
 def attention(q, k, v, head_dim):
-    """Causal attention of every head q, k and v hold [b, T, h dh]: o [b, T, h dh], A [b, h, T, T]."""
+    """Causal attention of every head q, k, v hold [b, T, h dh]: o [b, T, h dh], A [b, h, T, T]."""
     q, k, v = heads(q, head_dim), heads(k, head_dim), heads(v, head_dim)
     s = wide(q @ k.transpose(-1, -2)) / math.sqrt(head_dim)           # [b, h, T, T], fp32
     future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
@@ -1060,7 +1060,8 @@ def gather_index(pieces, device):
 def save_checkpoint(args, step, replica, parts=None, boxes=None, copies=()):
     """--checkpoint DIR after every --checkpoint-every N steps and the last: DIR/step-00000150/,
     a file a rank with its pieces (without ZeRO, replicas beyond dp rank 0 write none: they hold
-    the same; nor does a rank write its copies, tensors that tp rank 0 holds whole too), then complete.json with every rank's pieces' places, by rename, once every rank's
+    the same; nor does a rank write its copies, tensors that tp rank 0 holds whole too), then
+    complete.json with every rank's pieces' places, by rename, once every rank's
     file is on disk. A run killed before that leaves the checkpoints before as they were; the
     two newest complete are kept."""
     due = step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)

@@ -209,7 +209,7 @@ class Stage:
         self.targets = targets
 
     def forward(self, mb, x):
-        """F: the parts in turn on x (tokens [b, T] first, else [b, T, D]), each one's stash kept."""
+        """F: the parts in turn on x (tokens [b, T] first, else [b, T, D]), each one's stash."""
         out = x
         stashes = []
         for b, bucket in self.buckets:

@@ -75,7 +75,7 @@ def reduce_over(tensor, group, op=dist.ReduceOp.SUM):   # an all-reduce, where t
 class MegatronSplit:
     """Megatron's pairs: Wq, Wk, Wv and W1 are column layers (rank t holds W[:, cols_t]) whose
     outputs stay sharded: attention runs on this rank's heads, GELU on its columns. Wo and W2 are
-    row layers (rank t holds W[rows_t, :]) that take the shard as it is, since o Wo = sum_t o_t Wo_t:
+    row layers (rank t holds W[rows_t, :]) that take the shard as it is: o Wo = sum_t o_t Wo_t.
 
       forward   n, the same on every rank                  f: the identity
                 q_t, k_t, v_t = n Wq_t ..; o_t = attention of this rank's heads   [b, T, D/T]
@@ -159,7 +159,7 @@ def vocab_range(vocab_size, tp_rank, tp_size):
 
 
 def vocab_embedding_forward(tokens, w, recompute=False, group=None, vocab_size=None):
-    """The tokens [b, T] this rank holds, looked up; zeros for the rest; summed; + P: x [b, T, D]."""
+    """The tokens [b, T] this rank holds, looked up, zeros for the rest, summed; + P: [b, T, D]."""
     e_t, p = w
     start, end = vocab_range(vocab_size, dist.get_rank(group), dist.get_world_size(group))
     outside = (tokens < start) | (tokens >= end)                       # [b, T]
@@ -399,9 +399,9 @@ def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", con
     if kind == "head":
         return [[m] for m in linear(D, classes)]
     row = tp_style == "megatron"
-    layers = [linear(D, D // tp)] * 3 + [linear(D // tp if row else D, D if row else D // tp),
-                                         linear(D, 4 * D // tp),
-                                         linear(4 * D // tp if row else 4 * D, D if row else D // tp)]
+    wo = linear(D // tp, D) if row else linear(D, D // tp)
+    w2 = linear(4 * D // tp, D) if row else linear(4 * D, D // tp)
+    layers = [linear(D, D // tp)] * 3 + [wo, linear(D, 4 * D // tp), w2]
     batched = rows * (heads // tp)             # b h/t T rows of the scores
     head_dim = D // heads
     scores = Matmul(batched, head_dim, context, size, size, accumulate=False)

@@ -633,7 +633,8 @@ def show_plan(args, machine, weighed, fits):
     print(f"plan: {args.world_size} GPUs ({nodes} node{'s' * (nodes > 1)} of "
           f"{machine.gpus_per_node}{small}), a transformer of {args.num_layers} blocks, "
           f"D={args.dim}, h={args.heads}, V={args.vocab_size}, T={args.context}, "
-          f"B={args.batch_size}, bf16 on fp32 masters, {args.optimizer}; {machine.figures['name']}, {si(machine.memory)}B")
+          f"B={args.batch_size}, bf16 on fp32 masters, {args.optimizer}; "
+          f"{machine.figures['name']}, {si(machine.memory)}B")
     print(f"{weighed} layouts weighed, {len(fits)} fit; the "
           f"{'' if len(shown) == len(fits) else f'{len(shown)} '}best by predicted step time "
           f"(--top N). Bytes: what the busiest rank sends a step, * across nodes")
@@ -709,7 +710,8 @@ def parse_args(argv=None):
                              dp=True)
     parser.add_argument("--dp", type=positive_int, default=2, help="data-parallel replicas")
     parser.add_argument("--pp", type=positive_int, default=2, help="stages; divides --num-layers")
-    parser.add_argument("--tp", type=positive_int, default=2, help="ranks per block; divides --heads")
+    parser.add_argument("--tp", type=positive_int, default=2,
+                        help="ranks per block; divides --heads")
     add_schedule_args(parser)
     parser.add_argument("--order", choices=["tp-pp-dp", "tp-dp-pp"], default="tp-pp-dp",
                         help="nesting of the rank map, fastest-varying axis first")
