@@ -247,6 +247,10 @@ def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=Fa
     return runs
 
 
+def clip_shares(kinds, tp_size):   # each tensor's share of its squares: a whole one's, 1/t
+    return [1 / tp_size if kind == "whole" else 1.0 for kind in kinds]
+
+
 def shard(w, kind, tp_rank, tp_size):
     """Rank t's part of a whole tensor, as a copy even when T = 1 (where a slice would be W
     itself): the optimizer updates the shard in place, and the whole must stay the initial one."""
@@ -306,8 +310,8 @@ def tp_worker(rank, world_size, args):
             check.step(whole_model(full_weights(replica), full, split),
                        whole_model(full_grads(replica), full, split))
         if args.clip_grad:     # the norm's squares summed over the shards, a whole tensor once
-            shares = [1 / tp_size if k == "whole" else 1.0 for k in split]   # held by all: once
-            norms.append(replica.clip(args.clip_grad, [dist.group.WORLD], shares).item())
+            norms.append(replica.clip(args.clip_grad, [dist.group.WORLD],
+                                      clip_shares(split, tp_size)).item())
         replica.update()
         losses.append(loss.item())
         if rank == 0:

@@ -35,8 +35,9 @@ from data_parallel import (dp_costs, init_params, make_batch, make_replica, repl
                            spans_of)
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts)
-from tensor_parallel import (all_gather_columns, my_columns, part_kinds, shard, shard_box,
-                             tensor_kinds, tp_blocks, tp_costs, vocab_parallel_cross_entropy)
+from tensor_parallel import (all_gather_columns, clip_shares, my_columns, part_kinds, shard,
+                             shard_box, tensor_kinds, tp_blocks, tp_costs,
+                             vocab_parallel_cross_entropy)
 
 AXES = ("dp", "pp", "tp")
 
@@ -126,6 +127,7 @@ class ThreeDRank:
                       for j in self.mine for w, k in zip(self.init[j], self.splits[j])]
         self.copies = {i for j in self.mine for i, k in zip(spans[j], self.splits[j])
                        if k == "whole" and self.tp_rank > 0}          # tp rank 0 writes them
+        self.shares = clip_shares([k for j in self.mine for k in self.splits[j]], args.tp)
         self.starts = [sum(map(len, self.chunks[:c])) for c in range(v)]   # a chunk's first
         self.replica = make_replica(shards, self.groups["dp"], zero=args.zero,
                                     optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
@@ -240,9 +242,8 @@ def three_d_worker(rank, world_size, args):
             check.step(full_parts(me, full_weights(me.replica), args),
                        full_parts(me, full_grads(me.replica), args))
         if args.clip_grad:   # the norm's squares summed over tp and pp (and dp, if ZeRO shards)
-            shares = [1 / args.tp if k == "whole" else 1.0 for j in me.mine for k in me.splits[j]]
             norms.append(me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]],
-                                         shares).item())
+                                         me.shares).item())
         me.replica.update()                   # each rank's optimizer steps its own shards
         if me.stage == args.pp - 1:   # the last stage knows the loss: the replicas' mean
             losses.append(global_loss(me.stages[-1].loss, me.groups["dp"]))   # losses, averaged

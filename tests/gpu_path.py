@@ -299,7 +299,7 @@ def build_tensor_parallel(args, rank, world_size, device=META):
                                        vocab_size=args.vocab_size)
     loss_fn = functools.partial(tensor_parallel.vocab_parallel_cross_entropy,
                                 vocab_size=args.vocab_size)
-    shares = [1 / world_size if k == "whole" else 1.0 for ks in splits for k in ks]
+    shares = tensor_parallel.clip_shares([k for ks in splits for k in ks], world_size)
 
     def step():
         data_parallel.dp_step(replica, blocks, loss_fn, inputs.chunk(m), targets.chunk(m),
@@ -340,8 +340,7 @@ def build_three_d(args, rank, world_size, device=META):
     def step():
         me.train_step(*micro_batches)
         if args.clip_grad:
-            shares = [1 / args.tp if k == "whole" else 1.0 for j in me.mine for k in me.splits[j]]
-            me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]], shares)
+            me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]], me.shares)
         me.replica.update()
     return step, me.replica, me.groups, me.stage
 
