@@ -58,16 +58,19 @@ def wide(t):   # fp32 at least: where bf16 would round too much (float64 stays, 
 
 def rmsnorm(x, g):
     """x r g, r = (mean_D x^2 + eps)^-1/2 [b, T, 1], in fp32; and r, for the backward."""
-    r = torch.rsqrt(wide(x).square().mean(-1, keepdim=True) + EPS)
-    return (wide(x) * r * g).to(x.dtype), r
+    x32 = wide(x)
+    r = torch.rsqrt(x32.square().mean(-1, keepdim=True) + EPS)
+    return (x32 * r * g).to(x.dtype), r
 
 
 def rmsnorm_backward(dy, x, r, g):
     """dx = r u - x r^3 mean_D(u x), u = g dy  [b, T, D]; dg = sum over positions of dy x r  [D]."""
+    dtype = dy.dtype
     x = wide(x)
-    u = g * wide(dy)
-    dx = r * u - x * r**3 * (u * x).mean(-1, keepdim=True)
-    return dx.to(dy.dtype), (wide(dy) * x * r).flatten(0, -2).sum(0)
+    dy = wide(dy)
+    u = g * dy
+    dx = r * (u - x * (r.square() * (u * x).mean(-1, keepdim=True)))   # r (u - x r^2 mean(u x))
+    return dx.to(dtype), (dy * (x * r)).flatten(0, -2).sum(0)
 
 
 def heads(t, head_dim):   # [b, T, h dh] -> [b, h, T, dh]: head j's columns j dh .. (j+1) dh
@@ -75,24 +78,27 @@ def heads(t, head_dim):   # [b, T, h dh] -> [b, h, T, dh]: head j's columns j dh
 
 
 def attention(q, k, v, head_dim):
-    """Causal attention of every head q, k, v hold [b, T, h dh]: o [b, T, h dh], A [b, h, T, T]."""
+    """Causal attention of every head q, k, v hold [b, T, h dh]: o [b, T, h dh], and A [b, h, T, T]
+    (softmax in fp32, kept in q's dtype: it meets v in a matmul anyway)."""
     q, k, v = heads(q, head_dim), heads(k, head_dim), heads(v, head_dim)
-    s = wide(q @ k.transpose(-1, -2)) / math.sqrt(head_dim)           # [b, h, T, T], fp32
+    s = (q / math.sqrt(head_dim)) @ k.transpose(-1, -2)               # [b, h, T, T]
     future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-    a = s.masked_fill(future, float("-inf")).softmax(-1)              # row i sees 0 .. i
-    o = a.to(v.dtype) @ v                                             # [b, h, T, dh]
+    a = s.masked_fill_(future, float("-inf")).softmax(-1, dtype=wide(s).dtype).to(v.dtype)
+    o = a @ v                                                         # [b, h, T, dh]: row i sees 0 .. i
     return o.transpose(1, 2).flatten(-2), a
 
 
-def attention_backward(do, q, k, v, a, head_dim):
+def attention_backward(do, q, k, v, o, a, head_dim):
     """dq, dk, dv [b, T, h dh] from do: per head dv = A^T do, dA = do v^T, dS = A * (dA -
-    rowsum(dA * A)), dq = dS k / sqrt(dh), dk = dS^T q / sqrt(dh)."""
-    do, q, k, v = (heads(t, head_dim) for t in (do, q, k, v))
-    dv = a.to(do.dtype).transpose(-1, -2) @ do                        # [b, h, T, dh]
-    da = wide(do @ v.transpose(-1, -2))                               # [b, h, T, T]
-    ds = (a * (da - (da * a).sum(-1, keepdim=True)) / math.sqrt(head_dim)).to(q.dtype)
-    dq = ds @ k
-    dk = ds.transpose(-1, -2) @ q
+    rowsum(dA * A)), dq = dS k / sqrt(dh), dk = dS^T q / sqrt(dh). rowsum(dA * A) = rowsum(do * o),
+    since o = A v: [T, dh] products in place of [T, T] (FlashAttention-2's D)."""
+    do, q, k, v, o = (heads(t, head_dim) for t in (do, q, k, v, o))
+    dv = a.transpose(-1, -2) @ do                                     # [b, h, T, dh]
+    da = do @ v.transpose(-1, -2)                                     # [b, h, T, T]
+    rowsum = (wide(do) * wide(o)).sum(-1, keepdim=True)               # [b, h, T, 1], fp32
+    ds = (a * (da - rowsum)).to(q.dtype)
+    dq = ds @ k / math.sqrt(head_dim)
+    dk = ds.transpose(-1, -2) @ q / math.sqrt(head_dim)
     return [t.transpose(1, 2).flatten(-2) for t in (dq, dk, dv)]
 
 
@@ -119,7 +125,7 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE):
     n1, r1 = rmsnorm(x, g1)
     q, k, v = n1 @ wq, n1 @ wk, n1 @ wv       # [b, T, D/t]: whole heads, this rank's
     o, a = attention(q, k, v, head_dim)       # [b, T, D/t], A [b, h/t, T, T]
-    o = split.gather(o)
+    o = split.gather(o)                       # Wo's input
     x2 = x + split.out(o @ wo)                # the residual
     n2, r2 = rmsnorm(x2, g2)
     z = n2 @ w1                               # [b, T, 4D/t]
@@ -143,7 +149,7 @@ def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE):
     dx2 = dx2 + dout                          # the residual: the branch's and the skip's
     dy1 = split.out_back(dx2)                 # Wo's output's gradient
     do = split.gather_back(split.row_back(dy1 @ wo.T))
-    dq, dk, dv = attention_backward(do, q, k, v, a, head_dim)
+    dq, dk, dv = attention_backward(do, q, k, v, split.gather_back(o), a, head_dim)
     dn1 = split.f_back(dq @ wq.T + dk @ wk.T + dv @ wv.T)
     dx, dg1 = rmsnorm_backward(dn1, x, r1, g1)
     dx = dx + dx2
