@@ -501,7 +501,8 @@ class Parser(argparse.ArgumentParser):
 
     def refuse(self, rules):   # the door: (broken, message) pairs; the first broken one ends it
         for broken, message in rules:
-            self.error(message) if broken else None
+            if broken:
+                self.error(message)
 
 
 def positive_int(text):

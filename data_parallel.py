@@ -78,25 +78,23 @@ def heads(t, head_dim):   # [b, T, h dh] -> [b, h, T, dh]: head j's columns j dh
 
 
 def attention(q, k, v, head_dim):
-    """Causal attention of every head q, k, v hold [b, T, h dh]: o [b, T, h dh], and A [b, h, T, T]
-    (softmax in fp32, kept in q's dtype: it meets v in a matmul anyway)."""
+    """Causal attention of every head q, k, v hold [b, T, h dh]: o [b, T, h dh], A [b, h, T, T]
+    in fp32 (bf16's A moves dq ten times further from fp32's: the check's tolerance sees it)."""
     q, k, v = heads(q, head_dim), heads(k, head_dim), heads(v, head_dim)
     s = (q / math.sqrt(head_dim)) @ k.transpose(-1, -2)               # [b, h, T, T]
     future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-    a = s.masked_fill_(future, float("-inf")).softmax(-1, dtype=wide(s).dtype).to(v.dtype)
-    o = a @ v                                                         # [b, h, T, dh]: row i sees 0 .. i
+    a = s.masked_fill_(future, float("-inf")).softmax(-1, dtype=wide(s).dtype)   # row i: 0 .. i
+    o = a.to(v.dtype) @ v                                             # [b, h, T, dh]
     return o.transpose(1, 2).flatten(-2), a
 
 
-def attention_backward(do, q, k, v, o, a, head_dim):
+def attention_backward(do, q, k, v, a, head_dim):
     """dq, dk, dv [b, T, h dh] from do: per head dv = A^T do, dA = do v^T, dS = A * (dA -
-    rowsum(dA * A)), dq = dS k / sqrt(dh), dk = dS^T q / sqrt(dh). rowsum(dA * A) = rowsum(do * o),
-    since o = A v: [T, dh] products in place of [T, T] (FlashAttention-2's D)."""
-    do, q, k, v, o = (heads(t, head_dim) for t in (do, q, k, v, o))
-    dv = a.transpose(-1, -2) @ do                                     # [b, h, T, dh]
-    da = do @ v.transpose(-1, -2)                                     # [b, h, T, T]
-    rowsum = (wide(do) * wide(o)).sum(-1, keepdim=True)               # [b, h, T, 1], fp32
-    ds = (a * (da - rowsum)).to(q.dtype)
+    rowsum(dA * A)), dq = dS k / sqrt(dh), dk = dS^T q / sqrt(dh)."""
+    do, q, k, v = (heads(t, head_dim) for t in (do, q, k, v))
+    dv = a.to(do.dtype).transpose(-1, -2) @ do                        # [b, h, T, dh]
+    da = wide(do @ v.transpose(-1, -2))                               # [b, h, T, T], fp32
+    ds = (a * (da - (da * a).sum(-1, keepdim=True))).to(q.dtype)
     dq = ds @ k / math.sqrt(head_dim)
     dk = ds.transpose(-1, -2) @ q / math.sqrt(head_dim)
     return [t.transpose(1, 2).flatten(-2) for t in (dq, dk, dv)]
@@ -125,7 +123,7 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE):
     n1, r1 = rmsnorm(x, g1)
     q, k, v = n1 @ wq, n1 @ wk, n1 @ wv       # [b, T, D/t]: whole heads, this rank's
     o, a = attention(q, k, v, head_dim)       # [b, T, D/t], A [b, h/t, T, T]
-    o = split.gather(o)                       # Wo's input
+    o = split.gather(o)
     x2 = x + split.out(o @ wo)                # the residual
     n2, r2 = rmsnorm(x2, g2)
     z = n2 @ w1                               # [b, T, 4D/t]
@@ -149,7 +147,7 @@ def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE):
     dx2 = dx2 + dout                          # the residual: the branch's and the skip's
     dy1 = split.out_back(dx2)                 # Wo's output's gradient
     do = split.gather_back(split.row_back(dy1 @ wo.T))
-    dq, dk, dv = attention_backward(do, q, k, v, split.gather_back(o), a, head_dim)
+    dq, dk, dv = attention_backward(do, q, k, v, a, head_dim)
     dn1 = split.f_back(dq @ wq.T + dk @ wk.T + dv @ wv.T)
     dx, dg1 = rmsnorm_backward(dn1, x, r1, g1)
     dx = dx + dx2
@@ -231,6 +229,7 @@ def dp_step(replica, blocks, loss_fn, xs, ys, n, recompute=False):
 class DataParallel:
     """ZeRO stage 0, DDP: a replica holds all; a bucket (consecutive parts' dW) is one message."""
     exchange_each_micro_batch = False   # ZeRO-3 keeps no gradient from a micro-batch to the next
+    shards_optimizer = False            # ZeRO-1 on: each replica steps its 1/d alone
 
     def __init__(self, parts, group, optimizer="adamw", lr=1e-2, bucket_mb=25.0, bf16=False,
                  overlap=False, chunk_starts=()):
@@ -342,6 +341,7 @@ class DataParallel:
 class ZeRO1(DataParallel):
     """Stage 1 = stage 0, but the optimizer steps this replica's 1/d of each bucket alone: the
     all-reduce splits in two around it. A bucket: d S elements, zero-padded; r owns the r-th S."""
+    shards_optimizer = True
 
     def store_weights(self, weights):
         lengths = [-(-n // self.dp_size) * self.dp_size for n in self.lengths]   # d S each
@@ -459,10 +459,10 @@ def dp_worker(rank, world_size, args):
                            zero=args.zero, optimizer=args.optimizer, lr=args.lr,
                            bucket_mb=args.bucket_mb, bf16=args.bf16, overlap=args.overlap)
     rows = replica_rows(args.batch_size, rank, world_size)   # the world's ranks are the replicas
-    load_checkpoint(args, replica)                      # --resume: a step's state, any layout's
+    resumed = load_checkpoint(args, replica)            # --resume: a step's state, any layout's
     losses = []
     norms = []
-    check = SerialCheck(args)
+    check = SerialCheck(args, resumed)
     for step in range(args.start_step, args.steps):
         inputs, targets = (t[rows].to(device) for t in make_batch(args, step))   # the text's
         loss = dp_step(replica, model_blocks(args.num_layers, args.dim // args.heads),
@@ -477,7 +477,7 @@ def dp_worker(rank, world_size, args):
         if rank == 0:
             log_step(f"[rank {rank}]", step, losses, norms, args)
         save_checkpoint(args, step + 1, replica)            # --checkpoint: its pieces, on disk
-    finish_replicas(replica, args, tensors_of(init), losses, check, norms)
+    finish_replicas(replica, args, tensors_of(init), losses, check, norms, resumed)
     cleanup()
 
 
@@ -763,14 +763,15 @@ def show_memory(replica, args, whose):
         print(f"  {kind:<16}{got:>12} bytes   formula {want[kind][1]:<18} = {want[kind][0]:>10.0f}")
 
 
-def finish_replicas(replica, args, init, losses, check, norms):
+def finish_replicas(replica, args, init, losses, check, norms, resumed):
     weights = full_weights(replica)   # every rank: the replicas must agree, bit for bit
     drift = replica_drift(weights)
     if dist.get_rank() == 0:
         log("[rank 0]", f"replicas identical after training: {drift == 0.0} (largest "
                         f"difference {drift:g})")
         show_memory(replica, args, "each replica")
-        finish_run(args, init, weights, losses, check, norms, {"replica_max_diff": drift})
+        finish_run(args, init, weights, losses, check, norms, resumed,
+                   extra={"replica_max_diff": drift})
 
 
 def global_loss(loss, group):       # the replicas' mean losses, averaged: the global mean
@@ -837,6 +838,13 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
     by, rows = f"{replicas_flag} x " if replicas_flag else "", B // replicas
     bucket_mb = getattr(args, "bucket_mb", 0)
     ids, source = read_text()                       # read here, once: forked ranks share it
+    args.marker = None                              # --resume DIR: its newest checkpoint's
+    if args.resume is not None:
+        try:
+            args.marker = newest_checkpoint(args.resume)
+        except ValueError as e:                     # its complete.json is no marker
+            parser.refuse([(True, f"--resume {args.resume}: {e}")])
+    args.start_step = args.marker["step"] if args.marker else 0
     smaller = min(len(text_part("training")), len(text_part("validation")))
     parser.refuse([
         (smaller <= args.context, f"--context {args.context}: a window is {args.context + 1} "
@@ -860,7 +868,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
          f"--checkpoint-every {args.checkpoint_every}: needs --checkpoint DIR to write into"),
         (args.checkpoint is not None and not writable_folder(args.checkpoint),
          f"--checkpoint {args.checkpoint!r}: cannot make or write a folder there"),
-        *resume_rules(args)])
+        *resume_rules(args, args.marker)])
     T = args.context
     P = L * (12 * D * D + 2 * D) + (V + T) * D + D + D * V
     held = dp_costs([P], replicas, zero=getattr(args, "zero", 0))[1]
@@ -910,13 +918,14 @@ def log_step(tag, step, losses, norms, args):
     log(tag, f"step {step:3d}  loss {losses[-1]:.6f}{grad_norm}")
 
 
-def finish_run(args, init, final, losses, check, norms=(), extra=None):
+def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=None):
     """Rank 0, every tensor whole, in order: --save (written beside, renamed onto it: a full disk
-    leaves what was there), a non-finite loss's Stop, the validation loss and a sample, --check."""
+    leaves what was there; init_params: resumed's, if it resumed), a non-finite loss's Stop, the
+    validation loss and a sample, --check."""
     if args.save:
         batches = [make_batch(args, step) for step in range(args.start_step, args.steps)]
-        if args.resume:                 # the state it resumed from, read whole at its start
-            init = check.resumed["param"]
+        if resumed:                     # the state it resumed from (load_checkpoint's)
+            init = resumed["param"]
         init = [w.float().cpu() for w in init]
         final = [w.detach().float().cpu() for w in final]
         try:
@@ -954,100 +963,130 @@ def finish_run(args, init, final, losses, check, norms=(), extra=None):
 # (which, with --seed, decides the data: make_batch draws step s's windows from them alone), the
 # fp32 parameters and AdamW's two moments and step count. No rank gathers it: each writes the
 # pieces it holds, each with its place in the whole, and each reads back the pieces that overlap
-# what it will hold, at whatever layout the resumed run has. That is what
-# torch.distributed.checkpoint (DCP) does for DTensors, whose shards are boxes of the whole
-# (offsets and sizes), planned and read the same way: with DTensor, use DCP. Our tp shards are
-# boxes too (shard_box); ZeRO's flat buckets are no DTensor layout at all, and a replica's
-# range of a bucket is mapped back to its parts: at most three boxes each (range_boxes).
+# what it will hold, at whatever layout the resumed run has. Our tp shards are boxes of the whole
+# (shard_box); ZeRO's flat buckets are no DTensor layout at all, and a replica's range of a
+# bucket is mapped back to boxes (range_boxes). torch.distributed.checkpoint (DCP) does the same
+# for DTensors; with DTensor, use DCP. Each function here, as DCP names its role:
+#   held_pieces                   the planner's local plan: what this rank writes or reads
+#   gather_index, the marker      the global plan, saved as .metadata (complete.json here)
+#   write_pieces, read_pieces     the storage writer and reader (FileSystemWriter, -Reader)
+#   overlaps, copy_overlaps       resharding: the load planner's overlap of saved and wanted boxes
 CHECKPOINT_STATE = ("param", "exp_avg", "exp_avg_sq")   # a piece's tensors: fp32, AdamW's two
-COMPLETE = "complete.json"   # written last, by rename: the checkpoint's every piece is there
+MARKER = "complete.json"   # written last, by rename: the checkpoint's every piece is there
 
 
-def held_pieces(replica, parts=None, boxes=None):
-    """What this rank's optimizer holds, as pieces of the whole model: (part, box, start, end,
-    {"param": [end - start], "exp_avg": .., "exp_avg_sq": ..}), views into what it steps. Its
-    part i is the box (row_start, row_end, col_start, col_end) of whole part parts[i] (parts
-    None: part i; boxes None: the whole), and [start, end) the elements of that box it holds,
-    row-major: all of them, or under ZeRO what falls in this replica's 1/d of i's bucket."""
+class Box(NamedTuple):   # rows [top, bottom), columns [left, right) of a whole tensor ([D]: a row)
+    top: int
+    bottom: int
+    left: int
+    right: int
+
+    def overlap(self, other):           # the box both hold, or None
+        box = Box(max(self.top, other.top), min(self.bottom, other.bottom),
+                  max(self.left, other.left), min(self.right, other.right))
+        return box if box.top < box.bottom and box.left < box.right else None
+
+    def size(self):
+        return (self.bottom - self.top) * (self.right - self.left)
+
+
+class Piece(NamedTuple):   # elements [start, end) of whole tensor `tensor`'s box, row-major
+    tensor: int
+    box: Box
+    start: int
+    end: int
+    views: dict = None      # CHECKPOINT_STATE's, [end - start] each; None: a place alone (index)
+
+
+class Run(NamedTuple):   # a box of a piece's elements from `at` in it: whole rows, or a row's span
+    piece: Piece
+    box: Box
+    at: int
+
+    def cut(self, name, box):           # views[name] of the run, [rows, cols], cut to box
+        grid = self.piece.views[name][self.at:self.at + self.box.size()]
+        grid = grid.view(self.box.bottom - self.box.top, -1)
+        return grid[box.top - self.box.top:box.bottom - self.box.top,
+                    box.left - self.box.left:box.right - self.box.left]
+
+
+def held_pieces(replica, tensors=None, boxes=None):
+    """What this rank's optimizer holds, as pieces of the whole model, views into what it
+    steps. Its tensor i is the box boxes[i] of whole tensor tensors[i] (None: tensor i, whole),
+    and [start, end) the elements of that box it holds: all, or under ZeRO what falls in this
+    replica's 1/d of i's bucket."""
     pieces = []
-    for i, part in enumerate(parts or range(len(replica.shapes))):
+    for i, tensor in enumerate(tensors or range(len(replica.shapes))):
         rows, cols = (1, *replica.shapes[i])[-2:]    # a gain [D]: one row
-        box = boxes[i] if boxes else (0, rows, 0, cols)
+        box = Box(*boxes[i]) if boxes else Box(0, rows, 0, cols)
         start = 0
         end = rows * cols
-        at = 0                                        # where [start, end) begins in tensor
-        if not isinstance(replica, ZeRO1):
-            tensor = replica.params[i]                # the whole part, [rows, cols]
+        at = 0                                        # where [start, end) begins in held
+        if not replica.shards_optimizer:
+            held = replica.params[i]                  # the whole tensor, [rows, cols]
         else:
-            tensor = replica.params[replica.layout.bucket_of[i]]   # [S]: this replica's 1/d
-            mine = replica.dp_rank * len(tensor)      # of the bucket: from element r S
-            offset = replica.layout.offset[i]         # part i: from here in the bucket
+            held = replica.params[replica.layout.bucket_of[i]]   # [S]: this replica's 1/d
+            mine = replica.dp_rank * len(held)        # of the bucket: from element r S
+            offset = replica.layout.offset[i]         # tensor i: from here in the bucket
             start = max(offset, mine) - offset
-            end = min(offset + rows * cols, mine + len(tensor)) - offset
+            end = min(offset + rows * cols, mine + len(held)) - offset
             at = offset + start - mine
             if start >= end:
                 continue
-        state = {"param": tensor, **replica.optimizer.state.get(tensor, {})}
+        state = {"param": held, **replica.optimizer.state.get(held, {})}
         views = {name: state[name].view(-1)[at:at + end - start]
                  for name in CHECKPOINT_STATE if name in state}
-        pieces.append((part, box, start, end, views))
+        pieces.append(Piece(tensor, box, start, end, views))
     return pieces
 
 
 def range_boxes(box, start, end):
     """A row-major range [start, end) of a box's elements as boxes of the whole, each with where
     it begins in the range: the first row's tail, whole rows, the last row's head."""
-    row_start, _, col_start, col_end = box
-    width = col_end - col_start
+    width = box.right - box.left
     boxes = []
     k = start
     while k < end:
         row, col = divmod(k, width)
-        row += row_start
+        row += box.top
         if col == 0 and end - k >= width:             # whole rows
             rows = (end - k) // width
-            boxes.append(((row, row + rows, col_start, col_end), k - start))
+            boxes.append((Box(row, row + rows, box.left, box.right), k - start))
             k += rows * width
-        else:                                         # a piece of one row
+        else:                                         # a span of one row
             n = min(width - col, end - k)
-            boxes.append(((row, row + 1, col_start + col, col_start + col + n), k - start))
+            boxes.append((Box(row, row + 1, box.left + col, box.left + col + n), k - start))
             k += n
     return boxes
 
 
 def overlaps(mine, theirs):
-    """Where pieces overlap, (mine's views, its box and where it begins in them, theirs' too, the
-    overlap's rows and columns of the whole), for pieces (part, box, start, end, views)."""
-    for part, box, start, end, views in mine:
-        for their_part, their_box, their_start, their_end, their_views in theirs:
-            if their_part != part:
+    """(my run, their run, the box both hold) wherever a piece of mine meets one of theirs."""
+    for piece in mine:
+        for their_piece in theirs:
+            if their_piece.tensor != piece.tensor:
                 continue
-            for a, at in range_boxes(box, start, end):
-                for b, their_at in range_boxes(their_box, their_start, their_end):
-                    top, bottom = max(a[0], b[0]), min(a[1], b[1])
-                    left, right = max(a[2], b[2]), min(a[3], b[3])
-                    if top < bottom and left < right:
-                        yield views, a, at, their_views, b, their_at, (top, bottom, left, right)
+            for box, at in range_boxes(piece.box, piece.start, piece.end):
+                for their_box, their_at in range_boxes(their_piece.box, their_piece.start,
+                                                       their_piece.end):
+                    both = box.overlap(their_box)
+                    if both:
+                        yield Run(piece, box, at), Run(their_piece, their_box, their_at), both
 
 
 def copy_overlaps(mine, theirs):   # into my pieces, what overlaps them of theirs: the elements
     copied = 0
-    for views, a, at, their_views, b, their_at, (top, bottom, left, right) in overlaps(mine,
-                                                                                     theirs):
-        for name, view in views.items():                  # a box of a piece: [rows, cols]
-            dst = view[at:at + (a[1] - a[0]) * (a[3] - a[2])].view(a[1] - a[0], -1)
-            src = their_views[name][their_at:their_at + (b[1] - b[0]) * (b[3] - b[2])]
-            src = src.view(b[1] - b[0], -1)
-            dst[top - a[0]:bottom - a[0], left - a[2]:right - a[2]].copy_(
-                src[top - b[0]:bottom - b[0], left - b[2]:right - b[2]])
-        copied += (bottom - top) * (right - left)
+    for my_run, their_run, box in overlaps(mine, theirs):
+        for name in my_run.piece.views:
+            my_run.cut(name, box).copy_(their_run.cut(name, box))
+        copied += box.size()
     return copied
 
 
 def gather_index(pieces, device):
-    """Rank 0: every rank's pieces' places, {rank: [(part, box, start, end)]}, for complete.json
-    (DCP's .metadata): a [n, 7] tensor a rank, padded to the most, gathered."""
-    places = torch.tensor([[part, *box, start, end] for part, box, start, end, _ in pieces],
+    """Rank 0: every rank's pieces' places, {rank: [Piece without views]}, for the marker (DCP's
+    .metadata): a [n, 7] tensor a rank, padded to the most, gathered."""
+    places = torch.tensor([[p.tensor, *p.box, p.start, p.end] for p in pieces],
                           dtype=torch.int64, device=device).view(-1, 7)
     most = torch.tensor(len(places), device=device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
@@ -1059,17 +1098,17 @@ def gather_index(pieces, device):
     dist.gather(padded, every, dst=0)
     if dist.get_rank() != 0:
         return None
-    return {rank: [(row[0], tuple(row[1:5]), row[5], row[6]) for row in rows.tolist()
-                   if row[0] >= 0] for rank, rows in enumerate(every)}
+    return {rank: [row for row in rows.tolist() if row[0] >= 0]
+            for rank, rows in enumerate(every)}
 
 
-def save_checkpoint(args, step, replica, parts=None, boxes=None, copies=()):
+def save_checkpoint(args, step, replica, tensors=None, boxes=None, copies=()):
     """--checkpoint DIR after every --checkpoint-every N steps and the last: DIR/step-00000150/,
     a file a rank with its pieces (without ZeRO, replicas beyond dp rank 0 write none: they hold
     the same; nor does a rank write its copies, tensors that tp rank 0 holds whole too), then
-    complete.json with every rank's pieces' places, by rename, once every rank's
-    file is on disk. A run killed before that leaves the checkpoints before as they were; the
-    two newest complete are kept."""
+    the marker with every rank's pieces' places, by rename, once every rank's file is on disk.
+    A run killed before that leaves the checkpoints before as they were; the two newest complete
+    are kept."""
     due = step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
     if not args.checkpoint or not due:
         return
@@ -1079,8 +1118,9 @@ def save_checkpoint(args, step, replica, parts=None, boxes=None, copies=()):
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
     dist.barrier()
-    pieces = [piece for piece in held_pieces(replica, parts, boxes) if piece[0] not in copies]
-    if replica.dp_rank > 0 and not isinstance(replica, ZeRO1):
+    pieces = [piece for piece in held_pieces(replica, tensors, boxes)
+              if piece.tensor not in copies]
+    if replica.dp_rank > 0 and not replica.shards_optimizer:
         pieces = []                                   # dp rank 0 holds the same: no file
     index = gather_index(pieces, replica.device)
     if pieces:
@@ -1091,11 +1131,11 @@ def save_checkpoint(args, step, replica, parts=None, boxes=None, copies=()):
         marker = {"step": step, "script": os.path.basename(sys.argv[0]),
                   "optimizer_steps": state["step"].item() if "step" in state else None,
                   **{name: vars(args)[name] for name in CHECKPOINT_MODEL}, "index": index}
-        with open(os.path.join(folder, COMPLETE + ".partial"), "w") as f:
+        with open(os.path.join(folder, MARKER + ".partial"), "w") as f:
             json.dump(marker, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(os.path.join(folder, COMPLETE + ".partial"), os.path.join(folder, COMPLETE))
+        os.replace(os.path.join(folder, MARKER + ".partial"), os.path.join(folder, MARKER))
         log("[rank 0]", f"checkpoint {folder}: complete")
         kept = [os.path.basename(path) for path in checkpoints(args.checkpoint)[-2:]]
         for name in os.listdir(args.checkpoint):      # the rest older than the newest go,
@@ -1104,11 +1144,11 @@ def save_checkpoint(args, step, replica, parts=None, boxes=None, copies=()):
 
 
 def write_pieces(path, pieces, args):   # on disk once this returns; a failure: one line
-    try:
+    try:                                # plain tuples: torch.load(weights_only) reads them
         with open(path, "wb") as f:
-            torch.save([(part, box, start, end, {name: view.to("cpu", copy=True)  # its own
-                                                 for name, view in views.items()})  # bytes
-                        for part, box, start, end, views in pieces], f)
+            torch.save([(p.tensor, tuple(p.box), p.start, p.end,
+                         {name: view.to("cpu", copy=True) for name, view in p.views.items()})
+                        for p in pieces], f)          # each view's own bytes
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:   # torch's writer: RuntimeError on a short write
@@ -1117,41 +1157,50 @@ def write_pieces(path, pieces, args):   # on disk once this returns; a failure: 
                    f"were; free some space, or choose another folder")
 
 
-def load_checkpoint(args, replica, parts=None, boxes=None):
+def load_checkpoint(args, replica, tensors=None, boxes=None):
     """--resume: this rank's parameters and AdamW's state, from the pieces of the checkpoint
     that overlap what it holds (read_pieces); then the layers' weights from them (bf16 copies;
-    ZeRO-1, 2: the buckets all-gathered)."""
+    ZeRO-1, 2: the buckets all-gathered). Returns, on rank 0 with --check or --save, the state
+    it resumed from, whole (whole_checkpoint): read now, as the checkpoint goes once two are
+    newer."""
     if not args.resume:
-        return
-    marker = args.resume_from
+        return None
+    marker = args.marker
     if marker["optimizer_steps"] is not None:         # AdamW's state, filled in below
         for param in replica.params:
             replica.optimizer.state[param] = {
                 "step": torch.tensor(float(marker["optimizer_steps"])),
                 "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
-    mine = held_pieces(replica, parts, boxes)
+    mine = held_pieces(replica, tensors, boxes)
     copied = read_pieces(marker, mine)
-    if dist.get_rank() == 0:
-        log("[rank 0]", f"resumed from {marker['folder']}: step {marker['step']}, written by "
-                        f"{marker['script']} on {len(marker['index'])} ranks")
     with torch.no_grad():
         replica.refresh_weights()
-    wanted = sum(end - start for _, _, start, end, _ in mine)
+    wanted = sum(piece.end - piece.start for piece in mine)
     if copied != wanted:
         raise Stop(f"--resume {args.resume}: {marker['folder']} holds {copied} of the {wanted} "
                    f"elements rank {dist.get_rank()} needs: a broken checkpoint")
+    if dist.get_rank() != 0:
+        return None
+    log("[rank 0]", f"resumed from {marker['folder']}: step {marker['step']}, written by "
+                    f"{marker['script']} on {len(marker['index'])} ranks")
+    if args.check or args.save:
+        return whole_checkpoint(marker, args)
+    return None
 
 
 def read_pieces(marker, mine):
     """Into my pieces, the checkpoint's that overlap them: only the files that hold some, by
-    complete.json's index, each mapped (torch.load's mmap): the bytes read are the ones used."""
+    the marker's index, each mapped (torch.load's mmap): the bytes read are the ones used."""
     copied = 0
     for rank, places in marker["index"].items():
-        if not any(overlaps(mine, [(*place, None) for place in places])):
+        if not any(overlaps(mine, [Piece(j, Box(*box), start, end)
+                                   for j, *box, start, end in places])):
             continue
         path = os.path.join(marker["folder"], f"rank-{int(rank):05d}.pt")
         try:
-            theirs = torch.load(path, mmap=True, weights_only=True)
+            saved = torch.load(path, mmap=True, weights_only=True)
+            theirs = [Piece(j, Box(*box), start, end, views)
+                      for j, box, start, end, views in saved]
             copied += copy_overlaps(mine, theirs)
         except (OSError, RuntimeError, ValueError) as e:
             raise Stop(f"--resume: {broken(path, e)}") from None
@@ -1165,8 +1214,8 @@ def whole_checkpoint(marker, args):
     state = {name: [torch.zeros(shape) for shape in shapes] for name in CHECKPOINT_STATE}
     if marker["optimizer_steps"] is None:
         state = {"param": state["param"]}
-    pieces = [(j, (0, (1, *shape)[-2], 0, shape[-1]), 0, shape.numel(),
-               {name: tensors[j].view(-1) for name, tensors in state.items()})
+    pieces = [Piece(j, Box(0, (1, *shape)[-2], 0, shape[-1]), 0, shape.numel(),
+                    {name: tensors[j].view(-1) for name, tensors in state.items()})
               for j, shape in enumerate(shapes)]
     read_pieces(marker, pieces)
     return state
@@ -1177,28 +1226,19 @@ def checkpoints(folder):   # the complete checkpoints in folder, oldest first
         return []
     names = sorted(name for name in os.listdir(folder) if name.startswith("step-"))
     return [os.path.join(folder, name) for name in names
-            if os.path.exists(os.path.join(folder, name, COMPLETE))]
+            if os.path.exists(os.path.join(folder, name, MARKER))]
 
 
 CHECKPOINT_MODEL = ("num_layers", "dim", "heads", "context", "vocab_size", "optimizer", "seed")
 
 
-def resume_rules(args):
-    """--resume DIR: its newest complete checkpoint, as args.resume_from (its complete.json, and
-    where it is), the run starting at its step; what it cannot carry over, refused."""
-    args.start_step = 0
-    args.resume_from = None
+def resume_rules(args, marker):
+    """--resume DIR: what its newest complete checkpoint (marker) cannot carry over, refused."""
     if args.resume is None:
         return []
-    try:                                             # its complete.json may be no marker
-        marker = newest_checkpoint(args.resume)
-    except ValueError as e:
-        return [(True, f"--resume {args.resume}: {e}")]
     if marker is None:
         return [(True, f"--resume {args.resume}: no complete checkpoint there (a step-N folder "
-                       f"with its {COMPLETE})")]
-    args.resume_from = marker
-    args.start_step = marker["step"]
+                       f"with its {MARKER})")]
     rules = []
     for name in CHECKPOINT_MODEL:
         flag = f"--{name.replace('_', '-')}"
@@ -1212,11 +1252,11 @@ def resume_rules(args):
     return rules
 
 
-def newest_checkpoint(folder):   # its complete.json, and "folder": where it is; None: none
+def newest_checkpoint(folder):   # its marker, and "folder": where it is; None: none
     found = checkpoints(folder)
     if not found:
         return None
-    path = os.path.join(found[-1], COMPLETE)
+    path = os.path.join(found[-1], MARKER)
     try:
         with open(path) as f:
             return {**json.load(f), "folder": found[-1]}
@@ -1323,15 +1363,12 @@ class SerialCheck:
       weights    the optimizer's step on this run's gradients against its next weights, 2^-20.
     Rank 0 alone computes; step() takes what every rank gathered (None off rank 0)."""
 
-    def __init__(self, args):
+    def __init__(self, args, resumed=None):   # resumed: load_checkpoint's, the whole start
         self.args, self.on = args, args.check and (not dist.is_initialized() or
                                                    dist.get_rank() == 0)
         self.worst = {}        # figure -> (difference / tolerance, difference, tolerance, where)
         self.losses, self.norms = [], []
-        self.resumed = None   # a resumed run's start, whole on rank 0 (--save's init_* too)
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        if args.resume and rank0 and (args.check or args.save):   # read now: a checkpoint
-            self.resumed = whole_checkpoint(args.resume_from, args)   # goes once two are newer
+        self.resumed = resumed
         if self.on:
             self.params = [w.requires_grad_() for w in tensors_of(init_params(args))]
             self.names = param_names(args.num_layers)
@@ -1343,7 +1380,7 @@ class SerialCheck:
 
     def resume(self):   # serial starts from the resumed run's state, AdamW's too
         state = self.resumed
-        steps = self.args.resume_from["optimizer_steps"]
+        steps = self.args.marker["optimizer_steps"]
         with torch.no_grad():
             for j, param in enumerate(self.params):
                 param.copy_(state["param"][j])

@@ -315,12 +315,12 @@ def pp_worker(rank, world_size, args):
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
     init, mine, replica, stages = hold_stages(args, stage, p, device)   # a Stage a chunk
     held = [i for j in mine for i in spans_of(init)[j]]   # its parts' tensors, in the whole
-    load_checkpoint(args, replica, held)      # --resume: its parts, from any layout's pieces
+    resumed = load_checkpoint(args, replica, held)   # --resume: its parts, any layout's pieces
     actions = build_schedule(args.schedule, p, stage, m, v)
     grid = torch.arange(p).view(1, p, 1)      # [dp, pp, tp] -> rank: a stage a rank
     losses = []
     norms = []
-    check = SerialCheck(args)
+    check = SerialCheck(args, resumed)
     for step in range(args.start_step, args.steps):
         inputs, targets = (t.to(device).chunk(m) for t in make_batch(args, step))
         replica.begin_step()
@@ -340,7 +340,7 @@ def pp_worker(rank, world_size, args):
             log_step(f"[stage {stage}]", step, losses, norms, args)
         save_checkpoint(args, step + 1, replica, held)   # --checkpoint: its parts' pieces
     final = whole_parts(full_weights(replica), mine, init, args, grid)
-    finish_stages(args, recorder, final, init, losses, check, norms, device)
+    finish_stages(args, recorder, final, init, losses, check, norms, device, resumed=resumed)
     cleanup()
 
 
@@ -435,7 +435,7 @@ def hold_stages(args, stage, num_stages, device):
     return init, mine, replica, stages
 
 
-def finish_stages(args, recorder, final, init, losses, check, norms, device):
+def finish_stages(args, recorder, final, init, losses, check, norms, device, resumed=None):
     """The last step's pictures (timeline, stash table, schedules), then rank 0's end of the run
     with the losses, which the last stage alone knows."""
     p, rank = dist.get_world_size(), dist.get_rank()
@@ -446,7 +446,7 @@ def finish_stages(args, recorder, final, init, losses, check, norms, device):
     dist.broadcast(losses, src=p - 1)
     if rank == 0:
         print_schedules(args.schedule, p, args.micro_batches, args.virtual_stages, args.num_layers)
-        finish_run(args, tensors_of(init), final, losses.tolist(), check, norms)
+        finish_run(args, tensors_of(init), final, losses.tolist(), check, norms, resumed)
 
 
 def nbytes(tensors):   # each tensor once (a layer's output is the next one's input), by where
@@ -532,17 +532,16 @@ def simulate(stages, times=None):
 
 def block_stash(args, rows, tp=1):
     """Bytes a block keeps, a micro-batch of rows: from F to B its stash, 16 [b, T, D]-sized (x,
-    n1, q, k, v, o, x', n2; z and gelu(z) 4 D wide), r1 and r2 [b, T] in fp32 and A [b, h, T, T],
+    n1, q, k, v, o, x', n2; z and gelu(z) 4 D wide), r1 and r2 [b, T] and A [b, h, T, T] in fp32,
     or x alone with --recompute; from B to W its (x, dz)s, 16 of them and two gains' dg [D]. A tp
     rank holds some of them whole and the rest by 1/tp (Megatron: q, k, v, o, z, gelu(z) and A)."""
     T, D, h = args.context, args.dim, args.heads
-    size = 2 if args.bf16 else 4
-    A = rows * T * D * size
+    A = rows * T * D * (2 if args.bf16 else 4)
     whole_kept, whole_waiting = (4, 4) if tp > 1 and args.tp_style == "megatron" else (9, 7)
     if tp == 1:
         whole_kept, whole_waiting = 16, 16
     kept = (whole_kept * A + (16 - whole_kept) * A // tp + 2 * rows * T * 4
-            + rows * h * T * T * size // tp)
+            + rows * h * T * T * 4 // tp)
     if args.recompute:
         kept = A
     return kept, whole_waiting * A + (16 - whole_waiting) * A // tp + 2 * D * 4

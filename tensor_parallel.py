@@ -292,14 +292,14 @@ def tp_worker(rank, world_size, args):
     replica = DataParallel(shards, dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
                            bf16=args.bf16)
     boxes = [shard_box(w.shape, k, tp_rank, tp_size) for w, k in zip(full, split)]   # in the whole
-    load_checkpoint(args, replica, range(len(full)), boxes)   # --resume: from any layout's pieces
+    resumed = load_checkpoint(args, replica, range(len(full)), boxes)   # --resume: any layout's
     copies = {i for i, k in enumerate(split) if k == "whole" and tp_rank > 0}   # rank 0 writes
     blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, vocab_size=args.vocab_size)
     loss_fn = partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size)
     m = args.micro_batches
     losses = []
     norms = []
-    check = SerialCheck(args)
+    check = SerialCheck(args, resumed)
     if rank == 0:
         print(f"tensor parallel over {tp_size} ranks: {describe(args, tp_size)}", flush=True)
     for step in range(args.start_step, args.steps):
@@ -319,7 +319,7 @@ def tp_worker(rank, world_size, args):
         save_checkpoint(args, step + 1, replica, range(len(full)), boxes, copies)   # its pieces
     final = whole_model(full_weights(replica), full, split)   # put together on rank 0
     if rank == 0:
-        finish_run(args, full, final, losses, check, norms)
+        finish_run(args, full, final, losses, check, norms, resumed)
     cleanup()
 
 

@@ -231,10 +231,10 @@ def three_d_worker(rank, world_size, args):
     if rank == 0:   # the rank map, and what a stage's (a chunk's) layers are
         show_rank_map(args.dp, args.pp, args.tp, args.order, args=args,
                       chunks=args.virtual_stages)
-    load_checkpoint(args, me.replica, me.held, me.boxes)   # --resume: from any layout's pieces
+    resumed = load_checkpoint(args, me.replica, me.held, me.boxes)   # --resume: any layout's
     losses = []
     norms = []
-    check = SerialCheck(args)
+    check = SerialCheck(args, resumed)
     for step in range(args.start_step, args.steps):
         batch = make_batch(args, step)          # tokens, targets [B, T]
         me.train_step(*me.micro_batches(batch, args))
@@ -250,7 +250,7 @@ def three_d_worker(rank, world_size, args):
             if me.dp_rank == me.tp_rank == 0:
                 log_step(me.tag, step, losses, norms, args)
         save_checkpoint(args, step + 1, me.replica, me.held, me.boxes, me.copies)   # its pieces
-    finish_ranks(me, args, losses, check, norms, device)
+    finish_ranks(me, args, losses, check, norms, device, resumed=resumed)
     cleanup()
 
 
@@ -285,7 +285,7 @@ def full_parts(me, params, args):   # on rank 0, replica 0's shards put together
     return whole_parts(params, me.mine, me.init, args, grid, me.splits)
 
 
-def finish_ranks(me, args, losses, check, norms, device):
+def finish_ranks(me, args, losses, check, norms, device, resumed=None):
     """The full matrices, the last stage's losses, rank 0's memory table, --save and --check."""
     final = full_parts(me, full_weights(me.replica), args)
     known = losses                            # the last stage's; elsewhere as many zeros
@@ -294,7 +294,7 @@ def finish_ranks(me, args, losses, check, norms, device):
     losses = torch.tensor(known, dtype=torch.float64, device=device)
     dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
     if dist.get_rank() == 0:
-        finish_run(args, tensors_of(me.init), final, losses.tolist(), check, norms)
+        finish_run(args, tensors_of(me.init), final, losses.tolist(), check, norms, resumed)
 
 
 def stage_kinds(args, stage):

@@ -879,7 +879,7 @@ def checkpoint_worker(rank, world_size, args):
     device = setup(rank, world_size)
     me = three_d.ThreeDRank(rank, args, device)
     micro_batches = me.micro_batches(first_batch(args), args)
-    resume = SimpleNamespace(resume=args.checkpoint, resume_from=None)
+    resume = SimpleNamespace(resume=args.checkpoint, marker=None, check=False, save=None)
     times = {"step": [], "write": [], "read": []}
 
     def timed(name, work):   # the slowest rank's time
@@ -901,10 +901,10 @@ def checkpoint_worker(rank, world_size, args):
         for k in range(1, args.steps + 1):
             timed("step", step)
             once = SimpleNamespace(**{**vars(args), "steps": k, "checkpoint_every": 0})
-            timed("write", lambda: data_parallel.save_checkpoint(once, k, me.replica, me.mine,
+            timed("write", lambda: data_parallel.save_checkpoint(once, k, me.replica, me.held,
                                                                   me.boxes))
-            resume.resume_from = data_parallel.newest_checkpoint(args.checkpoint)
-            timed("read", lambda: data_parallel.load_checkpoint(resume, me.replica, me.mine,
+            resume.marker = data_parallel.newest_checkpoint(args.checkpoint)
+            timed("read", lambda: data_parallel.load_checkpoint(resume, me.replica, me.held,
                                                                  me.boxes))
     newest = data_parallel.checkpoints(args.checkpoint)[-1]
     nbytes = sum(os.path.getsize(os.path.join(newest, name)) for name in os.listdir(newest))

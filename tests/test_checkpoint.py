@@ -55,7 +55,7 @@ def test_range_boxes_tile_the_range_in_order():
         inside = whole[box[0]:box[1], box[2]:box[3]].reshape(-1)   # the box's ids, row-major
         for start in range(rows * cols):
             for end in range(start + 1, rows * cols + 1):
-                pieces = dp.range_boxes(box, start, end)
+                pieces = dp.range_boxes(dp.Box(*box), start, end)
                 assert len(pieces) <= 3
                 got = [whole[a:b, c:d].reshape(-1) for (a, b, c, d), _ in pieces]
                 assert torch.equal(torch.cat(got), inside[start:end])
@@ -140,11 +140,12 @@ def test_resumed_at_another_layout(sources, tmp_path, monkeypatch, capfd, optimi
     again = tmp_path / "again"
     load = dp.load_checkpoint
 
-    def load_then_save(args, replica, parts=None, boxes=None):   # what each rank loaded, written
-        load(args, replica, parts, boxes)                     # again at this layout
+    def load_then_save(args, replica, tensors=None, boxes=None):   # what each rank loaded,
+        resumed = load(args, replica, tensors, boxes)               # written again at this layout
         once = argparse.Namespace(**{**vars(args), "checkpoint": str(again),
                                      "steps": args.start_step, "checkpoint_every": 0})
-        dp.save_checkpoint(once, args.start_step, replica, parts, boxes)
+        dp.save_checkpoint(once, args.start_step, replica, tensors, boxes)
+        return resumed
     monkeypatch.setattr(SCRIPTS[script], "load_checkpoint", load_then_save)
     result = run(script, [*layout, "--steps", "4", "--check"], optimizer,
                  resume=sources[optimizer], save=tmp_path / "run.pt")
@@ -231,11 +232,11 @@ def test_refused_another_vocabulary_and_no_complete_checkpoint(sources, tmp_path
     copy = tmp_path / "copy"
     shutil.copytree(sources["adamw"], copy)
     marker = newest(copy)
-    with open(os.path.join(marker["folder"], dp.COMPLETE), "w") as f:
+    with open(os.path.join(marker["folder"], dp.MARKER), "w") as f:
         json.dump({**marker, "vocab_size": 98}, f)
     err = refused(["--optimizer", "adamw", "--resume", str(copy)], capsys)
     assert "vocabulary" in err and "98" in err, err
-    os.remove(os.path.join(marker["folder"], dp.COMPLETE))   # its pieces, but not complete
+    os.remove(os.path.join(marker["folder"], dp.MARKER))   # its pieces, but not complete
     err = refused(["--optimizer", "adamw", "--resume", str(copy)], capsys)
     assert err.split(": error: ")[1].startswith("--resume"), err
 
@@ -284,7 +285,7 @@ def test_a_broken_marker_is_refused_at_the_door_in_one_line(sources, tmp_path, c
     door, exit 2, as a broken rank file gets at its read."""
     copy = tmp_path / "copy"
     shutil.copytree(sources["adamw"], copy)
-    path = os.path.join(newest(copy)["folder"], dp.COMPLETE)
+    path = os.path.join(newest(copy)["folder"], dp.MARKER)
     with open(path, "w") as f:
         f.write(text)
     with pytest.raises(SystemExit) as exited:

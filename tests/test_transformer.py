@@ -59,15 +59,15 @@ def test_rmsnorm_backward_is_autograds_and_needs_its_r_cubed_term(backward, agre
     assert torch.allclose(dx, x.grad) == agrees
 
 
-def attention_backward_without_scale(do, q, k, v, o, a, head_dim):   # the defect: no 1/sqrt(dh)
-    dq, dk, dv = dp.attention_backward(do, q, k, v, o, a, head_dim)
+def attention_backward_without_scale(do, q, k, v, a, head_dim):   # the defect: no 1/sqrt(dh)
+    dq, dk, dv = dp.attention_backward(do, q, k, v, a, head_dim)
     return dq * math.sqrt(head_dim), dk * math.sqrt(head_dim), dv
 
 
-def attention_backward_without_mask(do, q, k, v, o, a, head_dim):
+def attention_backward_without_mask(do, q, k, v, a, head_dim):
     """The defect: the mask in the forward but not the backward (A made again, unmasked)."""
     s = dp.heads(q, head_dim) @ dp.heads(k, head_dim).transpose(-1, -2) / math.sqrt(head_dim)
-    return dp.attention_backward(do, q, k, v, o, s.softmax(-1), head_dim)
+    return dp.attention_backward(do, q, k, v, s.softmax(-1), head_dim)
 
 
 @pytest.mark.parametrize("backward,agrees", [(dp.attention_backward, True),
@@ -84,7 +84,7 @@ def test_attention_backward_is_autograds_for_every_head(backward, agrees, heads)
     torch.testing.assert_close(o, want.detach())
     assert (a.triu(1) == 0).all()                     # no position sees one after it
     want.backward(do)
-    got = backward(do, q.detach(), k.detach(), v.detach(), o, a, head_dim)
+    got = backward(do, q.detach(), k.detach(), v.detach(), a, head_dim)
     matches = [torch.allclose(mine, t.grad) for mine, t in zip(got, (q, k, v))]
     assert all(matches) == agrees, matches
 
