@@ -394,7 +394,7 @@ BASELINES = re.compile(r"^  the text's own: uniform ln 97 = ([\d.]+), unigram ([
 
 @pytest.mark.deadline(180)   # ~45 s idle; the deadline leaves room for a machine shared with other test runs
 def test_make_3d_defaults_pass_check_and_learn_the_text(tmp_path):
-    """The defaults of `make 3d` (8 ranks, 200 steps) on a machine without numpy, which
+    """The defaults of `make 3d` (8 ranks, 2 blocks, 180 steps) on a machine without numpy, which
     torch does not depend on: --check passes with nothing on stderr, the printed losses
     are serial training's, the validation loss falls below the text's bigram entropy (the
     model uses more than one character of context), and a sample follows the prompt."""
@@ -407,13 +407,14 @@ def test_make_3d_defaults_pass_check_and_learn_the_text(tmp_path):
     lines = proc.stdout.splitlines()
     result = torch.load(save)
     config = result["config"]
-    assert (config["dp"], config["pp"], config["tp"], config["steps"]) == (2, 2, 2, 200)
+    assert (config["dp"], config["pp"], config["tp"], config["steps"], config["num_layers"]) == \
+        (2, 2, 2, 180, 2)
     assert "rank map: dp=2 pp=2 tp=2" in proc.stdout
     assert sum(line.split()[:4] == ["rank", "dp", "pp", "tp"] for line in lines) == 1
 
-    # a loss line every 20 steps and at the last, printed by the last stage; serial training's
+    # a loss line every tenth of the steps and at the last, printed by the last stage; serial training's
     steps = [LOSS_LINE.match(line) for line in lines if LOSS_LINE.match(line)]
-    assert [int(m[2]) for m in steps] == [*range(0, 200, 20), 199]
+    assert [int(m[2]) for m in steps] == [*range(0, 180, 18), 179]
     assert all(int(m[1]) == config["pp"] - 1 for m in steps)
     printed = [float(m[3]) for m in steps]
     assert printed == [pytest.approx(result["losses"][int(m[2])], abs=5e-7) for m in steps]   # as saved
