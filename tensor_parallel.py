@@ -6,30 +6,30 @@ the vocabulary.
     python tensor_parallel.py --tp-style megatron       # Megatron's column-then-row pairs
     torchrun --nproc-per-node 4 tensor_parallel.py
 
-The lecture's column-parallel layer: rank t of T holds the columns W_t of a weight, computes its
-slice of the output, and an all-gather rebuilds the whole output for the next layer. The lecture
-stops at the forward pass ("Backward pass: homework exercise"). Here is the backward, derived by
-hand, for a column layer z_t = x W_t followed by the all-gather:
+The lecture's column-parallel layer: rank t of the tp ranks holds the columns W_t of a weight,
+computes its slice of the output, and an all-gather rebuilds the whole output for the next layer.
+The lecture stops at the forward pass ("Backward pass: homework exercise"). Here is the backward,
+derived by hand, for a column layer z_t = x W_t followed by the all-gather:
 
-    forward    z_t = x W_t                                     [b, T, n/T]
-               z = [z_0 | z_1 | ... | z_T-1]                   all-gather  [b, T, n]
+    forward    z_t = x W_t                                     [b, T, n/tp]
+               z = [z_0 | z_1 | ... | z_tp-1]                  all-gather  [b, T, n]
     backward   g_t = g[..., cols_t]  the all-gather's backward is a slice: g is the same on every
                                      rank, so each keeps its own columns
                dW_t = x^T g_t        this rank's columns of dW, no communication
                dx = sum_t g_t W_t^T  each rank holds one term: all-reduce  [b, T, D]
 
-In a block, heads are the unit: Wq, Wk and Wv are cut at head boundaries, so rank t holds h/T
-whole heads, q, k and v [b, T, D/T], and runs their attention with no collective at all. Two
+In a block, heads are the unit: Wq, Wk and Wv are cut at head boundaries, so rank t holds h/tp
+whole heads, q, k and v [b, T, D/tp], and runs their attention with no collective at all. Two
 styles then differ in what follows (GatherSplit and MegatronSplit below; step 2's block takes
 either). The norms' gains and P are whole on every rank: each rank's x is the whole residual
 stream, the same on all, and the dn its norm's backward reads comes after f's all-reduce, the
 same on all too, so every rank computes the same dg and dP with no collective.
 
 Bytes each rank sends per block and micro-batch, A for one activation [b, T, D]: the all-gather
-style 7(T-1)/T A forward (o, its Wo, the MLP's 4D, its W2) and 2 x 7(T-1)/T A backward; Megatron's
-pairs (Megatron-LM, torchtitan) 2 x 2(T-1)/T A each way: 8(T-1)/T A, where the all-gather style
-sends 21(T-1)/T A. The vocabulary's ends split its rows of E and columns of H, and take the softmax
-in pieces (Megatron's vocab-parallel embedding and cross-entropy).
+style 7(tp-1)/tp A forward (o, its Wo, the MLP's 4D, its W2) and 2 x 7(tp-1)/tp A backward;
+Megatron's pairs (Megatron-LM, torchtitan) 2 x 2(tp-1)/tp A each way: 8(tp-1)/tp A, where the
+all-gather style sends 21(tp-1)/tp A. The vocabulary's ends split its rows of E and columns of H,
+and take the softmax in pieces (Megatron's vocab-parallel embedding and cross-entropy).
 
 --recompute keeps each block's input alone, as in step 2: the forward again in the backward, its
 collectives too (tp_costs).
@@ -51,7 +51,7 @@ from data_parallel import (Block, DataParallel, block_backward, block_forward, d
 
 
 def all_gather_columns(a_t, group=None):
-    """[..., n] on each of T ranks -> [..., T n] on all: the pieces side by side, in rank order."""
+    """[..., n] on each of tp ranks -> [..., tp n] on all: the pieces side by side, rank order."""
     size = dist.get_world_size(group)
     if size == 1:
         return a_t
@@ -78,7 +78,7 @@ class MegatronSplit:
     row layers (rank t holds W[rows_t, :]) that take the shard as it is: o Wo = sum_t o_t Wo_t.
 
       forward   n, the same on every rank                  f: the identity
-                q_t, k_t, v_t = n Wq_t ..; o_t = attention of this rank's heads   [b, T, D/T]
+                q_t, k_t, v_t = n Wq_t ..; o_t = attention of this rank's heads   [b, T, D/tp]
                 y = sum_t o_t Wo_t                         g: all-reduce   [b, T, D]
       backward  dy, the same on every rank                 g: the identity
                 dWo_t = o_t^T dy     do_t = dy Wo_t^T      this rank's own: no communication
@@ -87,7 +87,7 @@ class MegatronSplit:
 
     and the MLP alike (W1 column, GELU on the shard, W2 row). f and g are conjugates, a
     forward/backward pair each: f copies in forward and all-reduces in backward; g all-reduces
-    in forward and copies in backward. Per block and micro-batch: two g, two f, 8(T-1)/T A."""
+    in forward and copies in backward. Per block and micro-batch: two g, two f, 8(tp-1)/tp A."""
 
     def __init__(self, group):
         self.group = group
@@ -98,13 +98,13 @@ class MegatronSplit:
     def gather_back(self, g):
         return g
 
-    def out(self, y):                         # g forward: y = sum_t o_t Wo_t   2(T-1)/T A
+    def out(self, y):                         # g forward: y = sum_t o_t Wo_t   2(tp-1)/tp A
         return reduce_over(y, self.group)
 
     def out_back(self, g):                    # g backward: the identity
         return g
 
-    def f_back(self, dx):                     # f backward: dx = sum_t dz_t W_t^T   2(T-1)/T A
+    def f_back(self, dx):                     # f backward: dx = sum_t dz_t W_t^T   2(tp-1)/tp A
         return reduce_over(dx, self.group)
 
     def row_back(self, dx):                   # a row layer's dx, do_t = dy Wo_t^T: this rank's
@@ -113,11 +113,11 @@ class MegatronSplit:
 
 class GatherSplit(MegatronSplit):
     """The lecture's style: every weight a column layer, each output all-gathered. q, k, v as
-    above; o_t all-gathered [b, T, D], the input of Wo's column layer, whose output [b, T, D/T]
+    above; o_t all-gathered [b, T, D], the input of Wo's column layer, whose output [b, T, D/tp]
     is all-gathered; GELU(n W1_t) all-gathered [b, T, 4D]; W2's output all-gathered. Backward:
     each all-gather a slice, each column layer's dx an all-reduce (f): Wo's, W2's too."""
 
-    def gather(self, a):                      # [b, T, n/T] -> [b, T, n]   (T-1)/T of it
+    def gather(self, a):                      # [b, T, n/tp] -> [b, T, n]   (tp-1)/tp of it
         return all_gather_columns(a, self.group)
 
     def gather_back(self, g):                 # the slice: this rank's columns, its own
@@ -146,12 +146,12 @@ class GatherSplit(MegatronSplit):
 #              loss = sum_rows (log s - l_y) / n          = -log softmax(logits)[y]: m cancels
 #   backward   dlogits_t = (exp(logits_t - m) / s - onehot_t(y)) / n: no collective
 #
-# Three [b T] all-reduces, where gathering the logits moves (T-1)/T of [b T, V]: at V = 128,256
+# Three [b T] all-reduces, where gathering the logits moves (tp-1)/tp of [b T, V]: at V = 128,256
 # the largest activation of the model. No class is padded: when T does not divide V the shards
 # differ by one class, where a padded class of logit 0 would add exp(-m) to s.
 
 def vocab_range(vocab_size, tp_rank, tp_size):
-    """Classes [start, end) of rank t: V // T each, and one more on the first V mod T ranks."""
+    """Classes [start, end) of rank t: V // tp each, and one more on the first V mod tp ranks."""
     size = vocab_size // tp_size
     extra = vocab_size % tp_size
     start = tp_rank * size + min(tp_rank, extra)
@@ -165,7 +165,7 @@ def vocab_embedding_forward(tokens, w, recompute=False, group=None, vocab_size=N
     outside = (tokens < start) | (tokens >= end)                       # [b, T]
     local = (tokens - start).masked_fill(outside, 0)                   # any row: masked below
     x = e_t[local].masked_fill(outside[..., None], 0.0)                # [b, T, D]
-    reduce_over(x, group)                     # x = sum_t its tokens' rows   2(T-1)/T A
+    reduce_over(x, group)                     # x = sum_t its tokens' rows   2(tp-1)/tp A
     return x + p, (local, outside)
 
 
@@ -262,7 +262,7 @@ def shard(w, kind, tp_rank, tp_size):
 
 def shard_box(shape, kind, tp_rank, tp_size):
     """Rank t's rows and columns of a whole tensor, (row_start, row_end, col_start, col_end): its
-    rows W[t D/T : (t+1) D/T, :] for a row layer, its classes' rows of E or columns of H, its
+    rows W[t D/tp : (t+1) D/tp, :] for a row layer, its classes' rows of E or columns of H, its
     columns of a column layer, else all (a gain [D]: one row). (Where its piece sits in the
     whole: shard's, and a checkpoint's.)"""
     rows, cols = (1, *shape)[-2:]
@@ -414,7 +414,7 @@ def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", con
     return forwards + [scores, mix], dxs + [mix, scores, mix, mix], dws
 
 
-def describe(args, tp_size):   # what ran: "h/T = 2 heads a rank, Megatron's pairs, ..."
+def describe(args, tp_size):   # what ran: "h/tp = 2 heads a rank, Megatron's pairs, ..."
     style = {"megatron": "Megatron's pairs (Wq Wk Wv W1 column, Wo W2 row)",
              "all-gather": "every weight column-parallel, each output all-gathered"}
     return (f"{args.heads // tp_size} of {args.heads} heads a rank, {style[args.tp_style]}, "
