@@ -69,8 +69,8 @@ def rmsnorm_backward(dy, x, r, g):
     x = wide(x)
     dy = wide(dy)
     u = g * dy
-    dx = r * (u - x * (r.square() * (u * x).mean(-1, keepdim=True)))   # r (u - x r^2 mean(u x))
-    return dx.to(dtype), (dy * (x * r)).flatten(0, -2).sum(0)
+    dx = r * u - x * r**3 * (u * x).mean(-1, keepdim=True)   # as written: autograd's order
+    return dx.to(dtype), (dy * x * r).flatten(0, -2).sum(0)
 
 
 def heads(t, head_dim):   # [b, T, h dh] -> [b, h, T, dh]: head j's columns j dh .. (j+1) dh
@@ -102,10 +102,12 @@ def attention_backward(do, q, k, v, a, head_dim):
 
 class Whole:
     """Where step 3's tensor parallelism puts its collectives in a block, each the identity here:
-    a tp split hands the block its own (tensor_parallel.py). gather: the heads' outputs (and the
-    MLP's), all-gathered in the all-gather style; out: Wo's and W2's output, all-gathered, or
-    all-reduced (Megatron's g); f_back: a column layer's dx, all-reduced (f); row_back: Wo's and
-    W2's dx, all-reduced where they are column layers too (the all-gather style)."""
+    a tp split hands the block its own (tensor_parallel.py). enter: a norm's output, all-gathered
+    along T under sequence parallelism; gather: the heads' outputs (and the MLP's), all-gathered
+    in the all-gather style; out: Wo's and W2's output, all-gathered, or all-reduced (Megatron's
+    g); f_back: a column layer's dx, all-reduced (f); row_back: Wo's and W2's dx, all-reduced
+    where they are column layers too (the all-gather style)."""
+    def enter(self, n): return n
     def gather(self, a): return a
     def gather_back(self, g): return g
     def out(self, y): return y
@@ -121,11 +123,13 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE):
     """x [b, T, D] -> x + attention + MLP [b, T, D], and the block's stash."""
     g1, wq, wk, wv, wo, g2, w1, w2 = w
     n1, r1 = rmsnorm(x, g1)
+    n1 = split.enter(n1)                      # [b, T, D]
     q, k, v = n1 @ wq, n1 @ wk, n1 @ wv       # [b, T, D/t]: whole heads, this rank's
     o, a = attention(q, k, v, head_dim)       # [b, T, D/t], A [b, h/t, T, T]
     o = split.gather(o)
     x2 = x + split.out(o @ wo)                # the residual
     n2, r2 = rmsnorm(x2, g2)
+    n2 = split.enter(n2)
     z = n2 @ w1                               # [b, T, 4D/t]
     u = split.gather(F.gelu(z))
     out = x2 + split.out(u @ w2)
@@ -170,13 +174,14 @@ def embedding_backward(g, stash, w, need_dx=False):
 def head_forward(x, w, recompute=False, split=WHOLE):
     gain, h = w
     n, r = rmsnorm(x, gain)
+    n = split.enter(n)                        # [b, T, D]
     return n.flatten(0, 1) @ h, (x, n, r)     # logits = n H   [b T, V]: a row a position
 
 
 def head_backward(dlogits, stash, w, need_dx=True, split=WHOLE):
     gain, h = w
     x, n, r = stash
-    dn = split.f_back(dlogits @ h.T).view_as(x)   # [b, T, D]
+    dn = split.f_back((dlogits @ h.T).view_as(n))   # [b, T, D]
     dx, dgain = rmsnorm_backward(dn, x, r, gain)
     return dx, [(None, dgain), (n, dlogits)]
 
@@ -826,6 +831,7 @@ def training_parser(description, dp=False):
         p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
                        help="ZeRO stage over the data-parallel group: 1 shards the optimizer "
                             "state, 2 the gradients too, 3 the weights too (FSDP)")
+    p.set_defaults(sequence_parallel=False)   # --save's config records it (steps 3, 5 take it)
     return p
 
 

@@ -187,8 +187,9 @@ class Stage:
     each part's stash from its F to its B: a layer's (x, z), or x alone with --recompute."""
 
     def __init__(self, replica, layers, *, blocks, first, last, num_micro_batches, mean_over=1,
-                 loss_fn=cross_entropy, recompute=False):
+                 loss_fn=cross_entropy, recompute=False, before_exchange=None):
         self.replica = replica
+        self.before_exchange = before_exchange   # 3D's sequence parallelism: bucket b's dg, dP
         self.layers = list(layers)
         self.blocks = blocks
         self.first = first                    # the embedding is here: it takes token ids
@@ -247,6 +248,8 @@ class Stage:
         self.weight_passes += 1
         if self.weight_passes == self.num_micro_batches or self.replica.exchange_each_micro_batch:
             for b, _ in self.buckets:
+                if self.before_exchange:          # (summed over tp first: three_d.py)
+                    self.before_exchange(b)
                 self.replica.reduce_gradients(b)
 
 
@@ -534,16 +537,22 @@ def block_stash(args, rows, tp=1):
     """Bytes a block keeps, a micro-batch of rows: from F to B its stash, 16 [b, T, D]-sized (x,
     n1, q, k, v, o, x', n2; z and gelu(z) 4 D wide), r1 and r2 [b, T] and A [b, h, T, T] in fp32,
     or x alone with --recompute; from B to W its (x, dz)s, 16 of them and two gains' dg [D]. A tp
-    rank holds some of them whole and the rest by 1/tp (Megatron: q, k, v, o, z, gelu(z) and A)."""
+    rank holds some of them whole and the rest by 1/tp (Megatron: q, k, v, o, z, gelu(z) and A;
+    sequence parallel: all but n1 and n2, r1 and r2 too; and x, the recomputed's, by 1/tp)."""
     T, D, h = args.context, args.dim, args.heads
     A = rows * T * D * (2 if args.bf16 else 4)
     whole_kept, whole_waiting = (4, 4) if tp > 1 and args.tp_style == "megatron" else (9, 7)
+    norms = 2 * rows * T * 4                  # r1, r2
+    x = A
+    if args.sequence_parallel:
+        whole_kept = 2
+        norms = norms // tp
+        x = A // tp
     if tp == 1:
         whole_kept, whole_waiting = 16, 16
-    kept = (whole_kept * A + (16 - whole_kept) * A // tp + 2 * rows * T * 4
-            + rows * h * T * T * 4 // tp)
+    kept = whole_kept * A + (16 - whole_kept) * A // tp + norms + rows * h * T * T * 4 // tp
     if args.recompute:
-        kept = A
+        kept = x
     return kept, whole_waiting * A + (16 - whole_waiting) * A // tp + 2 * D * 4
 
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from collectives import cleanup, run_main, setup, spawn
 from data_parallel import (Block, DataParallel, block_backward, block_forward, dp_step,
-                           embedding_backward, head_backward, head_forward, init_params,
+                           head_backward, head_forward, init_params,
                            make_batch, tensors_of)
 
 
@@ -60,10 +60,34 @@ def all_gather_columns(a_t, group=None):
     return stacked.view(size, *a_t.shape).movedim(0, -2).flatten(-2)
 
 
+def my_rows(x, group=None):   # rank t's T/tp rows of x [T, ..]: its positions' P
+    rows = x.shape[0] // dist.get_world_size(group)
+    t = dist.get_rank(group)
+    return x[t * rows:(t + 1) * rows]
+
+
 def my_columns(g, group=None):   # the all-gather's backward: this rank's slice of g's columns
     cols = g.shape[-1] // dist.get_world_size(group)
     t = dist.get_rank(group)
     return g[..., t * cols:(t + 1) * cols]
+
+
+def gather_along_T(x, group):   # [b, T/tp, ..] on each rank -> [b, T, ..] on all, in rank order
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    whole = x.new_empty(size * x.shape[1], x.shape[0], *x.shape[2:])      # T first: one block
+    dist.all_gather_single(whole, x.transpose(0, 1).contiguous(), group=group)   # a rank
+    return whole.transpose(0, 1)
+
+
+def scatter_along_T(x, group):   # [b, T, ..] on each rank -> their sum's [b, T/tp, ..], rank t's
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    mine = x.new_empty(x.shape[1] // size, x.shape[0], *x.shape[2:])
+    dist.reduce_scatter_single(mine, x.transpose(0, 1).contiguous(), group=group)
+    return mine.transpose(0, 1)
 
 
 def reduce_over(tensor, group, op=dist.ReduceOp.SUM):   # an all-reduce, where there are ranks
@@ -91,6 +115,9 @@ class MegatronSplit:
 
     def __init__(self, group):
         self.group = group
+
+    def enter(self, n):                       # f forward: the identity
+        return n
 
     def gather(self, a):                      # o_t, gelu(z)_t stay sharded
         return a
@@ -133,6 +160,35 @@ class GatherSplit(MegatronSplit):
         return self.f_back(dx)
 
 
+class SequenceSplit(MegatronSplit):
+    """Sequence parallelism (Korthikanti et al. 2022) on Megatron's pairs: from a row layer to
+    the next column layer the residual stream is split along T, [b, T/tp, D] a rank (rows
+    t T/tp .. (t+1) T/tp), and so is what runs on it: the residual adds and the norms. g becomes
+    a reduce-scatter along T, f an all-gather; an all-reduce is the two, so the bytes are the
+    same, and x, x' and the norms' r are held by 1/tp.
+
+      forward   n_t = rmsnorm(x_t; g1)                   [b, T/tp, D]
+                n = [n_0; n_1; ..]                       f: all-gather along T   [b, T, D]
+                y_t = (sum_r o_r Wo_r)[rows_t]           g: reduce-scatter along T
+      backward  dy = [dy_0; dy_1; ..]                    g's: all-gather along T
+                dn_t = (sum_r dq_r Wq_r^T + ..)[rows_t]  f's: reduce-scatter along T
+
+    A gain now sees T/tp positions, and P its rows_t: each rank's dg and dP are partial, and
+    are summed over tp (averaged, they are 1/tp of the gradient)."""
+
+    def enter(self, n):
+        return gather_along_T(n, self.group)
+
+    def out(self, y):
+        return scatter_along_T(y, self.group)
+
+    def out_back(self, g):
+        return gather_along_T(g, self.group)
+
+    def f_back(self, dx):
+        return scatter_along_T(dx, self.group)
+
+
 # The vocabulary over the tp ranks: rank t holds the classes [v_t, v_t+1), vocab_range's.
 #
 #   embedding  E_t = E[v_t:v_t+1] [V_t, D]: each rank looks up the tokens it holds, zeros for the
@@ -158,23 +214,32 @@ def vocab_range(vocab_size, tp_rank, tp_size):
     return start, start + size + (tp_rank < extra)
 
 
-def vocab_embedding_forward(tokens, w, recompute=False, group=None, vocab_size=None):
-    """The tokens [b, T] this rank holds, looked up, zeros for the rest, summed; + P: [b, T, D]."""
+def vocab_embedding_forward(tokens, w, recompute=False, group=None, vocab_size=None,
+                            sequence_parallel=False):
+    """The tokens [b, T] this rank holds, looked up, zeros for the rest, summed; + P: [b, T, D]
+    (sequence parallel: reduce-scattered along T instead, + P's rows of this rank's T/tp)."""
     e_t, p = w
     start, end = vocab_range(vocab_size, dist.get_rank(group), dist.get_world_size(group))
     outside = (tokens < start) | (tokens >= end)                       # [b, T]
     local = (tokens - start).masked_fill(outside, 0)                   # any row: masked below
     x = e_t[local].masked_fill(outside[..., None], 0.0)                # [b, T, D]
+    if sequence_parallel:
+        return scatter_along_T(x, group) + my_rows(p, group), (local, outside)
     reduce_over(x, group)                     # x = sum_t its tokens' rows   2(tp-1)/tp A
     return x + p, (local, outside)
 
 
-def vocab_embedding_backward(g, stash, w, need_dx=False, group=None):
+def vocab_embedding_backward(g, stash, w, need_dx=False, group=None, sequence_parallel=False):
     """g [b, T, D], the same on every rank: each keeps its own tokens' rows, for dE_t[local];
-    dP from the whole g, step 2's."""
+    dP from the whole g, step 2's. Sequence parallel: g [b, T/tp, D], all-gathered along T for
+    dE_t; dP from g alone, P's rows of this rank's T/tp (partial: summed over tp)."""
     local, outside = stash
-    _, (_, positions) = embedding_backward(g, (local,), w)
-    return None, [(local, g.masked_fill(outside[..., None], 0.0)), positions]
+    positions = torch.arange(local.shape[1], device=g.device).expand_as(local)   # [b, T]
+    if sequence_parallel:
+        positions = my_rows(positions.T, group).T                     # [b, T/tp]
+        return None, [(local, gather_along_T(g, group).masked_fill(outside[..., None], 0.0)),
+                      (positions, g)]
+    return None, [(local, g.masked_fill(outside[..., None], 0.0)), (positions, g)]
 
 
 def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
@@ -199,16 +264,29 @@ def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
     return (sum_exps.log() - target).sum() / n, (dlogits_t / n).to(dtype)
 
 
-def tp_blocks(kinds, tp_style, head_dim, group=None, vocab_size=None):
+def sum_partial_grads(grads, whole, group):   # sequence parallel: dg, dP summed (not averaged)
+    for i in whole:
+        reduce_over(grads[i], group)
+
+
+def tp_blocks(kinds, tp_style, head_dim, group=None, vocab_size=None, sequence_parallel=False):
     """Each part's forward and backward over group, by kind ("embedding", "block", "head"): what
-    tp_worker runs, and 3D's stages. A block is step 2's, handed this style's split."""
+    tp_worker runs, and 3D's stages. A block is step 2's, handed this style's split. The head's
+    own split gathers along T before H under sequence parallelism: the vocab-parallel loss takes
+    whole rows of logits, each position's every class."""
     split = GatherSplit(group) if tp_style == "all-gather" else MegatronSplit(group)
+    ends = MegatronSplit(group)
+    if sequence_parallel:
+        split = SequenceSplit(group)
+        ends = split
     blocks = {"embedding": Block(partial(vocab_embedding_forward, group=group,
-                                         vocab_size=vocab_size),
-                                 partial(vocab_embedding_backward, group=group)),
+                                         vocab_size=vocab_size,
+                                         sequence_parallel=sequence_parallel),
+                                 partial(vocab_embedding_backward, group=group,
+                                         sequence_parallel=sequence_parallel)),
               "block": Block(partial(block_forward, head_dim=head_dim, split=split),
                              partial(block_backward, head_dim=head_dim, split=split)),
-              "head": Block(head_forward, partial(head_backward, split=MegatronSplit(group)))}
+              "head": Block(partial(head_forward, split=ends), partial(head_backward, split=ends))}
     return [blocks[kind] for kind in kinds]
 
 
@@ -226,17 +304,24 @@ def tensor_kinds(kinds, tp_style):
     return [by_part[part] for part in kinds]
 
 
-def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=False):
+def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=False,
+             sequence_parallel=False, replicated=()):
     """A tp rank's collectives a step, (kind, bytes of the tensor, times), A = act_bytes for one
     activation [b, T, D]. A block, each micro-batch: Megatron two g all-reduces forward (again
     with --recompute) and two f backward; the all-gather style all-gathers o, Wo's output, the
     MLP's [b, T, 4D] and W2's (again with --recompute), and all-reduces dn1, do, du (4 A), dn2.
-    The embedding all-reduces x, the head dn; the loss three [b T] of fp32."""
+    The embedding all-reduces x, the head dn; the loss three [b T] of fp32. Sequence parallel:
+    each of Megatron's all-reduces a reduce-scatter and an all-gather along T, the same bytes;
+    and once a step an all-reduce of each gain's and P's gradient (replicated: their bytes)."""
     m = num_micro_batches
     blocks = kinds.count("block")
     ends = ("embedding" in kinds) + ("head" in kinds)
-    if tp_style == "megatron":
-        runs = [("all-reduce", act_bytes, (blocks * (4 + 2 * recompute) + ends) * m)]
+    pairs = (blocks * (4 + 2 * recompute) + ends) * m
+    if sequence_parallel:
+        runs = [("all-gather", act_bytes, pairs), ("reduce-scatter", act_bytes, pairs),
+                *[("all-reduce", nbytes, 1) for nbytes in replicated]]
+    elif tp_style == "megatron":
+        runs = [("all-reduce", act_bytes, pairs)]
     else:
         gathers = blocks * (1 + recompute) * m
         runs = [("all-gather", act_bytes, 3 * gathers), ("all-gather", 4 * act_bytes, gathers),
@@ -293,8 +378,10 @@ def tp_worker(rank, world_size, args):
                            bf16=args.bf16)
     boxes = [shard_box(w.shape, k, tp_rank, tp_size) for w, k in zip(full, split)]   # in the whole
     resumed = load_checkpoint(args, replica, range(len(full)), boxes)   # --resume: any layout's
-    copies = {i for i, k in enumerate(split) if k == "whole" and tp_rank > 0}   # rank 0 writes
-    blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, vocab_size=args.vocab_size)
+    whole = [i for i, k in enumerate(split) if k == "whole"]          # the gains and P
+    copies = set(whole) if tp_rank > 0 else set()                      # rank 0 writes them
+    blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, vocab_size=args.vocab_size,
+                       sequence_parallel=args.sequence_parallel)
     loss_fn = partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size)
     m = args.micro_batches
     losses = []
@@ -306,6 +393,8 @@ def tp_worker(rank, world_size, args):
         inputs, targets = (t.to(device) for t in make_batch(args, step))   # every rank's
         loss = dp_step(replica, blocks, loss_fn, inputs.chunk(m), targets.chunk(m),
                        args.batch_size * args.context, recompute=args.recompute)   # step 2's
+        if args.sequence_parallel:   # each gain and P saw this rank's T/tp positions alone:
+            sum_partial_grads(replica.grads(), whole, dist.group.WORLD)   # summed over tp
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
             check.step(whole_model(full_weights(replica), full, split),
                        whole_model(full_grads(replica), full, split))
@@ -417,8 +506,23 @@ def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", con
 def describe(args, tp_size):   # what ran: "h/tp = 2 heads a rank, Megatron's pairs, ..."
     style = {"megatron": "Megatron's pairs (Wq Wk Wv W1 column, Wo W2 row)",
              "all-gather": "every weight column-parallel, each output all-gathered"}
-    return (f"{args.heads // tp_size} of {args.heads} heads a rank, {style[args.tp_style]}, "
-            f"the embedding and the head by class")
+    sequence = ", the residual stream by T/tp rows" * args.sequence_parallel
+    return (f"{args.heads // tp_size} of {args.heads} heads a rank, {style[args.tp_style]}"
+            f"{sequence}, the embedding and the head by class")
+
+
+def add_sequence_parallel(parser):
+    parser.add_argument("--sequence-parallel", action="store_true", help="with --tp-style "
+                        "megatron: the residual stream and its norms split along T over tp")
+
+
+def sequence_parallel_rules(args, tp_size, tp_flag):
+    if not args.sequence_parallel:
+        return []
+    return [(args.tp_style != "megatron", f"--sequence-parallel: needs --tp-style megatron (the "
+                                          f"all-gather style keeps every activation whole)"),
+            (args.context % tp_size, f"--sequence-parallel: --context {args.context} is not "
+                                     f"divisible by {tp_flag} ({tp_size}), the T/tp rows a rank")]
 
 
 def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor
@@ -437,8 +541,10 @@ def parse_args(argv=None):
                         help="ranks T; divides --heads")
     parser.add_argument("--tp-style", choices=["all-gather", "megatron"], default="all-gather",
                         help="every layer column-parallel with an all-gather, or Megatron's pairs")
+    add_sequence_parallel(parser)
     args = parser.parse_args(argv)
     parser.refuse([divides(args.heads, "--heads", args.world_size, "--world-size"),
+                   *sequence_parallel_rules(args, args.world_size, "--world-size"),
                    (args.world_size > VOCAB_SIZE, f"--world-size {args.world_size}: more ranks "
                                                   f"than the vocabulary's {VOCAB_SIZE} classes")])
     check_training_args(parser, args, args.world_size)

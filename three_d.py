@@ -2,7 +2,8 @@
 
     python three_d.py                                   # dp=2 pp=2 tp=2: 8 ranks (make 3d)
     python three_d.py --dp 2 --pp 2 --tp 2 --check      # ...and compare with serial training
-    python three_d.py --dp 1 --pp 4 --tp 2 --schedule gpipe --order tp-dp-pp
+    python three_d.py --dp 1 --pp 4 --tp 2 --num-layers 4 --schedule gpipe --order tp-dp-pp
+    python three_d.py --tp-style megatron --sequence-parallel --check   # T split over tp too
     python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
     python three_d.py --plan --hardware h100            # which layout? 8 H100s, ranked
     python three_d.py --checkpoint ckpt --checkpoint-every 50   # then: --resume ckpt, any layout
@@ -36,7 +37,7 @@ from data_parallel import (dp_costs, init_params, make_batch, make_replica, repl
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts)
 from tensor_parallel import (all_gather_columns, clip_shares, my_columns, part_kinds, shard,
-                             shard_box, tensor_kinds, tp_blocks, tp_costs,
+                             shard_box, sum_partial_grads, tensor_kinds, tp_blocks, tp_costs,
                              vocab_parallel_cross_entropy)
 
 AXES = ("dp", "pp", "tp")
@@ -127,7 +128,8 @@ class ThreeDRank:
                       for j in self.mine for w, k in zip(self.init[j], self.splits[j])]
         self.copies = {i for j in self.mine for i, k in zip(spans[j], self.splits[j])
                        if k == "whole" and self.tp_rank > 0}          # tp rank 0 writes them
-        self.shares = clip_shares([k for j in self.mine for k in self.splits[j]], args.tp)
+        self.kinds = [k for j in self.mine for k in self.splits[j]]   # its tensors' splits
+        self.shares = clip_shares(self.kinds, args.tp)
         self.starts = [sum(map(len, self.chunks[:c])) for c in range(v)]   # a chunk's first
         self.replica = make_replica(shards, self.groups["dp"], zero=args.zero,
                                     optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
@@ -155,12 +157,23 @@ class ThreeDRank:
             self.stages.append(Stage(
                 self.replica, range(self.starts[c], self.starts[c] + len(kinds)),
                 blocks=tp_blocks(kinds, args.tp_style, args.dim // args.heads, tp_group,
-                                 vocab_size=args.vocab_size),
+                                 vocab_size=args.vocab_size,
+                                 sequence_parallel=args.sequence_parallel),
                 first=virtual == 0, last=virtual == v * p - 1,
                 num_micro_batches=args.micro_batches, mean_over=len(self.rows) * args.context,
                 loss_fn=partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size,
                                 group=tp_group),
-                recompute=args.recompute))
+                recompute=args.recompute,
+                before_exchange=self.sum_partial if args.sequence_parallel else None))
+
+    def sum_partial(self, b):
+        """Sequence parallel: each gain and P in bucket b saw a tp rank's T/tp positions alone:
+        their gradients summed over tp, before the dp exchange (ZeRO's parts of a bucket are
+        not the same elements on every tp rank: E_t and H_t differ in size)."""
+        bucket = self.replica.grad_buckets[b]
+        whole = [i for i in self.replica.layout.buckets[b] if self.kinds[i] == "whole"]
+        sum_partial_grads({i: self.replica.view(bucket, i) for i in whole}, whole,
+                          self.groups["tp"])
 
     def plan_schedule(self, args):
         """Its stage's action list, its neighbours in the pipe, and what crosses to them. With
@@ -172,12 +185,15 @@ class ThreeDRank:
         self.actions = build_schedule(args.schedule, args.pp, self.stage, args.micro_batches,
                                       args.virtual_stages)           # the first's chunk c+1
         width = args.dim
+        rows = args.context
         self.boundary = {}
-        if args.p2p_shard:
+        if args.sequence_parallel:            # each tp rank holds its T/tp rows: it sends them
+            rows = args.context // args.tp
+        elif args.p2p_shard:
             width = args.dim // args.tp
             self.boundary = dict(outgoing=partial(my_columns, group=self.groups["tp"]),
                                  incoming=partial(all_gather_columns, group=self.groups["tp"]))
-        self.buffer_shape = (len(self.rows) // args.micro_batches, args.context, width)
+        self.buffer_shape = (len(self.rows) // args.micro_batches, rows, width)
 
     def train_step(self, inputs, targets, recorder=None):
         """Every micro-batch forward and backward through the pipeline; each bucket's gradient
@@ -199,13 +215,16 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     kinds = [kind for chunk in stage_kinds(args, stage) for kind in chunk]   # the ends' too
     rows = args.batch_size // (args.dp * m) * args.context                  # positions, b T
     act = rows * args.dim * (2 if args.bf16 else 4)                         # [b, T, D]
+    gains = 2 * kinds.count("block") + kinds.count("head")
+    replicated = [4 * args.dim] * gains + [4 * args.context * args.dim] * ("embedding" in kinds)
     tp_runs = tp_costs(kinds, act, rows, args.tp_style, num_micro_batches=m,
-                       recompute=args.recompute)
-    sent = act // tp if args.p2p_shard else act                 # --p2p-shard: 1/tp crosses
+                       recompute=args.recompute, sequence_parallel=args.sequence_parallel,
+                       replicated=replicated * (m if args.zero == 3 else 1))   # before each dp
+    sent = act // tp if args.p2p_shard or args.sequence_parallel else act   # 1/tp crosses
     kept, waiting = stash_bytes(args)
     bubble, stash, pp_runs = pipeline_costs(args.schedule, args.pp, stage, m, v, act_bytes=sent,
                                             kept_bytes=kept, waiting_bytes=waiting, times=times)
-    if args.p2p_shard:                                          # and is all-gathered on arrival
+    if args.p2p_shard and not args.sequence_parallel:           # and is all-gathered on arrival
         tp_runs += [("all-gather", act, count) for _, _, count in pp_runs]
     dp_runs, held = dp_costs(replica_lengths(args, stage, tp_rank), args.dp, zero=args.zero,
                              num_micro_batches=m, optimizer=args.optimizer, bf16=args.bf16)
@@ -277,7 +296,8 @@ from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_
                            full_grads, full_weights, global_loss, in_step_bytes, load_checkpoint,
                            log_step, make_buckets, save_checkpoint, tensors_of, training_parser)
 from pipeline_parallel import add_schedule_args, held_counts, schedule_rules, whole_parts  # noqa
-from tensor_parallel import block_matmuls, describe, divides, refuse_unused, vocab_range  # noqa
+from tensor_parallel import (add_sequence_parallel, block_matmuls, describe, divides,  # noqa
+                             refuse_unused, sequence_parallel_rules, vocab_range)
 
 
 def full_parts(me, params, args):   # on rank 0, replica 0's shards put together (step 4)
@@ -578,7 +598,8 @@ def working_bytes(args):   # a block's backward beside the stash: its MLP's g, d
 
 def layouts(args, gpus_per_node):
     """Every layout as parse_args() leaves it: (dp, pp, tp), order (past a node), schedule (v 2, 4
-    interleaved), micro-batches (p to 8 p), ZeRO, TP style, --p2p-shard, --recompute."""
+    interleaved), micro-batches (p to 8 p), ZeRO, TP style, --p2p-shard, --recompute, and
+    --sequence-parallel where Megatron's pairs split T (its stages send T/tp rows: no p2p-shard)."""
     world, L, B = args.world_size, args.num_layers, args.batch_size
     divisors = [n for n in range(1, world + 1) if world % n == 0]
     for dp, pp in itertools.product(divisors, repeat=2):
@@ -590,17 +611,18 @@ def layouts(args, gpus_per_node):
         if pp > 1:
             schedules = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1),
                          *[("interleaved", v) for v in (2, 4) if L % (pp * v) == 0]]
-        for order, (schedule, v), k, zero, style, p2p_shard, recompute in itertools.product(
-                orders, schedules, range(4), range(4 if dp > 1 else 1),
-                ["all-gather", "megatron"][:1 + (tp > 1)],
-                [False, True][:1 + (tp > 1 and pp > 1)], [False, True]):
+        for order, (schedule, v), k, zero, style, p2p_shard, recompute, sequence in \
+                itertools.product(orders, schedules, range(4), range(4 if dp > 1 else 1),
+                                  ["all-gather", "megatron"][:1 + (tp > 1)],
+                                  [False, True][:1 + (tp > 1 and pp > 1)], [False, True],
+                                  [False, True][:1 + (tp > 1 and args.context % tp == 0)]):
             m = pp * 2**k
-            if B % (dp * m):
+            if B % (dp * m) or sequence and (style != "megatron" or p2p_shard):
                 continue
             yield argparse.Namespace(**{**vars(args), **dict(
                 dp=dp, pp=pp, tp=tp, order=order, schedule=schedule, virtual_stages=v,
                 micro_batches=m, zero=zero, tp_style=style, p2p_shard=p2p_shard,
-                recompute=recompute)})
+                recompute=recompute, sequence_parallel=sequence)})
 
 
 def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 megatron ...
@@ -608,7 +630,7 @@ def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 mega
              f"{a.schedule}{f' v{a.virtual_stages}' * (a.virtual_stages > 1)}" * (a.pp > 1),
              f"m{a.micro_batches}", f"zero{a.zero}" * (a.zero > 0),
              "megatron" * (a.tp_style == "megatron"), "p2p-shard" * a.p2p_shard,
-             "recompute" * a.recompute]
+             "sequence-parallel" * a.sequence_parallel, "recompute" * a.recompute]
     return " ".join(word for word in words if word)
 
 
@@ -719,6 +741,7 @@ def parse_args(argv=None):
     parser.add_argument("--tp-style", choices=["all-gather", "megatron"], default="all-gather",
                         help="every layer column-parallel with an all-gather, or Megatron's pairs")
     parser.add_argument("--p2p-shard", action="store_true", help="send 1/tp of what crosses stages")
+    add_sequence_parallel(parser)
     parser.add_argument("--show-rank-map", action="store_true", help="print the rank map and exit")
     add_plan_args(parser)
     # make 3d's run, measured: 2 blocks and 180 steps learn to 1.79 nats in 30 s on 2 cores (4
@@ -737,6 +760,7 @@ def parse_args(argv=None):
         refuse_unused(parser, args, used, "--show-rank-map")
         return args
     parser.refuse([divides(args.heads, "--heads", args.tp, "--tp"),
+                   *sequence_parallel_rules(args, args.tp, "--tp"),
                    (args.pp > args.num_layers, f"--pp {args.pp}: more stages than --num-layers "
                                                f"({args.num_layers})"),
                    divides(args.num_layers, "--num-layers", args.pp, "--pp"),

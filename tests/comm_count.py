@@ -187,8 +187,10 @@ def count_worker(rank, world_size, script, args):
                         optimizer=args.optimizer, bf16=args.bf16)[0]
         want = formula("dp", runs, world_size)
     elif script == "tensor_parallel":
+        replicated = [4 * args.dim] * (2 * args.num_layers + 1) + [4 * args.context * args.dim]
         runs = tp_costs(part_kinds(args.num_layers), act_bytes, args.batch_size // m * args.context,
-                        args.tp_style, num_micro_batches=m, recompute=args.recompute)
+                        args.tp_style, num_micro_batches=m, recompute=args.recompute,
+                        sequence_parallel=args.sequence_parallel, replicated=replicated)
         want = formula("tp", runs, world_size)
         notes = megatron_comparison(args.num_layers, act_bytes, m, world_size)
     elif script == "pipeline_parallel":

@@ -296,14 +296,18 @@ def build_tensor_parallel(args, rank, world_size, device=META):
                                          optimizer=args.optimizer, lr=args.lr, bf16=args.bf16)
     inputs, targets = (t.to(device) for t in first_batch(args))
     blocks = tensor_parallel.tp_blocks(kinds, args.tp_style, args.dim // args.heads,
-                                       vocab_size=args.vocab_size)
+                                       vocab_size=args.vocab_size,
+                                       sequence_parallel=args.sequence_parallel)
     loss_fn = functools.partial(tensor_parallel.vocab_parallel_cross_entropy,
                                 vocab_size=args.vocab_size)
     shares = tensor_parallel.clip_shares([k for ks in splits for k in ks], world_size)
+    whole = [i for i, k in enumerate(k for ks in splits for k in ks) if k == "whole"]
 
     def step():
         data_parallel.dp_step(replica, blocks, loss_fn, inputs.chunk(m), targets.chunk(m),
                               args.batch_size * args.context, recompute=args.recompute)
+        if args.sequence_parallel:
+            tensor_parallel.sum_partial_grads(replica.grads(), whole, dist.group.WORLD)
         if args.clip_grad:
             replica.clip(args.clip_grad, [dist.group.WORLD], shares)
         replica.update()

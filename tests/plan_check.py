@@ -62,7 +62,8 @@ def layout_flags(args):
              f"--order {args.order}" * (args.order != "tp-pp-dp"),
              f"--zero {args.zero}" * (args.zero > 0),
              f"--tp-style {args.tp_style}" * (args.tp_style != "all-gather"),
-             "--p2p-shard" * args.p2p_shard, "--recompute" * args.recompute, "--bf16" * args.bf16,
+             "--p2p-shard" * args.p2p_shard, "--sequence-parallel" * args.sequence_parallel,
+             "--recompute" * args.recompute, "--bf16" * args.bf16,
              f"--optimizer {args.optimizer}" * (args.optimizer != "adamw"),
              f"--bucket-mb {args.bucket_mb:g}" * (args.bucket_mb != 25)]
     return " ".join(flag for flag in flags if flag)

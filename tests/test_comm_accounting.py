@@ -194,6 +194,30 @@ def test_tensor_parallel(capfd, style, L):
     assert "0.381 of it" in out                  # 8 against 21 units of (t-1)/t A: 8/21
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_sequence_parallel_sends_megatrons_bytes_as_pairs_along_T(capfd, recompute):
+    """--sequence-parallel: each of Megatron's all-reduces an all-gather and a reduce-scatter
+    along T, (t-1)/t A each: the all-reduce's 2(t-1)/t A. A block, a micro-batch: f's two
+    all-gathers and g's two reduce-scatters forward (again with --recompute), their two each
+    backward; the embedding's reduce-scatter and its all-gather back, the head's all-gather and
+    its reduce-scatter back. Once a step, each gain's gradient and P's, all-reduced over tp."""
+    t, L, D, B, m = 4, 3, 8, 12, 3
+    comm_count.count("tensor_parallel", ["--world-size", str(t), "--num-layers", str(L), "--dim", str(D),
+                                         "--batch-size", str(B), "--micro-batches", str(m), "--tp-style",
+                                         "megatron", "--sequence-parallel", *(["--recompute"] * recompute),
+                                         *COMMON])
+    act = B // m * T * D * F32
+    pairs = m * (L * (4 + 2 * recompute) + 2)
+    counts = {"all-gather": (pairs, pairs * all_gather(t, act)),
+              "reduce-scatter": (pairs, pairs * all_gather(t, act))}
+    add(counts, "all-reduce", 2 * L + 1, (2 * L + 1) * all_reduce(t, D * F32))   # the gains'
+    add(counts, "all-reduce", 1, all_reduce(t, T * D * F32))                     # P's
+    add(counts, "all-reduce", 3 * m, 3 * m * all_reduce(t, B // m * T * F32))    # the loss's
+    megatron = 2 * pairs * all_gather(t, act)
+    assert megatron == pairs * all_reduce(t, act)        # the same bytes as Megatron's all-reduces
+    assert_counts(capfd, t, lambda rank: {("tp", kind): value for kind, value in counts.items()})
+
+
 @pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
 def test_pipeline_parallel(capfd, schedule, virtual):
     p, L, D, B, m = 3, 6, 8, 12, 3

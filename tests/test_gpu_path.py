@@ -38,7 +38,7 @@ FAMILIES = {
         ["--bucket-mb", "0", "--zero", "3"]],
     "tensor_parallel": [[], ["--tp-style", "megatron"], ["--recompute"],
                         ["--tp-style", "megatron", "--recompute", "--bf16"], ["--bf16"],
-                        ["--clip-grad", "0.5"]],
+                        ["--clip-grad", "0.5"], ["--tp-style", "megatron", "--sequence-parallel", "--bf16"]],
     "pipeline_parallel": [["--schedule", schedule] for schedule in ("gpipe", "1f1b", "zb-h1")] + [
         ["--schedule", "interleaved", "--virtual-stages", "2"], ["--recompute"],
         ["--schedule", "zb-h1", "--recompute", "--bf16"], ["--bf16"], ["--clip-grad", "0.5"]],
@@ -47,7 +47,8 @@ FAMILIES = {
         ["--p2p-shard"], *[["--zero", str(zero)] for zero in (1, 2, 3)], ["--recompute"],
         ["--bf16"], ["--clip-grad", "0.5"], ["--order", "tp-dp-pp", "--zero", "3"],
         ["--zero", "3", "--tp-style", "megatron", "--p2p-shard", "--recompute", "--bf16",
-         "--schedule", "interleaved", "--virtual-stages", "2", "--clip-grad", "0.5"]],
+         "--schedule", "interleaved", "--virtual-stages", "2", "--clip-grad", "0.5"],
+        ["--tp-style", "megatron", "--sequence-parallel", "--zero", "2", "--recompute", "--bf16"]],
 }
 WORLD = {"data_parallel": ["--world-size", "8"], "tensor_parallel": ["--world-size", "8"],
          "pipeline_parallel": ["--world-size", "8"], "three_d": ["--dp", "2", "--pp", "2", "--tp", "2"]}

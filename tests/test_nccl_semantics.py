@@ -195,9 +195,11 @@ UNDER_NCCL = [
     (tp, ["--world-size", "2", "--tp-style", "megatron", "--bf16"]),
     (three_d, []),
     (three_d, ["--p2p-shard", "--tp-style", "megatron", "--zero", "3"]),
-    (three_d, ["--schedule", "interleaved", "--zero", "1", "--bucket-mb", "0"]),
+    (three_d, ["--schedule", "interleaved", "--num-layers", "4", "--zero", "1", "--bucket-mb", "0"]),
     (three_d, ["--schedule", "zb-h1", "--order", "tp-dp-pp", "--zero", "2", "--recompute"]),
     (three_d, ["--bf16", "--clip-grad", "0.5"]),
+    (three_d, ["--tp-style", "megatron", "--sequence-parallel", "--zero", "3", "--p2p-shard"]),
+    (tp, ["--world-size", "2", "--tp-style", "megatron", "--sequence-parallel"]),
 ]
 
 

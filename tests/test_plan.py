@@ -35,7 +35,8 @@ SMALL = ["--num-layers", "8", "--dim", "16", "--heads", "8", "--context", "4", "
          "--optimizer", "sgd"]   # a step
 MODEL = ["--num-layers", "32", "--dim", "4096", "--heads", "32", "--context", "8192", "--batch-size", "64"]   # Llama 3 8B's shape
 FIELDS = ("dp", "pp", "tp", "order", "schedule", "virtual_stages", "micro_batches", "zero",
-          "tp_style", "p2p_shard", "recompute", "bf16", "num_layers", "dim", "heads", "context", "batch_size")
+          "tp_style", "p2p_shard", "sequence_parallel", "recompute", "bf16", "num_layers", "dim", "heads",
+          "context", "batch_size")
 H100 = three_d.GPUS["h100"]
 
 
@@ -54,7 +55,8 @@ def planned(world_size, bf16=False):
     return plan_rows(["--world-size", str(world_size), *SMALL], world_size // 2, bf16)
 
 
-PLAIN = dict(order="tp-pp-dp", zero=0, tp_style="all-gather", p2p_shard=False, recompute=False)
+PLAIN = dict(order="tp-pp-dp", zero=0, tp_style="all-gather", p2p_shard=False, recompute=False,
+             sequence_parallel=False)
 FAMILIES = [
     dict(PLAIN, schedule="gpipe"), dict(PLAIN, schedule="1f1b"), dict(PLAIN, schedule="zb-h1"),
     dict(PLAIN, schedule="interleaved", virtual_stages=2),
@@ -67,6 +69,7 @@ FAMILIES = [
     dict(PLAIN, order="tp-dp-pp"),
     dict(zero=3, tp_style="megatron", p2p_shard=True, recompute=True, schedule="interleaved"),
     dict(zero=2, recompute=True, schedule="zb-h1", bf16=True),
+    dict(zero=3, sequence_parallel=True, recompute=True), dict(zero=1, sequence_parallel=True),
     dict(PLAIN, bf16=True),
 ]
 

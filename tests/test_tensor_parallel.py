@@ -537,3 +537,98 @@ def test_recompute_keeps_each_blocks_input_and_the_peak_falls_by_the_formula(sty
     ends = 2 * A + b * T * 4 + b * T * (8 + 1)           # the head's x, n, r; int64 ids, bool mask
     assert plain[0] == L * kept + ends and recompute[0] == L * A + ends
     assert (L - 1) * (kept - A) <= plain[1] - recompute[1] <= L * (kept - A)
+
+
+# ----------------------------------------------------------------------------------
+# Sequence parallelism: the residual stream and its norms split along T
+# ----------------------------------------------------------------------------------
+
+SEQUENCE = ("--tp-style", "megatron", "--sequence-parallel")
+
+
+@pytest.mark.parametrize("world_size,micro_batches,optimizer,flags", [
+    (2, 2, "sgd", ()), (4, 1, "sgd", ()), (4, 3, "adamw", ()), (2, 1, "sgd", ("--recompute",))])
+def test_sequence_parallel_training_matches_serial(tmp_path, monkeypatch, world_size, micro_batches,
+                                                   optimizer, flags):
+    """T = 4 positions split over 2 or 4 ranks: every loss and final weight equal to serial
+    training's; the gains and P whole on every rank, their gradients summed over tp."""
+    result = run_tp(tmp_path, monkeypatch, world_size, micro_batches, optimizer, flags=(*SEQUENCE, *flags))
+    assert result["config"]["sequence_parallel"] and result["config"]["tp_style"] == "megatron"
+    assert_save_contract(result)
+    assert_shards_are_slices(result)
+    assert_matches_serial(result)
+
+
+def sums_dropped(grads, whole, group):
+    pass
+
+
+def sums_averaged(grads, whole, group):    # gpt-neox's: the mean over tp, 1/t of the gradient
+    for i in whole:
+        tp.reduce_over(grads[i], group)
+        grads[i] /= dist.get_world_size(group)
+
+
+def p_left_partial(grads, whole, group):   # the gains summed, P's rows left on their own ranks
+    REAL_SUM(grads, whole[1:], group)
+
+
+def scatter_along_D(x, group):             # the reduce-scatter along D, viewed as T's shard
+    b, T, D = x.shape
+    mine = REAL_SCATTER(x.transpose(1, 2), group).transpose(1, 2)     # [b, T, D/t]
+    return mine.reshape(b, T // dist.get_world_size(group), D)
+
+
+REAL_SUM = tp.sum_partial_grads
+REAL_SCATTER = tp.scatter_along_T
+SP_DEFECTS = [("sum_partial_grads", sums_dropped), ("sum_partial_grads", sums_averaged),
+              ("sum_partial_grads", p_left_partial), ("scatter_along_T", scatter_along_D)]
+
+
+@pytest.mark.parametrize("name,defect", SP_DEFECTS, ids=[d.__name__ for _, d in SP_DEFECTS])
+def test_each_sequence_parallel_defect_fails_the_check(tmp_path, monkeypatch, capfd, name, defect):
+    """The field's bugs (Megatron #1446, gpt-neox #1259): the gains' sum over tp dropped, or a
+    mean in its place; P's gradient left partial; the reduce-scatter taken along D. Each run's
+    --check says FAILED and the run exits 1."""
+    monkeypatch.setattr(tp, name, defect)
+    with pytest.raises(RankFailed) as failed:
+        run_tp(tmp_path, monkeypatch, 2, flags=(*SEQUENCE, "--check"))
+    assert (failed.value.stopped or "").startswith("check FAILED"), str(failed.value)
+    assert check_report(capfd.readouterr().out)[1] == "FAILED"
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--sequence-parallel"], "--sequence-parallel: needs --tp-style megatron"),
+    (["--sequence-parallel", "--tp-style", "megatron", "--context", "6"],
+     "--sequence-parallel: --context 6 is not divisible by --world-size (4)")])
+def test_sequence_parallel_refuses_what_it_cannot_split(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tp.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sequence_parallel_holds_the_norm_regions_by_t(world_size):
+    """A block's stash under sequence parallelism: x, x' and the norms' r by 1/t (their T/t rows),
+    n1 and n2 whole (gathered along T, the column layers' inputs), the rest by 1/t as Megatron's;
+    Megatron's own holds x, n1, x', n2 and r whole. --recompute keeps x alone: A/t a block. The
+    stash counted from the tensors alive (tests/stash_check.py) equals the formula."""
+    L, D, h, B, m, t, T = 4, 16, 4, 32, 2, world_size, 4
+    argv = ["--world-size", str(t), "--num-layers", str(L), "--dim", str(D), "--heads", str(h),
+            "--batch-size", str(B), "--micro-batches", str(m), "--optimizer", "sgd", "--context", str(T),
+            "--tp-style", "megatron"]
+    megatron = stash_and_peak("tensor_parallel", argv)
+    sequence = stash_and_peak("tensor_parallel", [*argv, "--sequence-parallel"])
+    recompute = stash_and_peak("tensor_parallel", [*argv, "--sequence-parallel", "--recompute"])
+    b = B // m
+    A = b * T * D * 4
+    r = 2 * b * T * 4
+    attention = b * h * T * T * 4 // t
+    kept_megatron = 4 * A + 12 * A // t + r + attention
+    kept = 2 * A + 14 * A // t + r // t + attention
+    ends = A // t + A + b * T * 4 // t + b * T * (8 + 1)   # the head's x (T/t), n (gathered), r
+    assert megatron[0] == L * kept_megatron + 2 * A + b * T * 4 + b * T * 9
+    assert sequence[0] == L * kept + ends
+    assert recompute[0] == L * A // t + ends
+    assert kept_megatron - kept == 2 * A * (t - 1) // t + r * (t - 1) // t    # x, x' and r by t

@@ -202,7 +202,7 @@ def test_show_rank_map_prints_the_table_and_starts_no_rank(sizes, order, monkeyp
 
 def run_3d(tmp_path, dp_size, pp_size, tp_size, schedule="1f1b", order="tp-pp-dp", p2p_shard=False,
            micro_batches=2, dim=16, num_layers=8, batch_size=16, steps=2, optimizer="sgd", lr=None, seed=3,
-           tp_style="all-gather", zero=0, bucket_mb=25, heads=8, flags=()):
+           tp_style="all-gather", zero=0, bucket_mb=25, heads=8, sequence_parallel=False, flags=()):
     """three_d.main in-process (ranks forked from here); return the --save dict. SGD's lr 1: a
     deep model's weights move well past the tolerance in two steps."""
     lr = lr or (1.0 if optimizer == "sgd" else 0.01)
@@ -210,6 +210,7 @@ def run_3d(tmp_path, dp_size, pp_size, tp_size, schedule="1f1b", order="tp-pp-dp
     three_d.main(["--dp", str(dp_size), "--pp", str(pp_size), "--tp", str(tp_size), "--tp-style", tp_style,
                   "--zero", str(zero), "--bucket-mb", str(bucket_mb),
                   "--schedule", schedule, "--order", order, *(["--p2p-shard"] if p2p_shard else []),
+                  *(["--sequence-parallel"] if sequence_parallel else []),
                   "--micro-batches", str(micro_batches), "--dim", str(dim), "--context", "4", "--heads", str(heads),
                   "--num-layers", str(num_layers),
                   "--batch-size", str(batch_size), "--steps", str(steps), "--optimizer", optimizer,
@@ -276,6 +277,16 @@ CASES = [
     ((3, 2, 1), dict(zero=1, batch_size=12)),
     ((3, 2, 1), dict(zero=2, bucket_mb=0.002, batch_size=12, micro_batches=1)),
     ((3, 2, 1), dict(zero=3, bucket_mb=0.002, batch_size=12)),   # AdamW: elements near eps
+    # sequence parallelism: T = 4 over tp 2 and 4, each ZeRO stage (the gains' sum before the
+    # dp exchange), every schedule, --p2p-shard (the T/tp rows cross as they are)
+    ((2, 2, 2), dict(tp_style="megatron", sequence_parallel=True)),
+    ((1, 2, 4), dict(tp_style="megatron", sequence_parallel=True, schedule="gpipe", p2p_shard=True,
+                     micro_batches=4)),
+    ((2, 1, 4), dict(tp_style="megatron", sequence_parallel=True, zero=1, bucket_mb=0)),
+    ((2, 2, 2), dict(tp_style="megatron", sequence_parallel=True, zero=2, schedule="zb-h1",
+                     order="tp-dp-pp")),
+    ((2, 2, 2), dict(tp_style="megatron", sequence_parallel=True, zero=3, schedule="interleaved",
+                     optimizer="adamw", lr=0.01)),
 ]
 
 
