@@ -73,19 +73,13 @@ def my_columns(g, group=None):   # the all-gather's backward: this rank's slice 
 
 
 def gather_along_T(x, group):   # [b, T/tp, ..] on each rank -> [b, T, ..] on all, in rank order
-    size = dist.get_world_size(group)
-    if size == 1:
-        return x
-    whole = x.new_empty(size * x.shape[1], x.shape[0], *x.shape[2:])      # T first: one block
-    dist.all_gather_single(whole, x.transpose(0, 1).contiguous(), group=group)   # a rank
+    whole = x.new_empty(dist.get_world_size(group) * x.shape[1], x.shape[0], *x.shape[2:])
+    dist.all_gather_single(whole, x.transpose(0, 1).contiguous(), group=group)   # T first
     return whole.transpose(0, 1)
 
 
 def scatter_along_T(x, group):   # [b, T, ..] on each rank -> their sum's [b, T/tp, ..], rank t's
-    size = dist.get_world_size(group)
-    if size == 1:
-        return x
-    mine = x.new_empty(x.shape[1] // size, x.shape[0], *x.shape[2:])
+    mine = x.new_empty(x.shape[1] // dist.get_world_size(group), x.shape[0], *x.shape[2:])
     dist.reduce_scatter_single(mine, x.transpose(0, 1).contiguous(), group=group)
     return mine.transpose(0, 1)
 
@@ -162,19 +156,15 @@ class GatherSplit(MegatronSplit):
 
 class SequenceSplit(MegatronSplit):
     """Sequence parallelism (Korthikanti et al. 2022) on Megatron's pairs: from a row layer to
-    the next column layer the residual stream is split along T, [b, T/tp, D] a rank (rows
-    t T/tp .. (t+1) T/tp), and so is what runs on it: the residual adds and the norms. g becomes
-    a reduce-scatter along T, f an all-gather; an all-reduce is the two, so the bytes are the
-    same, and x, x' and the norms' r are held by 1/tp.
+    the next column layer each rank holds rows_t of T, [b, T/tp, D], and runs the residual adds
+    and the norms on them. f becomes an all-gather along T, g a reduce-scatter: an all-reduce's
+    bytes, and x, x' and r held by 1/tp. A gain sees T/tp positions, P its rows_t: dg and dP
+    are partial, to be summed over tp (averaged: 1/tp of the gradient).
 
-      forward   n_t = rmsnorm(x_t; g1)                   [b, T/tp, D]
-                n = [n_0; n_1; ..]                       f: all-gather along T   [b, T, D]
+      forward   n = [n_0; n_1; ..], n_t = rmsnorm(x_t)   f: all-gather along T   [b, T, D]
                 y_t = (sum_r o_r Wo_r)[rows_t]           g: reduce-scatter along T
       backward  dy = [dy_0; dy_1; ..]                    g's: all-gather along T
-                dn_t = (sum_r dq_r Wq_r^T + ..)[rows_t]  f's: reduce-scatter along T
-
-    A gain now sees T/tp positions, and P its rows_t: each rank's dg and dP are partial, and
-    are summed over tp (averaged, they are 1/tp of the gradient)."""
+                dn_t = (sum_r dq_r Wq_r^T + ..)[rows_t]  f's: reduce-scatter along T"""
 
     def enter(self, n):
         return gather_along_T(n, self.group)
@@ -304,34 +294,6 @@ def tensor_kinds(kinds, tp_style):
     return [by_part[part] for part in kinds]
 
 
-def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=False,
-             sequence_parallel=False, replicated=()):
-    """A tp rank's collectives a step, (kind, bytes of the tensor, times), A = act_bytes for one
-    activation [b, T, D]. A block, each micro-batch: Megatron two g all-reduces forward (again
-    with --recompute) and two f backward; the all-gather style all-gathers o, Wo's output, the
-    MLP's [b, T, 4D] and W2's (again with --recompute), and all-reduces dn1, do, du (4 A), dn2.
-    The embedding all-reduces x, the head dn; the loss three [b T] of fp32. Sequence parallel:
-    each of Megatron's all-reduces a reduce-scatter and an all-gather along T, the same bytes;
-    and once a step an all-reduce of each gain's and P's gradient (replicated: their bytes)."""
-    m = num_micro_batches
-    blocks = kinds.count("block")
-    ends = ("embedding" in kinds) + ("head" in kinds)
-    pairs = (blocks * (4 + 2 * recompute) + ends) * m
-    if sequence_parallel:
-        runs = [("all-gather", act_bytes, pairs), ("reduce-scatter", act_bytes, pairs),
-                *[("all-reduce", nbytes, 1) for nbytes in replicated]]
-    elif tp_style == "megatron":
-        runs = [("all-reduce", act_bytes, pairs)]
-    else:
-        gathers = blocks * (1 + recompute) * m
-        runs = [("all-gather", act_bytes, 3 * gathers), ("all-gather", 4 * act_bytes, gathers),
-                ("all-reduce", act_bytes, (3 * blocks + ends) * m),
-                ("all-reduce", 4 * act_bytes, blocks * m)]
-    if "head" in kinds:
-        runs.append(("all-reduce", 4 * rows, 3 * m))   # m, s and l_y
-    return runs
-
-
 def clip_shares(kinds, tp_size):   # each tensor's share of its squares: a whole one's, 1/t
     return [1 / tp_size if kind == "whole" else 1.0 for kind in kinds]
 
@@ -417,11 +379,39 @@ def main(argv=None):
     spawn(tp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
 
 
-# Below the fold: the command line and its rules, and what the run says it ran. ---------------
+# Below the fold: its costs, the command line and its rules, and what the run says it ran. -------
 from collectives import positive_int  # noqa: E402
 from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa
                            full_grads, full_weights, load_checkpoint, log_step, save_checkpoint,
                            training_parser)
+
+
+def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=False,
+             sequence_parallel=False, replicated=()):
+    """A tp rank's collectives a step, (kind, bytes of the tensor, times), A = act_bytes for one
+    activation [b, T, D]. A block, each micro-batch: Megatron two g all-reduces forward (again
+    with --recompute) and two f backward; the all-gather style all-gathers o, Wo's output, the
+    MLP's [b, T, 4D] and W2's (again with --recompute), and all-reduces dn1, do, du (4 A), dn2.
+    The embedding all-reduces x, the head dn; the loss three [b T] of fp32. Sequence parallel:
+    each of Megatron's all-reduces a reduce-scatter and an all-gather along T, the same bytes;
+    and once a step an all-reduce of each gain's and P's gradient (replicated: their bytes)."""
+    m = num_micro_batches
+    blocks = kinds.count("block")
+    ends = ("embedding" in kinds) + ("head" in kinds)
+    pairs = (blocks * (4 + 2 * recompute) + ends) * m
+    if sequence_parallel:
+        runs = [("all-gather", act_bytes, pairs), ("reduce-scatter", act_bytes, pairs),
+                *[("all-reduce", nbytes, 1) for nbytes in replicated]]
+    elif tp_style == "megatron":
+        runs = [("all-reduce", act_bytes, pairs)]
+    else:
+        gathers = blocks * (1 + recompute) * m
+        runs = [("all-gather", act_bytes, 3 * gathers), ("all-gather", 4 * act_bytes, gathers),
+                ("all-reduce", act_bytes, (3 * blocks + ends) * m),
+                ("all-reduce", 4 * act_bytes, blocks * m)]
+    if "head" in kinds:
+        runs.append(("all-reduce", 4 * rows, 3 * m))   # m, s and l_y
+    return runs
 
 
 def whole_model(owned, full, kinds, owners=None):
