@@ -80,6 +80,8 @@ bench: deps
 	$(PYTHON) tests/bench.py tensor_parallel --world-size 2
 	$(PYTHON) tests/bench.py tensor_parallel --world-size 2 --tp-style megatron $(BIG)
 	$(PYTHON) tests/bench.py tensor_parallel --world-size 2 --tp-style megatron
+	$(PYTHON) tests/bench.py tensor_parallel --world-size 2 --tp-style megatron --sequence-parallel $(BIG)
+	$(PYTHON) tests/bench.py tensor_parallel --world-size 2 --tp-style megatron --sequence-parallel
 	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 8 $(BIG)
 	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 4
 	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 8 --schedule zb-h1 $(BIG)

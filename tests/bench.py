@@ -342,17 +342,23 @@ def watch_gathers(replica):
 # ----------------------------------------------------------------------------------
 
 TORCH_TP = {"all-gather": "ColwiseParallel, outputs all-gathered",
-            "megatron": "ColwiseParallel + RowwiseParallel"}
+            "megatron": "ColwiseParallel + RowwiseParallel",
+            "sequence": "Colwise + RowwiseParallel + SequenceParallel"}
+
+
+def torch_tp_name(args):
+    return TORCH_TP["sequence" if args.sequence_parallel else args.tp_style]
 
 
 def versus_colwise(args):
     import torch.distributed.tensor.parallel  # noqa: F401  (~2 s) once here, before the ranks fork
     times, diffs = spawn_returning(colwise_race, args.world_size, args, backend=args.backend,
                                    timeout_s=args.timeout_s)
-    return dict(title=f"tensor parallel ({args.tp_style}) vs torch.distributed.tensor.parallel: "
+    style = args.tp_style + ", sequence parallel" * args.sequence_parallel
+    return dict(title=f"tensor parallel ({style}) vs torch.distributed.tensor.parallel: "
                       f"{bench_sizes(args, args.world_size)}\n  torch: the embedding RowwiseParallel, the head "
                       f"ColwiseParallel with its logits left sharded, and loss_parallel()",
-                times=times, diffs=diffs, ratios=[("ours", TORCH_TP[args.tp_style])],
+                times=times, diffs=diffs, ratios=[("ours", torch_tp_name(args))],
                 world_size=args.world_size, steps=args.steps)
 
 
@@ -367,41 +373,63 @@ def colwise_race(rank, world_size, args):
     shards = [[shard(w, k, rank, world_size).to(device) for w, k in zip(part, ks)]
               for part, ks in zip(init, splits)]
     replica = data_parallel.DataParallel(shards, dist.new_subgroups(1)[0], **replica_options(sgd(args)))
-    blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, vocab_size=args.vocab_size)
+    blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, vocab_size=args.vocab_size,
+                       sequence_parallel=args.sequence_parallel)
     loss_fn = functools.partial(tensor_parallel.vocab_parallel_cross_entropy, vocab_size=args.vocab_size)
+    whole = [i for i, k in enumerate(k for ks in splits for k in ks) if k == "whole"]
 
     def step():                       # as tp_worker's
         data_parallel.dp_step(replica, blocks, loss_fn, xs, ys, n)
+        if args.sequence_parallel:
+            tensor_parallel.sum_partial_grads(replica.grads(), whole, dist.group.WORLD)
         replica.update()
     model = as_module(init, device, heads=args.heads)
     sides = {"ours": (step, lambda: (replica.params, replica.grads())),
-             TORCH_TP[args.tp_style]: colwise_side(model, xs, ys, n, args),
+             torch_tp_name(args): colwise_side(model, xs, ys, n, args),
              "serial: our step, whole batch, 1 rank": serial_side(args, device)}
     result = check_and_race(sides, device, args.steps)
     end_race(sides)
     return result
 
 
-def torch_tp_plan(model, style, head_logits):
+def torch_tp_plan(model, style, head_logits, sequence=False):
     """parallelize_module's plan for a TorchLM over tp: the embedding RowwiseParallel (each rank
     its classes' rows, the lookups all-reduced); Wq, Wk, Wv ColwiseParallel, at head
     boundaries; Megatron: W1 too, Wo and W2 RowwiseParallel; the all-gather style: Wo, W1, W2
     ColwiseParallel, the heads' outputs and GELU's all-gathered into Wo and W2, their outputs
-    all-gathered (Replicate); the head ColwiseParallel, its logits as head_logits says."""
+    all-gathered (Replicate); the head ColwiseParallel, its logits as head_logits says.
+    sequence: torchtitan's sequence parallelism on Megatron's: each block's input cut along T
+    (PrepareModuleInput; the embedding's output is whole, P added after it), the norms
+    SequenceParallel, Wq, Wk, Wv and W1 gathering along T, Wo and W2 reduce-scattering to it.
+    (Its q, k and v each gather n: no module holds the three together.)"""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
     gathered = ColwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())
     block = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "w1": ColwiseParallel(),
              "wo": RowwiseParallel() if style == "megatron" else gathered,
              "w2": RowwiseParallel() if style == "megatron" else gathered}
+    if sequence:
+        column = ColwiseParallel(input_layouts=Shard(1))
+        row = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        block = {"norm1": SequenceParallel(), "norm2": SequenceParallel(), "wq": column, "wk": column,
+                 "wv": column, "w1": column, "wo": row, "w2": row}
     plan = {}
+    first_block = True
     for i, kind in enumerate(model.kinds):
         if kind == "embedding":
             plan[f"parts.{i}.embedding"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         elif kind == "head":
             plan[f"parts.{i}.head"] = head_logits
+            if sequence:
+                plan[f"parts.{i}.norm"] = SequenceParallel()
         else:
             plan.update((f"parts.{i}.{name}", layer) for name, layer in block.items())
+            if sequence and first_block:
+                plan[f"parts.{i}"] = PrepareModuleInput(input_layouts=(Replicate(),),
+                                                        desired_input_layouts=(Shard(1),),
+                                                        use_local_output=False)
+            first_block = False
     return plan
 
 
@@ -417,7 +445,9 @@ def colwise_side(model, xs, ys, n, args):
     tp = dist.get_world_size()
     mesh = init_device_mesh(xs[0].device.type, (tp,))
     head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    parallelize_module(model, mesh, torch_tp_plan(model, args.tp_style, head))
+    if args.sequence_parallel:
+        head = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, torch_tp_plan(model, args.tp_style, head, args.sequence_parallel))
     for part in model.parts:
         if hasattr(part, "heads"):
             part.heads = args.heads // tp

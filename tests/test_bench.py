@@ -63,6 +63,13 @@ def test_megatron_pairs_equal_colwise_then_rowwise_parallel(num_layers):
     assert_same(result, ["ColwiseParallel + RowwiseParallel"])
 
 
+def test_sequence_parallel_equals_torchs_sequence_parallel():
+    """tensor_parallel.py --sequence-parallel against SequenceParallel norms, PrepareModuleInput
+    and loss_parallel: the same gradients (the gains' included) and weights."""
+    result = bench.versus_colwise(tiny(world_size=2, tp_style="megatron", sequence_parallel=True))
+    assert_same(result, ["Colwise + RowwiseParallel + SequenceParallel"])
+
+
 def test_pipeline_equals_pipelining_gpipe_and_1f1b():
     result = bench.versus_pipelining(tiny(world_size=2, schedule="1f1b", virtual_stages=1))
     assert_same(result, ["torch ScheduleGPipe", "ours 1f1b", "torch Schedule1F1B"])
