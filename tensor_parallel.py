@@ -165,18 +165,10 @@ class SequenceSplit(MegatronSplit):
                 y_t = (sum_r o_r Wo_r)[rows_t]           g: reduce-scatter along T
       backward  dy = [dy_0; dy_1; ..]                    g's: all-gather along T
                 dn_t = (sum_r dq_r Wq_r^T + ..)[rows_t]  f's: reduce-scatter along T"""
-
-    def enter(self, n):
-        return gather_along_T(n, self.group)
-
-    def out(self, y):
-        return scatter_along_T(y, self.group)
-
-    def out_back(self, g):
-        return gather_along_T(g, self.group)
-
-    def f_back(self, dx):
-        return scatter_along_T(dx, self.group)
+    def enter(self, n): return gather_along_T(n, self.group)
+    def out(self, y): return scatter_along_T(y, self.group)
+    def out_back(self, g): return gather_along_T(g, self.group)
+    def f_back(self, dx): return scatter_along_T(dx, self.group)
 
 
 # The vocabulary over the tp ranks: rank t holds the classes [v_t, v_t+1), vocab_range's.
@@ -506,13 +498,13 @@ def add_sequence_parallel(parser):
                         "megatron: the residual stream and its norms split along T over tp")
 
 
-def sequence_parallel_rules(args, tp_size, tp_flag):
-    if not args.sequence_parallel:
-        return []
-    return [(args.tp_style != "megatron", f"--sequence-parallel: needs --tp-style megatron (the "
-                                          f"all-gather style keeps every activation whole)"),
-            (args.context % tp_size, f"--sequence-parallel: --context {args.context} is not "
-                                     f"divisible by {tp_flag} ({tp_size}), the T/tp rows a rank")]
+def sequence_parallel_rules(args, tp_size, tp_flag):   # broken with --sequence-parallel alone
+    on = args.sequence_parallel
+    return [(on and args.tp_style != "megatron", f"--sequence-parallel: needs --tp-style megatron "
+                                                 f"(the all-gather style keeps activations whole)"),
+            (on and args.context % tp_size, f"--sequence-parallel: --context {args.context} is "
+                                            f"not divisible by {tp_flag} ({tp_size}), the T/tp rows "
+                                            f"a rank")]
 
 
 def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor

@@ -167,9 +167,8 @@ class ThreeDRank:
                 before_exchange=self.sum_partial if args.sequence_parallel else None))
 
     def sum_partial(self, b):
-        """Sequence parallel: each gain and P in bucket b saw a tp rank's T/tp positions alone:
-        their gradients summed over tp, before the dp exchange (ZeRO's parts of a bucket are
-        not the same elements on every tp rank: E_t and H_t differ in size)."""
+        """Sequence parallel: bucket b's gains and P saw T/tp positions a tp rank: their dg summed
+        over tp before the dp exchange (ZeRO's parts of a bucket differ by tp rank: E_t, H_t)."""
         bucket = self.replica.grad_buckets[b]
         whole = [i for i in self.replica.layout.buckets[b] if self.kinds[i] == "whole"]
         sum_partial_grads({i: self.replica.view(bucket, i) for i in whole}, whole,
