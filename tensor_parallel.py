@@ -503,8 +503,8 @@ def sequence_parallel_rules(args, tp_size, tp_flag):   # broken with --sequence-
     return [(on and args.tp_style != "megatron", f"--sequence-parallel: needs --tp-style megatron "
                                                  f"(the all-gather style keeps activations whole)"),
             (on and args.context % tp_size, f"--sequence-parallel: --context {args.context} is "
-                                            f"not divisible by {tp_flag} ({tp_size}), the T/tp rows "
-                                            f"a rank")]
+                                            f"not divisible by {tp_flag} ({tp_size}), the T/tp "
+                                            f"rows a rank")]
 
 
 def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor
