@@ -6,7 +6,7 @@
 # Bring your own environment instead with PYTHON=...: what it lacks is installed there.
 PYTHON ?= .venv/bin/python
 
-.PHONY: deps install collectives dp tp pp 3d test test-multinode test-slurm bench gpu-check
+.PHONY: deps install ray-deps collectives dp tp pp 3d 3d-ray test test-multinode test-slurm test-ray bench gpu-check
 
 # Two `make` calls at once (make 3d and make test in two terminals) take turns here: the
 # lock on .venv.lock is the kernel's, so a killed make holds it no longer.
@@ -41,8 +41,19 @@ pp: deps
 3d: deps
 	$(PYTHON) three_d.py --dp 2 --pp 2 --tp 2 --check
 
+# Ray is optional, not in requirements.txt: installed here only if missing (about 200 MB).
+# ray[train] does not depend on torch, so the installed torch stays as it is.
+ray-deps: deps
+	@$(PYTHON) -c "import importlib.util as u; exit(u.find_spec('ray') is None)" || $(PYTHON) -m pip install -q "ray[train]==2.60.0"
+
+3d-ray: ray-deps
+	$(PYTHON) three_d.py --ray --dp 2 --pp 2 --tp 2 --check
+
 test: deps
-	$(PYTHON) -m pytest -q -m "not multinode and not slurm" tests
+	$(PYTHON) -m pytest -q -m "not multinode and not slurm and not ray" tests
+
+test-ray: ray-deps
+	$(PYTHON) -m pytest -q -m ray tests
 
 # A machine with GPUs (tests/gpu_check.py): each script on all of this node's GPUs with --check,
 # fp32 and bf16; then one GPU's bf16 step of a large model, ours beside plain PyTorch: step time,

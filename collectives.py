@@ -437,6 +437,33 @@ def measured_bandwidth(nbytes, points, floor, plateau):
     return b0 * (b1 / b0) ** (math.log(size / s0) / math.log(s1 / s0))
 
 
+def ray_launch(fn, world_size, args):
+    """The ranks as Ray Train workers: TorchTrainer starts one a rank on any node of the Ray
+    cluster (`ray start`'s, RAY_ADDRESS, or one started here), sets what torchrun would (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ..) and joins the group; spawn() then runs that rank."""
+    import ray
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}})
+    cluster = ray.cluster_resources()
+    use_gpu = args.backend == "nccl" or (args.backend == "auto" and
+                                         cluster.get("GPU", 0) >= world_size)
+    backend = "nccl" if use_gpu else "gloo"
+    resources = {"CPU": min(1.0, cluster.get("CPU", 1) / world_size)}   # 8 ranks on 2 cores
+    if args.save:
+        args.save = os.path.abspath(args.save)   # a worker runs in another folder
+    config = {"fn": fn, "world_size": world_size, "args": args, "backend": backend}
+    TorchTrainer(ray_worker, train_loop_config=config,
+                 scaling_config=ScalingConfig(num_workers=world_size, use_gpu=use_gpu,
+                                              resources_per_worker=resources),
+                 torch_config=TorchConfig(backend=backend, timeout_s=args.timeout_s)).fit()
+
+
+def ray_worker(config):   # one Ray Train worker: its rank of the run
+    spawn(config["fn"], config["world_size"], config["args"], backend=config["backend"],
+          timeout_s=config["args"].timeout_s)
+
+
 def run_main(main):
     """A failed rank: one line and exit 1; Ctrl-C 130, SIGTERM 143, SIGHUP 129; the output's
     reader gone (| head) 141, quietly, as a shell reports SIGPIPE. Under torchrun, record()

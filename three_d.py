@@ -5,6 +5,7 @@
     python three_d.py --dp 1 --pp 4 --tp 2 --num-layers 4 --schedule gpipe --order tp-dp-pp
     python three_d.py --tp-style megatron --sequence-parallel --check   # T split over tp too
     python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
+    python three_d.py --ray                             # the ranks as Ray Train workers
     python three_d.py --plan --hardware h100            # which layout? 8 H100s, ranked
     python three_d.py --checkpoint ckpt --checkpoint-every 50   # then: --resume ckpt, any layout
     torchrun --nproc-per-node 8 three_d.py              # one node; the README has two nodes
@@ -31,7 +32,7 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns 
 import torch
 import torch.distributed as dist
 
-from collectives import cleanup, run_main, setup, spawn
+from collectives import cleanup, ray_launch, run_main, setup, spawn
 from data_parallel import (dp_costs, init_params, make_batch, make_replica, replica_rows,
                            spans_of)
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
@@ -278,6 +279,8 @@ def main(argv=None):
         show_rank_map(args.dp, args.pp, args.tp, args.order)
     elif args.plan:  # which layout? every one, costed by three_d_costs() (below)
         plan(args)
+    elif args.ray:   # the same ranks, started by Ray instead of spawn (step 1's launcher)
+        ray_launch(three_d_worker, args.dp * args.pp * args.tp, args)
     else:
         spawn(three_d_worker, args.dp * args.pp * args.tp, args, backend=args.backend,
               timeout_s=args.timeout_s)
@@ -285,7 +288,7 @@ def main(argv=None):
 
 # Below the fold: the run's end, the rank map's print, --plan (the search and the GPU figures),
 # the command line. ------------------------------------------------------------------------
-import argparse, functools, itertools, math  # noqa: E401, E402
+import argparse, functools, importlib.util, itertools, math  # noqa: E401, E402
 from typing import NamedTuple  # noqa: E402
 from collections import Counter  # noqa: E402
 
@@ -742,6 +745,8 @@ def parse_args(argv=None):
     parser.add_argument("--p2p-shard", action="store_true", help="send 1/tp of what crosses stages")
     add_sequence_parallel(parser)
     parser.add_argument("--show-rank-map", action="store_true", help="print the rank map and exit")
+    parser.add_argument("--ray", action="store_true",
+                        help="start the ranks as Ray Train workers (make 3d-ray installs Ray)")
     add_plan_args(parser)
     # make 3d's run, measured: 2 blocks and 180 steps learn to 1.79 nats in 30 s on 2 cores (4
     # blocks and 200 steps: 1.75 in 56 s); --pp 4 or --schedule interleaved want --num-layers 4
@@ -765,6 +770,8 @@ def parse_args(argv=None):
                    divides(args.num_layers, "--num-layers", args.pp, "--pp"),
                    *schedule_rules(args, args.pp, "--pp")])
     parser.refuse([
+        (args.ray and importlib.util.find_spec("ray") is None,
+         "--ray: Ray is not installed; pip install 'ray[train]' (or: make 3d-ray)"),
         (args.p2p_shard and args.tp == 1, "--p2p-shard: with --tp 1 there is nothing to shard"),
         (args.p2p_shard and args.pp == 1, "--p2p-shard: with --pp 1 nothing crosses a stage")])
     check_training_args(parser, args, args.dp * args.pp * args.tp, args.dp, "--dp",

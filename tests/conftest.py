@@ -43,3 +43,4 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "deadline(seconds): fail the test after this many seconds")
     config.addinivalue_line("markers", "multinode: two nodes in network namespaces, as root (make test-multinode)")
     config.addinivalue_line("markers", "slurm: a Slurm cluster of two nodes in network namespaces (make test-slurm)")
+    config.addinivalue_line("markers", "ray: Ray Train's workers, once Ray is installed (make test-ray)")

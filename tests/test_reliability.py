@@ -16,6 +16,7 @@ tests/faults.py makes a rank fail on purpose (no test hook in the scripts). The
 launcher's own failure handling, on bare workers, is tested in test_collectives.py.
 """
 import glob
+import importlib.util
 import multiprocessing
 import os
 import re
@@ -661,6 +662,35 @@ def test_the_same_run_twice_gives_bitwise_the_same_weights(tmp_path, monkeypatch
     assert first["losses"] == second["losses"]
     assert all(torch.equal(a, b) for a, b in zip(final_params(first), final_params(second)))
     assert not torch.equal(final_params(first)[0], init_of(first)[0])   # it did train
+
+
+# ----------------------------------------------------------------------------------
+# --ray (make test-ray, which installs Ray): Ray Train's workers run the same ranks
+# ----------------------------------------------------------------------------------
+
+@pytest.mark.ray
+@pytest.mark.deadline(300)
+def test_ray_workers_train_the_same_weights_as_spawn(tmp_path):
+    assert importlib.util.find_spec("ray"), "Ray is not installed: make test-ray installs it"
+    argv = ["--dp", "2", "--pp", "2", "--tp", "1", *SHORT]
+    code, out, err = finish(start([sys.executable, "three_d.py", "--ray", *argv, "--save",
+                                   str(tmp_path / "ray.pt")], start_new_session=True), timeout=280)
+    assert code == 0, err[-3000:]
+    three_d.main([*argv, "--save", str(tmp_path / "spawn.pt")])
+    ray_run, spawn_run = torch.load(tmp_path / "ray.pt"), torch.load(tmp_path / "spawn.pt")
+    assert ray_run["losses"] == spawn_run["losses"]
+    assert all(torch.equal(a, b) for a, b in zip(final_params(ray_run), final_params(spawn_run)))
+    assert not torch.equal(final_params(ray_run)[0], init_of(ray_run)[0])   # it trained
+
+
+def test_ray_not_installed_is_refused_in_one_line(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(SystemExit) as exit_:
+        three_d.parse_args(["--ray"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.strip().endswith("--ray: Ray is not installed; pip install "
+                                                          "'ray[train]' (or: make 3d-ray)"), err
 
 
 # ----------------------------------------------------------------------------------
