@@ -450,9 +450,8 @@ def ray_launch(fn, world_size, args):
                                          cluster.get("GPU", 0) >= world_size)
     backend = "nccl" if use_gpu else "gloo"
     resources = {"CPU": min(1.0, cluster.get("CPU", 1) / world_size)}   # 8 ranks on 2 cores
-    if args.save:
-        args.save = os.path.abspath(args.save)   # a worker runs in another folder
-    config = {"fn": fn, "world_size": world_size, "args": args, "backend": backend}
+    config = {"fn": fn, "world_size": world_size, "args": args, "backend": backend,
+              "folder": os.getcwd()}     # a worker starts in another: --save's path, --resume's
     TorchTrainer(ray_worker, train_loop_config=config,
                  scaling_config=ScalingConfig(num_workers=world_size, use_gpu=use_gpu,
                                               resources_per_worker=resources),
@@ -460,6 +459,7 @@ def ray_launch(fn, world_size, args):
 
 
 def ray_worker(config):   # one Ray Train worker: its rank of the run
+    os.chdir(config["folder"])
     spawn(config["fn"], config["world_size"], config["args"], backend=config["backend"],
           timeout_s=config["args"].timeout_s)
 
