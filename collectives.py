@@ -452,10 +452,14 @@ def ray_launch(fn, world_size, args):
     resources = {"CPU": min(1.0, cluster.get("CPU", 1) / world_size)}   # 8 ranks on 2 cores
     config = {"fn": fn, "world_size": world_size, "args": args, "backend": backend,
               "folder": os.getcwd()}     # a worker starts in another: --save's path, --resume's
-    TorchTrainer(ray_worker, train_loop_config=config,
-                 scaling_config=ScalingConfig(num_workers=world_size, use_gpu=use_gpu,
-                                              resources_per_worker=resources),
-                 torch_config=TorchConfig(backend=backend, timeout_s=args.timeout_s)).fit()
+    trainer = TorchTrainer(ray_worker, train_loop_config=config,
+                           scaling_config=ScalingConfig(num_workers=world_size, use_gpu=use_gpu,
+                                                        resources_per_worker=resources),
+                           torch_config=TorchConfig(backend=backend, timeout_s=args.timeout_s))
+    try:
+        trainer.fit()
+    except Exception as e:   # Ray's error: the failed ranks' tracebacks, printed above; its end
+        raise Stop(f"a Ray worker failed: {str(e).strip().splitlines()[-1]}") from None
 
 
 def ray_worker(config):   # one Ray Train worker: its rank of the run

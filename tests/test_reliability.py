@@ -683,6 +683,18 @@ def test_ray_workers_train_the_same_weights_as_spawn(tmp_path):
     assert not torch.equal(final_params(ray_run)[0], init_of(ray_run)[0])   # it trained
 
 
+@pytest.mark.ray
+@pytest.mark.deadline(300)
+def test_a_failed_ray_run_exits_1_and_says_why_in_one_line():
+    assert importlib.util.find_spec("ray"), "Ray is not installed: make test-ray installs it"
+    code, out, err = finish(start([sys.executable, "three_d.py", "--ray", "--dp", "1", "--pp", "2", "--tp", "1",
+                                   *SHORT, "--lr", "1e30"], start_new_session=True), timeout=280)
+    assert code == 1
+    said = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and said[0].startswith("error: a Ray worker failed: collectives.Stop: the "), said
+    assert said[0].endswith("--lr 1e+30 is too large for this model; try a smaller one"), said
+
+
 def test_ray_not_installed_is_refused_in_one_line(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
