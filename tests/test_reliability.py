@@ -776,6 +776,11 @@ def test_the_docstrings_commands_are_accepted_as_printed(monkeypatch, capsys):
             assert script == name
             for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
                 monkeypatch.delenv(variable, raising=False)
+            if "--ray" in flags and importlib.util.find_spec("ray") is None:   # Ray is optional:
+                with pytest.raises(SystemExit):                              # refused, saying so
+                    module.parse_args(flags.split())
+                assert "--ray: Ray is not installed" in capsys.readouterr().err
+                continue
             module.parse_args(flags.split())                               # exits 2 if refused
 
 
