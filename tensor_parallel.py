@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from collectives import cleanup, run_main, setup, spawn
 from data_parallel import (Block, DataParallel, block_backward, block_forward, dp_step,
-                           head_backward, head_forward, init_params,
+                           embedding_backward, head_backward, head_forward, init_params,
                            make_batch, tensors_of)
 
 
@@ -216,12 +216,12 @@ def vocab_embedding_backward(g, stash, w, need_dx=False, group=None, sequence_pa
     dP from the whole g, step 2's. Sequence parallel: g [b, T/tp, D], all-gathered along T for
     dE_t; dP from g alone, P's rows of this rank's T/tp (partial: summed over tp)."""
     local, outside = stash
-    positions = torch.arange(local.shape[1], device=g.device).expand_as(local)   # [b, T]
+    _, (_, (positions, _)) = embedding_backward(g, (local,), w)       # [b, T]: step 2's
+    g_all = g
     if sequence_parallel:
         positions = my_rows(positions.T, group).T                     # [b, T/tp]
-        return None, [(local, gather_along_T(g, group).masked_fill(outside[..., None], 0.0)),
-                      (positions, g)]
-    return None, [(local, g.masked_fill(outside[..., None], 0.0)), (positions, g)]
+        g_all = gather_along_T(g, group)
+    return None, [(local, g_all.masked_fill(outside[..., None], 0.0)), (positions, g)]
 
 
 def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
@@ -291,7 +291,7 @@ def clip_shares(kinds, tp_size):   # each tensor's share of its squares: a whole
 
 
 def shard(w, kind, tp_rank, tp_size):
-    """Rank t's part of a whole tensor, as a copy even when T = 1 (where a slice would be W
+    """Rank t's part of a whole tensor, as a copy even when tp = 1 (where a slice would be W
     itself): the optimizer updates the shard in place, and the whole must stay the initial one."""
     row_start, row_end, col_start, col_end = shard_box(w.shape, kind, tp_rank, tp_size)
     if w.dim() == 1:                      # a gain: whole
