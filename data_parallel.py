@@ -80,7 +80,7 @@ def heads(t, head_dim):   # [b, T, h dh] -> [b, h, T, dh]: head j's columns j dh
 def attention(q, k, v, head_dim):
     """Causal attention of every head q, k, v hold [b, T, h dh]: o [b, T, h dh], A [b, h, T, T]
     in fp32 (bf16's A moves dq ten times further from fp32's: the check's tolerance sees it)."""
-    q, k, v = heads(q, head_dim), heads(k, head_dim), heads(v, head_dim)
+    q, k, v = (heads(t, head_dim) for t in (q, k, v))
     s = (q / math.sqrt(head_dim)) @ k.transpose(-1, -2)               # [b, h, T, T]
     future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
     a = s.masked_fill_(future, float("-inf")).softmax(-1, dtype=wide(s).dtype)   # row i: 0 .. i
@@ -124,7 +124,7 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE):
     g1, wq, wk, wv, wo, g2, w1, w2 = w
     n1, r1 = rmsnorm(x, g1)
     n1 = split.enter(n1)                      # [b, T, D]
-    q, k, v = n1 @ wq, n1 @ wk, n1 @ wv       # [b, T, D/t]: whole heads, this rank's
+    q, k, v = (n1 @ w for w in (wq, wk, wv))  # [b, T, D/t]: whole heads, this rank's
     o, a = attention(q, k, v, head_dim)       # [b, T, D/t], A [b, h/t, T, T]
     o = split.gather(o)
     x2 = x + split.out(o @ wo)                # the residual
