@@ -9,7 +9,7 @@
   data_parallel.serial_train over nine layouts, both schedules, both orders,
   --p2p-shard, SGD and AdamW, micro-batches 1 to 4; dp=2 against dp=1.
 - Bad flags: one line on stderr naming the flag, exit 2, no rank started.
-- `make 3d` (the defaults with --check) as a subprocess, once.
+- `make 3d`'s command as a subprocess, its first 30 steps; serial training at its defaults learns.
 """
 import argparse
 import itertools
@@ -403,52 +403,57 @@ VALIDATION = re.compile(r"^validation loss ([\d.]+) nats a character, on (\d+) w
 BASELINES = re.compile(r"^  the text's own: uniform ln 97 = ([\d.]+), unigram ([\d.]+), bigram ([\d.]+)")
 
 
-@pytest.mark.deadline(180)   # ~45 s idle; the deadline leaves room for a machine shared with other test runs
+def validation_loss(config, params):
+    """The loss of these weights on the validation windows the script prints its own on."""
+    val_args = argparse.Namespace(**{**config, "batch_size": VALIDATION_WINDOWS})
+    inputs, targets = dp.make_batch(val_args, step=0, text=dp.text_part("validation"))
+    return dp.serial_loss(params, inputs, targets, config["dim"] // config["heads"])[0].item()
+
+
+VALIDATION_WINDOWS = 256
+
+
+@pytest.mark.deadline(120)
 def test_make_3d_defaults_pass_check_and_learn_the_text(tmp_path):
-    """The defaults of `make 3d` (8 ranks, 2 blocks, 180 steps) on a machine without numpy, which
-    torch does not depend on: --check passes with nothing on stderr, the printed losses
-    are serial training's, the validation loss falls below the text's bigram entropy (the
-    model uses more than one character of context), and a sample follows the prompt."""
+    """`make 3d`'s command (8 ranks, 2 blocks) for its first 30 of 180 steps, on a machine
+    without numpy, which torch does not depend on: --check passes with nothing on stderr, the
+    printed losses are serial training's, the printed validation loss is its weights', and a
+    sample follows the prompt. Serial training at the same defaults, all 180 steps, falls below
+    1.9 nats (the text's bigram entropy 2.46, Bengio's MLP's 2.13). (make 3d's whole run is
+    CI's, which holds its printed loss below 1.9 too: .ci/run.)"""
     save = tmp_path / "run.pt"
     env = {**os.environ, "PYTHONPATH": without_numpy(tmp_path)}
-    proc = subprocess.run([sys.executable, "three_d.py", "--check", "--save", str(save), *TIMEOUT],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run([sys.executable, "three_d.py", "--check", "--steps", "30", "--save", str(save), *TIMEOUT],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""        # not even torch's warning that numpy is missing
     lines = proc.stdout.splitlines()
     result = torch.load(save)
     config = result["config"]
-    assert (config["dp"], config["pp"], config["tp"], config["steps"], config["num_layers"]) == \
-        (2, 2, 2, 180, 2)
+    assert (config["dp"], config["pp"], config["tp"], config["steps"], config["num_layers"]) == (2, 2, 2, 30, 2)
     assert "rank map: dp=2 pp=2 tp=2" in proc.stdout
     assert sum(line.split()[:4] == ["rank", "dp", "pp", "tp"] for line in lines) == 1
 
     # a loss line every tenth of the steps and at the last, printed by the last stage; serial training's
     steps = [LOSS_LINE.match(line) for line in lines if LOSS_LINE.match(line)]
-    assert [int(m[2]) for m in steps] == [*range(0, 180, 18), 179]
+    assert [int(m[2]) for m in steps] == [*range(0, 30, 3), 29]
     assert all(int(m[1]) == config["pp"] - 1 for m in steps)
     printed = [float(m[3]) for m in steps]
     assert printed == [pytest.approx(result["losses"][int(m[2])], abs=5e-7) for m in steps]   # as saved
-    # two whole runs drift apart by their rounding (AdamW's eps, chaotic training): serial
-    # training's own run agrees tightly at first and within 1e-2 to the end; --check, below,
-    # holds every step to the run's own weights
-    ref = serial_reference(result)
-    torch.testing.assert_close(torch.tensor(result["losses"][:50]), torch.tensor(ref["losses"][:50]),
+    whole = serial_train(argparse.Namespace(**{**config, "steps": three_d.parse_args([]).steps}))
+    assert len(whole["losses"]) == 180
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(whole["losses"][:30]),
                                atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), atol=1e-2, rtol=0)
 
     validation = [VALIDATION.match(line) for line in lines if VALIDATION.match(line)]
     baselines = [BASELINES.match(line) for line in lines if BASELINES.match(line)]
     assert len(validation) == len(baselines) == 1
+    assert int(validation[0][2]) == VALIDATION_WINDOWS
     uniform, unigram, bigram = (float(x) for x in baselines[0].groups())
     assert (uniform, unigram, bigram) == (4.57, 3.25, 2.46)        # the text's, on 3.11
-    loss = float(validation[0][1])
-    assert loss < 1.9 < bigram < unigram < uniform              # below Bengio's MLP's 2.13 too
-    # the same number from the saved weights, on the same windows of the validation text
-    val_args = argparse.Namespace(**{**config, "batch_size": int(validation[0][2])})
-    inputs, targets = dp.make_batch(val_args, step=0, text=dp.text_part("validation"))
-    want = dp.serial_loss(final_params(result), inputs, targets, config["dim"] // config["heads"])[0].item()
-    assert loss == pytest.approx(want, abs=1e-3)
+    assert float(validation[0][1]) == pytest.approx(validation_loss(config, final_params(result)), abs=1e-3)
+    learned = validation_loss(config, final_params(whole))
+    assert learned < 1.9 < bigram < unigram < uniform              # below Bengio's MLP's 2.13 too
     at = lines.index(next(line for line in lines if line.startswith("a sample, 200 characters")))
     assert lines[at + 1].startswith("The ")
     assert sum(len(line) + 1 for line in lines[at + 1:] if not line.startswith("check")) > 150
