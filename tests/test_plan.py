@@ -1,7 +1,7 @@
 """Tests for three_d.py --plan: what it counts against real runs and the GPU path's record, its
 prices against the published figures and physics, its table, and its refusals.
 
-- For every (dp, pp, tp) of 4 and 8 ranks, a layout of each flag family runs a step, and what
+- For every (dp, pp, tp) of 8 ranks, a layout of each flag family runs a step, and what
   each rank counts (plan_check.count_worker: the bytes it sent on each group, what its replica
   holds at the step's end, its stash at its largest, the most it held in the step) equals the
   planner's figures for its stage, exactly.
@@ -106,8 +106,8 @@ def stage_costs(args, stage, tp_rank=0):
                   "working": three_d.working_bytes(args)}
 
 
-SHAPES = [(world, dp, pp, world // (dp * pp)) for world in (4, 8)
-          for dp in (1, 2, 4, 8) for pp in (1, 2, 4, 8) if world % (dp * pp) == 0]
+SHAPES = [(8, dp, pp, 8 // (dp * pp)) for dp in (1, 2, 4, 8) for pp in (1, 2, 4, 8)
+          if 8 % (dp * pp) == 0]   # every degree of each axis up to 8, on two nodes of 4
 
 
 @pytest.mark.deadline(240)
@@ -159,12 +159,12 @@ def assert_priced_as_recorded(row, rank):
 
 @pytest.mark.deadline(120)
 def test_a_row_prices_what_a_rank_of_8_gpus_executes():
-    rows = plan_rows(["--world-size", "8", "--num-layers", "16", "--dim", "256",
+    rows = plan_rows(["--world-size", "8", "--num-layers", "8", "--dim", "256",
                       "--batch-size", "256"])
-    for family in FAMILIES:
-        row = pick(rows, {key: value for key, value in family.items() if key != "bf16"})
-        if row is None:
-            continue
+    found = [pick(rows, {key: value for key, value in family.items() if key != "bf16"})
+             for family in FAMILIES]
+    assert sum(row is not None for row in found) >= len(FAMILIES) - 1   # all but order tp-dp-pp: one node
+    for row in filter(None, found):
         a = row["args"]
         grid = three_d.rank_grid(a.dp, a.pp, a.tp, a.order)
         assert_priced_as_recorded(row, grid[a.dp - 1, row["stage"], 0].item())   # tp rank 0's: the most classes
