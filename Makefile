@@ -50,7 +50,7 @@ ray-deps: deps
 	$(PYTHON) three_d.py --ray --dp 2 --pp 2 --tp 2 --check
 
 test: deps
-	$(PYTHON) -m pytest -q -m "not multinode and not slurm and not ray" tests
+	$(PYTHON) tests/shards.py -q -m "not multinode and not slurm and not ray" tests
 
 test-ray: ray-deps
 	$(PYTHON) -m pytest -q -m ray tests

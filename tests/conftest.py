@@ -6,6 +6,8 @@ The suite is the CPU's wherever it runs: this machine's GPUs, if any, are hidden
 and from every process a test starts (before torch is imported), so a laptop with one GPU runs
 what CI runs. tests/nccl.py's fake_gpus() shows a door as many GPUs as a test asks for; a real
 GPU is make gpu-check's.
+
+--shard I/N keeps every N-th test from the I-th (tests/shards.py runs the N at once).
 """
 import os
 import signal
@@ -35,6 +37,24 @@ def deadline(request):
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run the I-th of N shares of the tests, every N-th from the I-th (0 <= I < N)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """--shard I/N: a parametrized family's cases alternate between the shares, so each share's
+    time is about 1/N of the whole."""
+    shard = config.getoption("--shard")
+    if shard is None:
+        return
+    mine, shares = (int(part) for part in shard.split("/"))
+    keep = items[mine::shares]
+    kept = set(map(id, keep))
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+    items[:] = keep
 
 
 def pytest_configure(config):
