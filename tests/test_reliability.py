@@ -15,6 +15,7 @@ that stalls, runs side by side, and the same run twice.
 tests/faults.py makes a rank fail on purpose (no test hook in the scripts). The
 launcher's own failure handling, on bare workers, is tested in test_collectives.py.
 """
+import contextlib
 import glob
 import importlib.util
 import multiprocessing
@@ -514,13 +515,19 @@ def alive(pid):
         return False
 
 
+@contextlib.contextmanager
 def training(**popen):
-    """three_d.py, 8 ranks, training until stopped; returns it once step 0 printed."""
+    """three_d.py, 8 ranks, training until stopped: yielded once step 0 printed. What is left of
+    it after the test is killed, its ranks too (a test that failed leaves no run training)."""
     proc = start([sys.executable, "three_d.py", *LONG], start_new_session=True, **popen)
-    for line in proc.stdout:
-        if "step   0 " in line:
-            return proc
-    raise AssertionError(f"no training: {proc.communicate()[1][-2000:]}")
+    try:
+        if not any("step   0 " in line for line in proc.stdout):
+            raise AssertionError(f"no training: {proc.communicate()[1][-2000:]}")
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):   # its session: the launcher and its ranks
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
 
 
 def gone_within(pids, seconds):
@@ -535,12 +542,12 @@ def gone_within(pids, seconds):
 def test_a_parent_killed_by_sigkill_leaves_no_rank_behind():
     # SIGINT ignored, as in a background job or under nohup: torch's own parent-death
     # signal (SIGINT) would then leave every rank training at full speed
-    proc = training(preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    ranks = ranks_of(proc.pid)
-    assert len(ranks) == 8
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert gone_within(ranks, 5) == []
+    with training(preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) as proc:
+        ranks = ranks_of(proc.pid)
+        assert len(ranks) == 8
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert gone_within(ranks, 5) == []
     # SIGKILL cleans nothing: the store's folder stays, named for its launcher (the README says
     # so, and that nothing removes it but the user, as here)
     left = glob.glob(os.path.join(tempfile.gettempdir(), f"parallel-{proc.pid}-*"))
@@ -560,15 +567,17 @@ def test_kill_or_ctrl_c_stops_every_rank_with_one_line(how, code, line, tmp_path
     here they get it half a second first, and live on; the launcher alone answers."""
     temp = tmp_path / "temp"
     temp.mkdir()
-    proc = training(env={"TMPDIR": str(temp)})
-    ranks = ranks_of(proc.pid)
-    if how == signal.SIGINT:
-        for rank in ranks:
-            os.kill(rank, how)
-        time.sleep(0.5)
-        assert all(map(alive, ranks))
-    os.kill(proc.pid, how)         # `kill PID`: the parent alone
-    out, err = proc.communicate(timeout=20)
+    # SIGINT as a terminal's foreground job has it, even where this suite runs in the background
+    # (where a shell starts it, and so the run, with SIGINT ignored)
+    with training(env={"TMPDIR": str(temp)}, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as proc:
+        ranks = ranks_of(proc.pid)
+        if how == signal.SIGINT:
+            for rank in ranks:
+                os.kill(rank, how)
+            time.sleep(0.5)
+            assert all(map(alive, ranks))
+        os.kill(proc.pid, how)         # `kill PID`: the parent alone
+        out, err = proc.communicate(timeout=20)
     assert proc.returncode == code, err
     assert err.splitlines() == [line], err
     assert gone_within(ranks, 5) == []
