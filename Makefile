@@ -49,6 +49,8 @@ ray-deps: deps
 3d-ray: ray-deps
 	$(PYTHON) three_d.py --ray --dp 2 --pp 2 --tp 2 --check
 
+# The suite as two pytest runs at once, each every other test (tests/shards.py says why);
+# `$(PYTHON) -m pytest tests` runs it as one.
 test: deps
 	$(PYTHON) tests/shards.py -q -m "not multinode and not slurm and not ray" tests
 

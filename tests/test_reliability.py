@@ -882,3 +882,21 @@ def test_an_output_that_cannot_be_written_ends_in_one_line(flags):
                               stderr=subprocess.PIPE, text=True, timeout=50)
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == ["error: the output could not be written (No space left on device)"]
+
+
+@pytest.mark.deadline(60)
+def test_make_tests_halves_run_every_test_once_and_fail_if_either_fails(tmp_path):
+    """tests/shards.py, as make test runs it, on five tests of which one fails: each half runs
+    every other test, together all five once, and the exit is the failure's; all passing, 0."""
+    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path)
+    tests = "".join(f"def test_{i}():\n    assert {i} != {{failing}}\n\n" for i in range(5))
+    for failing, code in ((3, 1), (-1, 0)):
+        (tmp_path / "test_five.py").write_text(tests.format(failing=failing))
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "shards.py"), "-v", "-p",
+                               "no:cacheprovider", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=50)
+        assert proc.returncode == code, proc.stdout + proc.stderr
+        first, second = proc.stdout.split("--- the second half of the tests, run beside the first ---")
+        ran = [re.findall(r"test_five.py::test_(\d) (PASSED|FAILED)", half) for half in (first, second)]
+        assert ran == [[("0", "PASSED"), ("2", "PASSED"), ("4", "PASSED")],
+                       [("1", "PASSED"), ("3", "FAILED" if failing == 3 else "PASSED")]], proc.stdout

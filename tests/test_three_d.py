@@ -201,10 +201,10 @@ def test_show_rank_map_prints_the_table_and_starts_no_rank(sizes, order, monkeyp
 # ----------------------------------------------------------------------------------
 
 def run_3d(tmp_path, dp_size, pp_size, tp_size, schedule="1f1b", order="tp-pp-dp", p2p_shard=False,
-           micro_batches=2, dim=16, num_layers=8, batch_size=16, steps=2, optimizer="sgd", lr=None, seed=3,
+           micro_batches=2, dim=16, num_layers=4, batch_size=16, steps=2, optimizer="sgd", lr=None, seed=3,
            tp_style="all-gather", zero=0, bucket_mb=25, heads=8, sequence_parallel=False, flags=()):
-    """three_d.main in-process (ranks forked from here); return the --save dict. SGD's lr 1: a
-    deep model's weights move well past the tolerance in two steps."""
+    """three_d.main in-process (ranks forked from here); return the --save dict. SGD's lr 1: the
+    weights move well past the tolerance in two steps."""
     lr = lr or (1.0 if optimizer == "sgd" else 0.01)
     save = tmp_path / "run.pt"
     three_d.main(["--dp", str(dp_size), "--pp", str(pp_size), "--tp", str(tp_size), "--tp-style", tp_style,
@@ -242,8 +242,8 @@ CASES = [
     ((4, 2, 1), dict(schedule="1f1b", order="tp-dp-pp")),   # --p2p-shard needs tp > 1: refused
     ((1, 4, 2), dict(schedule="gpipe", micro_batches=4, p2p_shard=True, dim=32)),
     ((8, 1, 1), dict(schedule="gpipe", order="tp-dp-pp", micro_batches=1)),
-    ((1, 1, 8), dict(schedule="1f1b", order="tp-dp-pp", dim=32, optimizer="adamw", lr=0.01)),
-    ((1, 8, 1), dict(schedule="1f1b", micro_batches=4, steps=3)),   # m < pp: 1F1B's warm-up cut to m
+    ((1, 1, 8), dict(schedule="1f1b", order="tp-dp-pp", dim=32, optimizer="adamw", lr=0.01, num_layers=8)),
+    ((1, 8, 1), dict(schedule="1f1b", micro_batches=4, steps=3, num_layers=8)),   # m < pp: 1F1B's warm-up cut to m
     # Megatron's pairs: 2x2x2, 1x2x4 and 2x1x4 over both schedules, both orders, with and
     # without --p2p-shard; AdamW; and 3 layers a stage, a pair and an all-gather layer each
     ((2, 2, 2), dict(tp_style="megatron", schedule="1f1b", order="tp-pp-dp")),
@@ -267,8 +267,8 @@ CASES = [
     ((1, 4, 2), dict(schedule="zb-h1", p2p_shard=True, micro_batches=4, zero=3)),
     ((2, 2, 2), dict(schedule="interleaved", order="tp-pp-dp", p2p_shard=True)),
     ((2, 2, 2), dict(schedule="interleaved", order="tp-dp-pp", tp_style="megatron", optimizer="adamw", lr=0.01)),
-    ((1, 4, 2), dict(schedule="interleaved", order="tp-dp-pp", p2p_shard=True, micro_batches=4)),
-    ((1, 4, 2), dict(schedule="interleaved", micro_batches=8, batch_size=32, zero=2)),
+    ((1, 4, 2), dict(schedule="interleaved", order="tp-dp-pp", p2p_shard=True, micro_batches=4, num_layers=8)),
+    ((1, 4, 2), dict(schedule="interleaved", micro_batches=8, batch_size=32, zero=2, num_layers=8)),
     # buckets over the dp group: a layer each, two layers (of 16 x 16 / tp floats), the whole
     # stage (25 MB); padded where dp does not divide a bucket; never across a chunk
     ((2, 2, 2), dict(zero=0, bucket_mb=0)),
