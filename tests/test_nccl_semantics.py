@@ -176,7 +176,8 @@ def test_the_old_pairing_of_works_reads_nan_under_nccls_semantics():
 # 3. Every script, schedule and flag family, --check under the harness
 # ----------------------------------------------------------------------------------
 
-QUICK = ["--steps", "3", *TIMEOUT]
+SIZE = ["--dim", "32", "--batch-size", "16"]      # NCCL's semantics need no more
+QUICK = ["--steps", "3", *SIZE, *TIMEOUT]
 UNDER_NCCL = [
     (pp, ["--world-size", "2", "--micro-batches", "4", "--schedule", "gpipe"]),
     (pp, ["--world-size", "2", "--micro-batches", "4", "--schedule", "1f1b"]),
@@ -222,7 +223,7 @@ def test_a_checkpoint_written_and_resumed_elsewhere_under_nccls_semantics(tmp_pa
     """Written by dp2 pp2 tp2 under ZeRO-1, read back by dp1 pp2 tp4 under ZeRO-3 with Megatron's
     pairs, every collective as NCCL runs it: the resumed run passes --check."""
     with nccl_semantics():
-        three_d.main(["--zero", "1", "--checkpoint", str(tmp_path), "--steps", "2", *TIMEOUT])
+        three_d.main(["--zero", "1", "--checkpoint", str(tmp_path), "--steps", "2", *SIZE, *TIMEOUT])
         three_d.main(["--dp", "1", "--tp", "4", "--zero", "3", "--tp-style", "megatron",
                       "--resume", str(tmp_path), "--check", *QUICK])
     out = capfd.readouterr().out
