@@ -42,7 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"three_d": three_d, "data_parallel": dp, "tensor_parallel": tensor_parallel,
            "pipeline_parallel": pipeline_parallel}
 TIMEOUT = ["--timeout-s", "15"]
-MODEL = ["--num-layers", "16", "--dim", "16", "--context", "4", "--batch-size", "16", "--seed", "3"]
+MODEL = ["--num-layers", "8", "--dim", "16", "--context", "4", "--batch-size", "16", "--seed", "3"]
 SOURCE = ["--dp", "2", "--pp", "2", "--tp", "2", "--zero", "1", "--micro-batches", "2"]
 LR = {"adamw": "0.01", "sgd": "0.5"}
 
@@ -220,7 +220,7 @@ def refused(argv, capsys):
 
 
 @pytest.mark.parametrize("change, flag", [
-    (["--num-layers", "8"], "--num-layers"), (["--dim", "32"], "--dim"),
+    (["--num-layers", "4"], "--num-layers"), (["--dim", "32"], "--dim"),
     (["--context", "8"], "--context"), (["--optimizer", "sgd"], "--optimizer"),
     (["--seed", "4"], "--seed"), (["--steps", "2"], "--steps")])
 def test_refused_what_cannot_resume(sources, capsys, change, flag):
