@@ -9,7 +9,6 @@ when the other ran some).
 
     python tests/shards.py [pytest's arguments]     # as `python -m pytest [arguments]`
 """
-import os
 import subprocess
 import sys
 import tempfile
