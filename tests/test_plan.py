@@ -115,7 +115,8 @@ SHAPES = [(8, dp, pp, 8 // (dp * pp)) for dp in (1, 2, 4, 8) for pp in (1, 2, 4,
 @pytest.mark.parametrize("world,dp,pp,tp", SHAPES)
 def test_planned_bytes_and_memory_are_what_a_run_counts(world, dp, pp, tp):
     num_layers = 8 if pp > 1 else 2    # 8: interleaved's chunks at pp 4 (v 2) and 2 (v 4); no chunk at pp 1
-    rows = [row for row in planned(world, num_layers=num_layers) + planned(world, True, num_layers)
+    rows = [row for row in planned(world, num_layers=num_layers) +
+            planned(world, bf16=True, num_layers=num_layers)
             if (row["args"].dp, row["args"].pp, row["args"].tp) == (dp, pp, tp)]
     chosen = []
     for family in FAMILIES:

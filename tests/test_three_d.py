@@ -403,14 +403,14 @@ VALIDATION = re.compile(r"^validation loss ([\d.]+) nats a character, on (\d+) w
 BASELINES = re.compile(r"^  the text's own: uniform ln 97 = ([\d.]+), unigram ([\d.]+), bigram ([\d.]+)")
 
 
+VALIDATION_WINDOWS = 256     # show_language_model's rows: the windows it prints its loss on
+
+
 def validation_loss(config, params):
     """The loss of these weights on the validation windows the script prints its own on."""
     val_args = argparse.Namespace(**{**config, "batch_size": VALIDATION_WINDOWS})
     inputs, targets = dp.make_batch(val_args, step=0, text=dp.text_part("validation"))
     return dp.serial_loss(params, inputs, targets, config["dim"] // config["heads"])[0].item()
-
-
-VALIDATION_WINDOWS = 256
 
 
 @pytest.mark.deadline(120)
