@@ -48,7 +48,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_flatten  # noqa: E402
 
 import collectives  # noqa: E402
 import data_parallel  # noqa: E402
@@ -95,6 +94,18 @@ def rank_matmuls(args, stage, tp_rank=0):
     return matmuls_of(kinds, rows, args.tp, end - start, args.dim, args.bf16, args.micro_batches,
                       args.recompute, args.tp_style, args.context, args.heads)
 
+
+def tensors_in(value):   # an op's tensors, among its arguments or outputs (pytree's, faster)
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+
+
 class OffDevice(RuntimeError):
     """An op of the step touched a tensor that is not on the step's device."""
 
@@ -124,14 +135,13 @@ class StepRecord(TorchDispatchMode):
         self.ops[name] += 1
         if name in MATMULS:
             self.add_matmul(name, args, out, adds=MATMULS[name] and kwargs.get("beta", 1) != 0)
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.note_alive(t.untyped_storage())
+        for t in tensors_in(out):
+            self.note_alive(t.untyped_storage())
         return out
 
     def check_devices(self, func, tensors):
-        for t in tree_flatten(tensors)[0]:
-            if isinstance(t, torch.Tensor) and t.device != self.device and \
+        for t in tensors_in(tensors):
+            if t.device != self.device and \
                     not (t.device.type == "cpu" and t.dim() == 0):
                 raise OffDevice(f"{func}: a tensor {list(t.shape)} on {t.device}, where the step "
                                 f"runs on {self.device}")
