@@ -808,6 +808,7 @@ def training_parser(description, dp=False):
             ("--steps", positive_int, 200, "optimizer steps"),
             ("--lr", positive_float, 1e-2, "learning rate"),
             ("--seed", int, 0, "the weights, and each step's windows with the step"),
+            ("--sample", int, 200, "characters the trained model writes after PROMPT (0: none)"),
             ("--save", str, None, "torch.save the run: config, parameters, batches, losses"),
             ("--clip-grad", positive_float, None, "clip the gradient's 2-norm (clip_grad_norm_)"),
             *[("--bucket-mb", float, 25.0, "gradients a bucket holds, in MB (the first 1 MB at "
@@ -868,6 +869,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
         (B % (replicas * m), f"--batch-size {B} is not divisible by {by}--micro-batches "
                              f"({replicas * m})"),
         (not 0 <= bucket_mb <= 1e6, f"--bucket-mb {bucket_mb:g}: expected 0 to 1e6"),
+        (args.sample < 0, f"--sample {args.sample}: expected 0 (no sample) or more characters"),
         (args.checkpoint_every < 0, f"--checkpoint-every {args.checkpoint_every}: expected 0 "
                                     f"(after the last step only) or more"),
         (args.checkpoint_every and args.checkpoint is None,
@@ -960,7 +962,7 @@ def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=N
     if not all(w.isfinite().all() for w in final):   # the last update's: no loss saw them
         raise Stop(f"the weights stopped being finite at the last step's update: --lr "
                    f"{args.lr:g} is too large for this model; try a smaller one")
-    show_language_model([w.detach().float().cpu() for w in final], args)
+    show_language_model([w.detach().float().cpu() for w in final], args, length=args.sample)
     if args.check:
         check.finish(final, losses, norms)
 
@@ -1352,6 +1354,8 @@ def show_language_model(params, args, rows=256, length=200):
     print(f"  the text's own: uniform ln {VOCAB_SIZE} = {uniform:.2f}, unigram {unigram:.2f}, "
           f"bigram {bigram:.2f} (one character of context)", flush=True)
     print("  an MLP of the 8 characters before (Bengio et al. 2003, makemore's): 2.13", flush=True)
+    if not length:
+        return
     print(f"a sample, {length} characters drawn after the prompt {PROMPT!r}:", flush=True)
     sample = PROMPT.lstrip("\n") + decode(context[T:])
     for line in sample.splitlines():

@@ -7,6 +7,7 @@ import torch
 
 # float32 results that differ only in summation order agree to about this
 ATOL = RTOL = 1e-5
+NO_SAMPLE = ["--sample", "0"]   # a run's sample takes 200 forwards: tests that do not read it skip it
 
 
 def final_params(result):

@@ -36,7 +36,7 @@ import data_parallel as dp
 import pipeline_parallel
 import tensor_parallel
 import three_d
-from common import ATOL, RTOL, check_report, final_params, init_of
+from common import ATOL, NO_SAMPLE, RTOL, check_report, final_params, init_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"three_d": three_d, "data_parallel": dp, "tensor_parallel": tensor_parallel,
@@ -64,7 +64,7 @@ def test_range_boxes_tile_the_range_in_order():
 
 def run(script, argv, optimizer, folder=None, resume=None, save=None):
     """script.main in-process (ranks forked from here); its --save, if asked for."""
-    argv = [*MODEL, *argv, "--optimizer", optimizer, "--lr", LR[optimizer], *TIMEOUT]
+    argv = [*MODEL, *argv, "--optimizer", optimizer, "--lr", LR[optimizer], *TIMEOUT, *NO_SAMPLE]
     if folder:
         argv += ["--checkpoint", str(folder)]
     if resume:

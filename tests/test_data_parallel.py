@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import data_parallel as dp
 from collectives import RankFailed
 from stash_check import stash_and_peak
-from common import (serial_train, assert_follows_the_contract, ATOL, RTOL, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
+from common import (NO_SAMPLE, serial_train, assert_follows_the_contract, ATOL, RTOL, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
                     final_params, init_of, gelu_grad)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -470,7 +470,8 @@ def run_dp(tmp_path, monkeypatch, world_size, batch_size=8, micro_batches=1, opt
             "--micro-batches", str(micro_batches), "--optimizer", optimizer, "--lr", str(lr),
             "--num-layers", str(cfg["num_layers"]), "--dim", str(cfg["dim"]),
             "--context", str(cfg["context"]), "--heads", str(cfg["heads"]),
-            "--steps", str(cfg["steps"]), "--seed", str(cfg["seed"]), "--save", str(save), *flags]
+            "--steps", str(cfg["steps"]), "--seed", str(cfg["seed"]), "--save", str(save), *NO_SAMPLE,
+            *flags]
     monkeypatch.setattr(dp, "replica_drift", _spy_on_replicas(tmp_path))
     dp.main(argv)
     result = torch.load(save)

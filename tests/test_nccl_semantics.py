@@ -27,7 +27,7 @@ import pipeline_parallel as pp
 import tensor_parallel as tp
 import three_d
 from collectives import RankFailed, cleanup, setup, spawn
-from common import check_report
+from common import NO_SAMPLE, check_report
 from nccl import CUDAInitialised, fake_gpus, nccl_semantics
 from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD
 
@@ -177,7 +177,7 @@ def test_the_old_pairing_of_works_reads_nan_under_nccls_semantics():
 # ----------------------------------------------------------------------------------
 
 SIZE = ["--dim", "32", "--batch-size", "16"]      # NCCL's semantics need no more
-QUICK = ["--steps", "3", *SIZE, *TIMEOUT]
+QUICK = ["--steps", "3", *SIZE, *TIMEOUT, *NO_SAMPLE]
 UNDER_NCCL = [
     (pp, ["--world-size", "2", "--micro-batches", "4", "--schedule", "gpipe"]),
     (pp, ["--world-size", "2", "--micro-batches", "4", "--schedule", "1f1b"]),

@@ -39,7 +39,7 @@ import pipeline_parallel
 import tensor_parallel
 import three_d
 from collectives import RankFailed
-from common import check_report, child_pids, final_params, init_of
+from common import NO_SAMPLE, check_report, child_pids, final_params, init_of
 from faults import fail_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,6 +92,8 @@ TRAINING = [
     (["--clip-grad", "inf"], "--clip-grad"),
     (["--bf16=yes"], "--bf16"),
     (["--recompute", "2"], "2"),                  # a flag, not a number
+    (["--sample", "-1"], "--sample"),
+    (["--sample", "many"], "--sample"),
     (["--checkpoint-every", "-1"], "--checkpoint-every"),
     (["--checkpoint-every", "5"], "--checkpoint-every"),          # and no --checkpoint to write to
     (["--checkpoint", "{file}/ckpt"], "--checkpoint"),            # below a file
@@ -296,7 +298,7 @@ SCRIPTS_AT_2 = [("data_parallel.py", ["--world-size", "2"]), ("tensor_parallel.p
 @pytest.mark.parametrize("flags", CORRECT, ids=["sgd-15", "adamw-bf16-3", "adamw-bf16-30"])
 def test_a_correct_run_passes_its_check_at_any_lr_and_number_of_steps(script, sizes, flags, capfd):
     """In this process (each script's --check from the shell: its own tests)."""
-    SCRIPTS[script.removesuffix(".py")].main([*sizes, *flags, "--check", "--timeout-s", "60"])
+    SCRIPTS[script.removesuffix(".py")].main([*sizes, *flags, "--check", "--timeout-s", "60", *NO_SAMPLE])
     figures, verdict = check_report(capfd.readouterr().out)
     assert verdict == "OK"
 
@@ -306,7 +308,7 @@ def test_megatron_trained_30_steps_passes_its_check_at_summation_order(capfd):
     """The MLP's Megatron pairs failed the check near convergence (100 steps); the transformer's
     worst gradient comes in its first 10 steps: 100 steps measured the same figure, 5.6e-6."""
     tensor_parallel.main(["--world-size", "2", "--tp-style", "megatron", "--optimizer", "adamw", "--lr", "0.01",
-                          "--steps", "30", "--check", "--timeout-s", "60"])
+                          "--steps", "30", "--check", "--timeout-s", "60", *NO_SAMPLE])
     figures, verdict = check_report(capfd.readouterr().out)
     assert verdict == "OK" and figures["gradients"][0] < 1e-5     # 4e-4 of the gradient itself
 
@@ -660,6 +662,20 @@ def test_three_runs_at_once_beside_port_29500_pass_and_agree(tmp_path):
     runs = [torch.load(tmp_path / f"run{i}.pt") for i in range(3)]
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(final_params(run), final_params(runs[0])))
+
+
+@pytest.mark.parametrize("length", [0, 30])
+def test_sample_draws_as_many_characters_as_asked(length, capfd):
+    data_parallel.main(["--world-size", "1", "--steps", "1", "--num-layers", "1", "--dim", "8",
+                        "--batch-size", "8", "--sample", str(length)])
+    lines = capfd.readouterr().out.splitlines()
+    assert sum(line.startswith("validation loss ") for line in lines) == 1
+    said = [i for i, line in enumerate(lines) if line.startswith("a sample, ")]
+    if length == 0:
+        assert said == []
+    else:
+        assert lines[said[0]] == f"a sample, {length} characters drawn after the prompt '\\nThe ':"
+        assert len("\n".join(lines[said[0] + 1:])) == len("The ") + length   # newlines drawn count
 
 
 @pytest.mark.deadline(40)

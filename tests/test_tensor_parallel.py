@@ -32,7 +32,7 @@ import data_parallel as dp
 import tensor_parallel as tp
 from collectives import RankFailed, cleanup, setup, spawn
 from stash_check import stash_and_peak
-from common import (serial_train, assert_follows_the_contract, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
+from common import (NO_SAMPLE, serial_train, assert_follows_the_contract, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
                     final_params, init_of)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -356,7 +356,7 @@ def run_tp(tmp_path, monkeypatch, world_size, micro_batches=1, optimizer="sgd", 
     """tensor_parallel.main in-process; the saved dict plus each rank's init/final shards."""
     save = tmp_path / "run.pt"
     argv = ["--world-size", str(world_size), "--micro-batches", str(micro_batches),
-            "--optimizer", optimizer, "--lr", str(LR[optimizer]), "--save", str(save), *flags]
+            "--optimizer", optimizer, "--lr", str(LR[optimizer]), "--save", str(save), *NO_SAMPLE, *flags]
     for key, value in SMALL.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     _spy_on_shards(monkeypatch, tmp_path)

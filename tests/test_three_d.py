@@ -27,7 +27,7 @@ import torch.distributed as dist
 import data_parallel as dp
 import three_d
 from collectives import RankFailed
-from common import (serial_train, assert_follows_the_contract, assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report, final_params, init_of,
+from common import (NO_SAMPLE, serial_train, assert_follows_the_contract, assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report, final_params, init_of,
                     clip_between)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -214,7 +214,7 @@ def run_3d(tmp_path, dp_size, pp_size, tp_size, schedule="1f1b", order="tp-pp-dp
                   "--micro-batches", str(micro_batches), "--dim", str(dim), "--context", "4", "--heads", str(heads),
                   "--num-layers", str(num_layers),
                   "--batch-size", str(batch_size), "--steps", str(steps), "--optimizer", optimizer,
-                  "--lr", str(lr), "--seed", str(seed), "--save", str(save), *TIMEOUT, *flags])
+                  "--lr", str(lr), "--seed", str(seed), "--save", str(save), *TIMEOUT, *NO_SAMPLE, *flags])
     return torch.load(save)
 
 
