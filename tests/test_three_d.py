@@ -9,7 +9,7 @@
   data_parallel.serial_train over nine layouts, both schedules, both orders,
   --p2p-shard, SGD and AdamW, micro-batches 1 to 4; dp=2 against dp=1.
 - Bad flags: one line on stderr naming the flag, exit 2, no rank started.
-- `make 3d`'s command as a subprocess, its first 22 steps; serial training at its defaults learns.
+- `make 3d`'s command as a subprocess, its first 4 steps; serial training at its defaults learns.
 """
 import argparse
 import itertools
@@ -415,7 +415,7 @@ def validation_loss(config, params):
 
 @pytest.mark.deadline(120)
 def test_make_3d_defaults_pass_check_and_learn_the_text(tmp_path):
-    """`make 3d`'s command (8 ranks, 2 blocks) for its first 22 of 180 steps, on a machine
+    """`make 3d`'s command (8 ranks, 2 blocks) for its first 4 of 180 steps, on a machine
     without numpy, which torch does not depend on: --check passes with nothing on stderr, the
     printed losses are serial training's, the printed validation loss is its weights', and a
     sample follows the prompt. Serial training at the same defaults, all 180 steps, falls below
@@ -423,27 +423,27 @@ def test_make_3d_defaults_pass_check_and_learn_the_text(tmp_path):
     CI's, which holds its printed loss below 1.9 too: .ci/run.)"""
     save = tmp_path / "run.pt"
     env = {**os.environ, "PYTHONPATH": without_numpy(tmp_path)}
-    proc = subprocess.run([sys.executable, "three_d.py", "--check", "--steps", "22", "--save", str(save), *TIMEOUT],
+    proc = subprocess.run([sys.executable, "three_d.py", "--check", "--steps", "4", "--save", str(save), *TIMEOUT],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""        # not even torch's warning that numpy is missing
     lines = proc.stdout.splitlines()
     result = torch.load(save)
     config = result["config"]
-    assert (config["dp"], config["pp"], config["tp"], config["steps"], config["num_layers"]) == (2, 2, 2, 22, 2)
+    assert (config["dp"], config["pp"], config["tp"], config["steps"], config["num_layers"]) == (2, 2, 2, 4, 2)
     assert "rank map: dp=2 pp=2 tp=2" in proc.stdout
     assert sum(line.split()[:4] == ["rank", "dp", "pp", "tp"] for line in lines) == 1
 
-    # a loss line every other step (past 20 steps: a tenth) and at the last, printed by the last stage;
-    # serial training's
+    # a loss line every step of a short run (a longer one's: test_a_long_run_logs_every_tenth_step),
+    # printed by the last stage; serial training's
     steps = [LOSS_LINE.match(line) for line in lines if LOSS_LINE.match(line)]
-    assert [int(m[2]) for m in steps] == [*range(0, 22, 2), 21]
+    assert [int(m[2]) for m in steps] == [0, 1, 2, 3]
     assert all(int(m[1]) == config["pp"] - 1 for m in steps)
     printed = [float(m[3]) for m in steps]
     assert printed == [pytest.approx(result["losses"][int(m[2])], abs=5e-7) for m in steps]   # as saved
     whole = serial_train(argparse.Namespace(**{**config, "steps": three_d.parse_args([]).steps}))
     assert len(whole["losses"]) == 180
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(whole["losses"][:22]),
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(whole["losses"][:4]),
                                atol=2e-5, rtol=1e-5)
 
     validation = [VALIDATION.match(line) for line in lines if VALIDATION.match(line)]
@@ -463,6 +463,16 @@ def test_make_3d_defaults_pass_check_and_learn_the_text(tmp_path):
     assert verdict == "OK"
     assert figures["gradients"][0] <= 1e-5 and figures["losses"][0] <= 1e-5   # summation order alone
     assert figures["weights after an update"][0] <= 2**-20                    # one step's roundings
+
+
+@pytest.mark.parametrize("steps, logged", [(20, list(range(20))), (30, [*range(0, 30, 3), 29]),
+                                           (205, [*range(0, 205, 20), 204])])
+def test_a_long_run_logs_every_tenth_step_and_the_last(steps, logged, capsys):
+    args = argparse.Namespace(steps=steps, clip_grad=None)
+    for step in range(steps):
+        dp.log_step("[rank 0]", step, [1.0], [], args)
+    printed = [int(line.split()[3]) for line in capsys.readouterr().out.splitlines()]
+    assert printed == logged
 
 
 # ----------------------------------------------------------------------------------
