@@ -962,7 +962,7 @@ def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=N
     if not all(w.isfinite().all() for w in final):   # the last update's: no loss saw them
         raise Stop(f"the weights stopped being finite at the last step's update: --lr "
                    f"{args.lr:g} is too large for this model; try a smaller one")
-    show_language_model([w.detach().float().cpu() for w in final], args, length=args.sample)
+    show_language_model([w.detach().float().cpu() for w in final], args)
     if args.check:
         check.finish(final, losses, norms)
 
@@ -1333,9 +1333,9 @@ def baselines():
             -(joint[seen] * given[seen].log()).sum().item())
 
 
-def show_language_model(params, args, rows=256, length=200):
+def show_language_model(params, args, rows=256):
     """The loss on windows of the validation text, beside the baselines, and a sample that
-    continues PROMPT, drawn from --seed, each character from the T before it."""
+    continues PROMPT (--sample characters), drawn from --seed, each from the T before it."""
     val_args = argparse.Namespace(**{**vars(args), "batch_size": rows})
     inputs, targets = make_batch(val_args, step=0, text=text_part("validation"))
     head_dim = args.dim // args.heads
@@ -1344,7 +1344,7 @@ def show_language_model(params, args, rows=256, length=200):
         loss = serial_loss(params, inputs, targets, head_dim)[0].item()
         context = encode((" " * T + PROMPT)[-T:]).tolist()
         gen = torch.Generator().manual_seed(args.seed)
-        for _ in range(length):
+        for _ in range(args.sample):
             logits = serial_loss(params, torch.tensor([context[-T:]]), torch.zeros(1, T,
                                  dtype=torch.int64), head_dim)[1]
             context.append(torch.multinomial(logits[-1].softmax(dim=0), 1, generator=gen).item())
@@ -1354,9 +1354,9 @@ def show_language_model(params, args, rows=256, length=200):
     print(f"  the text's own: uniform ln {VOCAB_SIZE} = {uniform:.2f}, unigram {unigram:.2f}, "
           f"bigram {bigram:.2f} (one character of context)", flush=True)
     print("  an MLP of the 8 characters before (Bengio et al. 2003, makemore's): 2.13", flush=True)
-    if not length:
+    if not args.sample:
         return
-    print(f"a sample, {length} characters drawn after the prompt {PROMPT!r}:", flush=True)
+    print(f"a sample, {args.sample} characters drawn after the prompt {PROMPT!r}:", flush=True)
     sample = PROMPT.lstrip("\n") + decode(context[T:])
     for line in sample.splitlines():
         for start in range(0, max(len(line), 1), 100):   # at most 100 columns
