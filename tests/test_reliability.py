@@ -284,21 +284,24 @@ def test_under_torchrun_a_bad_size_is_said_once():
 # implementations' gradients of a saturated softmax differ by their rounding alone, amplified.
 # At lr 0.3 each script's worst gradient figure comes by step 8: 15 and 30 steps measured the
 # same; bf16's grow with the steps, 0.18 of the tolerance at 15, 0.45 at 30.)
-CORRECT = [(["--optimizer", "sgd", "--lr", "0.3", "--steps", "8"]),
-           (["--optimizer", "adamw", "--lr", "0.1", "--bf16", "--steps", "3"]),
-           (["--optimizer", "adamw", "--lr", "0.1", "--bf16", "--steps", "30"])]
+CORRECT = {"sgd-8": ["--optimizer", "sgd", "--lr", "0.3", "--steps", "8"],
+           "adamw-bf16-3": ["--optimizer", "adamw", "--lr", "0.1", "--bf16", "--steps", "3"],
+           "adamw-bf16-30": ["--optimizer", "adamw", "--lr", "0.1", "--bf16", "--steps", "30"]}
 SCRIPTS_AT_2 = [("data_parallel.py", ["--world-size", "2"]), ("tensor_parallel.py", ["--world-size", "2"]),
                 ("pipeline_parallel.py", ["--world-size", "2"]),
                 ("three_d.py", ["--dp", "1", "--pp", "2", "--tp", "2", "--num-layers", "4"])]   # (at 2 blocks,
 # bf16 at lr 0.1 for 30 steps ends past its tolerance: 0.53 against 0.34 in block 0's dWq; open)
+# three_d.py's 1x2x2 computes tensor_parallel.py's tp-2 numbers (its pipeline splits the same
+# blocks): at 8 and 30 steps its figures equalled tp's to the digit, so it runs the 3-step kind.
+KINDS = [(script, sizes, kind) for script, sizes in SCRIPTS_AT_2 for kind in CORRECT
+         if script != "three_d.py" or kind == "adamw-bf16-3"]
 
 
 @pytest.mark.deadline(90)
-@pytest.mark.parametrize("script, sizes", SCRIPTS_AT_2, ids=[s for s, _ in SCRIPTS_AT_2])
-@pytest.mark.parametrize("flags", CORRECT, ids=["sgd-8", "adamw-bf16-3", "adamw-bf16-30"])
-def test_a_correct_run_passes_its_check_at_any_lr_and_number_of_steps(script, sizes, flags, capfd):
+@pytest.mark.parametrize("script, sizes, kind", KINDS, ids=[f"{kind}-{script}" for script, _, kind in KINDS])
+def test_a_correct_run_passes_its_check_at_any_lr_and_number_of_steps(script, sizes, kind, capfd):
     """In this process (each script's --check from the shell: its own tests)."""
-    SCRIPTS[script.removesuffix(".py")].main([*sizes, *flags, "--check", "--timeout-s", "60", *NO_SAMPLE])
+    SCRIPTS[script.removesuffix(".py")].main([*sizes, *CORRECT[kind], "--check", "--timeout-s", "60", *NO_SAMPLE])
     figures, verdict = check_report(capfd.readouterr().out)
     assert verdict == "OK"
 
