@@ -111,7 +111,7 @@ SHAPES = [(8, dp, pp, 8 // (dp * pp)) for dp in (1, 2, 4, 8) for pp in (1, 2, 4,
           if 8 % (dp * pp) == 0]   # every degree of each axis up to 8, on two nodes of 4
 
 
-def blocks_for(dp, pp, tp):
+def blocks_for(pp, tp):
     """Blocks enough for the chunks a shape's rows have, and no more (a block is messages): 8 at
     pp 8, and where interleaved has 8 chunks in one shape of each pp (tp 1, the cheapest): pp 4
     at v 2, pp 2 at v 4; 4 in the other shapes of pp 2 and 4 (v 2, or none); 2 with no pipeline."""
@@ -125,7 +125,7 @@ def blocks_for(dp, pp, tp):
 @pytest.mark.deadline(240)
 @pytest.mark.parametrize("world,dp,pp,tp", SHAPES)
 def test_planned_bytes_and_memory_are_what_a_run_counts(world, dp, pp, tp):
-    num_layers = blocks_for(dp, pp, tp)
+    num_layers = blocks_for(pp, tp)
     rows = [row for row in planned(world, num_layers=num_layers) +
             planned(world, bf16=True, num_layers=num_layers)
             if (row["args"].dp, row["args"].pp, row["args"].tp) == (dp, pp, tp)]
