@@ -808,7 +808,7 @@ def training_parser(description, dp=False):
             ("--steps", positive_int, 200, "optimizer steps"),
             ("--lr", positive_float, 1e-2, "learning rate"),
             ("--seed", int, 0, "the weights, and each step's windows with the step"),
-            ("--sample", int, 200, "characters the trained model writes after PROMPT (0: none)"),
+            ("--sample", int, 200, "characters the trained model writes at the end (0: none)"),
             ("--save", str, None, "torch.save the run: config, parameters, batches, losses"),
             ("--clip-grad", positive_float, None, "clip the gradient's 2-norm (clip_grad_norm_)"),
             *[("--bucket-mb", float, 25.0, "gradients a bucket holds, in MB (the first 1 MB at "
