@@ -188,6 +188,7 @@ def test_a_row_prices_what_a_rank_of_8_gpus_executes():
 
 @pytest.mark.deadline(120)
 def test_a_row_prices_what_a_rank_of_1024_gpus_executes():
+    # test_gpu_path's LARGE at the scripts' V 97: layout_flags() runs a row at the scripts' V
     flags = ("--dp 16 --pp 8 --tp 8 --num-layers 64 --dim 8192 --heads 64 --context 1024 --batch-size 1024 "
              "--micro-batches 8 --schedule interleaved --virtual-stages 2 --zero 3 --tp-style "
              "megatron --p2p-shard --bf16").split()

@@ -434,8 +434,8 @@ def test_make_3d_defaults_pass_check_and_learn_the_text(tmp_path):
     assert "rank map: dp=2 pp=2 tp=2" in proc.stdout
     assert sum(line.split()[:4] == ["rank", "dp", "pp", "tp"] for line in lines) == 1
 
-    # a loss line every step of a short run (a longer run's cadence:
-    # test_a_long_run_logs_every_tenth_step_and_the_last), printed by the last stage; serial training's
+    # a loss line every step of a short run (a longer run's cadence: test_the_loss_is_logged_every_
+    # step_to_20_then_every_tenth_and_the_last), printed by the last stage; serial training's
     steps = [LOSS_LINE.match(line) for line in lines if LOSS_LINE.match(line)]
     assert [int(m[2]) for m in steps] == [0, 1, 2, 3]
     assert all(int(m[1]) == config["pp"] - 1 for m in steps)
@@ -467,7 +467,7 @@ def test_make_3d_defaults_pass_check_and_learn_the_text(tmp_path):
 
 @pytest.mark.parametrize("steps, logged", [(20, list(range(20))), (30, [*range(0, 30, 3), 29]),
                                            (205, [*range(0, 205, 20), 204])])
-def test_a_long_run_logs_every_tenth_step_and_the_last(steps, logged, capsys):
+def test_the_loss_is_logged_every_step_to_20_then_every_tenth_and_the_last(steps, logged, capsys):
     args = argparse.Namespace(steps=steps, clip_grad=None)
     for step in range(steps):
         dp.log_step("[rank 0]", step, [1.0], [], args)
