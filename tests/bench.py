@@ -163,9 +163,10 @@ def startup_race(world_size=8, repeats=3):
         mp.spawn(_mp_spawn_rank, args=(world_size, os.path.join(folder, f"store-{time.monotonic_ns()}")),
                  nprocs=world_size)
 
-    def with_torchrun():
+    def with_torchrun():   # its ranks' error files in our folder (else a torchelastic_* left in /tmp)
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc-per-node={world_size}", script], capture_output=True, text=True, timeout=300)
+                               f"--nproc-per-node={world_size}", f"--log-dir={folder}", script],
+                              capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"torchrun failed: {done.stderr.strip().splitlines()[-1:]}")
 

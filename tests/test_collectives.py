@@ -381,10 +381,12 @@ def test_script_on_two_ranks():
     assert "[rank 0] ring_all_reduce == dist.all_reduce: yes" in lines
 
 
-def test_under_torchrun():
+def test_under_torchrun(tmp_path):
     # --standalone: torchrun's rendezvous on a free port of this machine
     # torchrun as `python -m torch.distributed.run`: the same program, found in any environment
-    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    # --log-dir: torchrun's folder for its ranks' error files, else a torchelastic_* left in /tmp
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--log-dir", str(tmp_path))
     code, out, err = finish(run_script(launcher=launcher))
     assert code == 0, err
     lines = out.splitlines()
