@@ -2,12 +2,21 @@
 import math
 import os
 import re
+import sys
 
 import torch
 
 # float32 results that differ only in summation order agree to about this
 ATOL = RTOL = 1e-5
 NO_SAMPLE = ["--sample", "0"]   # a run's sample takes 200 forwards: tests that do not read it skip it
+
+
+def torchrun(log_dir, nproc=2):
+    """torchrun on this machine (--standalone: its rendezvous on a free port), as `python -m
+    torch.distributed.run`, found in any environment; its ranks' error files in log_dir, not a
+    torchelastic_* folder that it would leave in /tmp."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "--log-dir", str(log_dir)]
 
 
 def final_params(result):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import collectives as C
 from collectives import RankFailed, cleanup, ring_all_reduce, setup, spawn
-from common import child_pids
+from common import child_pids, torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEEN = {}  # what a worker that ran in this process saw; forked ranks' writes stay in theirs
@@ -382,12 +382,7 @@ def test_script_on_two_ranks():
 
 
 def test_under_torchrun(tmp_path):
-    # --standalone: torchrun's rendezvous on a free port of this machine
-    # torchrun as `python -m torch.distributed.run`: the same program, found in any environment
-    # --log-dir: torchrun's folder for its ranks' error files, else a torchelastic_* left in /tmp
-    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "--log-dir", str(tmp_path))
-    code, out, err = finish(run_script(launcher=launcher))
+    code, out, err = finish(run_script(launcher=torchrun(tmp_path)))
     assert code == 0, err
     lines = out.splitlines()
     assert all(line in lines for line in ALL_REDUCE_ON_2), out

@@ -39,7 +39,7 @@ import pipeline_parallel
 import tensor_parallel
 import three_d
 from collectives import RankFailed
-from common import NO_SAMPLE, check_report, child_pids, final_params, init_of
+from common import NO_SAMPLE, check_report, child_pids, final_params, init_of, torchrun
 from faults import fail_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -270,9 +270,7 @@ def test_a_stale_torchrun_environment_is_one_line(monkeypatch, capsys):
 def test_under_torchrun_a_bad_size_is_said_once(tmp_path):
     # torchrun starts 2 ranks, the default layout needs 8: every rank exits 2, rank 0 alone
     # says why; torchrun's own summary of the failure follows, which is torchrun's
-    code, out, err = finish(start([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                   "--nproc-per-node", "2", "--log-dir", str(tmp_path), "three_d.py"],
-                                  start_new_session=True), timeout=50)
+    code, out, err = finish(start([*torchrun(tmp_path), "three_d.py"], start_new_session=True), timeout=50)
     assert code != 0
     said = [line for line in err.splitlines() if "error: --dp x --pp x --tp" in line]
     assert len(said) == 1 and "needs 8 ranks but torchrun started WORLD_SIZE=2" in said[0], err
@@ -468,11 +466,9 @@ def test_a_rank_killed_mid_step_from_the_command_line(tmp_path):
 @pytest.mark.deadline(90)
 def test_under_torchrun_the_failure_summary_carries_the_traceback(tmp_path):
     # run_main decorates main with torchrun's @record under torchrun, so the rank that
-    # raised writes its traceback where torchrun's summary finds it: in --log-dir (without
-    # it, a torchelastic_* folder that torchrun leaves in /tmp).
+    # raised writes its traceback where torchrun's summary finds it: in its --log-dir.
     start_time = time.monotonic()
-    code, out, err = finish(start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                   "--log-dir", str(tmp_path), FAULTS, "1", "2", "raise",
+    code, out, err = finish(start([*torchrun(tmp_path), FAULTS, "1", "2", "raise",
                                    "--dp", "2", "--pp", "1", "--tp", "1", "--num-layers", "2", "--dim", "16",
                                    "--batch-size", "8", "--steps", "3", "--timeout-s", "20"],
                                   start_new_session=True), timeout=80)
