@@ -34,13 +34,14 @@ PyTorch's: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleI
 ScheduleInterleavedZeroBubble (tests/bench.py races them).
 """
 import warnings
+from functools import lru_cache
 from typing import NamedTuple
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
 
 from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import cross_entropy, make_batch
+from data_parallel import DataParallel, cross_entropy, init_params, make_batch, model_blocks
 
 SEND_ACT = "a>"    # an activation, on to the next stage
 RECV_ACT = ">a"    # ... received from the stage before
@@ -148,6 +149,22 @@ def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1)
     if pending:
         actions.append(Action("comm", comms=tuple(pending)))
     return actions
+
+
+@lru_cache(maxsize=None)
+def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
+    """(micro-batches between F and B, between B and W) after each action, those no other pair
+    has as many of both (the largest stash is at one of them)."""
+    kept = 0
+    waiting = 0
+    pairs = set()
+    for op, _, _ in compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks):
+        kept += {"F": 1, "B": -1, "W": 0}[op]
+        if schedule == "zb-h1":
+            waiting += {"F": 0, "B": 1, "W": -1}[op]
+        pairs.add((kept, waiting))
+    return [(k, w) for k, w in pairs if not any(a >= k and b >= w and (a, b) != (k, w)
+                                                for a, b in pairs)]
 
 
 def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1, *, act_bytes=0,
@@ -312,6 +329,26 @@ def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, gr
         work.wait()
 
 
+def hold_stages(args, stage, num_stages, device):
+    """(the whole model as drawn, this stage's parts' indices, step 2's replica holding them over a
+    dp group of one, a Stage a chunk): what pp_worker trains, and tests/bench.py."""
+    p, v = num_stages, args.virtual_stages
+    init = init_params(args)
+    blocks = model_blocks(args.num_layers, args.dim // args.heads)
+    chunks = [stage_parts(args.num_layers, p, stage, v, c) for c in range(v)]
+    mine = [j for parts in chunks for j in parts]
+    starts = [sum(map(len, chunks[:c])) for c in range(v)]   # where each chunk's parts begin
+    replica = DataParallel([[w.to(device, copy=True) for w in init[j]] for j in mine],
+                           dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
+                           bf16=args.bf16, chunk_starts=starts)
+    stages = [Stage(replica, range(start, start + len(parts)), blocks=[blocks[j] for j in parts],
+                    first=c * p + stage == 0, last=c * p + stage == v * p - 1,
+                    num_micro_batches=args.micro_batches,
+                    mean_over=args.batch_size * args.context, recompute=args.recompute)
+              for c, (start, parts) in enumerate(zip(starts, chunks))]
+    return init, mine, replica, stages
+
+
 def pp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
@@ -354,30 +391,13 @@ def main(argv=None):
 
 # Below the fold: gathering the stages' layers, the schedule's print and its timeline with
 # the bubble, the command line. ----------------------------------------------------------
-import argparse, functools, os, textwrap, time  # noqa: E401, E402
+import argparse, os, textwrap, time  # noqa: E401, E402
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import (DataParallel, SerialCheck, check_training_args,  # noqa: E402
-                           finish_run, full_grads, full_weights, init_params, load_checkpoint,
-                           log_step, model_blocks, save_checkpoint, spans_of, tensors_of,
-                           training_parser)
+from data_parallel import (SerialCheck, check_training_args, finish_run, full_grads,  # noqa
+                           full_weights, load_checkpoint, log_step, save_checkpoint, spans_of,
+                           tensors_of, training_parser)
 from tensor_parallel import divides, whole_model  # noqa: E402
-
-
-@functools.lru_cache(maxsize=None)
-def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
-    """(micro-batches between F and B, between B and W) after each action, those no other pair
-    has as many of both (the largest stash is at one of them)."""
-    kept = 0
-    waiting = 0
-    pairs = set()
-    for op, _, _ in compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks):
-        kept += {"F": 1, "B": -1, "W": 0}[op]
-        if schedule == "zb-h1":
-            waiting += {"F": 0, "B": 1, "W": -1}[op]
-        pairs.add((kept, waiting))
-    return [(k, w) for k, w in pairs if not any(a >= k and b >= w and (a, b) != (k, w)
-                                                for a, b in pairs)]
 
 
 class Recorder:
@@ -416,26 +436,6 @@ class Recorder:
         t0, zero = self.zero
         return [(op, mb, chunk, t0 + zero.elapsed_time(begin) / 1e3,
                  t0 + zero.elapsed_time(end) / 1e3) for op, mb, chunk, begin, end in self.spans]
-
-
-def hold_stages(args, stage, num_stages, device):
-    """(the whole model as drawn, this stage's parts' indices, step 2's replica holding them over a
-    dp group of one, a Stage a chunk): what pp_worker trains, and tests/bench.py."""
-    p, v = num_stages, args.virtual_stages
-    init = init_params(args)
-    blocks = model_blocks(args.num_layers, args.dim // args.heads)
-    chunks = [stage_parts(args.num_layers, p, stage, v, c) for c in range(v)]
-    mine = [j for parts in chunks for j in parts]
-    starts = [sum(map(len, chunks[:c])) for c in range(v)]   # where each chunk's parts begin
-    replica = DataParallel([[w.to(device, copy=True) for w in init[j]] for j in mine],
-                           dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
-                           bf16=args.bf16, chunk_starts=starts)
-    stages = [Stage(replica, range(start, start + len(parts)), blocks=[blocks[j] for j in parts],
-                    first=c * p + stage == 0, last=c * p + stage == v * p - 1,
-                    num_micro_batches=args.micro_batches,
-                    mean_over=args.batch_size * args.context, recompute=args.recompute)
-              for c, (start, parts) in enumerate(zip(starts, chunks))]
-    return init, mine, replica, stages
 
 
 def finish_stages(args, recorder, final, init, losses, check, norms, device, resumed=None):
