@@ -732,7 +732,7 @@ def full_grads(replica):     # the averaged gradients, whole
 
 
 def whole(replica, parts):   # a tensor per layer from the optimizer's parts: ZeRO's all-gathered
-    if type(replica) is DataParallel:
+    if not replica.shards_optimizer:
         return [part.clone() for part in parts]
     flats = [part.new_empty(n) for part, n in zip(parts, replica.lengths)]
     for flat, part in zip(flats, parts):
@@ -1004,11 +1004,12 @@ class Piece(NamedTuple):   # elements [start, end) of whole tensor `tensor`'s bo
         return (self.box.top + k // width) * 2**32 + self.box.left + k % width
 
 
-def held_pieces(replica, tensors=None, boxes=None):
+def held_pieces(replica, tensors=None, boxes=None, grads=False):
     """What this rank's optimizer holds, as pieces of the whole model, views into what it
-    steps. Its tensor i is the box boxes[i] of whole tensor tensors[i] (None: tensor i, whole),
-    and [start, end) the elements of that box it holds: all, or under ZeRO what falls in this
-    replica's 1/d of i's bucket."""
+    steps (grads: into its gradients instead, as "param"). Its tensor i is the box boxes[i] of
+    whole tensor tensors[i] (None: tensor i, whole), and [start, end) the elements of that box
+    it holds: all, or under ZeRO what falls in this replica's 1/d of i's bucket."""
+    held_by = replica.grads() if grads else replica.params
     pieces = []
     for i, tensor in enumerate(tensors or range(len(replica.shapes))):
         rows, cols = (1, *replica.shapes[i])[-2:]    # a gain [D]: one row
@@ -1017,10 +1018,10 @@ def held_pieces(replica, tensors=None, boxes=None):
         end = rows * cols
         at = 0                                        # where [start, end) begins in held
         if not replica.shards_optimizer:
-            held = replica.params[i]                  # the whole tensor, [rows, cols]
+            held = held_by[i]                         # the whole tensor, [rows, cols]
         else:
-            held = replica.params[replica.layout.bucket_of[i]]   # [S]: this replica's 1/d
-            mine = replica.dp_rank * len(held)        # of the bucket: from element r S
+            held = held_by[replica.layout.bucket_of[i]]   # [S]: this replica's 1/d of the
+            mine = replica.dp_rank * len(held)        # bucket: from element r S
             offset = replica.layout.offset[i]         # tensor i: from here in the bucket
             start = max(offset, mine) - offset
             end = min(offset + rows * cols, mine + len(held)) - offset
@@ -1032,6 +1033,21 @@ def held_pieces(replica, tensors=None, boxes=None):
                  for name in CHECKPOINT_STATE if name in state}
         pieces.append(Piece(tensor, box, start, end, views))
     return pieces
+
+
+def own_pieces(pieces, replica, copies=()):
+    """Those no other rank writes: dp rank 0 alone a replica's (ZeRO's differ), tp rank 0 alone
+    its copies (the tensors every tp rank holds whole)."""
+    if replica.dp_rank > 0 and not replica.shards_optimizer:
+        return []
+    return [piece for piece in pieces if piece.tensor not in copies]
+
+
+def whole_pieces(state):   # {name: whole tensors, in order}: each tensor as one piece, all of it
+    shapes = [t.shape for t in next(iter(state.values()))]
+    return [Piece(j, Box(0, (1, *shape)[-2], 0, shape[-1]), 0, shape.numel(),
+                  {name: tensors[j].view(-1) for name, tensors in state.items()})
+            for j, shape in enumerate(shapes)]
 
 
 def copy_overlaps(mine, theirs):
@@ -1088,10 +1104,7 @@ def save_checkpoint(args, step, replica, tensors=None, boxes=None, copies=()):
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
     dist.barrier()
-    pieces = [piece for piece in held_pieces(replica, tensors, boxes)
-              if piece.tensor not in copies]
-    if replica.dp_rank > 0 and not replica.shards_optimizer:
-        pieces = []                                   # dp rank 0 holds the same: no file
+    pieces = own_pieces(held_pieces(replica, tensors, boxes), replica, copies)
     index = gather_index(pieces, replica.device)
     if pieces:
         write_pieces(os.path.join(folder, f"rank-{rank:05d}.pt"), pieces, args)
@@ -1184,11 +1197,35 @@ def whole_checkpoint(marker, args):
     state = {name: [torch.zeros(shape) for shape in shapes] for name in CHECKPOINT_STATE}
     if marker["optimizer_steps"] is None:
         state = {"param": state["param"]}
-    pieces = [Piece(j, Box(0, (1, *shape)[-2], 0, shape[-1]), 0, shape.numel(),
-                    {name: tensors[j].view(-1) for name, tensors in state.items()})
-              for j, shape in enumerate(shapes)]
-    read_pieces(marker, pieces)
+    read_pieces(marker, whole_pieces(state))
     return state
+
+
+def whole_on_rank0(replica, full, tensors=None, boxes=None, copies=(), grads=False):
+    """Rank 0: every tensor of the model whole (full: its tensors, for their shapes), fp32, from
+    every rank's pieces, each rank's in one message: the weights (--bf16: the masters), or the
+    averaged gradients (grads); else None. --check's and --save's, as a checkpoint's pieces."""
+    pieces = own_pieces(held_pieces(replica, tensors, boxes, grads=grads), replica, copies)
+    index = gather_index(pieces, replica.device)
+    flat = torch.cat([replica.params[0].new_empty(0), *(p.views["param"] for p in pieces)])
+    if dist.get_rank() != 0:
+        if pieces:
+            dist.send(flat, dst=0)
+        return None
+    whole = [torch.zeros(w.shape) for w in full]
+    wanted = whole_pieces({"param": whole})
+    for rank, places in index.items():
+        theirs = [Piece(j, Box(*box), start, end) for j, *box, start, end in places]
+        sizes = [piece.end - piece.start for piece in theirs]
+        if not theirs:                # a replica's, or nothing but copies
+            continue
+        if rank != 0:                 # (rank 0's own come first: flat)
+            flat = flat.new_empty(sum(sizes))
+            dist.recv(flat, src=rank)
+        parts = flat.cpu().split(sizes)
+        copy_overlaps(wanted, [piece._replace(views={"param": part})
+                               for piece, part in zip(theirs, parts)])
+    return whole
 
 
 def checkpoints(folder):   # the complete checkpoints in folder, oldest first

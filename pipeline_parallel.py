@@ -34,7 +34,7 @@ PyTorch's: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleI
 ScheduleInterleavedZeroBubble (tests/bench.py races them).
 """
 import warnings
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import NamedTuple
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
@@ -357,7 +357,7 @@ def pp_worker(rank, world_size, args):
     held = [i for j in mine for i in spans_of(init)[j]]   # its parts' tensors, in the whole
     resumed = load_checkpoint(args, replica, held)   # --resume: its parts, any layout's pieces
     actions = build_schedule(args.schedule, p, stage, m, v)
-    grid = torch.arange(p).view(1, p, 1)      # [dp, pp, tp] -> rank: a stage a rank
+    gather = partial(whole_on_rank0, replica, tensors_of(init), held)   # on rank 0, whole
     losses = []
     norms = []
     check = SerialCheck(args, resumed)
@@ -370,8 +370,7 @@ def pp_worker(rank, world_size, args):
         run_schedule(actions, stages, inputs, (stage - 1) % p, (stage + 1) % p,
                      (args.batch_size // m, args.context, args.dim), recorder=recorder)
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
-            check.step(whole_parts(full_weights(replica), mine, init, args, grid),
-                       whole_parts(full_grads(replica), mine, init, args, grid))
+            check.step(gather(grads=False), gather(grads=True))
         if args.clip_grad:      # the norm's squares summed over the stages
             norms.append(replica.clip(args.clip_grad, [dist.group.WORLD]).item())
         replica.update()
@@ -379,7 +378,7 @@ def pp_worker(rank, world_size, args):
         if stage == p - 1:
             log_step(f"[stage {stage}]", step, losses, norms, args)
         save_checkpoint(args, step + 1, replica, held)   # --checkpoint: its parts' pieces
-    final = whole_parts(full_weights(replica), mine, init, args, grid)
+    final = gather(grads=False)
     finish_stages(args, recorder, final, init, losses, check, norms, device, resumed=resumed)
     cleanup()
 
@@ -394,10 +393,10 @@ def main(argv=None):
 import argparse, os, textwrap, time  # noqa: E401, E402
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import (SerialCheck, check_training_args, finish_run, full_grads,  # noqa
-                           full_weights, load_checkpoint, log_step, save_checkpoint, spans_of,
-                           tensors_of, training_parser)
-from tensor_parallel import divides, whole_model  # noqa: E402
+from data_parallel import (SerialCheck, check_training_args, finish_run, load_checkpoint,  # noqa
+                           log_step, save_checkpoint, spans_of, tensors_of, training_parser,
+                           whole_on_rank0)
+from tensor_parallel import divides  # noqa: E402
 
 
 class Recorder:
@@ -475,23 +474,6 @@ def gather_on_rank0(tensor):
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if rank0 else None
     dist.gather(tensor.contiguous(), parts, dst=0)
     return torch.stack(parts) if rank0 else None
-
-
-def whole_parts(params, mine, init, args, grid, kinds=None):
-    """Rank 0: every tensor whole (step 3's whole_model); params are the tensors of this rank's
-    parts `mine`, in order, and part j's pieces come from grid[0, its stage] ([dp, pp, tp] ->
-    rank). kinds: 3D's, each part's tensors' tp split."""
-    num_stages = grid.shape[1]
-    kinds = kinds or [["whole"] * len(part) for part in init]
-    spans = spans_of(init)
-    stage_of = {}
-    for s in range(num_stages):
-        for c in range(args.virtual_stages):
-            for j in stage_parts(args.num_layers, num_stages, s, args.virtual_stages, c):
-                stage_of.update((i, s) for i in spans[j])
-    owned = dict(zip([i for j in mine for i in spans[j]], params))
-    return whole_model(owned, tensors_of(init), tensors_of(kinds),
-                       owners=lambda i: grid[0, stage_of[i]].tolist())
 
 
 def simulate(stages, times=None):

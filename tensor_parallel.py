@@ -334,6 +334,7 @@ def tp_worker(rank, world_size, args):
     resumed = load_checkpoint(args, replica, range(len(full)), boxes)   # --resume: any layout's
     whole = [i for i, k in enumerate(split) if k == "whole"]          # the gains and P
     copies = set(whole) if tp_rank > 0 else set()                      # rank 0 writes them
+    gather = partial(whole_on_rank0, replica, full, range(len(full)), boxes, copies)   # on rank 0
     blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, vocab_size=args.vocab_size,
                        sequence_parallel=args.sequence_parallel)
     loss_fn = partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size)
@@ -350,8 +351,7 @@ def tp_worker(rank, world_size, args):
         if args.sequence_parallel:   # each gain and P saw this rank's T/tp positions alone:
             sum_partial_grads(replica.grads(), whole, dist.group.WORLD)   # summed over tp
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
-            check.step(whole_model(full_weights(replica), full, split),
-                       whole_model(full_grads(replica), full, split))
+            check.step(gather(grads=False), gather(grads=True))
         if args.clip_grad:     # the norm's squares summed over the shards, a whole tensor once
             norms.append(replica.clip(args.clip_grad, [dist.group.WORLD],
                                       clip_shares(split, tp_size)).item())
@@ -360,7 +360,7 @@ def tp_worker(rank, world_size, args):
         if rank == 0:
             log_step(f"[rank {rank}]", step, losses, norms, args)
         save_checkpoint(args, step + 1, replica, range(len(full)), boxes, copies)   # its pieces
-    final = whole_model(full_weights(replica), full, split)   # put together on rank 0
+    final = gather(grads=False)                                # put together on rank 0
     if rank == 0:
         finish_run(args, full, final, losses, check, norms, resumed)
     cleanup()
@@ -374,8 +374,8 @@ def main(argv=None):
 # Below the fold: its costs, the command line and its rules, and what the run says it ran. -------
 from collectives import positive_int  # noqa: E402
 from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa
-                           full_grads, full_weights, load_checkpoint, log_step, save_checkpoint,
-                           training_parser)
+                           load_checkpoint, log_step, save_checkpoint, training_parser,
+                           whole_on_rank0)
 
 
 def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=False,
@@ -404,40 +404,6 @@ def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=Fa
     if "head" in kinds:
         runs.append(("all-reduce", 4 * rows, 3 * m))   # m, s and l_y
     return runs
-
-
-def whole_model(owned, full, kinds, owners=None):
-    """Rank 0: every tensor whole, fp32 (else None). owned: this rank's, a list or {index: tensor}
-    (steps 4, 5 hold parts on some ranks); owners(j): tensor j's ranks in tp order (a tensor
-    held whole: the first's). Each rank sends rank 0 its pieces in one message."""
-    if not isinstance(owned, dict):
-        owned = dict(enumerate(owned))
-    rank = dist.get_rank()
-    sources = []
-    for j, kind in enumerate(kinds):
-        ranks = list(owners(j)) if owners else list(range(dist.get_world_size()))
-        sources.append(ranks[:1] if kind == "whole" else ranks)
-    if rank != 0:
-        mine = [owned[j].float().reshape(-1) for j, ranks in enumerate(sources) if rank in ranks]
-        if mine:
-            dist.send(torch.cat(mine), dst=0)
-        return None
-    device = next(iter(owned.values())).device
-    pieces = {}                               # (tensor, its tp rank) -> the piece
-    for source in sorted({r for ranks in sources for r in ranks}):
-        wanted = [(j, ranks.index(source)) for j, ranks in enumerate(sources) if source in ranks]
-        if source == 0:
-            pieces.update(((j, t), owned[j].float()) for j, t in wanted)
-            continue
-        shapes = [shard(full[j].to("meta"), kinds[j], t, len(sources[j])).shape for j, t in wanted]
-        flat = torch.empty(sum(shape.numel() for shape in shapes), device=device)
-        dist.recv(flat, src=source)
-        parts = flat.split([shape.numel() for shape in shapes])
-        pieces.update(((j, t), part.view(shape)) for (j, t), part, shape in zip(wanted, parts,
-                                                                                 shapes))
-    return [torch.cat([pieces[j, t] for t in range(len(ranks))],
-                      dim=0 if kinds[j] in ("row", "embedding") else -1).cpu()
-            for j, ranks in enumerate(sources)]
 
 
 class Matmul(NamedTuple):

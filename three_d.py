@@ -258,8 +258,7 @@ def three_d_worker(rank, world_size, args):
         batch = make_batch(args, step)          # tokens, targets [B, T]
         me.train_step(*me.micro_batches(batch, args))
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
-            check.step(full_parts(me, full_weights(me.replica), args),
-                       full_parts(me, full_grads(me.replica), args))
+            check.step(full_parts(me, grads=False), full_parts(me, grads=True))
         if args.clip_grad:   # the norm's squares summed over tp and pp (and dp, if ZeRO shards)
             norms.append(me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]],
                                          me.shares).item())
@@ -295,21 +294,21 @@ from collections import Counter  # noqa: E402
 from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
 from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa: E402
-                           full_grads, full_weights, global_loss, in_step_bytes, load_checkpoint,
-                           log_step, make_buckets, save_checkpoint, tensors_of, training_parser)
-from pipeline_parallel import add_schedule_args, held_counts, schedule_rules, whole_parts  # noqa
+                           global_loss, in_step_bytes, load_checkpoint, log_step, make_buckets,
+                           save_checkpoint, tensors_of, training_parser, whole_on_rank0)
+from pipeline_parallel import add_schedule_args, held_counts, schedule_rules  # noqa: E402
 from tensor_parallel import (add_sequence_parallel, block_matmuls, describe, divides,  # noqa
                              refuse_unused, sequence_parallel_rules, vocab_range)
 
 
-def full_parts(me, params, args):   # on rank 0, replica 0's shards put together (step 4)
-    grid = rank_grid(args.dp, args.pp, args.tp, args.order)
-    return whole_parts(params, me.mine, me.init, args, grid, me.splits)
+def full_parts(me, grads=False):   # on rank 0, every tensor whole, from every rank's pieces
+    return whole_on_rank0(me.replica, tensors_of(me.init), me.held, me.boxes, me.copies,
+                          grads=grads)
 
 
 def finish_ranks(me, args, losses, check, norms, device, resumed=None):
     """The full matrices, the last stage's losses, rank 0's memory table, --save and --check."""
-    final = full_parts(me, full_weights(me.replica), args)
+    final = full_parts(me, grads=False)
     known = losses                            # the last stage's; elsewhere as many zeros
     if me.stage != args.pp - 1:
         known = [0.0] * (args.steps - args.start_step)
