@@ -136,6 +136,8 @@ class ThreeDRank:
                                     optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
                                     bucket_mb=args.bucket_mb,      # no bucket crosses a chunk
                                     chunk_starts=self.starts)
+        self.gather = partial(whole_on_rank0, self.replica, tensors_of(self.init), self.held,
+                              self.boxes, self.copies)   # rank 0: every tensor whole (--check)
 
     def take_rows(self, args, device):
         """Its replica's slice of each step's batch, by its dp coordinate, the same on every tp
@@ -258,7 +260,7 @@ def three_d_worker(rank, world_size, args):
         batch = make_batch(args, step)          # tokens, targets [B, T]
         me.train_step(*me.micro_batches(batch, args))
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
-            check.step(full_parts(me, grads=False), full_parts(me, grads=True))
+            check.step(me.gather(grads=False), me.gather(grads=True))
         if args.clip_grad:   # the norm's squares summed over tp and pp (and dp, if ZeRO shards)
             norms.append(me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]],
                                          me.shares).item())
@@ -301,14 +303,9 @@ from tensor_parallel import (add_sequence_parallel, block_matmuls, describe, div
                              refuse_unused, sequence_parallel_rules, vocab_range)
 
 
-def full_parts(me, grads=False):   # on rank 0, every tensor whole, from every rank's pieces
-    return whole_on_rank0(me.replica, tensors_of(me.init), me.held, me.boxes, me.copies,
-                          grads=grads)
-
-
 def finish_ranks(me, args, losses, check, norms, device, resumed=None):
     """The full matrices, the last stage's losses, rank 0's memory table, --save and --check."""
-    final = full_parts(me, grads=False)
+    final = me.gather(grads=False)
     known = losses                            # the last stage's; elsewhere as many zeros
     if me.stage != args.pp - 1:
         known = [0.0] * (args.steps - args.start_step)
