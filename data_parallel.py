@@ -195,6 +195,39 @@ def cross_entropy(logits, y, n):
     return -log_p.gather(1, y[:, None]).sum() / n, (dlogits / n).to(logits.dtype)
 
 
+def init_params(args):
+    """The parts: [E, P], each block's [g1, Wq, Wk, Wv, Wo, g2, W1, W2], [g, H], drawn in that
+    order from one generator: every rank draws them alike and keeps its part (at scale: a
+    generator per shard, or the meta device). A matrix [n, _]: randn / sqrt(n); gains: 1."""
+    D, V, T = args.dim, args.vocab_size, args.context
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def matrix(rows, cols):
+        return torch.randn(rows, cols, generator=gen) / math.sqrt(rows)
+    parts = [[torch.randn(V, D, generator=gen), torch.randn(T, D, generator=gen)]]
+    for _ in range(args.num_layers):
+        parts.append([torch.ones(D), matrix(D, D), matrix(D, D), matrix(D, D), matrix(D, D),
+                      torch.ones(D), matrix(D, 4 * D), matrix(4 * D, D)])
+    parts.append([torch.ones(D), matrix(D, V)])
+    return parts
+
+
+def make_batch(args, step, text=None):
+    """The step's B windows of T + 1 characters of the training text, at offsets every rank draws
+    alike from (--seed, step): inputs [B, T], targets [B, T], each position's next character."""
+    if text is None:
+        text = text_part("training")
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    starts = torch.randint(len(text) - args.context, (args.batch_size,), generator=gen)
+    windows = text[starts[:, None] + torch.arange(args.context + 1)]   # [B, T + 1]
+    return windows[:, :-1], windows[:, 1:]
+
+
+def replica_rows(batch_size, dp_rank, dp_size):   # by its dp rank, never the global rank (3D)
+    per_replica = batch_size // dp_size
+    return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
+
+
 def model_blocks(num_layers, head_dim):   # the parts in order, each a Block: [E, P], blocks, [g, H]
     block = Block(partial(block_forward, head_dim=head_dim), partial(block_backward,
                                                                      head_dim=head_dim))
@@ -492,8 +525,7 @@ def main(argv=None):
 
 
 # Below the fold: each stage's costs, the bucket layout and the clipping norm; what later steps
-# share (training flags and rules, --save, checkpoints, the text and its data, --check); the
-# memory table.
+# share (training flags and rules, --save, checkpoints, the text, --check); the memory table.
 import argparse, contextlib, functools, json, math, os, shutil, sys, tempfile  # noqa
 from typing import Callable, NamedTuple  # noqa: E402
 
@@ -607,23 +639,6 @@ def make_optimizer(params, optimizer, lr):   # SGD; AdamW, fused off the CPU (on
     return torch.optim.AdamW(params, lr=lr, fused=params[0].device.type != "cpu")
 
 
-def init_params(args):
-    """The parts: [E, P], each block's [g1, Wq, Wk, Wv, Wo, g2, W1, W2], [g, H], drawn in that
-    order from one generator: every rank draws them alike and keeps its part (at scale: a
-    generator per shard, or the meta device). A matrix [n, _]: randn / sqrt(n); gains: 1."""
-    D, V, T = args.dim, args.vocab_size, args.context
-    gen = torch.Generator().manual_seed(args.seed)
-
-    def matrix(rows, cols):
-        return torch.randn(rows, cols, generator=gen) / math.sqrt(rows)
-    parts = [[torch.randn(V, D, generator=gen), torch.randn(T, D, generator=gen)]]
-    for _ in range(args.num_layers):
-        parts.append([torch.ones(D), matrix(D, D), matrix(D, D), matrix(D, D), matrix(D, D),
-                      torch.ones(D), matrix(D, 4 * D), matrix(4 * D, D)])
-    parts.append([torch.ones(D), matrix(D, V)])
-    return parts
-
-
 BLOCK_NAMES = ("norm1", "wq", "wk", "wv", "wo", "norm2", "w1", "w2")
 
 
@@ -641,22 +656,6 @@ def spans_of(parts):           # part -> the indices of its tensors among tensor
     for part in parts:
         firsts.append(firsts[-1] + len(part))
     return [range(first, end) for first, end in zip(firsts, firsts[1:])]
-
-
-def make_batch(args, step, text=None):
-    """The step's B windows of T + 1 characters of the training text, at offsets every rank draws
-    alike from (--seed, step): inputs [B, T], targets [B, T], each position's next character."""
-    if text is None:
-        text = text_part("training")
-    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    starts = torch.randint(len(text) - args.context, (args.batch_size,), generator=gen)
-    windows = text[starts[:, None] + torch.arange(args.context + 1)]   # [B, T + 1]
-    return windows[:, :-1], windows[:, 1:]
-
-
-def replica_rows(batch_size, dp_rank, dp_size):   # by its dp rank, never the global rank (3D)
-    per_replica = batch_size // dp_size
-    return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
 
 def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False, record=None):
