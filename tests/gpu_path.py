@@ -241,15 +241,17 @@ class Ran(NamedTuple):
     record: StepRecord
 
 
-def run_step(script, argv, rank):
+def run_step(script, argv, rank, warm_up=True):
     """Rank `rank`'s step of script (its module's name) with these flags, on meta: built, one
-    step taken (AdamW makes its state in its first), then one step recorded."""
+    step taken (AdamW makes its state in its first), then one step recorded. warm_up=False: the
+    first step recorded (its matmuls and collectives are every step's; not yet its memory)."""
     args = gpu_node_args(script, argv)
     world_size = world_of(script, args)
     with fake_world(rank, world_size), drawn_on_meta(), fused_on_meta():
         step, replica, groups, stage = BUILDERS[script](args, rank, world_size)
-        with StepRecord():                # the first step, checked alike, its record let go
-            step()
+        if warm_up:
+            with StepRecord():            # the first step, checked alike, its record let go
+                step()
         counter = CommCounter(groups)
         with counter.step(), StepRecord() as record:
             step()

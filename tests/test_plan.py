@@ -164,7 +164,7 @@ def assert_priced_as_recorded(row, rank):
     """A rank of the row's slowest stage, its step recorded on the meta device: its matmuls
     (shapes, dtypes, adding into their output or not, calls) are those the row was priced by,
     and so are its FLOPs by dtype and the bytes they move."""
-    ran = run_step("three_d", layout_flags(row["args"]).split(), rank)
+    ran = run_step("three_d", layout_flags(row["args"]).split(), rank, warm_up=False)
     assert ran.stage == row["stage"]
     planned = rank_matmuls(row["args"], row["stage"], ran.tp_rank)
     assert ran.matmuls == planned
