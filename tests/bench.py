@@ -933,7 +933,7 @@ def checkpoint_worker(rank, world_size, args):
             timed("step", step)
             once = SimpleNamespace(**{**vars(args), "steps": k, "checkpoint_every": 0})
             timed("write", lambda: data_parallel.save_checkpoint(once, k, me.replica, me.held,
-                                                                  me.boxes))
+                                                                  me.boxes, me.copies))
             resume.marker = data_parallel.newest_checkpoint(args.checkpoint)
             timed("read", lambda: data_parallel.load_checkpoint(resume, me.replica, me.held,
                                                                  me.boxes))

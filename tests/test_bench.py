@@ -179,8 +179,9 @@ def test_plan_bench_prints_each_layout_predicted_and_measured(capsys):
 
 def test_checkpoint_bench_times_a_step_a_write_and_a_read(capsys):
     """Its table: a step, a write and a read, each a time, the write and read a speed; the
-    files it names are the ones a ZeRO-1 3D checkpoint writes (every rank holds its own)."""
-    bench.main(["checkpoint", "--dp", "2", "--pp", "2", "--tp", "1", "--zero", "1",
+    files it names are the ones a ZeRO-1 3D checkpoint writes (every rank holds its own; tp
+    rank 0 alone writes the gains and P, which a read counts once)."""
+    bench.main(["checkpoint", "--dp", "2", "--pp", "1", "--tp", "2", "--zero", "1",
                 "--num-layers", "4", "--dim", "16", "--batch-size", "16", "--steps", "2"])
     out = capsys.readouterr().out
     assert "; 4 files, " in out, out
