@@ -971,14 +971,13 @@ def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=N
 # fp32 parameters and AdamW's two moments and step count. No rank gathers it: each writes the
 # pieces it holds, each with its place in the whole, and each reads back the pieces that overlap
 # what it will hold, at whatever layout the resumed run has. Our tp shards are boxes of the whole
-# (shard_box); ZeRO's flat buckets are no DTensor layout at all: a piece is a range of a box's
-# elements, and each element's place in the whole (Piece.places) finds where theirs meet mine.
-# torch.distributed.checkpoint (DCP) does the same for DTensors by boxes; with DTensor, use DCP.
-# Each function here, as DCP names its role:
+# (shard_box); ZeRO's flat buckets are no DTensor layout at all, and a replica's range of a
+# bucket is mapped back to boxes (range_boxes). torch.distributed.checkpoint (DCP) does the same
+# for DTensors; with DTensor, use DCP. Each function here, as DCP names its role:
 #   held_pieces                   the planner's local plan: what this rank writes or reads
 #   gather_index, the marker      the global plan, saved as .metadata (complete.json here)
 #   write_pieces, read_pieces     the storage writer and reader (FileSystemWriter, -Reader)
-#   copy_overlaps                 resharding: the load planner's saved and wanted overlap
+#   overlaps, copy_overlaps       resharding: the load planner's overlap of saved and wanted boxes
 CHECKPOINT_STATE = ("param", "exp_avg", "exp_avg_sq")   # a piece's tensors: fp32, AdamW's two
 MARKER = "complete.json"   # written last, by rename: the checkpoint's every piece is there
 
@@ -989,6 +988,14 @@ class Box(NamedTuple):   # rows [top, bottom), columns [left, right) of a whole 
     left: int
     right: int
 
+    def overlap(self, other):           # the box both hold, or None
+        box = Box(max(self.top, other.top), min(self.bottom, other.bottom),
+                  max(self.left, other.left), min(self.right, other.right))
+        return box if box.top < box.bottom and box.left < box.right else None
+
+    def size(self):
+        return (self.bottom - self.top) * (self.right - self.left)
+
 
 class Piece(NamedTuple):   # elements [start, end) of whole tensor `tensor`'s box, row-major
     tensor: int
@@ -997,10 +1004,17 @@ class Piece(NamedTuple):   # elements [start, end) of whole tensor `tensor`'s bo
     end: int
     views: dict = None      # CHECKPOINT_STATE's, [end - start] each; None: a place alone (index)
 
-    def places(self):       # each element's place in the whole, row 2^32 + column: rising
-        k = torch.arange(self.start, self.end)
-        width = self.box.right - self.box.left
-        return (self.box.top + k // width) * 2**32 + self.box.left + k % width
+
+class Run(NamedTuple):   # a box of a piece's elements from `at` in it: whole rows, or a row's span
+    piece: Piece
+    box: Box
+    at: int
+
+    def cut(self, name, box):           # views[name] of the run, [rows, cols], cut to box
+        grid = self.piece.views[name][self.at:self.at + self.box.size()]
+        grid = grid.view(self.box.bottom - self.box.top, -1)
+        return grid[box.top - self.box.top:box.bottom - self.box.top,
+                    box.left - self.box.left:box.right - self.box.left]
 
 
 def held_pieces(replica, tensors=None, boxes=None, grads=False):
@@ -1049,23 +1063,47 @@ def whole_pieces(state):   # {name: whole tensors, in order}: each tensor as one
             for j, shape in enumerate(shapes)]
 
 
-def copy_overlaps(mine, theirs):
-    """Into my pieces, each element of theirs at the same place of the same tensor (their views
-    None: only counted); the elements found. A piece's places rise, so searchsorted finds them."""
-    found = 0
+def range_boxes(box, start, end):
+    """A row-major range [start, end) of a box's elements as boxes of the whole, each with where
+    it begins in the range: the first row's tail, whole rows, the last row's head."""
+    width = box.right - box.left
+    boxes = []
+    k = start
+    while k < end:
+        row, col = divmod(k, width)
+        row += box.top
+        if col == 0 and end - k >= width:             # whole rows
+            rows = (end - k) // width
+            boxes.append((Box(row, row + rows, box.left, box.right), k - start))
+            k += rows * width
+        else:                                         # a span of one row
+            n = min(width - col, end - k)
+            boxes.append((Box(row, row + 1, box.left + col, box.left + col + n), k - start))
+            k += n
+    return boxes
+
+
+def overlaps(mine, theirs):
+    """(my run, their run, the box both hold) wherever a piece of mine meets one of theirs."""
     for piece in mine:
-        wanted = piece.places()
-        for their in theirs:
-            if their.tensor != piece.tensor:
+        for their_piece in theirs:
+            if their_piece.tensor != piece.tensor:
                 continue
-            saved = their.places()
-            at = torch.searchsorted(saved, wanted).clamp(max=len(saved) - 1)
-            both = saved[at] == wanted                # [end - start]: the elements both hold
-            if their.views is not None:
-                for name, view in piece.views.items():
-                    view[both] = their.views[name][at[both]]
-            found += int(both.sum())
-    return found
+            for box, at in range_boxes(piece.box, piece.start, piece.end):
+                for their_box, their_at in range_boxes(their_piece.box, their_piece.start,
+                                                       their_piece.end):
+                    both = box.overlap(their_box)
+                    if both:
+                        yield Run(piece, box, at), Run(their_piece, their_box, their_at), both
+
+
+def copy_overlaps(mine, theirs):   # into my pieces, what overlaps them of theirs: the elements
+    copied = 0
+    for my_run, their_run, box in overlaps(mine, theirs):
+        for name in my_run.piece.views:
+            my_run.cut(name, box).copy_(their_run.cut(name, box))
+        copied += box.size()
+    return copied
 
 
 def gather_index(pieces, device):
@@ -1175,8 +1213,8 @@ def read_pieces(marker, mine):
     the marker's index, each mapped (torch.load's mmap): the bytes read are the ones used."""
     copied = 0
     for rank, places in marker["index"].items():
-        if not copy_overlaps(mine, [Piece(j, Box(*box), start, end)
-                                    for j, *box, start, end in places]):
+        if not any(overlaps(mine, [Piece(j, Box(*box), start, end)
+                                   for j, *box, start, end in places])):
             continue
         path = os.path.join(marker["folder"], f"rank-{int(rank):05d}.pt")
         try:

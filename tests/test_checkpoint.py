@@ -1,8 +1,8 @@
 """Tests for checkpoints (--checkpoint, --checkpoint-every, --resume; data_parallel.py's
 machinery, used by every training script): a run stopped and resumed at any layout.
 
-- Pieces: a row-major range of a box has its elements' places in the whole; copy_overlaps
-  moves exactly the elements a saved piece and a wanted one share.
+- range_boxes: a row-major range of a box, as at most three boxes that tile exactly its
+  elements, in order; copy_overlaps moves exactly the elements two pieces share.
 - A checkpoint of 3D training (dp2 pp2 tp2, ZeRO-1) resumed at other layouts, every flag family:
   dp, pp and tp, the rank order, the tp style, virtual stages, ZeRO's stage, the schedule,
   micro-batches, buckets, --bf16 and the script. Each resumed run loads its state, then (a
@@ -47,9 +47,24 @@ SOURCE = ["--dp", "2", "--pp", "2", "--tp", "2", "--zero", "1", "--micro-batches
 LR = {"adamw": "0.01", "sgd": "0.5"}
 
 
+def test_range_boxes_tile_the_range_in_order():
+    whole = torch.arange(20 * 20).view(20, 20)    # each element's own id
+    for box in [(0, 5, 0, 7), (3, 9, 2, 6), (10, 11, 4, 9), (2, 6, 0, 1)]:
+        rows = box[1] - box[0]
+        cols = box[3] - box[2]
+        inside = whole[box[0]:box[1], box[2]:box[3]].reshape(-1)   # the box's ids, row-major
+        for start in range(rows * cols):
+            for end in range(start + 1, rows * cols + 1):
+                pieces = dp.range_boxes(dp.Box(*box), start, end)
+                assert len(pieces) <= 3
+                got = [whole[a:b, c:d].reshape(-1) for (a, b, c, d), _ in pieces]
+                assert torch.equal(torch.cat(got), inside[start:end])
+                assert [at for _, at in pieces] == [sum(map(len, got[:k])) for k in range(len(got))]
+
+
 def test_pieces_copy_exactly_the_elements_they_share():
-    """A piece's places are its elements' (row, column) in the whole, rising; copy_overlaps puts
-    each element of a saved piece into a wanted one at the same place, and touches no other."""
+    """copy_overlaps puts each element of a saved piece into a wanted one at the same place of
+    the same tensor, counts them, and touches no other: every pair of boxes and ranges."""
     whole = torch.arange(20 * 20, dtype=torch.float32).view(20, 20)   # each element's own id
 
     def ids(box, start, end):   # the box's ids, row-major, [start, end)
@@ -59,9 +74,6 @@ def test_pieces_copy_exactly_the_elements_they_share():
     for box in boxes:
         n = (box[1] - box[0]) * (box[3] - box[2])
         ranges[box] = {(0, n), (1, max(n - 1, 1)), (n // 3, 2 * n // 3 + 1), (n - 1, n)}
-        for start, end in ranges[box]:
-            places = dp.Piece(0, dp.Box(*box), start, end).places()
-            assert torch.equal(whole[places // 2**32, places % 2**32], ids(box, start, end))
     for saved_box in boxes:
         for wanted_box in boxes:
             for (s0, s1) in ranges[saved_box]:
