@@ -354,12 +354,7 @@ class DataParallel:
     def clip(self, max_norm, groups=(), shares=None):   # every replica holds the whole average
         """shares: each tensor's share of its squares this rank counts (1/t for one that every
         tp rank holds whole: counted once)."""
-        return clip_grads(self.grads(), max_norm, groups, self.weigh(shares))
-
-    def weigh(self, shares):            # shares, one per tensor, as grads() lays them out
-        if shares is None:
-            return None
-        return [torch.tensor(share, device=self.device) for share in shares]
+        return clip_grads(self.grads(), max_norm, groups, shares)
 
     def update(self):                   # the optimizer's step, then the layers' weights from it
         self.step_optimizer()
@@ -507,7 +502,7 @@ def dp_worker(rank, world_size, args):
                        cross_entropy, inputs.chunk(m), targets.chunk(m), len(rows) * args.context,
                        recompute=args.recompute)      # n: its positions
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
-            check.step(full_weights(replica), full_grads(replica))
+            check.step(whole(replica), whole(replica, grads=True))
         if args.clip_grad:
             norms.append(replica.clip(args.clip_grad).item())    # before the update
         replica.update()
@@ -722,15 +717,10 @@ def gradient_terms(record, logits, targets, params):
     return terms
 
 
-def full_weights(replica):   # every layer's fp32 weight (--bf16: its master), whole, as copies
-    return whole(replica, replica.params)
-
-
-def full_grads(replica):     # the averaged gradients, whole
-    return whole(replica, replica.grads())
-
-
-def whole(replica, parts):   # a tensor per layer from the optimizer's parts: ZeRO's all-gathered
+def whole(replica, grads=False):
+    """On every replica, every fp32 weight (--bf16: its master), or (grads) the averaged
+    gradient, whole, as copies: ZeRO's parts all-gathered."""
+    parts = replica.grads() if grads else replica.params
     if not replica.shards_optimizer:
         return [part.clone() for part in parts]
     flats = [part.new_empty(n) for part, n in zip(parts, replica.lengths)]
@@ -768,7 +758,7 @@ def show_memory(replica, args, whose):
 
 
 def finish_replicas(replica, args, init, losses, check, norms, resumed):
-    weights = full_weights(replica)   # every rank: the replicas must agree, bit for bit
+    weights = whole(replica)   # every rank: the replicas must agree, bit for bit
     drift = replica_drift(weights)
     if dist.get_rank() == 0:
         log("[rank 0]", f"replicas identical after training: {drift == 0.0} (largest "
@@ -1106,20 +1096,25 @@ def copy_overlaps(mine, theirs):   # into my pieces, what overlaps them of their
     return copied
 
 
+def gather_on_rank0(rows):
+    """Every rank's rows [n, ...], padded with -1 to the most n, stacked on rank 0; else None.
+    (Torch's object collectives would need numpy.)"""
+    most = torch.tensor(len(rows), device=rows.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    padded = torch.cat([rows, rows.new_full((most.item() - len(rows), *rows.shape[1:]), -1)])
+    rank0 = dist.get_rank() == 0
+    parts = [torch.empty_like(padded) for _ in range(dist.get_world_size())] if rank0 else None
+    dist.gather(padded, parts, dst=0)
+    return torch.stack(parts) if rank0 else None
+
+
 def gather_index(pieces, device):
     """Rank 0: every rank's pieces' places, {rank: [Piece without views]}, for the marker (DCP's
-    .metadata): a [n, 7] tensor a rank, padded to the most, gathered."""
+    .metadata): a [n, 7] tensor a rank, gathered."""
     places = torch.tensor([[p.tensor, *p.box, p.start, p.end] for p in pieces],
                           dtype=torch.int64, device=device).view(-1, 7)
-    most = torch.tensor(len(places), device=device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    padded = torch.full((most.item(), 7), -1, dtype=torch.int64, device=device)
-    padded[:len(places)] = places
-    every = None
-    if dist.get_rank() == 0:
-        every = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
-    dist.gather(padded, every, dst=0)
-    if dist.get_rank() != 0:
+    every = gather_on_rank0(places)               # [ranks, the most, 7]
+    if every is None:
         return None
     return {rank: [row for row in rows.tolist() if row[0] >= 0]
             for rank, rows in enumerate(every)}

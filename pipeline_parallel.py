@@ -393,9 +393,9 @@ def main(argv=None):
 import argparse, os, textwrap, time  # noqa: E401, E402
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import (SerialCheck, check_training_args, finish_run, load_checkpoint,  # noqa
-                           log_step, save_checkpoint, spans_of, tensors_of, training_parser,
-                           whole_on_rank0)
+from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
+                           gather_on_rank0, load_checkpoint, log_step, save_checkpoint, spans_of,
+                           tensors_of, training_parser, whole_on_rank0)
 from tensor_parallel import divides  # noqa: E402
 
 
@@ -466,14 +466,6 @@ def stash_bytes(stage):
     kept += [t for waiting in stage.waiting_for_w.values() for i, terms in waiting.items()
              if i in layers for term in terms for t in term]
     return nbytes(kept)
-
-
-def gather_on_rank0(tensor):
-    """Every rank's tensor (one shape), stacked on rank 0, else None (objects need numpy)."""
-    rank0 = dist.get_rank() == 0
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if rank0 else None
-    dist.gather(tensor.contiguous(), parts, dst=0)
-    return torch.stack(parts) if rank0 else None
 
 
 def simulate(stages, times=None):

@@ -32,8 +32,8 @@ import tensor_parallel
 import three_d
 from collectives import cleanup, setup, spawn
 from collectives import collective_cost
-from data_parallel import dp_costs
-from pipeline_parallel import gather_on_rank0, pipeline_costs
+from data_parallel import dp_costs, gather_on_rank0
+from pipeline_parallel import pipeline_costs
 from tensor_parallel import part_kinds, tp_costs
 
 RING_COST = {  # dist function -> (kind, the argument that holds N, factor)

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import three_d
 from collectives import cleanup, setup
 from comm_count import CommCounter
-from data_parallel import memory_held
-from pipeline_parallel import Recorder, gather_on_rank0
+from data_parallel import gather_on_rank0, memory_held
+from pipeline_parallel import Recorder
 from plan_machine import this_machine
 from race import first_batch, race, spawn_returning
 

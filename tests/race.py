@@ -26,8 +26,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from collectives import cleanup, pick_backend, spawn, under_torchrun  # noqa: E402
-from data_parallel import (CHECK_TOLERANCE, cross_entropy, dp_step, full_grads, full_weights, init_params,  # noqa: E402
-                           make_batch, make_replica, model_blocks)
+from data_parallel import (CHECK_TOLERANCE, cross_entropy, dp_step, init_params,  # noqa: E402
+                           make_batch, make_replica, model_blocks, whole)
 
 WARMUP = 2
 
@@ -298,7 +298,7 @@ def dp_side(weights, group, args, xs, ys, n, zero=0, overlap=False):
     def step():
         dp_step(replica, blocks, cross_entropy, xs, ys, n * args.context)
         replica.update()
-    return step, lambda: (full_weights(replica), full_grads(replica))
+    return step, lambda: (whole(replica), whole(replica, grads=True))
 
 
 def sgd(args, **more):
