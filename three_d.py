@@ -317,19 +317,14 @@ def finish_ranks(me, args, losses, check, norms, device, resumed=None):
 
 def stage_kinds(args, stage):
     """Its parts' kinds, chunk by chunk: E first in stage 0's first, H last in the last's last."""
-    return chunk_kinds(args.num_layers, args.pp, args.virtual_stages, args.tp_style, stage)
+    return chunk_kinds(args.num_layers, args.pp, args.virtual_stages, stage)
 
 
 @functools.lru_cache(maxsize=None)   # many layouts share one
-def chunk_kinds(num_layers, num_stages, num_chunks, tp_style, stage):
-    kinds = ("block",) * (num_layers // (num_stages * num_chunks))
-    chunks = []
-    for c in range(num_chunks):
-        virtual = c * num_stages + stage
-        first = ("embedding",) * (virtual == 0)
-        last = ("head",) * (virtual == num_stages * num_chunks - 1)
-        chunks.append(first + kinds + last)
-    return tuple(chunks)
+def chunk_kinds(num_layers, num_stages, num_chunks, stage):   # step 4's parts, step 3's kinds
+    kinds = part_kinds(num_layers)
+    return tuple(tuple(kinds[j] for j in stage_parts(num_layers, num_stages, stage, num_chunks, c))
+                 for c in range(num_chunks))
 
 
 def replica_lengths(args, stage=0, tp_rank=0):   # a rank's buckets' elements
