@@ -388,8 +388,8 @@ def main(argv=None):
     spawn(pp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
 
 
-# Below the fold: gathering the stages' layers, the schedule's print and its timeline with
-# the bubble, the command line. ----------------------------------------------------------
+# Below the fold: the run's end, the schedule's print and its timeline with the bubble, the
+# command line. --------------------------------------------------------------------------
 import argparse, os, textwrap, time  # noqa: E401, E402
 
 from collectives import positive_int  # noqa: E402
