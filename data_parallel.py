@@ -662,19 +662,22 @@ def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False, rec
     output), in order: (tokens, E's rows), (None, x0 = those + P), a gain's (x r, x r g), a
     matrix's (x, x W)."""
     dtype = torch.bfloat16 if bf16 else params[0].dtype
-    record = [] if record is None else record
+
+    def note(x, out):   # only when asked: the notes hold every activation of the pass
+        if record is not None:
+            record.append((x, out))
 
     def matmul(x, w):
         w = w.to(dtype)
         h = w.shape[0] // 2
         z = x[..., :h] @ w[:h] + x[..., h:] @ w[h:] if halves else x @ w
-        record.append((x, z))
+        note(x, z)
         return z
 
     def norm(x, g):
         normed = F.rms_norm(wide(x), g.shape, None, EPS)
         y = normed * g
-        record.append((normed, y))
+        note(normed, y)
         return y.to(dtype)
 
     def split_heads(t):   # [b, T, D] -> [b, h, T, dh]
@@ -682,7 +685,8 @@ def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False, rec
     embedding, positions, *blocks, gain, head = params
     rows = F.embedding(tokens, embedding).to(dtype)
     x = rows + positions.to(dtype)
-    record += [(tokens, rows), (None, x)]
+    note(tokens, rows)
+    note(None, x)
     for layer in range(len(blocks) // 8):
         g1, wq, wk, wv, wo, g2, w1, w2 = blocks[8 * layer:8 * layer + 8]
         n = norm(x, g1)

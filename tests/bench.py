@@ -987,9 +987,9 @@ print(f"{peak * 1024} {time.perf_counter() - start}")"""
 
 
 def recompute_memory(argv):
-    """Steps 2 and 3 with and without --recompute, at one rank's sizes (default: L=32 D=256
-    B=32768, one micro-batch, one step): each run's peak resident memory (its largest process,
-    the rank) and its time, in a fresh process."""
+    """Steps 2 and 3 with and without --recompute, at one rank's sizes (default: L=16 D=256
+    T=128 B=64, one micro-batch, one step): each run's peak resident memory (its largest
+    process, the rank) and its time, in a fresh process."""
     sizes = argv or RECOMPUTE_SIZES
     print(f"--recompute, {' '.join(sizes)}: peak resident memory and time, each run alone")
     print(f"  {'script':<20}{'plain':>10}{'--recompute':>13}{'less':>9}{'time, plain':>13}"

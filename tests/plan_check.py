@@ -125,8 +125,8 @@ def bench(argv):
     predicted best of its micro-batches, ZeRO stage, p2p and recompute choices), and print the
     two side by side."""
     parser = argparse.ArgumentParser(prog="tests/bench.py plan")
-    for flag, default in [("--world-size", 4), ("--num-layers", 4), ("--dim", 1024),
-                          ("--batch-size", 1024), ("--steps", 5)]:
+    for flag, default in [("--world-size", 4), ("--num-layers", 4), ("--dim", 256),
+                          ("--batch-size", 64), ("--steps", 5)]:
         parser.add_argument(flag, type=int, default=default)
     sizes = parser.parse_args(argv)
     args = three_d.parse_args(["--plan", "--world-size", str(sizes.world_size), "--gpus-per-node",
