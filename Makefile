@@ -78,7 +78,7 @@ test-slurm: deps
 # at a compute-heavy size (D=256) and where communication dominates (the defaults, D=64);
 # the collectives' bandwidth, start-up, the pipeline bubble, the bytes each rank sends, and
 # three_d.py --plan's predicted step times against every shape of 4 ranks run; a checkpoint's
-# write and read beside a step (about 45 minutes on a 2-core machine)
+# write and read beside a step (about 35 minutes on a 2-core machine)
 BIG = --num-layers 4 --dim 256 --heads 4 --context 64 --batch-size 32 --steps 5
 bench: deps
 	$(PYTHON) tests/bench.py collectives
