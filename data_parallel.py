@@ -73,17 +73,25 @@ def rmsnorm_backward(dy, x, r, g):
     return dx.to(dtype), (dy * x * r).flatten(0, -2).sum(0)
 
 
+def wide_matmul(a, b):   # a @ b summed into fp32 (FlashAttention's S and dA): bf16 inputs stay
+    if a.dtype != torch.bfloat16 or a.device.type == "cpu":   # bf16 on a GPU; the CPU, with no
+        return wide(a) @ wide(b)                              # such kernel, casts them
+    out = torch.bmm(a.flatten(0, -3), b.flatten(0, -3), out_dtype=torch.float32)
+    return out.unflatten(0, a.shape[:-2])
+
+
 def heads(t, head_dim):   # [b, T, h dh] -> [b, h, T, dh]: head j's columns j dh .. (j+1) dh
     return t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
 
 
 def attention(q, k, v, head_dim):
     """Causal attention of every head q, k, v hold [b, T, h dh]: o [b, T, h dh], A [b, h, T, T]
-    in fp32 (bf16's A moves dq ten times further from fp32's: the check's tolerance sees it)."""
+    in fp32 (bf16's A moves dq ten times further from fp32's: the check's tolerance sees it), and
+    S too: a saturated network's S of 500, in bf16, is off by up to 1, and A by a factor e."""
     q, k, v = (heads(t, head_dim) for t in (q, k, v))
-    s = (q / math.sqrt(head_dim)) @ k.transpose(-1, -2)               # [b, h, T, T]
+    s = wide_matmul(q / math.sqrt(head_dim), k.transpose(-1, -2))     # [b, h, T, T], fp32
     future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-    a = s.masked_fill_(future, float("-inf")).softmax(-1, dtype=wide(s).dtype)   # row i: 0 .. i
+    a = s.masked_fill_(future, float("-inf")).softmax(-1)             # row i: 0 .. i
     o = a.to(v.dtype) @ v                                             # [b, h, T, dh]
     return o.transpose(1, 2).flatten(-2), a
 
@@ -93,7 +101,7 @@ def attention_backward(do, q, k, v, a, head_dim):
     rowsum(dA * A)), dq = dS k / sqrt(dh), dk = dS^T q / sqrt(dh)."""
     do, q, k, v = (heads(t, head_dim) for t in (do, q, k, v))
     dv = a.to(do.dtype).transpose(-1, -2) @ do                        # [b, h, T, dh]
-    da = wide(do @ v.transpose(-1, -2))                               # [b, h, T, T], fp32
+    da = wide_matmul(do, v.transpose(-1, -2))                         # [b, h, T, T], fp32
     ds = (a * (da - (da * a).sum(-1, keepdim=True))).to(q.dtype)
     dq = ds @ k / math.sqrt(head_dim)
     dk = ds.transpose(-1, -2) @ q / math.sqrt(head_dim)
@@ -676,7 +684,7 @@ def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False, rec
 
     def norm(x, g):
         normed = F.rms_norm(wide(x), g.shape, None, EPS)
-        y = normed * g
+        y = normed * wide(g.to(dtype))   # the layers hold a gain in bf16 too
         note(normed, y)
         return y.to(dtype)
 

@@ -445,7 +445,7 @@ def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", con
     layers = [linear(D, D // tp)] * 3 + [wo, linear(D, 4 * D // tp), w2]
     batched = rows * (heads // tp)             # b h/t T rows of the scores
     head_dim = D // heads
-    scores = Matmul(batched, head_dim, context, size, size, accumulate=False)
+    scores = Matmul(batched, head_dim, context, size, 4, accumulate=False)   # S, dA: fp32
     mix = Matmul(batched, context, head_dim, size, size, accumulate=False)
     forwards, dxs, dws = (list(column) for column in zip(*layers))
     return forwards + [scores, mix], dxs + [mix, scores, mix, mix], dws
