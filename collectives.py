@@ -349,10 +349,9 @@ def meet(rank, world_size):
         store = next(dist.rendezvous("env://", rank, world_size,
                                      timeout=timedelta(seconds=timeout)))[0]
     except (RuntimeError, ValueError, OSError) as e:   # DistStoreError, DistNetworkError, ...
-        raise Stop(f"RANK {rank} of WORLD_SIZE {world_size} met no peers at MASTER_ADDR:"
-                   f"MASTER_PORT = {':'.join(map(str, where))} ({str(e).splitlines()[0][:100]});"
-                   f" if these are left over from another run, unset RANK, WORLD_SIZE and "
-                   f"LOCAL_RANK") from None
+        raise Stop(f"RANK {rank} of WORLD_SIZE {world_size} met no peers at MASTER_ADDR:MASTER_PORT"
+                   f" = {':'.join(map(str, where))} ({str(e).splitlines()[0][:100]}); if these are "
+                   f"left over from another run, unset RANK, WORLD_SIZE and LOCAL_RANK") from None
     return dist.PrefixStore("default_pg", store)   # as init_process_group keeps its own keys
 
 
@@ -519,9 +518,8 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, **kwargs):   # with the flags every script shares for starting its ranks
         super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
         self.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                          help="auto: NCCL when this node has a GPU for each of its ranks; "
-                               "gloo on the CPU when it has none, or fewer GPUs than ranks "
-                               "(said in one line)")
+                          help="auto: NCCL when this node has a GPU for each of its ranks; gloo "
+                               "on the CPU when it has fewer (said in one line)")
         self.add_argument("--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S,
                           help="how long a rank waits for a peer before the run fails")
 
@@ -557,10 +555,9 @@ def check_launch_args(parser, args, world_size, flag="--world-size", tensor_byte
     gpus = torch.cuda.device_count()   # NVML: no CUDA starts in this process
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     parser.refuse([
-        (torch.__version__ < OLDEST_TORCH,
-         f"torch {torch.__version__} is installed; these scripts need torch {OLDEST_TORCH} or "
-         f"newer: pip install 'torch>={OLDEST_TORCH}', or run make, which installs "
-         f"requirements.txt's in .venv"),
+        (torch.__version__ < OLDEST_TORCH, f"torch {torch.__version__} is installed; these scripts "
+         f"need torch {OLDEST_TORCH} or newer: pip install 'torch>={OLDEST_TORCH}', or run make, "
+         f"which installs requirements.txt's in .venv"),
         (args.timeout_s < 1, f"--timeout-s {args.timeout_s:g}: at least 1 s, or the ranks give "
                              f"up before they meet"),
         (args.timeout_s > 1e6, f"--timeout-s {args.timeout_s:g}: at most 1e6 s (11 days)"),

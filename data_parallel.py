@@ -529,7 +529,7 @@ def main(argv=None):
 
 # Below the fold: each stage's costs, the bucket layout and the clipping norm; what later steps
 # share (training flags and rules, --save, checkpoints, the text, --check); the memory table.
-import argparse, contextlib, functools, json, math, os, shutil, sys, tempfile  # noqa
+import argparse, contextlib, functools, json, math, os, shutil, sys  # noqa
 from typing import Callable, NamedTuple  # noqa: E402
 
 from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
@@ -856,8 +856,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
     smaller = min(len(text_part("training")), len(text_part("validation")))
     parser.refuse([
         (smaller <= args.context, f"--context {args.context}: a window is {args.context + 1} "
-                                  f"characters, and {source} has {len(ids)} (its smaller part, "
-                                  f"{smaller})"),
+         f"characters, and {source} has {len(ids)} (its smaller part, {smaller})"),
         (not 0 <= args.seed < 2**32, f"--seed {args.seed}: expected 0 to {2**32 - 1}"),
         (D % args.heads, f"--dim {D} is not divisible by --heads {args.heads}: each head "
                          f"has D/h columns"),
@@ -883,8 +882,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
     held = dp_costs([P], replicas, zero=getattr(args, "zero", 0))[1]
     state = sum(size for size, _ in held.values())
     stash = L * B * T * (16 * D + 2 + args.heads * T)   # a block's (block_stash's), fp32
-    check_launch_args(parser, args, world_size, ranks_flag,
-                      4 * (P + 2 * B * T * V + stash) + state,
+    check_launch_args(parser, args, world_size, ranks_flag, 4 * (P + 2 * B * T * V + stash) + state,
                       f"--num-layers {L} --dim {D} --batch-size {B}")
 
 
@@ -900,12 +898,9 @@ def writable(path):   # a regular file this process can write, or make: tried, n
 
 def writable_folder(path):   # tried, not asked (root passes os.access, /proc included)
     path = os.path.abspath(path)
-    while not os.path.exists(path):
+    while not os.path.exists(path):   # a file made in the nearest folder that exists, and removed
         path = os.path.dirname(path)
-    try:                           # a folder made inside the nearest that exists, and removed
-        return os.rmdir(tempfile.mkdtemp(dir=path)) is None
-    except OSError:                # a file there, or a folder no one can write (/proc)
-        return False
+    return os.path.isdir(path) and writable(os.path.join(path, f".parallel-{os.getpid()}"))
 
 
 def parse_args(argv=None):

@@ -700,8 +700,7 @@ def add_plan_args(parser):
 def plan_rules(parser, args):
     """--plan takes the world, the machine and the model; it chooses the rest."""
     used = {"plan", *PLAN_FLAGS, "num_layers", "dim", "heads", "context", "batch_size",
-            "optimizer",
-            "bf16", "bucket_mb", "backend", "timeout_s"}
+            "optimizer", "bf16", "bucket_mb", "backend", "timeout_s"}
     refuse_unused(parser, args, used, "--plan, which chooses it")
     args.vocab_size = getattr(args, "vocab_size", VOCAB_SIZE)
     args.world_size = getattr(args, "world_size", 8)
