@@ -282,14 +282,14 @@ def test_under_torchrun_a_bad_size_is_said_once(tmp_path):
 # (SGD's lr 1 sends the transformer's loss to 28,000 by step 17: its softmax saturates, and two
 # implementations' gradients of a saturated softmax differ by their rounding alone, amplified.
 # At lr 0.3 each script's worst gradient figure comes by step 8: 15 and 30 steps measured the
-# same; bf16's grow with the steps, 0.18 of the tolerance at 15, 0.45 at 30.)
+# same. bf16's at 30 steps: 0.06 to 0.09 of the tolerance, at 4 blocks and at 2; 0.31 to 1.57
+# while the reference's gains were fp32 and attention's S bf16, roundings one side alone made.)
 CORRECT = {"sgd-8": ["--optimizer", "sgd", "--lr", "0.3", "--steps", "8"],
            "adamw-bf16-3": ["--optimizer", "adamw", "--lr", "0.1", "--bf16", "--steps", "3"],
            "adamw-bf16-30": ["--optimizer", "adamw", "--lr", "0.1", "--bf16", "--steps", "30"]}
 SCRIPTS_AT_2 = [("data_parallel.py", ["--world-size", "2"]), ("tensor_parallel.py", ["--world-size", "2"]),
                 ("pipeline_parallel.py", ["--world-size", "2"]),
-                ("three_d.py", ["--dp", "1", "--pp", "2", "--tp", "2", "--num-layers", "4"])]   # (at 2 blocks,
-# bf16 at lr 0.1 for 30 steps ends past its tolerance: 0.53 against 0.34 in block 0's dWq; open)
+                ("three_d.py", ["--dp", "1", "--pp", "2", "--tp", "2", "--num-layers", "4"])]
 # three_d.py's 1x2x2 computes tensor_parallel.py's tp-2 numbers (its pipeline splits the same
 # blocks): at 8 and 30 steps its figures equalled tp's to the digit, so it runs the 3-step kind.
 KINDS = [(script, sizes, kind) for script, sizes in SCRIPTS_AT_2 for kind in CORRECT
@@ -302,7 +302,8 @@ def test_a_correct_run_passes_its_check_at_any_lr_and_number_of_steps(script, si
     """In this process (each script's --check from the shell: its own tests)."""
     SCRIPTS[script.removesuffix(".py")].main([*sizes, *CORRECT[kind], "--check", "--timeout-s", "60", *NO_SAMPLE])
     figures, verdict = check_report(capfd.readouterr().out)
-    assert verdict == "OK"
+    difference, tolerance, _ = figures["gradients"]
+    assert verdict == "OK" and (kind != "adamw-bf16-30" or difference < 0.25 * tolerance), figures
 
 
 @pytest.mark.deadline(60)
