@@ -838,19 +838,6 @@ def test_bf16_checks_within_its_tolerance_and_learns_as_fp32_does(tmp_path, monk
     assert all(w.dtype == torch.float32 for w in final_params(runs[True]))   # the masters, saved
 
 
-def test_a_saturated_bf16_run_rounds_as_serial_training_does(tmp_path, monkeypatch, capfd):
-    """AdamW at lr 0.1 saturates attention (scores in the hundreds), where a rounding that only
-    one side makes fails the check of a correct run. The layers hold the gains in bf16, so the
-    reference's norms take them so too; S and dA are summed into fp32, as the reference's
-    attention is. Here the gradients sit at 0.08 of the tolerance; with the reference's gains in
-    fp32 at 0.78, with S in bf16 at 1.08 (failed)."""
-    run_dp(tmp_path, monkeypatch, 1, batch_size=64, optimizer="adamw", lr=0.1, num_layers=2,
-           dim=64, heads=4, context=32, steps=30, seed=5, flags=("--check", "--bf16"))
-    figures, verdict = check_report(capfd.readouterr().out)
-    difference, tolerance, _ = figures["gradients"]
-    assert verdict == "OK" and difference < 0.25 * tolerance, figures
-
-
 BF16_MEMORY = {0: (2, 4, 12, 1, 1, 1), 1: (2, 4, 12, 1, 1, 3), 2: (2, 4, 12, 1, 3, 3), 3: (0, 4, 12, 1, 3, 3)}
 
 
