@@ -73,10 +73,10 @@ def rmsnorm_backward(dy, x, r, g):
     return dx.to(dtype), (dy * x * r).flatten(0, -2).sum(0)
 
 
-def wide_matmul(a, b):   # a @ b summed into fp32 (FlashAttention's S and dA): bf16 inputs stay
-    if a.dtype != torch.bfloat16 or a.device.type == "cpu":   # bf16 on a GPU; the CPU, with no
-        return wide(a) @ wide(b)                              # such kernel, casts them
-    out = torch.bmm(a.flatten(0, -3), b.flatten(0, -3), out_dtype=torch.float32)
+def wide_matmul(a, b):   # [.., m, k] @ [.., k, n] summed into fp32, as FlashAttention sums S, dA
+    if a.dtype != torch.bfloat16 or a.device.type == "cpu":   # the CPU has no bf16 x bf16 -> fp32
+        return wide(a) @ wide(b)                              # kernel: cast (fp32 stays as it is)
+    out = torch.bmm(a.flatten(0, -3), b.flatten(0, -3), out_dtype=torch.float32)   # bf16 inputs
     return out.unflatten(0, a.shape[:-2])
 
 
