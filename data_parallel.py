@@ -529,7 +529,7 @@ def main(argv=None):
 
 # Below the fold: each stage's costs, the bucket layout and the clipping norm; what later steps
 # share (training flags and rules, --save, checkpoints, the text, --check); the memory table.
-import argparse, contextlib, functools, json, math, os, shutil, sys  # noqa
+import argparse, contextlib, functools, glob, json, math, os, shutil, sys  # noqa
 from typing import Callable, NamedTuple  # noqa: E402
 
 from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
@@ -1267,12 +1267,9 @@ def whole_on_rank0(replica, full, tensors=None, boxes=None, copies=(), grads=Fal
     return whole
 
 
-def checkpoints(folder):   # the complete checkpoints in folder, oldest first
-    if not os.path.isdir(folder):
-        return []
-    names = sorted(name for name in os.listdir(folder) if name.startswith("step-"))
-    return [os.path.join(folder, name) for name in names
-            if os.path.exists(os.path.join(folder, name, MARKER))]
+def checkpoints(folder):   # the complete checkpoints in folder (step-N, its marker), oldest first
+    markers = glob.glob(os.path.join(glob.escape(folder), "step-*", MARKER))
+    return sorted(os.path.dirname(marker) for marker in markers)
 
 
 CHECKPOINT_MODEL = ("num_layers", "dim", "heads", "context", "vocab_size", "optimizer", "seed")
