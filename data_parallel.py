@@ -590,9 +590,8 @@ class BucketLayout(NamedTuple):
 def make_buckets(numels, bucket_mb, chunk_starts=()):
     """Consecutive parts (numels: each part's tensors' elements) whose fp32 gradients fit in
     bucket_mb (0: a part each): a collective costs a fixed time plus bytes / bandwidth (gloo
-    here: 4 KB and 1 MB both ~0.6 ms, 16 MB 11 ms). Cut from the last part, final first; the
-    first bucket 1 MB at most, as DDP's, to start early. None crosses the start of a chunk (3D's
-    interleaving)."""
+    here: 4 KB and 1 MB both ~0.6 ms, 16 MB 11 ms). Cut from the last part, final first; the first
+    bucket 1 MB at most, as DDP's, to start early. None crosses a chunk's start (3D interleaved)."""
     sizes = [sum(part) for part in numels]
     parts = [[]]
     cap = min(bucket_mb, 1.0) * 2**20
@@ -1123,17 +1122,15 @@ def gather_index(pieces, device):
     every = gather_on_rank0(places)               # [ranks, the most, 7]
     if every is None:
         return None
-    return {rank: [row for row in rows.tolist() if row[0] >= 0]
-            for rank, rows in enumerate(every)}
+    return {rank: [row for row in rows.tolist() if row[0] >= 0] for rank, rows in enumerate(every)}
 
 
 def save_checkpoint(args, step, replica, tensors=None, boxes=None, copies=()):
-    """--checkpoint DIR after every --checkpoint-every N steps and the last: DIR/step-00000150/,
-    a file a rank with its pieces (without ZeRO, replicas beyond dp rank 0 write none: they hold
-    the same; nor does a rank write its copies, tensors that tp rank 0 holds whole too), then
-    the marker with every rank's pieces' places, by rename, once every rank's file is on disk.
-    A run killed before that leaves the checkpoints before as they were; the two newest complete
-    are kept."""
+    """--checkpoint DIR after every --checkpoint-every N steps and the last: DIR/step-00000150/, a
+    file a rank with its pieces (without ZeRO, replicas beyond dp rank 0 write none: they hold the
+    same; nor does a rank write its copies, tensors that tp rank 0 holds whole too), then the marker
+    with every rank's pieces' places, by rename, once every rank's file is on disk. A run killed
+    before that leaves the checkpoints before as they were; the two newest complete are kept."""
     due = step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
     if not args.checkpoint or not due:
         return
@@ -1180,11 +1177,10 @@ def write_pieces(path, pieces, args):   # on disk once this returns; a failure: 
 
 
 def load_checkpoint(args, replica, tensors=None, boxes=None):
-    """--resume: this rank's parameters and AdamW's state, from the pieces of the checkpoint
-    that overlap what it holds (read_pieces); then the layers' weights from them (bf16 copies;
-    ZeRO-1, 2: the buckets all-gathered). Returns, on rank 0 with --check or --save, the state
-    it resumed from, whole (whole_checkpoint): read now, as the checkpoint goes once two are
-    newer."""
+    """--resume: this rank's parameters and AdamW's state, from the pieces of the checkpoint that
+    overlap what it holds (read_pieces); then the layers' weights from them (bf16 copies; ZeRO-1, 2:
+    the buckets all-gathered). Returns, on rank 0 with --check or --save, the state it resumed from,
+    whole (whole_checkpoint): read now, as the checkpoint goes once two are newer."""
     if not args.resume:
         return None
     marker = args.marker
@@ -1221,8 +1217,7 @@ def read_pieces(marker, mine):
         path = os.path.join(marker["folder"], f"rank-{int(rank):05d}.pt")
         try:
             saved = torch.load(path, mmap=True, weights_only=True)
-            theirs = [Piece(j, Box(*box), start, end, views)
-                      for j, box, start, end, views in saved]
+            theirs = [Piece(j, Box(*box), start, end, views) for j, box, start, end, views in saved]
             copied += copy_overlaps(mine, theirs)
         except (OSError, RuntimeError, ValueError) as e:
             raise Stop(f"--resume: {broken(path, e)}") from None

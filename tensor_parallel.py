@@ -424,8 +424,7 @@ class Matmul(NamedTuple):
         return inputs + self.m * self.n * self.out_bytes * (1 + self.accumulate)
 
 
-def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", context=1,
-                  heads=1):
+def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", context=1, heads=1):
     """A tp rank's part ("block" or "head"), a micro-batch of rows positions: its matmuls'
     (forwards, backwards' dx, dWs into the fp32 gradient); a block's six weights, and per head
     attention's S = q k^T and A v, [b h/t T, dh] x [dh, T] and [b h/t T, T] x [T, dh] as one

@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, ray_launch, run_main, setup, spawn
-from data_parallel import (dp_costs, init_params, make_batch, make_replica, replica_rows,
-                           spans_of)
+from data_parallel import dp_costs, init_params, make_batch, make_replica, replica_rows, spans_of
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts)
 from tensor_parallel import (all_gather_columns, clip_shares, my_columns, part_kinds, shard,
@@ -111,10 +110,9 @@ class ThreeDRank:
 
     def hold_shards(self, args, device):
         """The parts of its stage (of each of its chunks, interleaved: the embedding in the first
-        chunk of stage 0, the head in the last of the last stage), each tensor cut to its tp
-        part: a column layer's columns (whole heads), a row layer's rows, its classes of E and
-        H, a gain and P whole, from the whole model every rank draws. Step 2's replica holds them
-        over dp."""
+        chunk of stage 0, the head in the last of the last stage), each tensor cut to its tp part: a
+        column layer's columns (whole heads), a row layer's rows, its classes of E and H, a gain and
+        P whole, from the whole model every rank draws. Step 2's replica holds them over dp."""
         self.init = init_params(args)
         v = args.virtual_stages
         self.part_kinds = part_kinds(args.num_layers)                 # by part, in order
@@ -250,8 +248,7 @@ def three_d_worker(rank, world_size, args):
     device = setup(rank, world_size)
     me = ThreeDRank(rank, args, device)
     if rank == 0:   # the rank map, and what a stage's (a chunk's) layers are
-        show_rank_map(args.dp, args.pp, args.tp, args.order, args=args,
-                      chunks=args.virtual_stages)
+        show_rank_map(args.dp, args.pp, args.tp, args.order, args=args, chunks=args.virtual_stages)
     resumed = load_checkpoint(args, me.replica, me.held, me.boxes)   # --resume: any layout's
     losses = []
     norms = []
@@ -370,8 +367,7 @@ def show_rank_map(dp, pp, tp, order, args=None, chunks=1):
         cells = "".join(f"{str(mine[name]):<{width[name]}}" for name in ("tp", "pp", "dp"))
         print(f"{rank:>5} {coords}   {cells}".rstrip(), flush=True)
     if args:
-        print(f"each stage{' chunk' * (chunks > 1)}: {describe(args, tp)} over tp={tp}",
-              flush=True)
+        print(f"each stage{' chunk' * (chunks > 1)}: {describe(args, tp)} over tp={tp}", flush=True)
 
 
 # --plan: which layout? Each layout of --world-size GPUs priced as the code runs it: each
