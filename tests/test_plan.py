@@ -324,6 +324,16 @@ def test_the_table_has_top_rows_apart_columns_and_the_best_ones_stages(capsys):
     assert "*" in out   # groups across the two nodes are marked
 
 
+def test_the_readmes_plan_is_what_the_command_prints(capsys):
+    """The README's Llama 3 8B example: its command, run, prints the README's table to the digit
+    (a change to the pricing changes the README with it)."""
+    with open(f"{REPO}/README.md") as f:
+        readme = f.read()
+    command, shown = re.search(r"\n\$ python three_d.py (--plan .*)\n((?:.*\n)*?)```", readme).groups()
+    assert "layout" in shown and len(shown.splitlines()) >= 4
+    assert shown in run_plan(command.split()[1:], capsys)
+
+
 @pytest.mark.deadline(120)
 def test_this_machine_prices_every_layout_of_2_ranks():
     """tests/plan_machine.py's CPU model: timed here, it prices each layout of 2 ranks, its
