@@ -62,6 +62,28 @@ META = torch.device("meta")
 GPUS_PER_NODE = 8
 
 
+def native_meta_kernels():
+    """torch puts Python meta kernels (its refs, torch._meta_registrations) over the C++ ones of
+    636 ops: mm, add, gelu... A structured op's C++ meta kernel is the one its CUDA kernel sizes
+    its output by, and runs 100 times faster. Put those back; keep Python's where C++ has none
+    (AdamW's fused kernel). A torch without this private table keeps its own: slower, the same."""
+    meta = torch._meta_registrations
+    registered = getattr(meta, "_meta_lib_dont_use_me_use_register_meta", None)
+    if registered is None:
+        return
+    names = [key.split("/")[1] for key in registered._op_impls]   # "aten/mul.Tensor/Meta"
+    registered._destroy()
+    python_only = torch.library.Library("aten", "IMPL", "Meta")
+    for name in names:
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):
+            packet, _, overload = name.partition(".")
+            op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+            python_only.impl(op, op.py_kernels[torch._C.DispatchKey.Meta])
+    meta._meta_lib_dont_use_me_use_register_meta = python_only   # kept: its kernels live with it
+
+
+native_meta_kernels()
+
 
 @functools.lru_cache(maxsize=None)   # many layouts alike; callers only read the Counter
 def matmuls_of(kinds, rows, tp, classes, dim, bf16, micro_batches, recompute, tp_style, context,
