@@ -20,7 +20,7 @@ StepRecord, a TorchDispatchMode, sees every op of the step. It keeps
   2 m k n, and the bytes it moves; and the dtypes of every matmul's inputs;
 - each collective and send (comm_count's CommCounter): its group, kind and tensor bytes;
 - the bytes the step allocates, at their most while alive (a storage counts from the op that
-  makes it until its last reference goes);
+  makes it until its last reference goes; a view of one made before the step, none);
 - every op's name, as often as it ran (AdamW's fused kernel, once a step, as on a GPU);
 and it ends the step at the first op that touches a tensor on another device than meta, a
 CPU scalar aside (CUDA takes those, and AdamW keeps its step count there).
@@ -145,12 +145,15 @@ class StepRecord(TorchDispatchMode):
         self.input_dtypes = collections.Counter()   # a matmul's inputs' dtype -> calls
         self.ops = collections.Counter()       # every op's name (aten's) -> calls
         self.live = {}                         # id of a storage made in the step -> its bytes
+        self.found = set()                     # ids of those made before (first seen as inputs)
         self.now = 0
         self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.check_devices(func, (args, kwargs))          # what it takes, before it runs
+        for t in tensors_in((args, kwargs)):              # (a weight's .T is no allocation)
+            self.note_found(t.untyped_storage())
         out = func(*args, **kwargs)
         self.check_devices(func, out)                     # and what it makes
         name = func.overloadpacket.__name__
@@ -177,9 +180,15 @@ class StepRecord(TorchDispatchMode):
         self.matmuls[tensor_parallel.Matmul(rows, a.shape[-1], b.shape[-1], a.element_size(),
                                             out.element_size(), adds)] += 1
 
+    def note_found(self, storage):
+        key = id(storage)
+        if key not in self.live and key not in self.found:
+            self.found.add(key)
+            weakref.finalize(storage, self.found.discard, key)
+
     def note_alive(self, storage):
         key = id(storage)
-        if key in self.live:
+        if key in self.live or key in self.found:
             return
         self.live[key] = storage.nbytes()
         self.now += storage.nbytes()

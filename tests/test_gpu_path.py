@@ -176,6 +176,15 @@ def test_a_step_that_leaves_a_tensor_on_the_cpu_fails(monkeypatch, make):
         run_step("data_parallel", ["--world-size", "8", *SMALL["data_parallel"]], 0)
 
 
+def test_the_record_counts_what_the_step_allocates_not_views_of_what_it_found():
+    """A weight's .T, or a bucket's slice, shares the storage made before the step: no bytes."""
+    w = torch.empty(64, 32, device="meta")
+    with gpu_path.StepRecord() as record:
+        made = w.T @ w                # [32, 32]: 4 KB made
+        w.view(-1)[:8]                # a slice, as of a bucket
+    assert record.peak == made.nbytes == 32 * 32 * 4
+
+
 @pytest.mark.parametrize("argv, named", [
     ([], "script"), (["nonsense"], "'nonsense'"), (["three_d", "--rank", "8"], "--rank 8"),
     (["three_d", "--rank", "-1"], "--rank -1"), (["pipeline_parallel", "--world-size", "4", "--rank", "4"], "--rank 4"),
