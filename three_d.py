@@ -565,7 +565,7 @@ def predict(args, machine):
                     stage[group] for stage in per_node) < (2 if group == "pp" else sizes[group])])
 
 
-def most_memory(args):
+def most_memory(args, stages=None):
     """The most a rank of any stage holds: its replica's state and ZeRO's in-step buckets (alike on
     the middle stages; the ends hold E and H) plus its own largest stash and its working set."""
     pp, m, v = args.pp, args.micro_batches, args.virtual_stages
@@ -575,14 +575,31 @@ def most_memory(args):
         held = three_d_costs(args, s)[1]
         state[s] = sum(size for size, _ in held.values()) + in_step_bytes(
             chunk_lengths(args, s), args.dp, zero=args.zero, num_micro_batches=m)
-    return max(state.get(s, state[min(1, pp - 1)]) + working_bytes(args) + max(
+    return max(state.get(s, state[min(1, pp - 1)]) + working_bytes(args, s) + max(
         k * kept + w * waiting for k, w in held_counts(args.schedule, pp, s, m, v))
-        for s in range(pp))
+        for s in (stages or range(pp)))
 
 
-def working_bytes(args):   # a block's backward beside the stash: its MLP's g, dz, dx, 4 D wide
-    act = args.batch_size // (args.dp * args.micro_batches) * args.context * args.dim
-    return 3 * 4 * act * (2 if args.bf16 else 4)
+def working_bytes(args, stage):
+    """What a step holds a moment beside its state and stash, at the most: a block's backward (its
+    MLP's g, dz, dx, 4 D wide, or attention's dA and dS's two temporaries, fp32 [b, h/tp, T, T];
+    with --recompute, the block's stash rebuilt and the chunk's (x, dz)s until its W), or the last
+    stage's loss over [b T, V/tp]: H's logits, exps, softmax and dlogits in fp32 (bf16: the logits
+    copied to fp32, dlogits cast), beside the dlogits other micro-batches keep from F to B."""
+    b = args.batch_size // (args.dp * args.micro_batches)
+    act = 2 if args.bf16 else 4
+    block = max(3 * 4 * b * args.context * args.dim * act,                 # the MLP's
+                3 * 4 * b * (args.heads // args.tp) * args.context ** 2)  # attention's
+    if args.recompute:   # (zb-h1's (x, dz)s are its stash, counted there)
+        whole = argparse.Namespace(**{**vars(args), "recompute": False})
+        block += block_stash(whole, b, args.tp)[0]
+        block += stash_bytes(args)[1] * (args.schedule != "zb-h1")
+    if stage < args.pp - 1:
+        return block
+    logits = b * args.context * -(-args.vocab_size // args.tp)
+    kept = max(k for k, _ in held_counts(args.schedule, args.pp, stage, args.micro_batches,
+                                         args.virtual_stages))
+    return max(block, logits * (act + 3 * 4 + (4 + act) * args.bf16)) + (kept - 1) * logits * act
 
 
 def layouts(args, gpus_per_node):
