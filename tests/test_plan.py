@@ -6,7 +6,8 @@ prices against the published figures and physics, its table, and its refusals.
   holds at the step's end, its stash at its largest, the most it held in the step) equals the
   planner's figures for its stage, exactly.
 - A row's FLOPs by dtype and matmul bytes are what a rank of its stage executes, recorded by
-  tests/gpu_path.py on the meta device, at 8 and 1,024 GPUs.
+  tests/gpu_path.py on the meta device, at 8 and 1,024 GPUs; its memory, within 15% of what a
+  recorded step holds (its state, and what the step allocates at its most).
 - A matmul costs its FLOPs at the peak a GEMM of its shape reaches or its bytes at HBM's speed,
   whichever is longer; a collective, at each published size, the time nccl-tests measured.
 - No row, on several models and worlds, is faster than its matmuls' FLOPs and HBM traffic allow
