@@ -102,7 +102,7 @@ def attention_backward(do, q, k, v, a, head_dim):
     do, q, k, v = (heads(t, head_dim) for t in (do, q, k, v))
     dv = a.to(do.dtype).transpose(-1, -2) @ do                        # [b, h, T, dh]
     da = wide_matmul(do, v.transpose(-1, -2))                         # [b, h, T, T], fp32
-    ds = (a * (da - (da * a).sum(-1, keepdim=True))).to(q.dtype)
+    ds = da.sub_((da * a).sum(-1, keepdim=True)).mul_(a).to(q.dtype)   # in dA's memory
     dq = ds @ k / math.sqrt(head_dim)
     dk = ds.transpose(-1, -2) @ q / math.sqrt(head_dim)
     return [t.transpose(1, 2).flatten(-2) for t in (dq, dk, dv)]

@@ -234,16 +234,16 @@ def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
     rows = torch.arange(len(y), device=y.device)
     row_max = logits_t.max(dim=1).values                               # [b T]
     reduce_over(row_max, group, op=dist.ReduceOp.MAX)                  # m
-    exps = (logits_t - row_max[:, None]).exp()                         # [b T, V_t]
+    exps = (logits_t - row_max[:, None]).exp_()                        # [b T, V_t]
     sum_exps = exps.sum(dim=1)
     reduce_over(sum_exps, group)                                       # s
     mine = (y >= start) & (y < end)                                    # y's owner is this rank
     local = (y - start).masked_fill(~mine, 0)
     target = (logits_t[rows, local] - row_max).masked_fill(~mine, 0.0)
     reduce_over(target, group)                                         # l_y
-    dlogits_t = exps / sum_exps[:, None]                               # softmax_t
+    dlogits_t = exps.div_(sum_exps[:, None])                           # softmax_t, in exps
     dlogits_t[rows, local] -= mine.float()                             # - onehot_t(y)
-    return (sum_exps.log() - target).sum() / n, (dlogits_t / n).to(dtype)
+    return (sum_exps.log() - target).sum() / n, dlogits_t.div_(n).to(dtype)
 
 
 def sum_partial_grads(grads, whole, group):   # sequence parallel: dg, dP summed (not averaged)

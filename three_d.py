@@ -582,14 +582,15 @@ def most_memory(args, stages=None):
 
 def working_bytes(args, stage):
     """What a step holds a moment beside its state and stash, at the most: a block's backward (its
-    MLP's g, dz, dx, 4 D wide, or attention's dA and dS's two temporaries, fp32 [b, h/tp, T, T];
+    MLP's g, dz, dx, 4 D wide, or attention's dA, with dA A's, fp32 [b, h/tp, T, T], A aside;
     with --recompute, the block's stash rebuilt and the chunk's (x, dz)s until its W), or the last
-    stage's loss over [b T, V/tp]: H's logits, exps, softmax and dlogits in fp32 (bf16: the logits
-    copied to fp32, dlogits cast), beside the dlogits other micro-batches keep from F to B."""
+    stage's loss over [b T, V/tp]: H's logits and their exps, made softmax and dlogits in place
+    (bf16: the logits copied to fp32, dlogits cast), beside the dlogits other micro-batches keep
+    from F to B."""
     b = args.batch_size // (args.dp * args.micro_batches)
     act = 2 if args.bf16 else 4
     block = max(3 * 4 * b * args.context * args.dim * act,                 # the MLP's
-                3 * 4 * b * (args.heads // args.tp) * args.context ** 2)  # attention's
+                2 * 4 * b * (args.heads // args.tp) * args.context ** 2)  # attention's
     if args.recompute:   # (zb-h1's (x, dz)s are its stash, counted there)
         whole = argparse.Namespace(**{**vars(args), "recompute": False})
         block += block_stash(whole, b, args.tp)[0]
@@ -599,7 +600,7 @@ def working_bytes(args, stage):
     logits = b * args.context * -(-args.vocab_size // args.tp)
     kept = max(k for k, _ in held_counts(args.schedule, args.pp, stage, args.micro_batches,
                                          args.virtual_stages))
-    return max(block, logits * (act + 3 * 4 + (4 + act) * args.bf16)) + (kept - 1) * logits * act
+    return max(block, logits * (act + 4 + (4 + act) * args.bf16)) + (kept - 1) * logits * act
 
 
 def layouts(args, gpus_per_node):

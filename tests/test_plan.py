@@ -192,7 +192,8 @@ def test_the_plans_memory_is_what_a_recorded_step_holds_within_15_percent(flags)
     """A rank of each stage: what it holds at its step's end plus what the step allocates at its
     most (gpu_path's record, on meta), against the plan's memory for that stage. The plan prices
     attention's fp32 [b, h, T, T] temporaries, the loss's [b T, V/tp] and --recompute's rebuilt
-    block beside the stash; without them it said 1.5 GB where a step at V 32,000 held 5.3 GB."""
+    block beside the stash; without them it said 1.2 GB where the step at V 32,000 held 5.3 GB
+    (3.4 GB once the loss made its softmax in place)."""
     argv = [*RECORDED, *flags]
     args = gpu_node_args("three_d", argv)
     groups = three_d.rank_groups(args.dp, args.pp, args.tp, args.order)
