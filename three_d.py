@@ -582,11 +582,11 @@ def most_memory(args, stages=None):
 
 def working_bytes(args, stage):
     """What a step holds a moment beside its state and stash, at the most: a block's backward (its
-    MLP's g, dz, dx, 4 D wide, or attention's dA, with dA A's, fp32 [b, h/tp, T, T], A aside;
-    with --recompute, the block's stash rebuilt and the chunk's (x, dz)s until its W), or the last
-    stage's loss over [b T, V/tp]: H's logits and their exps, made softmax and dlogits in place
-    (bf16: the logits copied to fp32, dlogits cast), beside the dlogits other micro-batches keep
-    from F to B."""
+    MLP's g, dz, dx, 4 D wide, or attention's dA and dA A, fp32 [b, h/tp, T, T], beside the stash's
+    A; with --recompute, the block's stash rebuilt and the chunk's (x, dz)s until its W), or the
+    last stage's loss over [b T, V/tp]: H's logits and their exps, which become softmax and dlogits
+    in place (bf16: the logits copied to fp32, dlogits cast), beside the dlogits of the other
+    micro-batches between their F and their B."""
     b = args.batch_size // (args.dp * args.micro_batches)
     act = 2 if args.bf16 else 4
     block = max(3 * 4 * b * args.context * args.dim * act,                 # the MLP's
@@ -598,9 +598,9 @@ def working_bytes(args, stage):
     if stage < args.pp - 1:
         return block
     logits = b * args.context * -(-args.vocab_size // args.tp)
-    kept = max(k for k, _ in held_counts(args.schedule, args.pp, stage, args.micro_batches,
-                                         args.virtual_stages))
-    return max(block, logits * (act + 4 + (4 + act) * args.bf16)) + (kept - 1) * logits * act
+    in_flight = max(k for k, _ in held_counts(args.schedule, args.pp, stage, args.micro_batches,
+                                              args.virtual_stages))
+    return max(block, logits * (act + 4 + (4 + act) * args.bf16)) + (in_flight - 1) * logits * act
 
 
 def layouts(args, gpus_per_node):
