@@ -581,12 +581,10 @@ def most_memory(args, stages=None):
 
 
 def working_bytes(args, stage):
-    """What a step holds a moment beside its state and stash, at the most: a block's backward (its
-    MLP's g, dz, dx, 4 D wide, or attention's dA and dA A, fp32 [b, h/tp, T, T], beside the stash's
-    A; with --recompute, the block's stash rebuilt and the chunk's (x, dz)s until its W), or the
-    last stage's loss over [b T, V/tp]: H's logits and their exps, which become softmax and dlogits
-    in place (bf16: the logits copied to fp32, dlogits cast), beside the dlogits of the other
-    micro-batches between their F and their B."""
+    """What a step holds a moment beside state and stash: a block's backward (the MLP's g, dz, dx,
+    4 D wide, or attention's dA and dA A, fp32 [b, h/tp, T, T]; --recompute: the block's stash
+    rebuilt, the chunk's (x, dz)s until W), or the last stage's loss: logits [b T, V/tp], exps made
+    dlogits in place (bf16: an fp32 copy, a cast), beside others' dlogits between F and B."""
     b = args.batch_size // (args.dp * args.micro_batches)
     act = 2 if args.bf16 else 4
     block = max(3 * 4 * b * args.context * args.dim * act,                 # the MLP's
