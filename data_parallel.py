@@ -22,8 +22,9 @@ out. Its backward is derived by hand here, once; every later step splits these l
       matmul   z = x W:  dW = x^T dz (over every position), dx = dz W^T;  gelu: dz = du gelu'(z)
       residual x' = x + f(x):  dx = dx' + the branch's dx: the two, summed
       rmsnorm  u = g dy:  dx = r u - x r^3 mean_D(u x)          dg = sum over positions of dy x r
-      attention, a head (S = q k^T / sqrt(dh), A = softmax(S), o = A v):
-               dv = A^T do     dA = do v^T     dS = A * (dA - rowsum(dA * A))
+      attention, a head (S = q k^T / sqrt(dh), A = softmax(S) = exp(S - lse), o = A v), where
+               lse = log rowsum exp(S) [b, h, T] is kept and A made again (FlashAttention's way):
+               dv = A^T do    dA = do v^T    dS = A * (dA - D),  D = rowsum(dA * A) = rowsum(do * o)
                dq = dS k / sqrt(dh)     dk = dS^T q / sqrt(dh)    (masked: A = 0, so dS = 0)
       embed    dP = dx summed over the batch   dE[tokens] += dx  (index_add_)
 
@@ -31,7 +32,7 @@ Each part is a Block, a forward and its backward, over its weights: the embeddin
 block's eight, the head [g, H]. A backward returns each weight's (x, dz), dW = x^T dz, which the
 replica sums into its bucket: a gain's gradient comes ready (x None), E's and P's as rows to add
 (x the ids). A block keeps what its backward reads, its stash; --recompute keeps x alone and runs
-the forward again in the backward: one [b, T, D] a block, attention's [b, h, T, T] included.
+the forward again in the backward: one [b, T, D] a block, where the stash holds 16 and lse.
 
 Data parallelism: each of d replicas holds every weight and trains on its own slice of the batch;
 they sum their gradients with an all-reduce and divide by d. dp_step() reads as that: forward;
@@ -84,28 +85,82 @@ def heads(t, head_dim):   # [b, T, h dh] -> [b, h, T, dh]: head j's columns j dh
     return t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
 
 
-def attention(q, k, v, head_dim):
-    """Causal attention of every head q, k, v hold [b, T, h dh]: o [b, T, h dh], A [b, h, T, T]
-    in fp32 (bf16's A moves dq ten times further from fp32's: the check's tolerance sees it), and
-    S too: a saturated network's S of 500, in bf16, is off by up to 1, and A by a factor e."""
-    q, k, v = (heads(t, head_dim) for t in (q, k, v))
-    s = wide_matmul(q / math.sqrt(head_dim), k.transpose(-1, -2))     # [b, h, T, T], fp32
+def scores(q, k, head_dim):
+    """S = q k^T / sqrt(dh) [b, h, T, T], summed in fp32 (a saturated network's S of 500, in bf16,
+    is off by up to 1, and A by a factor e); -inf above the diagonal: row i sees keys 0 .. i."""
+    s = wide_matmul(q / math.sqrt(head_dim), k.transpose(-1, -2))
     future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-    a = s.masked_fill_(future, float("-inf")).softmax(-1)             # row i: 0 .. i
+    return s.masked_fill_(future, float("-inf"))
+
+
+def attention(q, k, v, head_dim):
+    """Causal attention of every head q, k, v hold [b, T, h dh], as FlashAttention computes it:
+    o [b, T, h dh], and lse = log rowsum exp(S) [b, h, T] in fp32, which the backward keeps in
+    place of A [b, h, T, T] and makes A again from: A = softmax(S) = exp(S - lse). On a GPU torch's
+    fused kernel computes the same two, A never whole in memory (tests/test_transformer.py holds
+    its tiles, each row's running max and sum merged, equal to these lines)."""
+    if fused(q, head_dim):
+        return fused_attention(q, k, v, head_dim)
+    q, k, v = (heads(t, head_dim) for t in (q, k, v))
+    s = scores(q, k, head_dim)                                        # [b, h, T, T], fp32
+    lse = s.logsumexp(-1)                                             # [b, h, T]
+    a = s.sub_(lse[..., None]).exp_()                                 # A, in S's memory
     o = a.to(v.dtype) @ v                                             # [b, h, T, dh]
-    return o.transpose(1, 2).flatten(-2), a
+    return o.transpose(1, 2).flatten(-2), lse
 
 
-def attention_backward(do, q, k, v, a, head_dim):
-    """dq, dk, dv [b, T, h dh] from do: per head dv = A^T do, dA = do v^T, dS = A * (dA -
-    rowsum(dA * A)), dq = dS k / sqrt(dh), dk = dS^T q / sqrt(dh)."""
-    do, q, k, v = (heads(t, head_dim) for t in (do, q, k, v))
+def attention_backward(do, q, k, v, o, lse, head_dim):
+    """dq, dk, dv [b, T, h dh] from do, A made again from q, k and lse. Per head:
+        dv = A^T do    dA = do v^T    dS = A * (dA - D)    dq = dS k / sqrt(dh)
+        dk = dS^T q / sqrt(dh)
+    D = rowsum(dA * A) [b, h, T, 1] is the softmax's; it needs no [T, T] pass, for row i
+        D_i = sum_j A_ij dA_ij = sum_j A_ij (do_i . v_j) = do_i . (sum_j A_ij v_j) = do_i . o_i,
+    so D = rowsum(do * o), from two [b, h, T, dh] (FlashAttention-2's equations 13-19)."""
+    if fused(q, head_dim):
+        return fused_attention_backward(do, q, k, v, o, lse, head_dim)
+    do, q, k, v, o = (heads(t, head_dim) for t in (do, q, k, v, o))
+    a = scores(q, k, head_dim).sub_(lse[..., None]).exp_()           # A again  [b, h, T, T]
     dv = a.to(do.dtype).transpose(-1, -2) @ do                        # [b, h, T, dh]
     da = wide_matmul(do, v.transpose(-1, -2))                         # [b, h, T, T], fp32
-    ds = da.sub_((da * a).sum(-1, keepdim=True)).mul_(a).to(q.dtype)   # in dA's memory
+    d = (wide(do) * wide(o)).sum(-1, keepdim=True)                    # D = rowsum(do * o)
+    ds = da.sub_(d).mul_(a).to(q.dtype)                               # in dA's memory
     dq = ds @ k / math.sqrt(head_dim)
     dk = ds.transpose(-1, -2) @ q / math.sqrt(head_dim)
     return [t.transpose(1, 2).flatten(-2) for t in (dq, dk, dv)]
+
+
+def fused(q, head_dim):   # a GPU (meta: its stand-in) runs torch's kernels; flash's head sizes
+    return q.device.type != "cpu" and q.dtype != torch.float64 and head_dim % 8 == 0 and \
+        head_dim <= 256
+
+
+def fused_attention(q, k, v, head_dim):
+    """The same o and lse from torch's fused kernel: FlashAttention-2 for bf16; fp32, which it
+    does not take, the memory-efficient kernel (its lse padded to 32 positions)."""
+    q, k, v = (heads(t, head_dim) for t in (q, k, v))
+    if q.dtype == torch.float32:
+        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, is_causal=True)[:2]
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True)[:2]
+    return o.transpose(1, 2).flatten(-2), lse
+
+
+def fused_attention_backward(do, q, k, v, o, lse, head_dim):
+    """dq, dk, dv from torch's fused backward, fed q, k, v, o and lse; no dropout, so the random
+    state it takes is read by neither kernel (empty)."""
+    do, q, k, v, o = (heads(t, head_dim) for t in (do, q, k, v, o))
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    T = q.shape[2]
+    if q.dtype == torch.float32:
+        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            do, q, k, v, None, o, lse, seed, offset, 0.0, [True, True, True, False],
+            is_causal=True)[:3]
+    else:
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, o, lse, None, None, T, T, 0.0, True, seed, offset)
+    return [t.transpose(1, 2).flatten(-2) for t in grads]
 
 
 class Whole:
@@ -133,7 +188,7 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE):
     n1, r1 = rmsnorm(x, g1)
     n1 = split.enter(n1)                      # [b, T, D]
     q, k, v = (n1 @ w for w in (wq, wk, wv))  # [b, T, D/t]: whole heads, this rank's
-    o, a = attention(q, k, v, head_dim)       # [b, T, D/t], A [b, h/t, T, T]
+    o, lse = attention(q, k, v, head_dim)     # [b, T, D/t], lse [b, h/t, T]: no A kept
     o = split.gather(o)
     x2 = x + split.out(o @ wo)                # the residual
     n2, r2 = rmsnorm(x2, g2)
@@ -143,7 +198,7 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE):
     out = x2 + split.out(u @ w2)
     if recompute:
         return out, (x,)
-    return out, (x, n1, r1, q, k, v, a, o, x2, n2, r2, z, u)
+    return out, (x, n1, r1, q, k, v, lse, o, x2, n2, r2, z, u)
 
 
 def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE):
@@ -151,7 +206,7 @@ def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE):
     g1, wq, wk, wv, wo, g2, w1, w2 = w
     if len(stash) == 1:                       # --recompute: the forward again, from x
         stash = block_forward(stash[0], w, head_dim=head_dim, split=split)[1]
-    x, n1, r1, q, k, v, a, o, x2, n2, r2, z, u = stash
+    x, n1, r1, q, k, v, lse, o, x2, n2, r2, z, u = stash
     dy2 = split.out_back(dout)                # W2's output's gradient
     dz = torch.ops.aten.gelu_backward(split.gather_back(split.row_back(dy2 @ w2.T)), z)
     dn2 = split.f_back(dz @ w1.T)
@@ -159,7 +214,7 @@ def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE):
     dx2 = dx2 + dout                          # the residual: the branch's and the skip's
     dy1 = split.out_back(dx2)                 # Wo's output's gradient
     do = split.gather_back(split.row_back(dy1 @ wo.T))
-    dq, dk, dv = attention_backward(do, q, k, v, a, head_dim)
+    dq, dk, dv = attention_backward(do, q, k, v, split.gather_back(o), lse, head_dim)
     dn1 = split.f_back(dq @ wq.T + dk @ wk.T + dv @ wv.T)
     dx, dg1 = rmsnorm_backward(dn1, x, r1, g1)
     dx = dx + dx2

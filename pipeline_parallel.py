@@ -509,10 +509,10 @@ def simulate(stages, times=None):
 
 def block_stash(args, rows, tp=1):
     """Bytes a block keeps, a micro-batch of rows: from F to B its stash, 16 [b, T, D]-sized (x,
-    n1, q, k, v, o, x', n2; z and gelu(z) 4 D wide), r1 and r2 [b, T] and A [b, h, T, T] in fp32,
-    or x alone with --recompute; from B to W its (x, dz)s, 16 of them and two gains' dg [D]. A tp
-    rank holds some of them whole and the rest by 1/tp (Megatron: q, k, v, o, z, gelu(z) and A;
-    sequence parallel: all but n1 and n2, r1 and r2 too; and x, the recomputed's, by 1/tp)."""
+    n1, q, k, v, o, x', n2; z and gelu(z) 4 D wide), r1 and r2 [b, T] and lse [b, h, T] in fp32
+    (never A), or x alone with --recompute; from B to W its (x, dz)s, 16 of them and two gains'
+    dg [D]. A tp rank holds some whole and the rest by 1/tp (Megatron: q, k, v, o, z, gelu(z) and
+    lse; sequence parallel: all but n1 and n2, r1 and r2 too; and x, the recomputed's, by 1/tp)."""
     T, D, h = args.context, args.dim, args.heads
     A = rows * T * D * (2 if args.bf16 else 4)
     whole_kept, whole_waiting = (4, 4) if tp > 1 and args.tp_style == "megatron" else (9, 7)
@@ -524,7 +524,7 @@ def block_stash(args, rows, tp=1):
         x = A // tp
     if tp == 1:
         whole_kept, whole_waiting = 16, 16
-    kept = whole_kept * A + (16 - whole_kept) * A // tp + norms + rows * h * T * T * 4 // tp
+    kept = whole_kept * A + (16 - whole_kept) * A // tp + norms + rows * h * T * 4 // tp
     if args.recompute:
         kept = x
     return kept, whole_waiting * A + (16 - whole_waiting) * A // tp + 2 * D * 4

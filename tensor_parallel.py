@@ -424,11 +424,34 @@ class Matmul(NamedTuple):
         return inputs + self.m * self.n * self.out_bytes * (1 + self.accumulate)
 
 
+class Attention(NamedTuple):
+    """A fused causal attention kernel (FlashAttention's) over `sequences` heads' [T, dh] each, its
+    forward or its backward: q, k, v, o of in_bytes an element, lse fp32. It computes the tiles on
+    and below the diagonal, half of each [T, T], and writes none of them to memory."""
+    sequences: int
+    context: int
+    head_dim: int
+    in_bytes: int
+    backward: bool
+    accumulate: bool = False                  # as a Matmul's: nothing is added into
+
+    def flops(self):   # half of 2 T T dh a product: S, A v; back: S again, dv, dA, dq and dk
+        products = 5 if self.backward else 2
+        return products * self.sequences * self.context ** 2 * self.head_dim
+
+    def bytes_moved(self):   # q, k, v in, o out; back: q, k, v, o, do in, dq, dk, dv out; lse
+        tensor = self.sequences * self.context * self.head_dim * self.in_bytes
+        lse = self.sequences * self.context * 4
+        if self.backward:
+            return 8 * tensor + lse
+        return 4 * tensor + lse
+
+
 def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", context=1, heads=1):
     """A tp rank's part ("block" or "head"), a micro-batch of rows positions: its matmuls'
-    (forwards, backwards' dx, dWs into the fp32 gradient); a block's six weights, and per head
-    attention's S = q k^T and A v, [b h/t T, dh] x [dh, T] and [b h/t T, T] x [T, dh] as one
-    batch each (back: dv, dA, dq, dk). What --plan prices and tests/gpu_path.py records."""
+    (forwards, backwards' dx, dWs into the fp32 gradient); a block's six weights, and its h/t
+    heads' attention, one fused kernel forward and one back, as a GPU runs them. What --plan
+    prices and tests/gpu_path.py records."""
     size = 2 if bf16 else 4
     D = dim
 
@@ -442,12 +465,11 @@ def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", con
     wo = linear(D // tp, D) if row else linear(D, D // tp)
     w2 = linear(4 * D // tp, D) if row else linear(4 * D, D // tp)
     layers = [linear(D, D // tp)] * 3 + [wo, linear(D, 4 * D // tp), w2]
-    batched = rows * (heads // tp)             # b h/t T rows of the scores
+    sequences = rows // context * (heads // tp)   # b h/t
     head_dim = D // heads
-    scores = Matmul(batched, head_dim, context, size, 4, accumulate=False)   # S, dA: fp32
-    mix = Matmul(batched, context, head_dim, size, size, accumulate=False)
     forwards, dxs, dws = (list(column) for column in zip(*layers))
-    return forwards + [scores, mix], dxs + [mix, scores, mix, mix], dws
+    attention = Attention(sequences, context, head_dim, size, backward=False)
+    return forwards + [attention], dxs + [attention._replace(backward=True)], dws
 
 
 def describe(args, tp_size):   # what ran: "h/tp = 2 heads a rank, Megatron's pairs, ..."

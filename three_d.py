@@ -296,7 +296,7 @@ from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_
                            global_loss, in_step_bytes, load_checkpoint, log_step, make_buckets,
                            save_checkpoint, tensors_of, training_parser, whole_on_rank0)
 from pipeline_parallel import add_schedule_args, held_counts, schedule_rules  # noqa: E402
-from tensor_parallel import (add_sequence_parallel, block_matmuls, describe, divides,  # noqa
+from tensor_parallel import (Attention, add_sequence_parallel, block_matmuls, describe, divides,  # noqa
                              refuse_unused, sequence_parallel_rules, vocab_range)
 
 
@@ -385,6 +385,7 @@ GPUS = {
     "h100": dict(name="H100 SXM 80 GB",
                  flops=989e12, fp32_flops=67e12,   # datasheet: bf16 dense; fp32 (no TF32)
                  gemm_best=0.80,   # measured: a bf16 8192^3 matmul, 796 TFLOP/s on one H100
+                 attention_best=0.35,   # FlashAttention-2's share of peak on an H100 (FA3's paper)
                  sms=132, memory_gb=80, hbm_gbps=3350,          # datasheet: HBM3
                  all_reduce_gbps=466,   # RISE's; ~480 at its peak (nccl-tests#212)
                  intra_gbps=360,   # an assumption: NVLink's 450 GB/s (datasheet) less ~20%
@@ -394,6 +395,7 @@ GPUS = {
     "a100": dict(name="A100 SXM 80 GB",                 # (nccl-tests#290); IB ~30 us (#214)
                  flops=312e12, fp32_flops=19.5e12,      # datasheet: bf16 dense; fp32
                  gemm_best=0.80, sms=108, memory_gb=80, hbm_gbps=2039,   # datasheet: HBM2e
+                 attention_best=0.50,   # FlashAttention-2's paper: 50-73% of an A100's peak
                  all_reduce_gbps=208,   # 8 A100 SXM, no NVLink SHARP (nccl-tests#178)
                  intra_gbps=208,   # an assumption: NVLink 3's 300 GB/s (datasheet) less ~20%
                  latency_us=20, send_gbps=150, send_latency_us=3,   # assumed as the H100's
@@ -426,15 +428,18 @@ class Machine:
         waves = math.ceil(tiles * splits / sms)
         return self.figures["gemm_best"] * m * n / (128 * 128) * splits / (waves * sms)
 
-    def matmul_s(self, mm):
+    def matmul_s(self, mm):   # a matmul, or a fused attention kernel at FlashAttention's share
         peak = self.flops if mm.in_bytes == 2 else self.figures["fp32_flops"]
-        compute = mm.flops() / (peak * self.efficiency(mm.m, mm.k, mm.n))
-        return max(compute, mm.bytes_moved() / self.hbm)
+        if isinstance(mm, Attention):
+            share = self.figures["attention_best"]
+        else:
+            share = self.efficiency(mm.m, mm.k, mm.n)
+        return max(mm.flops() / (peak * share), mm.bytes_moved() / self.hbm)
 
     def layer_s(self, kind, rows, args, tp, micro_batches, classes=0):   # args: a Shape
         """(F, B, W) of a tp rank's part, a micro-batch of rows positions (W: the step's mean):
-        its matmuls (block_matmuls); a block's memory-bound passes, its norms, softmax and gelu,
-        about 12 [b, T, D] and 3 [b, h, T, T] forward, twice that back; the head's loss fp32
+        its matmuls and fused attention (block_matmuls); a block's memory-bound passes, its norms
+        and gelu, about 12 [b, T, D] forward, twice that back; the head's loss fp32
         passes over [b T, classes] (6 forward, 4 back); the embedding's rows moved, no matmul."""
         size = 2 if args.bf16 else 4
         dim = args.dim
@@ -451,7 +456,7 @@ class Machine:
         if kind == "head":
             loss = rows * classes * 4 / self.hbm
             return f + 6 * loss, b + 4 * loss, w
-        passes = (12 * rows * dim * size + 3 * rows * args.heads // tp * args.context * 4)
+        passes = 12 * rows * dim * size
         f += passes / self.hbm
         b += 2 * passes / self.hbm + f * args.recompute
         return f, b, w
@@ -582,16 +587,18 @@ def most_memory(args, stages=None):
 
 def working_bytes(args, stage):
     """What a step holds a moment beside state and stash: a block's backward (the MLP's g, dz, dx,
-    4 D wide, or attention's dA and dA A, fp32 [b, h/tp, T, T]; --recompute: the block's stash
-    rebuilt, the chunk's (x, dz)s until W), or the last stage's loss: logits [b T, V/tp], exps made
-    dlogits in place (bf16: an fp32 copy, a cast), beside others' dlogits between F and B."""
+    4 D wide; fused attention holds no [T, T]; --recompute: the block's stash rebuilt, the chunk's
+    (x, dz)s until W), or the last stage's loss: logits [b T, V/tp], exps made dlogits in place
+    (bf16: an fp32 copy, a cast), beside others' dlogits between F and B."""
     b = args.batch_size // (args.dp * args.micro_batches)
     act = 2 if args.bf16 else 4
-    block = max(3 * 4 * b * args.context * args.dim * act,                 # the MLP's
-                2 * 4 * b * (args.heads // args.tp) * args.context ** 2)  # attention's
-    if args.recompute:   # (zb-h1's (x, dz)s are its stash, counted there)
-        whole = argparse.Namespace(**{**vars(args), "recompute": False})
-        block += block_stash(whole, b, args.tp)[0]
+    block = 3 * 4 * b * args.context * args.dim * act                      # the MLP's
+    if args.recompute:   # the stash rebuilt; its n1, o, n2, gelu(z) are its (x, dz)s' xs, counted
+        whole = argparse.Namespace(**{**vars(args), "recompute": False})   # with those: in the
+        xs = 7 * b * args.context * args.dim * act       # chunk's, or zb-h1's stash (held_counts)
+        if args.tp > 1 and args.tp_style == "megatron":
+            xs = (2 * args.tp + 5) * b * args.context * args.dim * act // args.tp   # o, gelu(z)
+        block += block_stash(whole, b, args.tp)[0] - xs
         block += stash_bytes(args)[1] * (args.schedule != "zb-h1")
     if stage < args.pp - 1:
         return block

@@ -17,11 +17,13 @@ is drawn from the text on the CPU, as a data loader does, and moved to the devic
 StepRecord, a TorchDispatchMode, sees every op of the step. It keeps
 - each matmul as tensor_parallel.Matmul, the planner's own record: (m, k, n), the bytes of an input's
   and of an output's element, whether it adds into what its output held; from these its FLOPs,
-  2 m k n, and the bytes it moves; and the dtypes of every matmul's inputs;
+  2 m k n, and the bytes it moves; each fused attention kernel (flash's or the memory-efficient
+  one's, forward or backward) as tensor_parallel.Attention; and the dtypes of every one's inputs;
 - each collective and send (comm_count's CommCounter): its group, kind and tensor bytes;
 - the bytes the step allocates, at their most while alive (a storage counts from the op that
   makes it until its last reference goes; a view of one made before the step, none);
-- every op's name, as often as it ran (AdamW's fused kernel, once a step, as on a GPU);
+- every op's name, as often as it ran (AdamW's fused kernel, once a step, as on a GPU), and the
+  shape of every tensor an op made;
 and it ends the step at the first op that touches a tensor on another device than meta, a
 CPU scalar aside (CUDA takes those, and AdamW keeps its step count there).
 """
@@ -133,6 +135,10 @@ class OffDevice(RuntimeError):
 
 
 MATMULS = {"mm": False, "bmm": False, "addmm": True, "addmm_": True}   # -> it adds into its output
+FUSED_ATTENTION = {"_scaled_dot_product_flash_attention": False,         # -> it is a backward
+                   "_scaled_dot_product_flash_attention_backward": True,
+                   "_scaled_dot_product_efficient_attention": False,
+                   "_scaled_dot_product_efficient_attention_backward": True}
 
 
 class StepRecord(TorchDispatchMode):
@@ -144,6 +150,7 @@ class StepRecord(TorchDispatchMode):
         self.matmuls = collections.Counter()   # tensor_parallel.Matmul -> calls
         self.input_dtypes = collections.Counter()   # a matmul's inputs' dtype -> calls
         self.ops = collections.Counter()       # every op's name (aten's) -> calls
+        self.shapes = collections.Counter()    # every tensor an op made: its shape -> how often
         self.live = {}                         # id of a storage made in the step -> its bytes
         self.found = set()                     # ids of those made before (first seen as inputs)
         self.now = 0
@@ -160,7 +167,10 @@ class StepRecord(TorchDispatchMode):
         self.ops[name] += 1
         if name in MATMULS:
             self.add_matmul(name, args, out, adds=MATMULS[name] and kwargs.get("beta", 1) != 0)
+        if name in FUSED_ATTENTION:
+            self.add_attention(args, backward=FUSED_ATTENTION[name])
         for t in tensors_in(out):
+            self.shapes[tuple(t.shape)] += 1
             self.note_alive(t.untyped_storage())
         return out
 
@@ -179,6 +189,13 @@ class StepRecord(TorchDispatchMode):
         rows = a.shape[:-1].numel()          # bmm: its batch's rows, [batch m, k] x [k, n]
         self.matmuls[tensor_parallel.Matmul(rows, a.shape[-1], b.shape[-1], a.element_size(),
                                             out.element_size(), adds)] += 1
+
+    def add_attention(self, args, backward):   # q [b, h, T, dh]: the grad's, then q, k, v back
+        q = args[1] if backward else args[0]
+        self.input_dtypes[q.dtype] += 1
+        sequences = q.shape[0] * q.shape[1]
+        self.matmuls[tensor_parallel.Attention(sequences, q.shape[2], q.shape[3],
+                                               q.element_size(), backward)] += 1
 
     def note_found(self, storage):
         key = id(storage)
@@ -400,10 +417,18 @@ BUILDERS = {"data_parallel": build_data_parallel, "tensor_parallel": build_tenso
 
 def describe(ran):
     """A few lines on what the step ran."""
+    fused = sum(calls for mm, calls in ran.matmuls.items()
+                if isinstance(mm, tensor_parallel.Attention))
     lines = [f"rank {ran.rank} (stage {ran.stage}) of {world_of(ran.script, ran.args)}: "
-             f"{sum(ran.matmuls.values())} matmuls, {ran.record.flops() / 1e12:.3f} TFLOP, "
+             f"{sum(ran.matmuls.values()) - fused} matmuls and {fused} fused attention kernels, "
+             f"{ran.record.flops() / 1e12:.3f} TFLOP, "
              f"inputs {dict((str(k), v) for k, v in ran.record.input_dtypes.items())}"]
     for mm, calls in sorted(ran.matmuls.items(), key=lambda item: -item[0].flops() * item[1]):
+        if isinstance(mm, tensor_parallel.Attention):
+            lines.append(f"  {calls:>4} x fused attention {'backward' * mm.backward or 'forward'}"
+                         f" of {mm.sequences} heads' [{mm.context}, {mm.head_dim}] "
+                         f"{SIZE_NAMES[mm.in_bytes]}, lse fp32")
+            continue
         lines.append(f"  {calls:>4} x [{mm.m}, {mm.k}] x [{mm.k}, {mm.n}] "
                      f"{SIZE_NAMES[mm.in_bytes]} -> {SIZE_NAMES[mm.out_bytes]}"
                      f"{' (adds into its output)' * mm.accumulate}")

@@ -858,7 +858,7 @@ def test_bf16_memory_is_2_4_12_bytes_a_parameter_split_by_zero(tmp_path, monkeyp
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_recompute_keeps_each_blocks_input_and_the_peak_falls_by_the_formula(zero):
     """--recompute keeps each block's x, not its 13 tensors: a micro-batch's stash at its largest
-    is L [b, T, D], not L times 16 [b, T, D]-sized and r1, r2, A, beside the ends' (the
+    is L [b, T, D], not L times 16 [b, T, D]-sized and r1, r2, lse, beside the ends' (the
     embedding's int64 tokens, the head's x, n and r), counted from the tensors alive
     (tests/stash_check.py); the step's peak falls by the difference but for one block's: the
     block whose backward runs remakes its stash, beside the others' x. With ZeRO's every stage."""
@@ -870,7 +870,7 @@ def test_recompute_keeps_each_blocks_input_and_the_peak_falls_by_the_formula(zer
     recompute = stash_and_peak("data_parallel", [*argv, "--recompute"])
     b = B // (d * m)
     A = b * T * D * 4                                    # [b, T, D]
-    kept = 16 * A + 2 * b * T * 4 + b * h * T * T * 4    # a block's stash: pipeline's block_stash
+    kept = 16 * A + 2 * b * T * 4 + b * h * T * 4       # a block's stash: pipeline's block_stash
     ends = 2 * A + b * T * 4 + b * T * 8                 # the head's x, n and r; the tokens
     assert plain[0] == L * kept + ends and recompute[0] == L * A + ends
     assert (L - 1) * (kept - A) <= plain[1] - recompute[1] <= L * (kept - A)

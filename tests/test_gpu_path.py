@@ -101,11 +101,12 @@ def assert_as_planned(ran):
     b = layout.batch_size // (layout.dp * layout.micro_batches)          # a micro-batch's rows
     T, D, m, tp = layout.context, layout.dim, layout.micro_batches, layout.tp
     weights = 2 * b * T * 12 * D * D // tp * m        # a block's six matmuls, 12 D^2 a position
-    attention = 2 * b * T * T * D // tp * m            # S = q k^T, or A v: h/t heads of [T, dh]
+    product = b * T * T * D // tp * m                   # half of S = q k^T, or A v: causal
     blocks = layout.num_layers // layout.pp
     start, end = tensor_parallel.vocab_range(layout.vocab_size, ran.tp_rank, layout.tp)
     head = 3 * 2 * b * T * D * (end - start) * m       # F, dx, dW; the last stage's
-    per_block = weights * (3 + layout.recompute) + attention * (6 + 2 * layout.recompute)   # F 2, back 4
+    attention = product * (2 * (1 + layout.recompute) + 5)   # F: S, A v; back: S, dv, dA, dq, dk
+    per_block = weights * (3 + layout.recompute) + attention
     assert flops == per_block * blocks + head * (ran.stage == layout.pp - 1)
 
 
@@ -115,6 +116,26 @@ def test_a_rank_of_8_gpus_runs_as_planned(script, flags):
     for rank in RANKS[script]:
         ran = run_step(script, [*WORLD[script], *SMALL[script], *flags], rank)
         assert_as_planned(ran)
+
+
+@pytest.mark.parametrize("script", ["data_parallel", "three_d"])
+@pytest.mark.parametrize("flags,kernel", [([], "_scaled_dot_product_efficient_attention"),
+                                          (["--bf16"], "_scaled_dot_product_flash_attention"),
+                                          (["--recompute", "--bf16"],
+                                           "_scaled_dot_product_flash_attention")])
+def test_a_gpu_step_runs_fused_attention_and_makes_no_t_by_t_tensor(script, flags, kernel):
+    """A block's attention on a GPU is torch's fused kernel, forward and backward, once a block and
+    micro-batch each (the forward twice with --recompute); no op of the step makes a [.., T, T]
+    tensor, so none is held from the forward to the backward either (T 96; D 64, 4D 256)."""
+    T = 96
+    argv = [*WORLD[script], *SMALL[script], "--context", str(T), *flags]
+    ran = run_step(script, argv, 0)
+    blocks = ran.args.num_layers // (ran.args.pp if script == "three_d" else 1)
+    runs = blocks * ran.args.micro_batches
+    assert ran.record.ops[kernel] == runs * (1 + ran.args.recompute)
+    assert ran.record.ops[kernel + "_backward"] == runs
+    assert not [shape for shape in ran.record.shapes if shape[-2:] == (T, T)]
+    assert max(ran.record.shapes.values()) > 0
 
 
 LARGE = ["--dp", "16", "--pp", "8", "--tp", "8", "--num-layers", "64", "--dim", "8192", "--heads", "64",
@@ -129,9 +150,9 @@ def test_a_rank_of_1024_gpus_runs_as_planned(rank):
     ran = run_step("three_d", LARGE, rank)
     assert ran.stage == {0: 0, 229: 4, 1023: 7}[rank]
     assert_as_planned(ran)
-    # 8 micro-batches through 2 chunks of 4 blocks: 6 weights' F, dx and dW, attention's 2 F
-    # and 4 back each; the head's F, dx and dW, last
-    assert sum(ran.matmuls.values()) == 8 * 8 * (6 * 3 + 2 + 4) + 8 * 3 * (ran.stage == 7)
+    # 8 micro-batches through 2 chunks of 4 blocks: 6 weights' F, dx and dW, attention's fused
+    # kernel F and back each; the head's F, dx and dW, last
+    assert sum(ran.matmuls.values()) == 8 * 8 * (6 * 3 + 2) + 8 * 3 * (ran.stage == 7)
 
 
 ON_THE_CPU = torch.ones(97)      # made outside the step, as a CPU tensor left in a script

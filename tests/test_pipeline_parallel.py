@@ -747,7 +747,7 @@ def test_recompute_is_bitwise_the_same_and_its_stash_is_counted(tmp_path, capfd,
     (without, with_recompute) = tables
     b, T, D, h = 2, 4, 16, 4                             # a micro-batch's rows, --context, --dim, --heads
     A = b * T * D * 4                                    # [b, T, D] of floats
-    kept = 16 * A + 2 * b * T * 4 + b * h * T * T * 4    # x n1 q k v o x' n2, z and gelu(z) 4 D; r1, r2; A
+    kept = 16 * A + 2 * b * T * 4 + b * h * T * 4        # x n1 q k v o x' n2, z and gelu(z) 4 D; r1, r2; lse
     waiting = 16 * A + 2 * D * 4                         # (x, dz) of its six matmuls; two gains' dg
     blocks = 2 // (1 + bool(flags))                      # a stage's (interleaved: a chunk's)
     for s in range(4):

@@ -520,7 +520,7 @@ def test_bf16_tensor_parallel_checks_within_its_tolerance(tmp_path, monkeypatch,
 def test_recompute_keeps_each_blocks_input_and_the_peak_falls_by_the_formula(style, world_size):
     """--recompute keeps each block's input x [b, T, D], whole on every tp rank, where a block
     otherwise keeps 16 [b, T, D]-sized tensors, some whole and some by 1/t (Megatron: q, k, v, o,
-    z and gelu(z) and A by t; the all-gather style gathers o and gelu(z) whole), r1, r2 and A.
+    z and gelu(z) and lse by t; the all-gather style gathers o and gelu(z) whole), r1, r2, lse.
     The stash at its largest, counted from the tensors alive (tests/stash_check.py), beside the
     ends' (the embedding's local ids and mask, the head's x, n and r); the step's peak falls by
     the difference but for the one block whose backward makes its stash again."""
@@ -533,7 +533,7 @@ def test_recompute_keeps_each_blocks_input_and_the_peak_falls_by_the_formula(sty
     b = B // m
     A = b * T * D * 4                                    # [b, T, D], on every tp rank
     whole = 4 if style == "megatron" else 9              # x n1 x' n2; and o, gelu(z) gathered
-    kept = whole * A + (16 - whole) * A // t + 2 * b * T * 4 + b * h * T * T * 4 // t
+    kept = whole * A + (16 - whole) * A // t + 2 * b * T * 4 + b * h * T * 4 // t
     ends = 2 * A + b * T * 4 + b * T * (8 + 1)           # the head's x, n, r; int64 ids, bool mask
     assert plain[0] == L * kept + ends and recompute[0] == L * A + ends
     assert (L - 1) * (kept - A) <= plain[1] - recompute[1] <= L * (kept - A)
@@ -624,7 +624,7 @@ def test_sequence_parallel_holds_the_norm_regions_by_t(world_size):
     b = B // m
     A = b * T * D * 4
     r = 2 * b * T * 4
-    attention = b * h * T * T * 4 // t
+    attention = b * h * T * 4 // t             # lse [b, h/t, T]
     kept_megatron = 4 * A + 12 * A // t + r + attention
     kept = 2 * A + 14 * A // t + r // t + attention
     ends = A // t + A + b * T * 4 // t + b * T * (8 + 1)   # the head's x (T/t), n (gathered), r

@@ -1,6 +1,11 @@
 """The transformer's hand-derived pieces (step 2) against autograd: RMSNorm, attention with its
-causal mask and every head, a whole block; and the defects each comparison must catch."""
+causal mask and every head (lse kept, A made again), a whole block; and the defects each
+comparison must catch. FlashAttention's tiles, and the GPU's fused kernels' glue (run by torch's
+CPU kernel of the same maths), against the written-out attention."""
+import functools
 import math
+import types
+from unittest import mock
 
 import pytest
 import torch
@@ -59,34 +64,137 @@ def test_rmsnorm_backward_is_autograds_and_needs_its_r_cubed_term(backward, agre
     assert torch.allclose(dx, x.grad) == agrees
 
 
-def attention_backward_without_scale(do, q, k, v, a, head_dim):   # the defect: no 1/sqrt(dh)
-    dq, dk, dv = dp.attention_backward(do, q, k, v, a, head_dim)
+def attention_backward_without_scale(do, q, k, v, o, lse, head_dim):   # no 1/sqrt(dh)
+    dq, dk, dv = dp.attention_backward(do, q, k, v, o, lse, head_dim)
     return dq * math.sqrt(head_dim), dk * math.sqrt(head_dim), dv
 
 
-def attention_backward_without_mask(do, q, k, v, a, head_dim):
+def unmasked_scores(q, k, head_dim):
+    return q @ k.transpose(-1, -2) / math.sqrt(head_dim)
+
+
+def attention_backward_without_mask(do, q, k, v, o, lse, head_dim):
     """The defect: the mask in the forward but not the backward (A made again, unmasked)."""
-    s = dp.heads(q, head_dim) @ dp.heads(k, head_dim).transpose(-1, -2) / math.sqrt(head_dim)
-    return dp.attention_backward(do, q, k, v, s.softmax(-1), head_dim)
+    with mock.patch.object(dp, "scores", unmasked_scores):
+        return dp.attention_backward(do, q, k, v, o, lse, head_dim)
+
+
+def attention_backward_without_d(do, q, k, v, o, lse, head_dim):
+    """The defect: dS = A * dA, the softmax's rowsum(dA * A) = rowsum(do * o) left out."""
+    return dp.attention_backward(do, q, k, v, torch.zeros_like(o), lse, head_dim)
 
 
 @pytest.mark.parametrize("backward,agrees", [(dp.attention_backward, True),
                                              (attention_backward_without_scale, False),
-                                             (attention_backward_without_mask, False)])
+                                             (attention_backward_without_mask, False),
+                                             (attention_backward_without_d, False)])
 @pytest.mark.parametrize("heads", [1, 4])
 def test_attention_backward_is_autograds_for_every_head(backward, agrees, heads):
+    """o and lse = log rowsum exp(S) from the forward; the backward, from q, k, v, o and lse
+    alone (A made again), equals autograd's dq, dk, dv."""
     b, T, head_dim = 2, 6, 3
     q, k, v = (torch.randn(b, T, heads * head_dim, requires_grad=True) for _ in range(3))
     do = torch.randn(b, T, heads * head_dim)
-    o, a = dp.attention(q.detach(), k.detach(), v.detach(), head_dim)
+    o, lse = dp.attention(q.detach(), k.detach(), v.detach(), head_dim)
     split = [t.unflatten(-1, (heads, head_dim)).transpose(1, 2) for t in (q, k, v)]
     want = F.scaled_dot_product_attention(*split, is_causal=True).transpose(1, 2).flatten(-2)
     torch.testing.assert_close(o, want.detach())
-    assert (a.triu(1) == 0).all()                     # no position sees one after it
+    s = split[0] @ split[1].transpose(-1, -2) / math.sqrt(head_dim)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)          # row i sees keys 0 .. i
+    torch.testing.assert_close(lse, s.masked_fill(future, -math.inf).logsumexp(-1).detach())
+    assert lse.shape == (b, heads, T)
     want.backward(do)
-    got = backward(do, q.detach(), k.detach(), v.detach(), a, head_dim)
+    got = backward(do, q.detach(), k.detach(), v.detach(), o, lse, head_dim)
     matches = [torch.allclose(mine, t.grad) for mine, t in zip(got, (q, k, v))]
     assert all(matches) == agrees, matches
+
+
+def tiled_attention(q, k, v, head_dim, tile):
+    """FlashAttention's forward as its kernel runs it, for one head's rows of queries at a time:
+    keys in tiles of `tile`, a tile wholly in the queries' future skipped; each row keeps its
+    running max m, its sum l of exp(S - m) and its output acc, scaled by exp(m_old - m_new) as a
+    larger max arrives; at the end o = acc / l and lse = m + log l. No [T, T] is ever whole."""
+    q, k, v = (dp.heads(t, head_dim) for t in (q, k, v))           # [b, h, T, dh]
+    T = q.shape[2]
+    outs = []
+    lses = []
+    for first in range(0, T, tile):                               # a tile of queries
+        rows = torch.arange(first, min(first + tile, T))
+        m = torch.full((*q.shape[:2], len(rows), 1), -math.inf)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(*q.shape[:2], len(rows), head_dim)
+        for start in range(0, rows[-1].item() + 1, tile):        # keys up to the last query's
+            cols = torch.arange(start, min(start + tile, T))
+            s = q[:, :, rows] @ k[:, :, cols].transpose(-1, -2) / math.sqrt(head_dim)
+            s = s.masked_fill(cols[None, :] > rows[:, None], -math.inf)   # by global position
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))   # never -inf: key 0 <= row
+            p = (s - m_new).exp()                                 # [b, h, rows, cols], <= 1
+            shrink = (m - m_new).exp()                            # the old terms, rescaled
+            l = l * shrink + p.sum(-1, keepdim=True)
+            acc = acc * shrink + p @ v[:, :, cols]
+            m = m_new
+        outs.append(acc / l)
+        lses.append((m + l.log()).squeeze(-1))
+    return torch.cat(outs, 2).transpose(1, 2).flatten(-2), torch.cat(lses, 2)
+
+
+@pytest.mark.parametrize("tile", [1, 2, 4, 7])
+def test_flash_attentions_tiles_merged_by_running_max_and_sum_are_the_written_out_attention(tile):
+    b, T, heads, head_dim = 2, 7, 3, 4
+    q, k, v = (torch.randn(b, T, heads * head_dim) * 3 for _ in range(3))
+    o, lse = dp.attention(q, k, v, head_dim)
+    tiled_o, tiled_lse = tiled_attention(q, k, v, head_dim, tile)
+    torch.testing.assert_close(tiled_o, o)
+    torch.testing.assert_close(tiled_lse, lse)
+
+
+ATEN = torch.ops.aten   # the real ops, before a test puts stand-ins in their place
+
+
+def cpu_kernels_for(op, *args, **kwargs):
+    """What a GPU's fused attention op returns, computed by torch's CPU kernel of the same maths,
+    its arguments read by the names the op's own schema gives them (a call that puts one in the
+    wrong place fails here as it would on a GPU)."""
+    names = [argument.name for argument in op.default._schema.arguments]
+    given = {**dict(zip(names, args)), **kwargs}
+    assert set(given) <= set(names), given.keys()
+    assert given.get("dropout_p", 0.0) == 0.0 and given["is_causal"] is True
+    if "grad_out" in given or "grad_out_" in given:              # a backward
+        grad = given.get("grad_out", given.get("grad_out_"))
+        q = given["query"]
+        lse = given["logsumexp"][..., :q.shape[2]]                # (the efficient one's: padded)
+        return ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, given["key"], given["value"], given["out"], lse, 0.0, True)
+    o, lse = ATEN._scaled_dot_product_flash_attention_for_cpu(
+        given["query"], given["key"], given["value"], 0.0, True)
+    return o, lse, None, None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])   # flash's glue; efficient's
+def test_the_fused_kernels_glue_gives_the_written_out_attention_and_its_backward(dtype):
+    """fused_attention() and its backward, the GPU's, with torch's CPU kernel in place of each
+    CUDA one (called as its schema names its arguments): o, lse, dq, dk, dv equal the written-out
+    lines' (float64: flash's call; float32: the memory-efficient kernel's)."""
+    b, T, heads, head_dim = 2, 9, 2, 8
+    q, k, v, do = (torch.randn(b, T, heads * head_dim, dtype=dtype) for _ in range(4))
+    o, lse = dp.attention(q, k, v, head_dim)
+    want = dp.attention_backward(do, q, k, v, o, lse, head_dim)
+    ops = ["_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+           "_scaled_dot_product_efficient_attention",
+           "_scaled_dot_product_efficient_attention_backward"]
+    on_cpu = types.SimpleNamespace(**{name: functools.partial(cpu_kernels_for,
+                                                              getattr(ATEN, name))
+                                      for name in ops})
+    real = torch.ops
+    with mock.patch.object(dp.torch, "ops", types.SimpleNamespace(aten=on_cpu)):
+        fused_o, fused_lse = dp.fused_attention(q, k, v, head_dim)
+        got = dp.fused_attention_backward(do, q, k, v, fused_o, fused_lse, head_dim)
+    assert dp.torch.ops is real
+    tolerance = {} if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_o, o, **tolerance)
+    torch.testing.assert_close(fused_lse, lse, **tolerance)
+    for mine, theirs in zip(got, want):
+        torch.testing.assert_close(mine, theirs, **tolerance)
 
 
 def test_a_later_position_never_changes_an_earlier_ones_output():
