@@ -129,40 +129,6 @@ def attention_backward(do, q, k, v, o, lse, head_dim):
     return [t.transpose(1, 2).flatten(-2) for t in (dq, dk, dv)]
 
 
-def fused(q, head_dim):   # a GPU (meta: its stand-in) runs torch's kernels; flash's head sizes
-    return q.device.type != "cpu" and q.dtype != torch.float64 and head_dim % 8 == 0 and \
-        head_dim <= 256
-
-
-def fused_attention(q, k, v, head_dim):
-    """The same o and lse from torch's fused kernel: FlashAttention-2 for bf16; fp32, which it
-    does not take, the memory-efficient kernel (its lse padded to 32 positions)."""
-    q, k, v = (heads(t, head_dim) for t in (q, k, v))
-    if q.dtype == torch.float32:
-        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, is_causal=True)[:2]
-    else:
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True)[:2]
-    return o.transpose(1, 2).flatten(-2), lse
-
-
-def fused_attention_backward(do, q, k, v, o, lse, head_dim):
-    """dq, dk, dv from torch's fused backward, fed q, k, v, o and lse; no dropout, so the random
-    state it takes is read by neither kernel (empty)."""
-    do, q, k, v, o = (heads(t, head_dim) for t in (do, q, k, v, o))
-    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
-    offset = torch.empty((), dtype=torch.uint64, device=q.device)
-    T = q.shape[2]
-    if q.dtype == torch.float32:
-        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            do, q, k, v, None, o, lse, seed, offset, 0.0, [True, True, True, False],
-            is_causal=True)[:3]
-    else:
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, q, k, v, o, lse, None, None, T, T, 0.0, True, seed, offset)
-    return [t.transpose(1, 2).flatten(-2) for t in grads]
-
-
 class Whole:
     """Where step 3's tensor parallelism puts its collectives in a block, each the identity here:
     a tp split hands the block its own (tensor_parallel.py). enter: a norm's output, all-gathered
@@ -582,10 +548,45 @@ def main(argv=None):
     spawn(dp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
 
 
-# Below the fold: each stage's costs, the bucket layout and the clipping norm; what later steps
-# share (training flags and rules, --save, checkpoints, the text, --check); the memory table.
+# Below the fold: a GPU's fused attention; each stage's costs, the bucket layout, the clipping norm;
+# what later steps share (training flags, --save, checkpoints, the text, --check); the memory table.
 import argparse, contextlib, functools, glob, json, math, os, shutil, sys  # noqa
 from typing import Callable, NamedTuple  # noqa: E402
+
+
+def fused(q, head_dim):   # a GPU (meta: its stand-in) runs torch's kernels; flash's head sizes
+    return q.device.type != "cpu" and q.dtype != torch.float64 and head_dim % 8 == 0 and \
+        head_dim <= 256
+
+
+def fused_attention(q, k, v, head_dim):
+    """The same o and lse from torch's fused kernel: FlashAttention-2 for bf16; fp32, which it
+    does not take, the memory-efficient kernel (its lse padded to 32 positions)."""
+    q, k, v = (heads(t, head_dim) for t in (q, k, v))
+    if q.dtype == torch.float32:
+        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, is_causal=True)[:2]
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True)[:2]
+    return o.transpose(1, 2).flatten(-2), lse
+
+
+def fused_attention_backward(do, q, k, v, o, lse, head_dim):
+    """dq, dk, dv from torch's fused backward, fed q, k, v, o and lse; no dropout, so the random
+    state it takes is read by neither kernel (empty)."""
+    do, q, k, v, o = (heads(t, head_dim) for t in (do, q, k, v, o))
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    T = q.shape[2]
+    if q.dtype == torch.float32:
+        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            do, q, k, v, None, o, lse, seed, offset, 0.0, [True, True, True, False],
+            is_causal=True)[:3]
+    else:
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, o, lse, None, None, T, T, 0.0, True, seed, offset)
+    return [t.transpose(1, 2).flatten(-2) for t in grads]
+
 
 from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
 

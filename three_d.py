@@ -296,8 +296,8 @@ from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_
                            global_loss, in_step_bytes, load_checkpoint, log_step, make_buckets,
                            save_checkpoint, tensors_of, training_parser, whole_on_rank0)
 from pipeline_parallel import add_schedule_args, held_counts, schedule_rules  # noqa: E402
-from tensor_parallel import (Attention, add_sequence_parallel, block_matmuls, describe, divides,  # noqa
-                             refuse_unused, sequence_parallel_rules, vocab_range)
+from tensor_parallel import (Attention, add_sequence_parallel, block_matmuls, describe,  # noqa
+                             divides, refuse_unused, sequence_parallel_rules, vocab_range)
 
 
 def finish_ranks(me, args, losses, check, norms, device, resumed=None):

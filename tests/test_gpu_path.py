@@ -227,8 +227,9 @@ def test_the_harness_from_the_shell_prints_its_record_and_nothing_on_stderr():
                                os.path.abspath(__file__))), capture_output=True, text=True,
                           timeout=50)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-    # 4 blocks x 2 micro-batches x (8 forward + 10 backward) + 24 dW, twice; the head's 6
-    assert proc.stdout.startswith("rank 0 (stage 0) of 2: 198 matmuls")
+    # 4 blocks x 2 micro-batches x (6 forward + 6 backward) + 24 dW, twice; the head's 6; and
+    # attention's fused kernel, forward and back, a block and micro-batch
+    assert proc.stdout.startswith("rank 0 (stage 0) of 2: 150 matmuls and 16 fused attention kernels")
 
 
 def test_the_harness_help_lists_the_scripts_it_runs(capsys):
