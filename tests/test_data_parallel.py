@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data_parallel as dp
+import pipeline_parallel
 from collectives import RankFailed
 from stash_check import stash_and_peak
 from common import (NO_SAMPLE, serial_train, assert_follows_the_contract, ATOL, RTOL, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
@@ -853,6 +854,22 @@ def test_bf16_memory_is_2_4_12_bytes_a_parameter_split_by_zero(tmp_path, monkeyp
     want = [weights * P / split[0], grads * P / split[1], state * P / split[2]]
     assert [rows[k][0] for k in ("weights", "gradients", "optimizer state")] == want
     assert rows["total"] == (sum(want), sum(want))
+
+
+def test_a_blocks_stash_keeps_lse_not_a_at_t_512():
+    """At T 512 attention's A [b, h, T, T] would be 512 times its lse [b, h, T]: the stash at its
+    largest, counted from the tensors alive (tests/stash_check.py), is block_stash's formula with
+    lse, and a block that kept A as well would hold 4 MB more each."""
+    L, D, h, B, d, T = 2, 16, 2, 4, 2, 512
+    argv = ["--world-size", str(d), "--num-layers", str(L), "--dim", str(D), "--heads", str(h),
+            "--batch-size", str(B), "--micro-batches", "1", "--optimizer", "sgd", "--context", str(T)]
+    stash, _ = stash_and_peak("data_parallel", argv)
+    b = B // d
+    A = b * T * D * 4
+    kept = 16 * A + 2 * b * T * 4 + b * h * T * 4       # x n1 q k v o x' n2, z, gelu(z); r1 r2; lse
+    ends = 2 * A + b * T * 4 + b * T * 8                 # the head's x, n and r; the tokens
+    assert kept == pipeline_parallel.block_stash(dp.parse_args(argv), b)[0]
+    assert stash == L * kept + ends
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
