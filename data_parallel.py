@@ -95,10 +95,9 @@ def scores(q, k, head_dim):
 
 def attention(q, k, v, head_dim):
     """Causal attention of every head q, k, v hold [b, T, h dh], as FlashAttention computes it:
-    o [b, T, h dh], and lse = log rowsum exp(S) [b, h, T] in fp32, which the backward keeps in
-    place of A [b, h, T, T] and makes A again from: A = softmax(S) = exp(S - lse). On a GPU torch's
-    fused kernel computes the same two, A never whole in memory (tests/test_transformer.py holds
-    its tiles, each row's running max and sum merged, equal to these lines)."""
+    o [b, T, h dh] and lse = log rowsum exp(S) [b, h, T] in fp32, kept in place of A [b, h, T, T]
+    and A made again from it, exp(S - lse). On a GPU torch's fused kernel computes the two, A never
+    whole (tests/test_transformer.py: its tiles, rows' running max and sum merged, equal these)."""
     if fused(q, head_dim):
         return fused_attention(q, k, v, head_dim)
     q, k, v = (heads(t, head_dim) for t in (q, k, v))
@@ -111,18 +110,19 @@ def attention(q, k, v, head_dim):
 
 def attention_backward(do, q, k, v, o, lse, head_dim):
     """dq, dk, dv [b, T, h dh] from do, A made again from q, k and lse. Per head:
-        dv = A^T do    dA = do v^T    dS = A * (dA - D)    dq = dS k / sqrt(dh)
-        dk = dS^T q / sqrt(dh)
+       dv = A^T do   dA = do v^T   dS = A * (dA - D)   dq = dS k / sqrt(dh)   dk = dS^T q / sqrt(dh)
     D = rowsum(dA * A) [b, h, T, 1] is the softmax's; it needs no [T, T] pass, for row i
         D_i = sum_j A_ij dA_ij = sum_j A_ij (do_i . v_j) = do_i . (sum_j A_ij v_j) = do_i . o_i,
-    so D = rowsum(do * o), from two [b, h, T, dh] (FlashAttention-2's equations 13-19)."""
+    so D = rowsum(do * o), from two [b, h, T, dh] (FlashAttention-2's equations 13-19), as the
+    fused kernel takes it. Here, A at hand, o is A v again in fp32: --bf16's o, rounded, moves
+    D by 2^-9 |do| |o|, all of dS in a saturated row (the check's fp32 attention sees it)."""
     if fused(q, head_dim):
         return fused_attention_backward(do, q, k, v, o, lse, head_dim)
-    do, q, k, v, o = (heads(t, head_dim) for t in (do, q, k, v, o))
+    do, q, k, v = (heads(t, head_dim) for t in (do, q, k, v))
     a = scores(q, k, head_dim).sub_(lse[..., None]).exp_()           # A again  [b, h, T, T]
     dv = a.to(do.dtype).transpose(-1, -2) @ do                        # [b, h, T, dh]
     da = wide_matmul(do, v.transpose(-1, -2))                         # [b, h, T, T], fp32
-    d = (wide(do) * wide(o)).sum(-1, keepdim=True)                    # D = rowsum(do * o)
+    d = (wide(do) * wide_matmul(a, v)).sum(-1, keepdim=True)          # D = rowsum(do * o)
     ds = da.sub_(d).mul_(a).to(q.dtype)                               # in dA's memory
     dq = ds @ k / math.sqrt(head_dim)
     dk = ds.transpose(-1, -2) @ q / math.sqrt(head_dim)
