@@ -6,7 +6,7 @@
 1. Each script at --world-size N (three_d.py at a layout of N), --backend nccl, --check, in
    fp32 and in --bf16, small and short: a few seconds each. A failed check fails the command.
 2. The bf16 step of a transformer that fits one GPU (L 8, D 4096, h 32, T 512, B 16: 1.6 G
-   parameters, 43 GB planned; a smaller D where that passes 60% of the card), timed as
+   parameters, 38 GB planned; a smaller D where that passes 60% of the card), timed as
    data_parallel.py runs it, beside the same model in plain PyTorch (tests/race.py's TorchLM under
    torch.autocast, F.cross_entropy, AdamW fused on both sides). For each, at m 1 and 4: the
    median step, MFU against the card's bf16 peak (named, with its source), the peak memory

@@ -58,10 +58,11 @@ def test_a_card_is_priced_at_its_datasheets_bf16_peak_or_the_one_given():
 
 
 def test_the_model_is_the_h100s_where_it_fits_and_smaller_where_not():
-    assert gpu_check.sized_for(80e9)["dim"] == 4096        # 42.7 GB planned: 53% of an H100's
-    assert gpu_check.sized_for(24e9)["dim"] == 1024        # 8.5 GB: past 60% of 24 at D 2048
+    assert gpu_check.sized_for(80e9)["dim"] == 4096        # 38.4 GB planned: 48% of an H100's
+    assert gpu_check.sized_for(24e9)["dim"] == 2048        # 12.0 GB: within 60% of 24
+    assert gpu_check.sized_for(16e9)["dim"] == 1024        # 12.0 GB at D 2048: past 60% of 16
     row = gpu_check.plan_row(gpu_check.MODEL, 1, "h100")
-    assert 0.5 * 80e9 < row["memory_bytes"] < 0.6 * 80e9
+    assert 0.45 * 80e9 < row["memory_bytes"] < 0.5 * 80e9
 
 
 @pytest.mark.deadline(60)
