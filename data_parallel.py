@@ -31,8 +31,8 @@ out. Its backward is derived by hand here, once; every later step splits these l
 Each part is a Block, a forward and its backward, over its weights: the embedding [E, P], each
 block's eight, the head [g, H]. A backward returns each weight's (x, dz), dW = x^T dz, which the
 replica sums into its bucket: a gain's gradient comes ready (x None), E's and P's as rows to add
-(x the ids). A block keeps what its backward reads, its stash; --recompute keeps x alone and runs
-the forward again in the backward: one [b, T, D] a block, where the stash holds 16 and lse.
+(x the ids). A block keeps what its backward reads, its stash (16 [b, T, D] and lse); --recompute
+keeps x alone and runs the forward again in the backward.
 
 Data parallelism: each of d replicas holds every weight and trains on its own slice of the batch;
 they sum their gradients with an all-reduce and divide by d. dp_step() reads as that: forward;
@@ -86,8 +86,7 @@ def heads(t, head_dim):   # [b, T, h dh] -> [b, h, T, dh]: head j's columns j dh
 
 
 def scores(q, k, head_dim):
-    """S = q k^T / sqrt(dh) [b, h, T, T], summed in fp32 (a saturated network's S of 500, in bf16,
-    is off by up to 1, and A by a factor e); -inf above the diagonal: row i sees keys 0 .. i."""
+    """S = q k^T / sqrt(dh) [b, h, T, T] in fp32 (bf16's S of 500 is off by 1, A by e), causal."""
     s = wide_matmul(q / math.sqrt(head_dim), k.transpose(-1, -2))
     future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
     return s.masked_fill_(future, float("-inf"))
@@ -100,7 +99,7 @@ def attention(q, k, v, head_dim):
     whole (tests/test_transformer.py: its tiles, rows' running max and sum merged, equal these)."""
     if fused(q, head_dim):
         return fused_attention(q, k, v, head_dim)
-    q, k, v = (heads(t, head_dim) for t in (q, k, v))
+    q, k, v = (heads(t, head_dim).contiguous() for t in (q, k, v))   # copied once, not per use
     s = scores(q, k, head_dim)                                        # [b, h, T, T], fp32
     lse = s.logsumexp(-1)                                             # [b, h, T]
     a = s.sub_(lse[..., None]).exp_()                                 # A, in S's memory
@@ -113,16 +112,17 @@ def attention_backward(do, q, k, v, o, lse, head_dim):
        dv = A^T do   dA = do v^T   dS = A * (dA - D)   dq = dS k / sqrt(dh)   dk = dS^T q / sqrt(dh)
     D = rowsum(dA * A) [b, h, T, 1] is the softmax's; it needs no [T, T] pass, for row i
         D_i = sum_j A_ij dA_ij = sum_j A_ij (do_i . v_j) = do_i . (sum_j A_ij v_j) = do_i . o_i,
-    so D = rowsum(do * o), from two [b, h, T, dh] (FlashAttention-2's equations 13-19), as the
-    fused kernel takes it. Here, A at hand, o is A v again in fp32: --bf16's o, rounded, moves
-    D by 2^-9 |do| |o|, all of dS in a saturated row (the check's fp32 attention sees it)."""
+    so D = rowsum(do * o) from two [b, h, T, dh] (FlashAttention-2's equations 13-19). --bf16's o
+    is rounded, which moves D by 2^-9 |do| |o|, all of dS in a saturated row: A v again, fp32."""
     if fused(q, head_dim):
         return fused_attention_backward(do, q, k, v, o, lse, head_dim)
-    do, q, k, v = (heads(t, head_dim) for t in (do, q, k, v))
+    do, q, k, v = (heads(t, head_dim).contiguous() for t in (do, q, k, v))
     a = scores(q, k, head_dim).sub_(lse[..., None]).exp_()           # A again  [b, h, T, T]
     dv = a.to(do.dtype).transpose(-1, -2) @ do                        # [b, h, T, dh]
     da = wide_matmul(do, v.transpose(-1, -2))                         # [b, h, T, T], fp32
-    d = (wide(do) * wide_matmul(a, v)).sum(-1, keepdim=True)          # D = rowsum(do * o)
+    if o.dtype != a.dtype:                                            # --bf16's, rounded:
+        o = wide_matmul(a, v).transpose(1, 2).flatten(-2)             # A v again, in fp32
+    d = (wide(do) * heads(o, head_dim)).sum(-1, keepdim=True)         # D = rowsum(do * o)
     ds = da.sub_(d).mul_(a).to(q.dtype)                               # in dA's memory
     dq = ds @ k / math.sqrt(head_dim)
     dk = ds.transpose(-1, -2) @ q / math.sqrt(head_dim)
