@@ -22,8 +22,9 @@ StepRecord, a TorchDispatchMode, sees every op of the step. It keeps
 - each collective and send (comm_count's CommCounter): its group, kind and tensor bytes;
 - the bytes the step allocates, at their most while alive (a storage counts from the op that
   makes it until its last reference goes; a view of one made before the step, none);
-- every op's name, as often as it ran (AdamW's fused kernel, once a step, as on a GPU), and the
-  shape of every tensor an op made;
+- every op's name, as often as it ran (AdamW's fused kernel, once a step, as on a GPU), the
+  shape of every tensor an op made, and the bytes each memory-bound op (neither a matmul nor
+  attention) reads and writes: a profile of what a GPU's HBM moves outside the matmuls;
 and it ends the step at the first op that touches a tensor on another device than meta, a
 CPU scalar aside (CUDA takes those, and AdamW keeps its step count there).
 """
@@ -151,6 +152,7 @@ class StepRecord(TorchDispatchMode):
         self.input_dtypes = collections.Counter()   # a matmul's inputs' dtype -> calls
         self.ops = collections.Counter()       # every op's name (aten's) -> calls
         self.shapes = collections.Counter()    # every tensor an op made: its shape -> how often
+        self.moved = collections.Counter()     # a memory-bound op's name -> bytes read, written
         self.live = {}                         # id of a storage made in the step -> its bytes
         self.found = set()                     # ids of those made before (first seen as inputs)
         self.now = 0
@@ -169,10 +171,22 @@ class StepRecord(TorchDispatchMode):
             self.add_matmul(name, args, out, adds=MATMULS[name] and kwargs.get("beta", 1) != 0)
         if name in FUSED_ATTENTION:
             self.add_attention(args, backward=FUSED_ATTENTION[name])
+        if name not in MATMULS and name not in FUSED_ATTENTION:
+            self.add_moved(name, args, kwargs, out)
         for t in tensors_in(out):
             self.shapes[tuple(t.shape)] += 1
             self.note_alive(t.untyped_storage())
         return out
+
+    def add_moved(self, name, args, kwargs, out):
+        """What an op that is neither a matmul nor attention moves: its inputs read and what it
+        makes written (a view, an output in an input's storage without _, moves nothing)."""
+        read = {id(t.untyped_storage()): t.numel() * t.element_size()
+                for t in tensors_in((args, kwargs)) if t.dim() > 0}
+        made = [t for t in tensors_in(out) if id(t.untyped_storage()) not in read]
+        if made or name.endswith("_"):
+            self.moved[name] += sum(read.values()) + sum(t.numel() * t.element_size()
+                                                         for t in made)
 
     def check_devices(self, func, tensors):
         for t in tensors_in(tensors):
@@ -439,6 +453,9 @@ def describe(ran):
                      f"rank's parameters (torch._fused_adamw_)")
     lines.append(f"  held at the step's end {sum(ran.held.values())} bytes; the step's "
                  f"allocations at their most {ran.peak_bytes} bytes")
+    moved = ran.record.moved
+    top = ", ".join(f"{name} {nbytes / 1e9:.2f}" for name, nbytes in moved.most_common(4))
+    lines.append(f"  memory-bound ops moved {sum(moved.values()) / 1e9:.2f} GB ({top})")
     return "\n".join(lines)
 
 
