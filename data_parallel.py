@@ -30,9 +30,8 @@ out. Its backward is derived by hand here, once; every later step splits these l
 
 Each part is a Block, a forward and its backward, over its weights: the embedding [E, P], each
 block's eight, the head [g, H]. A backward returns each weight's (x, dz), dW = x^T dz, which the
-replica sums into its bucket: a gain's gradient comes ready (x None), E's and P's as rows to add
-(x the ids). A block keeps what its backward reads, its stash (16 [b, T, D] and lse); --recompute
-keeps x alone and runs the forward again in the backward.
+replica sums into its bucket: a gain's gradient comes ready (x None), E's and P's as rows to add (x
+the ids). A block's stash: 16 [b, T, D] and lse; --recompute's: x, the forward run again.
 
 Data parallelism: each of d replicas holds every weight and trains on its own slice of the batch;
 they sum their gradients with an all-reduce and divide by d. dp_step() reads as that: forward;
@@ -116,13 +115,14 @@ def attention_backward(do, q, k, v, o, lse, head_dim):
     is rounded, which moves D by 2^-9 |do| |o|, all of dS in a saturated row: A v again, fp32."""
     if fused(q, head_dim):
         return fused_attention_backward(do, q, k, v, o, lse, head_dim)
-    do, q, k, v = (heads(t, head_dim).contiguous() for t in (do, q, k, v))
+    do, q, k, v = (heads(t, head_dim).contiguous() for t in (do, q, k, v))   # once each
     a = scores(q, k, head_dim).sub_(lse[..., None]).exp_()           # A again  [b, h, T, T]
     dv = a.to(do.dtype).transpose(-1, -2) @ do                        # [b, h, T, dh]
     da = wide_matmul(do, v.transpose(-1, -2))                         # [b, h, T, T], fp32
+    o = heads(o, head_dim)
     if o.dtype != a.dtype:                                            # --bf16's, rounded:
-        o = wide_matmul(a, v).transpose(1, 2).flatten(-2)             # A v again, in fp32
-    d = (wide(do) * heads(o, head_dim)).sum(-1, keepdim=True)         # D = rowsum(do * o)
+        o = wide_matmul(a, v)                                         # A v again, in fp32
+    d = (wide(do) * o).sum(-1, keepdim=True)                          # D = rowsum(do * o)
     ds = da.sub_(d).mul_(a).to(q.dtype)                               # in dA's memory
     dq = ds @ k / math.sqrt(head_dim)
     dk = ds.transpose(-1, -2) @ q / math.sqrt(head_dim)
