@@ -186,13 +186,17 @@ def ring_all_reduce(tensor, group=None):
     return tensor
 
 
-def exchange(to_send, to_recv, right, left, group):
+def exchange(to_send, to_recv, right, left, group, wait=True):
     """One ring step, posted together: a send waits for its receive (see point_to_point), and
     batch_isend_irecv posts both at once (one NCCL group call), so each meets its match. NCCL
-    returns one Work for the whole batch, gloo one an operation: wait for every one."""
+    returns one Work for the whole batch, gloo one an operation: wait for every one (wait=False:
+    they are returned, for the caller to compute under them and wait after)."""
     ops = [dist.P2POp(dist.isend, to_send, right, group),
            dist.P2POp(dist.irecv, to_recv, left, group)]
-    for work in dist.batch_isend_irecv(ops):
+    works = dist.batch_isend_irecv(ops)
+    if not wait:
+        return works
+    for work in works:
         work.wait()
 
 

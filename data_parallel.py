@@ -130,12 +130,10 @@ def attention_backward(do, q, k, v, o, lse, head_dim):
 
 
 class Whole:
-    """Where step 3's tensor parallelism puts its collectives in a block, each the identity here:
-    a tp split hands the block its own (tensor_parallel.py). enter: a norm's output, all-gathered
-    along T under sequence parallelism; gather: the heads' outputs (and the MLP's), all-gathered
-    in the all-gather style; out: Wo's and W2's output, all-gathered, or all-reduced (Megatron's
-    g); f_back: a column layer's dx, all-reduced (f); row_back: Wo's and W2's dx, all-reduced
-    where they are column layers too (the all-gather style)."""
+    """Where step 3 puts its collectives in a block, each the identity here (tensor_parallel.py):
+    enter (a norm's output), gather and gather_back (the heads' and the MLP's outputs), out and
+    out_back (Wo's and W2's), f_back (a column layer's dx), row_back (Wo's and W2's dx); attend
+    and attend_back, attention itself (context parallelism runs it over a ring of ranks)."""
     def enter(self, n): return n
     def gather(self, a): return a
     def gather_back(self, g): return g
@@ -143,6 +141,8 @@ class Whole:
     def out_back(self, g): return g
     def f_back(self, dx): return dx
     def row_back(self, dx): return dx
+    attend = staticmethod(attention)
+    attend_back = staticmethod(attention_backward)
 
 
 WHOLE = Whole()
@@ -154,7 +154,7 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE):
     n1, r1 = rmsnorm(x, g1)
     n1 = split.enter(n1)                      # [b, T, D]
     q, k, v = (n1 @ w for w in (wq, wk, wv))  # [b, T, D/t]: whole heads, this rank's
-    o, lse = attention(q, k, v, head_dim)     # [b, T, D/t], lse [b, h/t, T]: no A kept
+    o, lse = split.attend(q, k, v, head_dim)  # [b, T, D/t], lse [b, h/t, T]: no A kept
     o = split.gather(o)
     x2 = x + split.out(o @ wo)                # the residual
     n2, r2 = rmsnorm(x2, g2)
@@ -180,7 +180,7 @@ def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE):
     dx2 = dx2 + dout                          # the residual: the branch's and the skip's
     dy1 = split.out_back(dx2)                 # Wo's output's gradient
     do = split.gather_back(split.row_back(dy1 @ wo.T))
-    dq, dk, dv = attention_backward(do, q, k, v, split.gather_back(o), lse, head_dim)
+    dq, dk, dv = split.attend_back(do, q, k, v, split.gather_back(o), lse, head_dim)
     dn1 = split.f_back(dq @ wq.T + dk @ wk.T + dv @ wv.T)
     dx, dg1 = rmsnorm_backward(dn1, x, r1, g1)
     dx = dx + dx2

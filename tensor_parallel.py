@@ -45,9 +45,10 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, run_main, setup, spawn
-from data_parallel import (Block, DataParallel, block_backward, block_forward, dp_step,
-                           embedding_backward, head_backward, head_forward, init_params,
-                           make_batch, tensors_of)
+from collectives import exchange
+from data_parallel import (Block, DataParallel, attention, attention_backward, block_backward,
+                           block_forward, dp_step, embedding_backward, head_backward, head_forward,
+                           heads, init_params, make_batch, scores, tensors_of, wide, wide_matmul)
 
 
 def all_gather_columns(a_t, group=None):
@@ -128,6 +129,9 @@ class MegatronSplit:
     def f_back(self, dx):                     # f backward: dx = sum_t dz_t W_t^T   2(tp-1)/tp A
         return reduce_over(dx, self.group)
 
+    attend = staticmethod(attention)          # this rank's heads, alone (--cp: over the ring)
+    attend_back = staticmethod(attention_backward)
+
     def row_back(self, dx):                   # a row layer's dx, do_t = dy Wo_t^T: this rank's
         return dx
 
@@ -171,6 +175,141 @@ class SequenceSplit(MegatronSplit):
     def f_back(self, dx): return scatter_along_T(dx, self.group)
 
 
+# ----------------------------------------------------------------------------------------------
+# Context parallelism (--cp C): each sequence's T positions split over the C ranks of a cp group.
+# A rank embeds its own positions (E's rows, P's at their global places) and runs the norms, the
+# matmuls, the head and the loss on them alone; only attention needs the others'. Ring attention:
+# the keys and values travel the ring, C steps, and each rank attends its queries to the block it
+# holds, masked by global position, merging the partial results by their lse. The weights are
+# replicated over cp, and each one's gradient is a partial sum over this rank's positions: summed.
+#
+# The layout: T in chunks of s positions; a pair (query chunk i, key chunk j) is computed when
+# j <= i, causally masked when j = i, and never when j > i (wholly in the future).
+#   contiguous  C chunks, rank r holds chunk r: it computes r + 1 pairs, rank C-1 C times rank
+#               0's; the busiest over the mean: 2C / (C + 1)
+#   zigzag      2C chunks, rank r holds r and 2C-1-r: each rank 2C + 1 pairs of s = T/2C, 1x
+#
+# The merge of two partial results over key sets a and b (o_a = softmax over a's keys of S, v):
+#   lse = log(e^lse_a + e^lse_b) = m + log(e^(lse_a - m) + e^(lse_b - m)),  m = max(lse_a, lse_b)
+#   o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b        (the weights: each set's share of the sum)
+# m keeps each exponent <= 0: e^lse overflows fp32 once a row's scores pass 88.
+# Backward, per pair, with the merged lse_i and D_i = rowsum(do_i o_i) (step 2's identity: D needs
+# no other rank's keys): A = exp(S_ij - lse_i), dv_j += A^T do_i, dS = A (dA - D_i), dq_i += dS k_j,
+# dk_j += dS^T q_i. dq stays; dk and dv travel the ring with their block, C hops: back at its owner.
+
+def cp_chunks(cp_rank, cp_size, layout):   # the chunks of T this rank holds, in order
+    if layout == "zigzag":
+        return [cp_rank, 2 * cp_size - 1 - cp_rank]
+    return [cp_rank]
+
+
+def cp_positions(context, cp_rank, cp_size, layout):   # [T/C]: its positions' places in T
+    chunks = cp_chunks(cp_rank, cp_size, layout)
+    size = context // (len(chunks) * cp_size)
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
+
+
+def pair_scores(q, k, head_dim, diagonal):   # S of a chunk pair: causal on the diagonal alone
+    if diagonal:
+        return scores(q, k, head_dim)
+    return wide_matmul(q / head_dim ** 0.5, k.transpose(-1, -2))
+
+
+def merge(o_a, lse_a, o_b, lse_b):
+    """Two partial attentions of the same queries over two key sets, as one: o [.., s, dh] fp32,
+    lse [.., s] (the comment above derives it)."""
+    if o_a is None:
+        return o_b, lse_b
+    m = torch.maximum(lse_a, lse_b)
+    lse = m + ((lse_a - m).exp() + (lse_b - m).exp()).log()
+    o = (lse_a - lse).exp()[..., None] * o_a + (lse_b - lse).exp()[..., None] * o_b
+    return o, lse
+
+
+def ring_neighbours(group):   # the global ranks this rank sends to and receives from
+    group = group or dist.group.WORLD
+    r = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    return dist.get_global_rank(group, (r + 1) % size), dist.get_global_rank(group, (r - 1) % size)
+
+
+def ring_attention(q, k, v, head_dim, group=None, layout="zigzag"):
+    """Causal attention of this rank's positions over all of T: o [b, n, h dh] (n = T/C) and lse
+    [b, h, n]. Step t holds the keys and values of cp rank r - t, the next block coming in (and
+    this one leaving) under the pairs' computation."""
+    size = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    right, left = ring_neighbours(group)
+    q, k, v = (heads(t, head_dim).contiguous() for t in (q, k, v))   # [b, h, n, dh]
+    mine = cp_chunks(r, size, layout)
+    s = q.shape[2] // len(mine)
+    outs = [None] * len(mine)
+    lses = [None] * len(mine)
+    kv = torch.stack([k, v])                                          # [2, b, h, n, dh]
+    for step in range(size):
+        if step < size - 1:
+            incoming = torch.empty_like(kv)
+            works = exchange(kv, incoming, right, left, group, wait=False)
+        for a, (i, q_i) in enumerate(zip(mine, q.split(s, 2))):
+            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(s, 2),
+                       kv[1].split(s, 2))
+            for j, k_j, v_j in held:
+                if j > i:
+                    continue
+                s_ij = pair_scores(q_i, k_j, head_dim, diagonal=i == j)
+                lse_ij = s_ij.logsumexp(-1)                            # [b, h, s]
+                o_ij = (s_ij - lse_ij[..., None]).exp() @ wide(v_j)   # [b, h, s, dh]
+                outs[a], lses[a] = merge(outs[a], lses[a], o_ij, lse_ij)
+        if step < size - 1:
+            for work in works:
+                work.wait()
+            kv = incoming
+    o = torch.cat(outs, 2).to(v.dtype)
+    return o.transpose(1, 2).flatten(-2), torch.cat(lses, 2)
+
+
+def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="zigzag"):
+    """dq, dk, dv [b, n, h dh]: each pair's A made again from the merged lse; dk and dv summed
+    into a buffer that travels with its block (fp32), home after C hops."""
+    size = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    right, left = ring_neighbours(group)
+    do, q, k, v, o = (heads(t, head_dim).contiguous() for t in (do, q, k, v, o))
+    d = (wide(do) * wide(o)).sum(-1, keepdim=True)                    # D = rowsum(do * o)
+    mine = cp_chunks(r, size, layout)
+    s = q.shape[2] // len(mine)
+    dq = torch.zeros_like(q, dtype=wide(q).dtype)
+    kv = torch.stack([k, v])
+    dkv = torch.zeros_like(kv, dtype=dq.dtype)                        # this block's dk, dv
+    for step in range(size):
+        if step < size - 1:
+            incoming = torch.empty_like(kv)
+            works = exchange(kv, incoming, right, left, group, wait=False)
+        rows = zip(mine, q.split(s, 2), do.split(s, 2), d.split(s, 2), lse.split(s, 2),
+                   dq.split(s, 2))
+        for i, q_i, do_i, d_i, lse_i, dq_i in rows:
+            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(s, 2),
+                       kv[1].split(s, 2), dkv[0].split(s, 2), dkv[1].split(s, 2))
+            for j, k_j, v_j, dk_j, dv_j in held:
+                if j > i:
+                    continue
+                a = pair_scores(q_i, k_j, head_dim, diagonal=i == j).sub_(lse_i[..., None]).exp_()
+                dv_j += a.transpose(-1, -2) @ wide(do_i)              # A^T do
+                ds = a * (wide_matmul(do_i, v_j.transpose(-1, -2)) - d_i)   # A (dA - D)
+                dq_i += ds @ wide(k_j) / head_dim ** 0.5
+                dk_j += ds.transpose(-1, -2) @ wide(q_i) / head_dim ** 0.5
+        if size > 1:                                                  # the block's sums, on
+            arriving = torch.empty_like(dkv)
+            exchange(dkv, arriving, right, left, group)
+            dkv = arriving
+        if step < size - 1:
+            for work in works:
+                work.wait()
+            kv = incoming
+    grads = (dq, *dkv)
+    return [t.to(q.dtype).transpose(1, 2).flatten(-2) for t in grads]
+
+
 # The vocabulary over the tp ranks: rank t holds the classes [v_t, v_t+1), vocab_range's.
 #
 #   embedding  E_t = E[v_t:v_t+1] [V_t, D]: each rank looks up the tokens it holds, zeros for the
@@ -197,10 +336,13 @@ def vocab_range(vocab_size, tp_rank, tp_size):
 
 
 def vocab_embedding_forward(tokens, w, recompute=False, group=None, vocab_size=None,
-                            sequence_parallel=False):
+                            sequence_parallel=False, positions=None):
     """The tokens [b, T] this rank holds, looked up, zeros for the rest, summed; + P: [b, T, D]
-    (sequence parallel: reduce-scattered along T instead, + P's rows of this rank's T/tp)."""
+    (sequence parallel: reduce-scattered along T instead, + P's rows of this rank's T/tp).
+    positions: --cp's, this rank's places in T [T/C], P's rows at them."""
     e_t, p = w
+    if positions is not None:
+        p = p[positions]
     start, end = vocab_range(vocab_size, dist.get_rank(group), dist.get_world_size(group))
     outside = (tokens < start) | (tokens >= end)                       # [b, T]
     local = (tokens - start).masked_fill(outside, 0)                   # any row: masked below
@@ -211,17 +353,21 @@ def vocab_embedding_forward(tokens, w, recompute=False, group=None, vocab_size=N
     return x + p, (local, outside)
 
 
-def vocab_embedding_backward(g, stash, w, need_dx=False, group=None, sequence_parallel=False):
+def vocab_embedding_backward(g, stash, w, need_dx=False, group=None, sequence_parallel=False,
+                             positions=None):
     """g [b, T, D], the same on every rank: each keeps its own tokens' rows, for dE_t[local];
     dP from the whole g, step 2's. Sequence parallel: g [b, T/tp, D], all-gathered along T for
-    dE_t; dP from g alone, P's rows of this rank's T/tp (partial: summed over tp)."""
+    dE_t; dP from g alone, P's rows of this rank's T/tp (partial: summed over tp). --cp: dP's
+    rows at this rank's places in T."""
     local, outside = stash
-    _, (_, (positions, _)) = embedding_backward(g, (local,), w)       # [b, T]: step 2's
+    _, (_, (places, _)) = embedding_backward(g, (local,), w)          # [b, T]: step 2's
+    if positions is not None:
+        places = positions[places]
     g_all = g
     if sequence_parallel:
-        positions = my_rows(positions.T, group).T                     # [b, T/tp]
+        places = my_rows(places.T, group).T                           # [b, T/tp]
         g_all = gather_along_T(g, group)
-    return None, [(local, g_all.masked_fill(outside[..., None], 0.0)), (positions, g)]
+    return None, [(local, g_all.masked_fill(outside[..., None], 0.0)), (places, g)]
 
 
 def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
@@ -251,21 +397,28 @@ def sum_partial_grads(grads, whole, group):   # sequence parallel: dg, dP summed
         reduce_over(grads[i], group)
 
 
-def tp_blocks(kinds, tp_style, head_dim, group=None, vocab_size=None, sequence_parallel=False):
+def tp_blocks(kinds, tp_style, head_dim, group=None, vocab_size=None, sequence_parallel=False,
+              cp_group=None, cp_layout="zigzag", positions=None):
     """Each part's forward and backward over group, by kind ("embedding", "block", "head"): what
     tp_worker runs, and 3D's stages. A block is step 2's, handed this style's split. The head's
     own split gathers along T before H under sequence parallelism: the vocab-parallel loss takes
-    whole rows of logits, each position's every class."""
+    whole rows of logits, each position's every class. cp_group: attention over its ring, P's
+    rows at this rank's positions."""
     split = GatherSplit(group) if tp_style == "all-gather" else MegatronSplit(group)
     ends = MegatronSplit(group)
     if sequence_parallel:
         split = SequenceSplit(group)
         ends = split
+    if cp_group is not None:
+        split.attend = partial(ring_attention, group=cp_group, layout=cp_layout)
+        split.attend_back = partial(ring_attention_backward, group=cp_group, layout=cp_layout)
     blocks = {"embedding": Block(partial(vocab_embedding_forward, group=group,
                                          vocab_size=vocab_size,
-                                         sequence_parallel=sequence_parallel),
+                                         sequence_parallel=sequence_parallel,
+                                         positions=positions),
                                  partial(vocab_embedding_backward, group=group,
-                                         sequence_parallel=sequence_parallel)),
+                                         sequence_parallel=sequence_parallel,
+                                         positions=positions)),
               "block": Block(partial(block_forward, head_dim=head_dim, split=split),
                              partial(block_backward, head_dim=head_dim, split=split)),
               "head": Block(partial(head_forward, split=ends), partial(head_backward, split=ends))}
@@ -318,8 +471,10 @@ def shard_box(shape, kind, tp_rank, tp_size):
 
 def tp_worker(rank, world_size, args):
     device = setup(rank, world_size)
-    tp_rank = rank
-    tp_size = world_size
+    tp_size = world_size // args.cp
+    tp_rank = rank % tp_size                                           # tp innermost
+    cp_rank = rank // tp_size
+    tp_group, cp_group = tp_and_cp_groups(rank, tp_size, args.cp)
     kinds = part_kinds(args.num_layers)
     splits = tensor_kinds(kinds, args.tp_style)                        # a part's tensors'
     init = init_params(args)                                           # drawn whole, then cut
@@ -334,26 +489,35 @@ def tp_worker(rank, world_size, args):
     resumed = load_checkpoint(args, replica, range(len(full)), boxes)   # --resume: any layout's
     whole = [i for i, k in enumerate(split) if k == "whole"]          # the gains and P
     copies = set(whole) if tp_rank > 0 else set()                      # rank 0 writes them
+    if cp_rank > 0:                                                    # cp rank 0 holds the same
+        copies = set(range(len(full)))
     gather = partial(whole_on_rank0, replica, full, range(len(full)), boxes, copies)   # on rank 0
-    blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, vocab_size=args.vocab_size,
-                       sequence_parallel=args.sequence_parallel)
-    loss_fn = partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size)
+    positions = cp_positions(args.context, cp_rank, args.cp, args.cp_layout)   # its places in T
+    blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, tp_group, args.vocab_size,
+                       args.sequence_parallel, cp_group, args.cp_layout, positions.to(device))
+    loss_fn = partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size, group=tp_group)
     m = args.micro_batches
     losses = []
     norms = []
     check = SerialCheck(args, resumed)
     if rank == 0:
         print(f"tensor parallel over {tp_size} ranks: {describe(args, tp_size)}", flush=True)
+    if rank == 0 and args.cp > 1:
+        print(f"context parallel over {args.cp} ranks, {args.cp_layout}: rank 0 holds positions "
+              f"{positions.tolist()}", flush=True)
     for step in range(args.start_step, args.steps):
-        inputs, targets = (t.to(device) for t in make_batch(args, step))   # every rank's
+        inputs, targets = (t[:, positions].to(device) for t in make_batch(args, step))   # its own
         loss = dp_step(replica, blocks, loss_fn, inputs.chunk(m), targets.chunk(m),
                        args.batch_size * args.context, recompute=args.recompute)   # step 2's
         if args.sequence_parallel:   # each gain and P saw this rank's T/tp positions alone:
-            sum_partial_grads(replica.grads(), whole, dist.group.WORLD)   # summed over tp
+            sum_partial_grads(replica.grads(), whole, tp_group)        # summed over tp
+        if args.cp > 1:   # every gradient, a partial sum over this rank's positions: summed
+            sum_partial_grads(replica.grads(), range(len(full)), cp_group)   # over cp
+            reduce_over(loss, cp_group)                                 # so is the loss
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
             check.step(gather(grads=False), gather(grads=True))
         if args.clip_grad:     # the norm's squares summed over the shards, a whole tensor once
-            norms.append(replica.clip(args.clip_grad, [dist.group.WORLD],
+            norms.append(replica.clip(args.clip_grad, [tp_group],
                                       clip_shares(split, tp_size)).item())
         replica.update()
         losses.append(loss.item())
@@ -364,6 +528,18 @@ def tp_worker(rank, world_size, args):
     if rank == 0:
         finish_run(args, full, final, losses, check, norms, resumed)
     cleanup()
+
+
+def tp_and_cp_groups(rank, tp_size, cp_size):
+    """This rank's tp group (tp_size consecutive ranks) and cp group (one rank of each tp group,
+    at its tp rank); every rank makes every group, in one order. Without cp: the world's, none."""
+    if cp_size == 1:
+        return dist.group.WORLD, None
+    world = tp_size * cp_size
+    tp_groups = [dist.new_group(list(range(c * tp_size, (c + 1) * tp_size)))
+                 for c in range(cp_size)]
+    cp_groups = [dist.new_group(list(range(t, world, tp_size))) for t in range(tp_size)]
+    return tp_groups[rank // tp_size], cp_groups[rank % tp_size]
 
 
 def main(argv=None):
@@ -511,11 +687,28 @@ def parse_args(argv=None):
     parser.add_argument("--tp-style", choices=["all-gather", "megatron"], default="all-gather",
                         help="every layer column-parallel with an all-gather, or Megatron's pairs")
     add_sequence_parallel(parser)
+    parser.add_argument("--cp", type=positive_int, default=1, help="context parallelism: the ranks "
+                        "of a cp group C, each holding T/C positions of every sequence (ring "
+                        "attention); divides --world-size, the rest are tp")
+    parser.add_argument("--cp-layout", choices=["zigzag", "contiguous"], default="zigzag",
+                        help="zigzag: 2C chunks of T, rank r holds r and 2C-1-r (balanced); "
+                             "contiguous: rank r holds the r-th T/C (rank C-1 does C times rank "
+                             "0's attention)")
     args = parser.parse_args(argv)
-    parser.refuse([divides(args.heads, "--heads", args.world_size, "--world-size"),
-                   *sequence_parallel_rules(args, args.world_size, "--world-size"),
-                   (args.world_size > VOCAB_SIZE, f"--world-size {args.world_size}: more ranks "
-                                                  f"than the vocabulary's {VOCAB_SIZE} classes")])
+    chunks = args.cp * (2 if args.cp_layout == "zigzag" else 1)
+    tp_size = args.world_size // args.cp
+    parser.refuse([(args.world_size % args.cp, f"--cp {args.cp} does not divide --world-size "
+                                               f"{args.world_size}"),
+                   (args.context % chunks, f"--cp {args.cp}: --context {args.context} is not "
+                                           f"divisible by {chunks}, the {args.cp_layout} "
+                                           f"layout's chunks"),
+                   (args.cp > 1 and args.sequence_parallel and args.context // args.cp % tp_size,
+                    f"--sequence-parallel with --cp {args.cp}: a rank's {args.context // args.cp}"
+                    f" positions do not split over the {tp_size} tp ranks")])
+    parser.refuse([divides(args.heads, "--heads", tp_size, "--world-size / --cp"),
+                   *sequence_parallel_rules(args, tp_size, "--world-size / --cp"),
+                   (tp_size > VOCAB_SIZE, f"--world-size {args.world_size}: more tp ranks "
+                                          f"than the vocabulary's {VOCAB_SIZE} classes")])
     check_training_args(parser, args, args.world_size)
     return args
 
