@@ -705,8 +705,11 @@ def parse_args(argv=None):
                    (args.cp > 1 and args.sequence_parallel and args.context // args.cp % tp_size,
                     f"--sequence-parallel with --cp {args.cp}: a rank's {args.context // args.cp}"
                     f" positions do not split over the {tp_size} tp ranks")])
-    parser.refuse([divides(args.heads, "--heads", tp_size, "--world-size / --cp"),
-                   *sequence_parallel_rules(args, tp_size, "--world-size / --cp"),
+    tp_flag = "--world-size"
+    if args.cp > 1:
+        tp_flag = "--world-size / --cp"
+    parser.refuse([divides(args.heads, "--heads", tp_size, tp_flag),
+                   *sequence_parallel_rules(args, tp_size, tp_flag),
                    (tp_size > VOCAB_SIZE, f"--world-size {args.world_size}: more tp ranks "
                                           f"than the vocabulary's {VOCAB_SIZE} classes")])
     check_training_args(parser, args, args.world_size)

@@ -1,0 +1,226 @@
+"""Context parallelism (tensor_parallel.py --cp): ring attention against serial causal attention in
+float64, the defects it must catch, and training with --cp against serial training.
+
+- Ring attention over C = 1 to 4 ranks, both layouts, 3 heads: each rank's o, lse, dq, dk, dv for
+  its positions equal step 2's attention over the whole sequence, to float64 rounding.
+- Each defect, put in by hand, fails that comparison: dk and dv left where they were computed;
+  the mask taken by local position (every pair masked as a diagonal one); the merge without its
+  max subtracted (float32, scores reaching 100: e^lse overflows); the backward reading the keys of
+  the step before; and, in training, the gradients averaged over cp instead of summed.
+- tensor_parallel.py --cp C trains what serial training does: its --save replays in float64
+  within 1e-5 (SGD) at cp 2, 3 and 4 in both layouts, with tp 2 in both styles, with sequence
+  parallelism, with --recompute; a checkpoint written at cp 4 resumes at cp 1 and 2, --check OK.
+- The balance: the pairs each rank computes, contiguous against zigzag.
+"""
+import argparse
+from unittest import mock
+
+import pytest
+import torch
+
+import data_parallel as dp
+import tensor_parallel as tp
+from collectives import RankFailed, cleanup, exchange, setup, spawn
+from common import NO_SAMPLE, check_report, init_of
+
+SMALL = ["--num-layers", "2", "--dim", "16", "--heads", "4", "--context", "24", "--batch-size", "4",
+         "--steps", "3", "--optimizer", "sgd", "--lr", "0.3", "--seed", "3", *NO_SAMPLE]
+
+
+def left_where_computed(to_send, to_recv, right, left, group, wait=True):
+    """The defect for dk and dv: the blocking exchange (the backward's dk, dv) sends nothing; each
+    rank keeps the sums it made. The keys and values still travel."""
+    if wait:
+        to_recv.copy_(to_send)
+        return None
+    return exchange(to_send, to_recv, right, left, group, wait=False)
+
+
+def merge_without_max(o_a, lse_a, o_b, lse_b):   # the defect: log(e^lse_a + e^lse_b) as written
+    if o_a is None:
+        return o_b, lse_b
+    lse = (lse_a.exp() + lse_b.exp()).log()
+    return (lse_a - lse).exp()[..., None] * o_a + (lse_b - lse).exp()[..., None] * o_b, lse
+
+
+def masked_by_local_position(q, k, head_dim, diagonal):   # every pair as if on the diagonal
+    return dp.scores(q, k, head_dim)
+
+
+def ring_worker(rank, world_size, layout, defect, dtype, scale):
+    """This rank's ring attention, forward and backward, against step 2's over the whole T."""
+    setup(rank, world_size)
+    gen = torch.Generator().manual_seed(0)
+    b, T, heads, head_dim = 2, 8 * world_size, 3, 4
+    q, k, v, do = (torch.randn(b, T, heads * head_dim, generator=gen, dtype=dtype) for _ in range(4))
+    q = q * scale                                             # scores of about scale x 2
+    mine = tp.cp_positions(T, rank, world_size, layout)
+    forward = [q[:, mine], k[:, mine], v[:, mine], head_dim]
+    patches = {"left_where_computed": ("exchange", left_where_computed),
+               "merge_without_max": ("merge", merge_without_max),
+               "masked_by_local_position": ("pair_scores", masked_by_local_position)}
+    with mock.patch.object(tp, *patches[defect]) if defect in patches else mock.MagicMock():
+        o, lse = tp.ring_attention(*forward, layout=layout)
+        if defect == "stale_keys":                            # the backward: its own block alone
+            with mock.patch.object(tp, "exchange", stale_exchange):
+                grads = tp.ring_attention_backward(do[:, mine], *forward[:3], o, lse, head_dim,
+                                                   layout=layout)
+        else:
+            grads = tp.ring_attention_backward(do[:, mine], *forward[:3], o, lse, head_dim,
+                                               layout=layout)
+    whole_o, whole_lse = dp.attention(q.double(), k.double(), v.double(), head_dim)
+    whole = dp.attention_backward(do.double(), q.double(), k.double(), v.double(), whole_o,
+                                  whole_lse, head_dim)
+    got = [o, lse, *grads]
+    want = [whole_o[:, mine], whole_lse[:, :, mine], *(g[:, mine] for g in whole)]
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-4
+    close = [torch.allclose(a.double(), w, rtol=tolerance, atol=tolerance * scale ** 2)
+             for a, w in zip(got, want)]
+    torch.save(close, f"{RESULTS}/{defect}-{world_size}-{layout}-{rank}.pt")
+    cleanup()
+
+
+def stale_exchange(to_send, to_recv, right, left, group, wait=True):
+    """The defect for the keys: what comes in at each step is the block this rank already held
+    (the keys and values of the step before); dk and dv travel as they should."""
+    if wait:
+        return exchange(to_send, to_recv, right, left, group)
+    works = exchange(to_send, to_recv, right, left, group, wait=False)
+    for work in works:
+        work.wait()
+    to_recv.copy_(to_send)
+    return []
+
+
+RESULTS = None
+
+
+def ring(tmp_path, world_size, layout, defect=None, dtype=torch.float64, scale=1.0):
+    """Every rank's [o, lse, dq, dk, dv close to serial's]."""
+    global RESULTS
+    RESULTS = tmp_path
+    spawn(ring_worker, world_size, layout, defect, dtype, scale, timeout_s=30)
+    return [torch.load(tmp_path / f"{defect}-{world_size}-{layout}-{r}.pt")
+            for r in range(world_size)]
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ring_attention_is_causal_attention_over_the_whole_sequence(tmp_path, world_size, layout):
+    assert ring(tmp_path, world_size, layout) == [[True] * 5] * world_size
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("defect,fails", [("left_where_computed", "dk dv"),
+                                          ("masked_by_local_position", "o lse dq dk dv"),
+                                          ("stale_keys", "dq dk dv")])
+def test_each_defect_of_the_ring_fails_it(tmp_path, layout, defect, fails):
+    """Over 3 ranks: some rank's figures that the defect touches differ from serial's."""
+    names = ["o", "lse", "dq", "dk", "dv"]
+    results = ring(tmp_path, 3, layout, defect)
+    wrong = {name for rank in results for name, ok in zip(names, rank) if not ok}
+    assert wrong == set(fails.split())
+
+
+@pytest.mark.deadline(60)
+def test_the_merge_needs_its_max_subtracted_where_scores_reach_100(tmp_path):
+    """float32, q scaled so that scores reach 100 (e^100 > float32's largest): with the max
+    subtracted the ring equals float64 attention; without, it is inf or nan."""
+    assert ring(tmp_path, 2, "zigzag", dtype=torch.float32, scale=30.0) == [[True] * 5] * 2
+    wrong = ring(tmp_path, 2, "zigzag", "merge_without_max", dtype=torch.float32, scale=30.0)
+    assert not all(all(rank) for rank in wrong)
+
+
+def replay64(result):
+    """A --save result's SGD steps again, serially with autograd in float64: (losses, final)."""
+    config = argparse.Namespace(**result["config"])
+    params = [w.double().requires_grad_() for w in init_of(result)]
+    losses = []
+    for step in range(config.steps):
+        inputs, targets = result["inputs"][step], result["targets"][step]
+        loss, _ = dp.serial_loss(params, inputs, targets, config.dim // config.heads)
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            for w in params:
+                w -= config.lr * w.grad
+                w.grad = None
+    return losses, [w.detach() for w in params]
+
+
+def assert_replays(result):
+    losses, final = replay64(result)
+    torch.testing.assert_close(torch.tensor(result["losses"], dtype=torch.float64),
+                               torch.tensor(losses, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    for got, want in zip(result["final_params"].values(), final):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def train(tmp_path, flags):
+    save = tmp_path / "run.pt"
+    tp.main([*SMALL, "--save", str(save), *flags])
+    return torch.load(save)
+
+
+@pytest.mark.deadline(90)
+@pytest.mark.parametrize("flags", [
+    ["--world-size", "2", "--cp", "2"], ["--world-size", "2", "--cp", "2", "--cp-layout", "contiguous"],
+    ["--world-size", "3", "--cp", "3"], ["--world-size", "3", "--cp", "3", "--cp-layout", "contiguous"],
+    ["--world-size", "4", "--cp", "4"], ["--world-size", "4", "--cp", "4", "--cp-layout", "contiguous"],
+    ["--world-size", "4", "--cp", "2"], ["--world-size", "4", "--cp", "2", "--tp-style", "megatron"],
+    ["--world-size", "4", "--cp", "2", "--tp-style", "megatron", "--sequence-parallel"],
+    ["--world-size", "2", "--cp", "2", "--recompute", "--micro-batches", "2"]])
+def test_training_with_cp_replays_in_float64(tmp_path, flags):
+    result = train(tmp_path, flags)
+    assert result["config"]["cp"] == int(flags[3])
+    assert result["config"]["cp_layout"] == flags[flags.index("--cp-layout") + 1] \
+        if "--cp-layout" in flags else result["config"]["cp_layout"] == "zigzag"
+    assert result["inputs"].shape == (3, 4, 24)                # whole, as always
+    assert_replays(result)
+
+
+def averaged_over_cp(grads, indices, group):   # the defect: the partial sums averaged
+    for i in indices:
+        tp.reduce_over(grads[i], group)
+        grads[i] /= torch.distributed.get_world_size(group)
+
+
+@pytest.mark.deadline(60)
+def test_gradients_averaged_over_cp_fail_the_check(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(tp, "sum_partial_grads", averaged_over_cp)
+    with pytest.raises(RankFailed):
+        tp.main([*SMALL, "--world-size", "2", "--cp", "2", "--check", "--timeout-s", "20"])
+    figures, verdict = check_report(capfd.readouterr().out)
+    assert verdict == "FAILED" and figures["gradients"][2] == "FAILED"
+
+
+@pytest.mark.deadline(120)
+def test_a_checkpoint_written_at_cp_4_resumes_at_cp_1_and_2(tmp_path, capfd):
+    folder = tmp_path / "ckpt"
+    tp.main([*SMALL, "--world-size", "4", "--cp", "4", "--checkpoint", str(folder)])
+    for world, cp in ((1, 1), (2, 2)):
+        tp.main([*SMALL, "--world-size", str(world), "--cp", str(cp), "--resume", str(folder),
+                 "--steps", "5", "--check"])
+        out = capfd.readouterr().out
+        assert "resumed from" in out and check_report(out)[1] == "OK"
+
+
+def pairs_computed(context, cp_size, layout):
+    """Each cp rank's chunk pairs over the C steps of the ring (a diagonal pair counts as one)."""
+    counts = []
+    for r in range(cp_size):
+        mine = tp.cp_chunks(r, cp_size, layout)
+        held = [j for src in range(cp_size) for j in tp.cp_chunks(src, cp_size, layout)]
+        counts.append(sum(j <= i for i in mine for j in held))
+    return counts
+
+
+@pytest.mark.parametrize("cp_size", [2, 4, 8])
+def test_zigzag_balances_what_contiguous_does_not(cp_size):
+    contiguous = pairs_computed(64, cp_size, "contiguous")
+    zigzag = pairs_computed(64, cp_size, "zigzag")
+    assert contiguous == list(range(1, cp_size + 1))          # rank r: r + 1 pairs
+    assert max(contiguous) / (sum(contiguous) / cp_size) == 2 * cp_size / (cp_size + 1)
+    assert zigzag == [2 * cp_size + 1] * cp_size              # every rank alike
