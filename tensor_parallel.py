@@ -4,6 +4,7 @@ the vocabulary.
     python tensor_parallel.py                           # 4 ranks share each block
     python tensor_parallel.py --world-size 2 --check
     python tensor_parallel.py --tp-style megatron       # Megatron's column-then-row pairs
+    python tensor_parallel.py --cp 4 --check            # context parallelism: ring attention
     torchrun --nproc-per-node 4 tensor_parallel.py
 
 The lecture's column-parallel layer: rank t of the tp ranks holds the columns W_t of a weight,
@@ -175,141 +176,8 @@ class SequenceSplit(MegatronSplit):
     def f_back(self, dx): return scatter_along_T(dx, self.group)
 
 
-# ----------------------------------------------------------------------------------------------
-# Context parallelism (--cp C): each sequence's T positions split over the C ranks of a cp group.
-# A rank embeds its own positions (E's rows, P's at their global places) and runs the norms, the
-# matmuls, the head and the loss on them alone; only attention needs the others'. Ring attention:
-# the keys and values travel the ring, C steps, and each rank attends its queries to the block it
-# holds, masked by global position, merging the partial results by their lse. The weights are
-# replicated over cp, and each one's gradient is a partial sum over this rank's positions: summed.
+# Part 2: the vocabulary ------------------------------------------------------------------------
 #
-# The layout: T in chunks of s positions; a pair (query chunk i, key chunk j) is computed when
-# j <= i, causally masked when j = i, and never when j > i (wholly in the future).
-#   contiguous  C chunks, rank r holds chunk r: it computes r + 1 pairs, rank C-1 C times rank
-#               0's; the busiest over the mean: 2C / (C + 1)
-#   zigzag      2C chunks, rank r holds r and 2C-1-r: each rank 2C + 1 pairs of s = T/2C, 1x
-#
-# The merge of two partial results over key sets a and b (o_a = softmax over a's keys of S, v):
-#   lse = log(e^lse_a + e^lse_b) = m + log(e^(lse_a - m) + e^(lse_b - m)),  m = max(lse_a, lse_b)
-#   o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b        (the weights: each set's share of the sum)
-# m keeps each exponent <= 0: e^lse overflows fp32 once a row's scores pass 88.
-# Backward, per pair, with the merged lse_i and D_i = rowsum(do_i o_i) (step 2's identity: D needs
-# no other rank's keys): A = exp(S_ij - lse_i), dv_j += A^T do_i, dS = A (dA - D_i), dq_i += dS k_j,
-# dk_j += dS^T q_i. dq stays; dk and dv travel the ring with their block, C hops: back at its owner.
-
-def cp_chunks(cp_rank, cp_size, layout):   # the chunks of T this rank holds, in order
-    if layout == "zigzag":
-        return [cp_rank, 2 * cp_size - 1 - cp_rank]
-    return [cp_rank]
-
-
-def cp_positions(context, cp_rank, cp_size, layout):   # [T/C]: its positions' places in T
-    chunks = cp_chunks(cp_rank, cp_size, layout)
-    size = context // (len(chunks) * cp_size)
-    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
-
-
-def pair_scores(q, k, head_dim, diagonal):   # S of a chunk pair: causal on the diagonal alone
-    if diagonal:
-        return scores(q, k, head_dim)
-    return wide_matmul(q / head_dim ** 0.5, k.transpose(-1, -2))
-
-
-def merge(o_a, lse_a, o_b, lse_b):
-    """Two partial attentions of the same queries over two key sets, as one: o [.., s, dh] fp32,
-    lse [.., s] (the comment above derives it)."""
-    if o_a is None:
-        return o_b, lse_b
-    m = torch.maximum(lse_a, lse_b)
-    lse = m + ((lse_a - m).exp() + (lse_b - m).exp()).log()
-    o = (lse_a - lse).exp()[..., None] * o_a + (lse_b - lse).exp()[..., None] * o_b
-    return o, lse
-
-
-def ring_neighbours(group):   # the global ranks this rank sends to and receives from
-    group = group or dist.group.WORLD
-    r = dist.get_rank(group)
-    size = dist.get_world_size(group)
-    return dist.get_global_rank(group, (r + 1) % size), dist.get_global_rank(group, (r - 1) % size)
-
-
-def ring_attention(q, k, v, head_dim, group=None, layout="zigzag"):
-    """Causal attention of this rank's positions over all of T: o [b, n, h dh] (n = T/C) and lse
-    [b, h, n]. Step t holds the keys and values of cp rank r - t, the next block coming in (and
-    this one leaving) under the pairs' computation."""
-    size = dist.get_world_size(group)
-    r = dist.get_rank(group)
-    right, left = ring_neighbours(group)
-    q, k, v = (heads(t, head_dim).contiguous() for t in (q, k, v))   # [b, h, n, dh]
-    mine = cp_chunks(r, size, layout)
-    s = q.shape[2] // len(mine)
-    outs = [None] * len(mine)
-    lses = [None] * len(mine)
-    kv = torch.stack([k, v])                                          # [2, b, h, n, dh]
-    for step in range(size):
-        if step < size - 1:
-            incoming = torch.empty_like(kv)
-            works = exchange(kv, incoming, right, left, group, wait=False)
-        for a, (i, q_i) in enumerate(zip(mine, q.split(s, 2))):
-            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(s, 2),
-                       kv[1].split(s, 2))
-            for j, k_j, v_j in held:
-                if j > i:
-                    continue
-                s_ij = pair_scores(q_i, k_j, head_dim, diagonal=i == j)
-                lse_ij = s_ij.logsumexp(-1)                            # [b, h, s]
-                o_ij = (s_ij - lse_ij[..., None]).exp() @ wide(v_j)   # [b, h, s, dh]
-                outs[a], lses[a] = merge(outs[a], lses[a], o_ij, lse_ij)
-        if step < size - 1:
-            for work in works:
-                work.wait()
-            kv = incoming
-    o = torch.cat(outs, 2).to(v.dtype)
-    return o.transpose(1, 2).flatten(-2), torch.cat(lses, 2)
-
-
-def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="zigzag"):
-    """dq, dk, dv [b, n, h dh]: each pair's A made again from the merged lse; dk and dv summed
-    into a buffer that travels with its block (fp32), home after C hops."""
-    size = dist.get_world_size(group)
-    r = dist.get_rank(group)
-    right, left = ring_neighbours(group)
-    do, q, k, v, o = (heads(t, head_dim).contiguous() for t in (do, q, k, v, o))
-    d = (wide(do) * wide(o)).sum(-1, keepdim=True)                    # D = rowsum(do * o)
-    mine = cp_chunks(r, size, layout)
-    s = q.shape[2] // len(mine)
-    dq = torch.zeros_like(q, dtype=wide(q).dtype)
-    kv = torch.stack([k, v])
-    dkv = torch.zeros_like(kv, dtype=dq.dtype)                        # this block's dk, dv
-    for step in range(size):
-        if step < size - 1:
-            incoming = torch.empty_like(kv)
-            works = exchange(kv, incoming, right, left, group, wait=False)
-        rows = zip(mine, q.split(s, 2), do.split(s, 2), d.split(s, 2), lse.split(s, 2),
-                   dq.split(s, 2))
-        for i, q_i, do_i, d_i, lse_i, dq_i in rows:
-            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(s, 2),
-                       kv[1].split(s, 2), dkv[0].split(s, 2), dkv[1].split(s, 2))
-            for j, k_j, v_j, dk_j, dv_j in held:
-                if j > i:
-                    continue
-                a = pair_scores(q_i, k_j, head_dim, diagonal=i == j).sub_(lse_i[..., None]).exp_()
-                dv_j += a.transpose(-1, -2) @ wide(do_i)              # A^T do
-                ds = a * (wide_matmul(do_i, v_j.transpose(-1, -2)) - d_i)   # A (dA - D)
-                dq_i += ds @ wide(k_j) / head_dim ** 0.5
-                dk_j += ds.transpose(-1, -2) @ wide(q_i) / head_dim ** 0.5
-        if size > 1:                                                  # the block's sums, on
-            arriving = torch.empty_like(dkv)
-            exchange(dkv, arriving, right, left, group)
-            dkv = arriving
-        if step < size - 1:
-            for work in works:
-                work.wait()
-            kv = incoming
-    grads = (dq, *dkv)
-    return [t.to(q.dtype).transpose(1, 2).flatten(-2) for t in grads]
-
-
 # The vocabulary over the tp ranks: rank t holds the classes [v_t, v_t+1), vocab_range's.
 #
 #   embedding  E_t = E[v_t:v_t+1] [V_t, D]: each rank looks up the tokens it holds, zeros for the
@@ -469,6 +337,142 @@ def shard_box(shape, kind, tp_rank, tp_size):
     return 0, rows, 0, cols
 
 
+# Part 3: context parallelism ---------------------------------------------------------------------
+#
+# --cp C: each sequence's T positions split over the C ranks of a cp group. A rank embeds its own
+# positions (E's rows, P's at their global places) and runs the norms, the matmuls, the head and
+# the loss on them alone; only attention needs the others'. Ring attention: the keys and values
+# travel the ring, C steps, and each rank attends its queries to the block it holds, masked by
+# global position, merging the partial results by their lse. The weights are replicated over cp,
+# and each one's gradient is a partial sum over this rank's positions: summed.
+#
+# The layout: T in chunks of s positions; a pair (query chunk i, key chunk j) is computed when
+# j <= i, causally masked when j = i, and never when j > i (wholly in the future).
+#   contiguous  C chunks, rank r holds chunk r: it computes r + 1 pairs, rank C-1 C times rank
+#               0's; the busiest over the mean: 2C / (C + 1)
+#   zigzag      2C chunks, rank r holds r and 2C-1-r: each rank 2C + 1 pairs of s = T/2C, 1x
+#
+# The merge of two partial results over key sets a and b (o_a = softmax over a's keys of S, v):
+#   lse = log(e^lse_a + e^lse_b) = m + log(e^(lse_a - m) + e^(lse_b - m)),  m = max(lse_a, lse_b)
+#   o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b        (the weights: each set's share of the sum)
+# m keeps each exponent <= 0: e^lse overflows fp32 once a row's scores pass 88.
+# Backward, per pair, with the merged lse_i and D_i = rowsum(do_i o_i) (step 2's identity: D needs
+# no other rank's keys): A = exp(S_ij - lse_i), dv_j += A^T do_i, dS = A (dA - D_i), dq_i += dS k_j,
+# dk_j += dS^T q_i. dq stays; dk and dv travel the ring with their block, C hops: back at its owner.
+
+def cp_chunks(cp_rank, cp_size, layout):   # the chunks of T this rank holds, in order
+    if layout == "zigzag":
+        return [cp_rank, 2 * cp_size - 1 - cp_rank]
+    return [cp_rank]
+
+
+def cp_positions(context, cp_rank, cp_size, layout):   # [T/C]: its positions' places in T
+    chunks = cp_chunks(cp_rank, cp_size, layout)
+    size = context // (len(chunks) * cp_size)
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
+
+
+def pair_scores(q, k, head_dim, diagonal):   # S of a chunk pair: causal on the diagonal alone
+    if diagonal:
+        return scores(q, k, head_dim)
+    return wide_matmul(q / head_dim ** 0.5, k.transpose(-1, -2))
+
+
+def merge(o_a, lse_a, o_b, lse_b):
+    """Two partial attentions of the same queries over two key sets, as one: o [.., s, dh] fp32,
+    lse [.., s] (the comment above derives it)."""
+    if o_a is None:
+        return o_b, lse_b
+    m = torch.maximum(lse_a, lse_b)
+    lse = m + ((lse_a - m).exp() + (lse_b - m).exp()).log()
+    o = (lse_a - lse).exp()[..., None] * o_a + (lse_b - lse).exp()[..., None] * o_b
+    return o, lse
+
+
+def ring_neighbours(group):   # the global ranks this rank sends to and receives from
+    group = group or dist.group.WORLD
+    r = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    return dist.get_global_rank(group, (r + 1) % size), dist.get_global_rank(group, (r - 1) % size)
+
+
+def ring_attention(q, k, v, head_dim, group=None, layout="zigzag"):
+    """Causal attention of this rank's positions over all of T: o [b, n, h dh] (n = T/C) and lse
+    [b, h, n]. Step t holds the keys and values of cp rank r - t, the next block coming in (and
+    this one leaving) under the pairs' computation."""
+    size = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    right, left = ring_neighbours(group)
+    q, k, v = (heads(t, head_dim).contiguous() for t in (q, k, v))   # [b, h, n, dh]
+    mine = cp_chunks(r, size, layout)
+    s = q.shape[2] // len(mine)
+    outs = [None] * len(mine)
+    lses = [None] * len(mine)
+    kv = torch.stack([k, v])                                          # [2, b, h, n, dh]
+    for step in range(size):
+        if step < size - 1:
+            incoming = torch.empty_like(kv)
+            works = exchange(kv, incoming, right, left, group, wait=False)
+        for a, (i, q_i) in enumerate(zip(mine, q.split(s, 2))):
+            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(s, 2),
+                       kv[1].split(s, 2))
+            for j, k_j, v_j in held:
+                if j > i:
+                    continue
+                s_ij = pair_scores(q_i, k_j, head_dim, diagonal=i == j)
+                lse_ij = s_ij.logsumexp(-1)                            # [b, h, s]
+                o_ij = (s_ij - lse_ij[..., None]).exp() @ wide(v_j)   # [b, h, s, dh]
+                outs[a], lses[a] = merge(outs[a], lses[a], o_ij, lse_ij)
+        if step < size - 1:
+            for work in works:
+                work.wait()
+            kv = incoming
+    o = torch.cat(outs, 2).to(v.dtype)
+    return o.transpose(1, 2).flatten(-2), torch.cat(lses, 2)
+
+
+def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="zigzag"):
+    """dq, dk, dv [b, n, h dh]: each pair's A made again from the merged lse; dk and dv summed
+    into a buffer that travels with its block (fp32), home after C hops."""
+    size = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    right, left = ring_neighbours(group)
+    do, q, k, v, o = (heads(t, head_dim).contiguous() for t in (do, q, k, v, o))
+    d = (wide(do) * wide(o)).sum(-1, keepdim=True)                    # D = rowsum(do * o)
+    mine = cp_chunks(r, size, layout)
+    s = q.shape[2] // len(mine)
+    dq = torch.zeros_like(q, dtype=wide(q).dtype)
+    kv = torch.stack([k, v])
+    dkv = torch.zeros_like(kv, dtype=dq.dtype)                        # this block's dk, dv
+    for step in range(size):
+        if step < size - 1:
+            incoming = torch.empty_like(kv)
+            works = exchange(kv, incoming, right, left, group, wait=False)
+        rows = zip(mine, q.split(s, 2), do.split(s, 2), d.split(s, 2), lse.split(s, 2),
+                   dq.split(s, 2))
+        for i, q_i, do_i, d_i, lse_i, dq_i in rows:
+            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(s, 2),
+                       kv[1].split(s, 2), dkv[0].split(s, 2), dkv[1].split(s, 2))
+            for j, k_j, v_j, dk_j, dv_j in held:
+                if j > i:
+                    continue
+                a = pair_scores(q_i, k_j, head_dim, diagonal=i == j).sub_(lse_i[..., None]).exp_()
+                dv_j += a.transpose(-1, -2) @ wide(do_i)              # A^T do
+                ds = a * (wide_matmul(do_i, v_j.transpose(-1, -2)) - d_i)   # A (dA - D)
+                dq_i += ds @ wide(k_j) / head_dim ** 0.5
+                dk_j += ds.transpose(-1, -2) @ wide(q_i) / head_dim ** 0.5
+        if size > 1:                                                  # the block's sums, on
+            arriving = torch.empty_like(dkv)
+            exchange(dkv, arriving, right, left, group)
+            dkv = arriving
+        if step < size - 1:
+            for work in works:
+                work.wait()
+            kv = incoming
+    grads = (dq, *dkv)
+    return [t.to(q.dtype).transpose(1, 2).flatten(-2) for t in grads]
+
+
 def tp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     tp_size = world_size // args.cp
@@ -530,6 +534,14 @@ def tp_worker(rank, world_size, args):
     cleanup()
 
 
+def main(argv=None):
+    args = parse_args(argv)
+    spawn(tp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
+
+
+# Below the fold: its costs, the command line and its rules, and what the run says it ran. -------
+
+
 def tp_and_cp_groups(rank, tp_size, cp_size):
     """This rank's tp group (tp_size consecutive ranks) and cp group (one rank of each tp group,
     at its tp rank); every rank makes every group, in one order. Without cp: the world's, none."""
@@ -542,12 +554,6 @@ def tp_and_cp_groups(rank, tp_size, cp_size):
     return tp_groups[rank // tp_size], cp_groups[rank % tp_size]
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    spawn(tp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
-
-
-# Below the fold: its costs, the command line and its rules, and what the run says it ran. -------
 from collectives import positive_int  # noqa: E402
 from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa
                            load_checkpoint, log_step, save_checkpoint, training_parser,

@@ -52,7 +52,8 @@ def ring_worker(rank, world_size, layout, defect, dtype, scale):
     setup(rank, world_size)
     gen = torch.Generator().manual_seed(0)
     b, T, heads, head_dim = 2, 8 * world_size, 3, 4
-    q, k, v, do = (torch.randn(b, T, heads * head_dim, generator=gen, dtype=dtype) for _ in range(4))
+    q, k, v, do = (torch.randn(b, T, heads * head_dim, generator=gen, dtype=dtype)
+                   for _ in range(4))
     q = q * scale                                             # scores of about scale x 2
     mine = tp.cp_positions(T, rank, world_size, layout)
     forward = [q[:, mine], k[:, mine], v[:, mine], head_dim]
@@ -166,17 +167,18 @@ def train(tmp_path, flags):
 
 @pytest.mark.deadline(90)
 @pytest.mark.parametrize("flags", [
-    ["--world-size", "2", "--cp", "2"], ["--world-size", "2", "--cp", "2", "--cp-layout", "contiguous"],
-    ["--world-size", "3", "--cp", "3"], ["--world-size", "3", "--cp", "3", "--cp-layout", "contiguous"],
-    ["--world-size", "4", "--cp", "4"], ["--world-size", "4", "--cp", "4", "--cp-layout", "contiguous"],
+    *[["--world-size", str(cp), "--cp", str(cp), "--cp-layout", layout]
+      for cp in (2, 3, 4) for layout in ("zigzag", "contiguous")],
     ["--world-size", "4", "--cp", "2"], ["--world-size", "4", "--cp", "2", "--tp-style", "megatron"],
     ["--world-size", "4", "--cp", "2", "--tp-style", "megatron", "--sequence-parallel"],
     ["--world-size", "2", "--cp", "2", "--recompute", "--micro-batches", "2"]])
 def test_training_with_cp_replays_in_float64(tmp_path, flags):
     result = train(tmp_path, flags)
     assert result["config"]["cp"] == int(flags[3])
-    assert result["config"]["cp_layout"] == flags[flags.index("--cp-layout") + 1] \
-        if "--cp-layout" in flags else result["config"]["cp_layout"] == "zigzag"
+    layout = "zigzag"
+    if "--cp-layout" in flags:
+        layout = flags[flags.index("--cp-layout") + 1]
+    assert result["config"]["cp_layout"] == layout
     assert result["inputs"].shape == (3, 4, 24)                # whole, as always
     assert_replays(result)
 
