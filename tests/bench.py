@@ -15,6 +15,7 @@ figures that are not the lecture. The scripts never import this; it imports them
     python tests/bench.py plan-speed                     # --plan's own time, 8 to 1,024 GPUs
     python tests/bench.py recompute-memory [its sizes]   # steps 2, 3: peak memory, --recompute or not
     python tests/bench.py checkpoint [three_d's flags]   # a checkpoint's write and read beside a step
+    python tests/bench.py cp-balance                     # --cp's attention pairs and time a rank
     python tests/bench.py machine                        # one line naming this machine
 
 Each comparison takes the script's own flags (--steps: the timed steps, at least 5), runs
@@ -947,6 +948,58 @@ COMPARISONS = {"data_parallel": (data_parallel, versus_ddp), "tensor_parallel": 
                "pipeline_parallel": (pipeline_parallel, versus_pipelining), "three_d": (three_d, versus_torch_3d)}
 
 
+def cp_balance(context=2048, dim=256, heads=4, cp_sizes=(2, 4, 8)):
+    """--cp's balance: the attention pairs each cp rank computes over the ring (tensor_parallel.py's
+    schedule: query chunk i against key chunk j when j <= i), contiguous against zigzag; then each
+    rank's pairs timed on this process, one rank after another (one thread, a sequence of T)."""
+    torch.set_num_threads(1)
+    head_dim = dim // heads
+    print(f"context parallelism's balance: T={context} D={dim} h={heads}, one sequence; a rank's "
+          f"pairs from the schedule, and their forward timed (median), rank by rank")
+    print(f"  {'C':>2} {'layout':<11} {'pairs a rank':<28} {'max/mean':>8}   {'ms a rank':<44} "
+          f"{'max/mean':>8}")
+    for cp_size in cp_sizes:
+        for layout in ("contiguous", "zigzag"):
+            chunks = cp_size * (2 if layout == "zigzag" else 1)
+            s = context // chunks
+            q, k, v = (torch.randn(1, heads, s, head_dim) for _ in range(3))
+            counts = []
+            times = []
+            for r in range(cp_size):
+                pairs = cp_pairs(r, cp_size, layout)
+                counts.append(len(pairs))
+
+                def rank_work():
+                    for i, j in pairs:
+                        scores = tensor_parallel.pair_scores(q, k, head_dim, diagonal=i == j)
+                        lse = scores.logsumexp(-1)
+                        (scores - lse[..., None]).exp() @ v
+                times.append(statistics.median(race_times(rank_work)))
+            print(f"  {cp_size:>2} {layout:<11} {' '.join(map(str, counts)):<28} "
+                  f"{max(counts) / statistics.mean(counts):>8.2f}   "
+                  f"{' '.join(f'{t * 1e3:.1f}' for t in times):<44} "
+                  f"{max(times) / statistics.mean(times):>8.2f}")
+    print("  contiguous: max/mean = 2C/(C+1) (rank C-1 computes C pairs, rank 0 one); zigzag: 1")
+
+
+def cp_pairs(cp_rank, cp_size, layout):
+    """The (query chunk, key chunk) pairs a cp rank computes over the ring's C steps: each chunk
+    it holds against every chunk at or before it (a diagonal pair, masked, counted as one)."""
+    held = [j for src in range(cp_size) for j in tensor_parallel.cp_chunks(src, cp_size, layout)]
+    return [(i, j) for i in tensor_parallel.cp_chunks(cp_rank, cp_size, layout) for j in held
+            if j <= i]
+
+
+def race_times(fn, repeats=5):   # fn's seconds, repeats times after one warm-up
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def refuse(message):
     sys.stderr.write(f"tests/bench.py: error: {message}\n")
     sys.exit(2)
@@ -1012,7 +1065,7 @@ def parse(argv):
     """The bench named by argv's first word, its flags through its script's door and the bench's
     own rules (each refusal one line, exit 2), as a call that runs it: nothing runs here."""
     what, rest = (argv[0], argv[1:]) if argv else ("", [])
-    if what in ("bubble-table", "machine") and rest:
+    if what in ("bubble-table", "machine", "cp-balance") and rest:
         refuse(f"{what} takes no flags (the bubble table has its own sizes), got {' '.join(rest)}")
     if what == "collectives":
         args = collectives.parse_args(rest)
@@ -1054,9 +1107,11 @@ def parse(argv):
         return functools.partial(checkpoint_bench, args)
     if what == "machine":
         return lambda: print(machine())
+    if what == "cp-balance":
+        return cp_balance
     refuse(f"the first word names what to bench: collectives, {', '.join(COMPARISONS)}, "
            f"memory, bubble-table, count-comm, plan, plan-speed, recompute-memory, "
-           f"checkpoint or machine; got {what!r}")
+           f"checkpoint, cp-balance or machine; got {what!r}")
 
 
 def bench_collectives(args):

@@ -21,6 +21,7 @@ import torch
 import data_parallel as dp
 import tensor_parallel as tp
 from collectives import RankFailed, cleanup, exchange, setup, spawn
+from bench import cp_pairs
 from common import NO_SAMPLE, check_report, init_of
 
 SMALL = ["--num-layers", "2", "--dim", "16", "--heads", "4", "--context", "24", "--batch-size", "4",
@@ -134,6 +135,42 @@ def test_the_merge_needs_its_max_subtracted_where_scores_reach_100(tmp_path):
     assert not all(all(rank) for rank in wrong)
 
 
+def bytes_worker(rank, world_size, dtype):
+    """The bytes this rank's ring sends in one attention's forward, then its backward."""
+    setup(rank, world_size)
+    sent = []
+
+    def counted(to_send, *args, **kwargs):
+        sent[-1] += to_send.numel() * to_send.element_size()
+        return exchange(to_send, *args, **kwargs)
+    b, n, heads, head_dim = 2, 8, 4, 4
+    q, k, v, do = (torch.randn(b, n, heads * head_dim, dtype=dtype) for _ in range(4))
+    with mock.patch.object(tp, "exchange", counted):
+        sent.append(0)
+        o, lse = tp.ring_attention(q, k, v, head_dim)
+        sent.append(0)
+        tp.ring_attention_backward(do, q, k, v, o, lse, head_dim)
+    torch.save(sent, f"{RESULTS}/bytes-{rank}.pt")
+    cleanup()
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_ring_sends_the_bytes_of_the_formula(tmp_path, world_size, dtype):
+    """A layer's attention, A = a rank's [b, T/C, D] of its dtype: forward, K and V to the next
+    rank C-1 times, 2 (C-1) A; backward, K and V again, 2 (C-1) A, and dK and dV (fp32) C times."""
+    global RESULTS
+    RESULTS = tmp_path
+    spawn(bytes_worker, world_size, dtype, timeout_s=30)
+    A = 2 * 8 * 16 * dtype.itemsize
+    A32 = 2 * 8 * 16 * 4
+    C = world_size
+    for r in range(C):
+        assert torch.load(tmp_path / f"bytes-{r}.pt") == [2 * (C - 1) * A,
+                                                          2 * (C - 1) * A + 2 * C * A32]
+
+
 def replay64(result):
     """A --save result's SGD steps again, serially with autograd in float64: (losses, final)."""
     config = argparse.Namespace(**result["config"])
@@ -209,20 +246,10 @@ def test_a_checkpoint_written_at_cp_4_resumes_at_cp_1_and_2(tmp_path, capfd):
         assert "resumed from" in out and check_report(out)[1] == "OK"
 
 
-def pairs_computed(context, cp_size, layout):
-    """Each cp rank's chunk pairs over the C steps of the ring (a diagonal pair counts as one)."""
-    counts = []
-    for r in range(cp_size):
-        mine = tp.cp_chunks(r, cp_size, layout)
-        held = [j for src in range(cp_size) for j in tp.cp_chunks(src, cp_size, layout)]
-        counts.append(sum(j <= i for i in mine for j in held))
-    return counts
-
-
 @pytest.mark.parametrize("cp_size", [2, 4, 8])
 def test_zigzag_balances_what_contiguous_does_not(cp_size):
-    contiguous = pairs_computed(64, cp_size, "contiguous")
-    zigzag = pairs_computed(64, cp_size, "zigzag")
+    contiguous = [len(cp_pairs(r, cp_size, "contiguous")) for r in range(cp_size)]
+    zigzag = [len(cp_pairs(r, cp_size, "zigzag")) for r in range(cp_size)]
     assert contiguous == list(range(1, cp_size + 1))          # rank r: r + 1 pairs
     assert max(contiguous) / (sum(contiguous) / cp_size) == 2 * cp_size / (cp_size + 1)
     assert zigzag == [2 * cp_size + 1] * cp_size              # every rank alike
