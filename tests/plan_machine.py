@@ -159,8 +159,8 @@ class LocalSplit:
     out_back = gather_back
     f_back = row_back = WHOLE.f_back
     enter = WHOLE.enter
-    attend = WHOLE.attend
-    attend_back = WHOLE.attend_back
+    attend = staticmethod(WHOLE.attend)
+    attend_back = staticmethod(WHOLE.attend_back)
 
 
 def timed(fn, at_least_s=0.03):
