@@ -253,3 +253,18 @@ def test_zigzag_balances_what_contiguous_does_not(cp_size):
     assert contiguous == list(range(1, cp_size + 1))          # rank r: r + 1 pairs
     assert max(contiguous) / (sum(contiguous) / cp_size) == 2 * cp_size / (cp_size + 1)
     assert zigzag == [2 * cp_size + 1] * cp_size              # every rank alike
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--world-size", "4", "--cp", "3"], "--cp 3 does not divide --world-size 4"),
+    (["--world-size", "2", "--cp", "2", "--context", "6"],
+     "--cp 2: --context 6 is not divisible by 4, the zigzag layout's chunks"),
+    (["--world-size", "4", "--cp", "2", "--heads", "3"],
+     "--heads 3 is not divisible by --world-size / --cp (2)"),
+    (["--world-size", "4", "--cp", "2", "--tp-style", "megatron", "--sequence-parallel",
+      "--context", "20"], "--sequence-parallel with --cp 2: a rank's 10 positions do not split")])
+def test_cp_refuses_what_it_cannot_split_in_one_line(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tp.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
