@@ -262,7 +262,8 @@ def test_zigzag_balances_what_contiguous_does_not(cp_size):
     (["--world-size", "4", "--cp", "2", "--heads", "3"],
      "--heads 3 is not divisible by --world-size / --cp (2)"),
     (["--world-size", "4", "--cp", "2", "--tp-style", "megatron", "--sequence-parallel",
-      "--context", "20"], "--sequence-parallel with --cp 2: a rank's 10 positions do not split")])
+      "--cp-layout", "contiguous", "--context", "6"],
+     "--sequence-parallel with --cp 2: a rank's 3 positions do not split over the 2 tp ranks")])
 def test_cp_refuses_what_it_cannot_split_in_one_line(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         tp.parse_args(argv)
