@@ -662,6 +662,25 @@ def describe(args, tp_size):   # what ran: "h/tp = 2 heads a rank, Megatron's pa
             f"{sequence}, the embedding and the head by class")
 
 
+def add_context_parallel(parser):
+    parser.add_argument("--cp", type=positive_int, default=1, help="context parallelism: the ranks "
+                        "of a cp group C, each holding T/C positions of every sequence (ring "
+                        "attention)")
+    parser.add_argument("--cp-layout", choices=["zigzag", "contiguous"], default="zigzag",
+                        help="zigzag: 2C chunks of T, rank r holds r and 2C-1-r (balanced); "
+                             "contiguous: rank r holds the r-th T/C (rank C-1 does C times rank "
+                             "0's attention)")
+
+
+def context_parallel_rules(args, tp_size):   # T in the layout's chunks; SP: a rank's T/C by tp
+    chunks = args.cp * (2 if args.cp_layout == "zigzag" else 1)
+    return [(args.context % chunks, f"--cp {args.cp}: --context {args.context} is not divisible "
+                                    f"by {chunks}, the {args.cp_layout} layout's chunks"),
+            (args.cp > 1 and args.sequence_parallel and args.context // args.cp % tp_size,
+             f"--sequence-parallel with --cp {args.cp}: a rank's {args.context // args.cp} "
+             f"positions do not split over the {tp_size} tp ranks")]
+
+
 def add_sequence_parallel(parser):
     parser.add_argument("--sequence-parallel", action="store_true", help="with --tp-style "
                         "megatron: the residual stream and its norms split along T over tp")
@@ -693,24 +712,12 @@ def parse_args(argv=None):
     parser.add_argument("--tp-style", choices=["all-gather", "megatron"], default="all-gather",
                         help="every layer column-parallel with an all-gather, or Megatron's pairs")
     add_sequence_parallel(parser)
-    parser.add_argument("--cp", type=positive_int, default=1, help="context parallelism: the ranks "
-                        "of a cp group C, each holding T/C positions of every sequence (ring "
-                        "attention); divides --world-size, the rest are tp")
-    parser.add_argument("--cp-layout", choices=["zigzag", "contiguous"], default="zigzag",
-                        help="zigzag: 2C chunks of T, rank r holds r and 2C-1-r (balanced); "
-                             "contiguous: rank r holds the r-th T/C (rank C-1 does C times rank "
-                             "0's attention)")
+    add_context_parallel(parser)
     args = parser.parse_args(argv)
-    chunks = args.cp * (2 if args.cp_layout == "zigzag" else 1)
     tp_size = args.world_size // args.cp
     parser.refuse([(args.world_size % args.cp, f"--cp {args.cp} does not divide --world-size "
                                                f"{args.world_size}"),
-                   (args.context % chunks, f"--cp {args.cp}: --context {args.context} is not "
-                                           f"divisible by {chunks}, the {args.cp_layout} "
-                                           f"layout's chunks"),
-                   (args.cp > 1 and args.sequence_parallel and args.context // args.cp % tp_size,
-                    f"--sequence-parallel with --cp {args.cp}: a rank's {args.context // args.cp}"
-                    f" positions do not split over the {tp_size} tp ranks")])
+                   *context_parallel_rules(args, tp_size)])
     tp_flag = "--world-size"
     if args.cp > 1:
         tp_flag = "--world-size / --cp"

@@ -36,9 +36,9 @@ from collectives import cleanup, ray_launch, run_main, setup, spawn
 from data_parallel import dp_costs, init_params, make_batch, make_replica, replica_rows, spans_of
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts)
-from tensor_parallel import (all_gather_columns, clip_shares, my_columns, part_kinds, shard,
-                             shard_box, sum_partial_grads, tensor_kinds, tp_blocks, tp_costs,
-                             vocab_parallel_cross_entropy)
+from tensor_parallel import (all_gather_columns, clip_shares, cp_positions, my_columns,
+                             part_kinds, reduce_over, shard, shard_box, sum_partial_grads,
+                             tensor_kinds, tp_blocks, tp_costs, vocab_parallel_cross_entropy)
 
 AXES = ("dp", "pp", "tp")
 
@@ -69,14 +69,21 @@ def rank_grid(dp, pp, tp, order="tp-pp-dp"):
     return grid.permute(*(slowest_first.index(a) for a in AXES))                  # [dp, pp, tp]
 
 
-def rank_groups(dp, pp, tp, order="tp-pp-dp"):
-    """{"dp": [...], "pp": [...], "tp": [...]}: for each kind, a partition of all ranks into
-    groups, each in ascending order. A group varies one coordinate and fixes the others."""
-    grid = rank_grid(dp, pp, tp, order)
+def rank_groups(dp, pp, tp, order="tp-pp-dp", cp=1):
+    """{"dp": [...], "pp": [...], "tp": [...]}, and "cp" with --cp: for each kind, a partition of
+    all ranks into groups, each in ascending order. A group varies one coordinate and fixes the
+    others. cp sits next to tp (tp-cp-pp-dp, tp-cp-dp-pp): the map is 3D's with tp cp ranks in
+    tp's place, each such block cut into cp tp groups of consecutive ranks, and tp cp groups
+    that take one rank of each (rank = (.. ) tp cp + c tp + t)."""
+    grid = rank_grid(dp, pp, tp * cp, order)
     groups = {}
     for axis, name in enumerate(AXES):
         lines = grid.movedim(axis, -1).reshape(-1, grid.shape[axis])   # axis last: a row per group
         groups[name] = sorted(sorted(row) for row in lines.tolist())
+    if cp > 1:
+        blocks = groups["tp"]                                  # tp cp ranks each
+        groups["tp"] = sorted(block[c * tp:(c + 1) * tp] for block in blocks for c in range(cp))
+        groups["cp"] = sorted(block[t::tp] for block in blocks for t in range(tp))
     return groups
 
 
@@ -100,12 +107,18 @@ class ThreeDRank:
     def join_groups(self, rank, args):
         """Every rank creates every group, in the same order, and keeps its own. (A new group
         waits PyTorch's default 30 minutes for a peer unless told otherwise: --timeout-s.)"""
-        groups = rank_groups(args.dp, args.pp, args.tp, args.order)
+        groups = rank_groups(args.dp, args.pp, args.tp, args.order, args.cp)
         timeout = timedelta(seconds=args.timeout_s)
+        names = ("tp", "pp", "dp", "cp")[:3 + (args.cp > 1)]
         self.groups = {name: dist.new_subgroups_by_enumeration(groups[name], timeout=timeout)[0]
-                       for name in ("tp", "pp", "dp")}
+                       for name in names}
         self.dp_rank, self.stage, self.tp_rank = coordinates(rank, groups)
+        self.cp_rank = 0
+        if args.cp > 1:
+            self.cp_rank = next(group.index(rank) for group in groups["cp"] if rank in group)
         self.tag = f"[dp{self.dp_rank} pp{self.stage} tp{self.tp_rank}]"
+        if args.cp > 1:
+            self.tag = f"[dp{self.dp_rank} pp{self.stage} cp{self.cp_rank} tp{self.tp_rank}]"
         dist.barrier()   # a collective on every rank before the first point-to-point (for NCCL)
 
     def hold_shards(self, args, device):
@@ -127,6 +140,8 @@ class ThreeDRank:
                       for j in self.mine for w, k in zip(self.init[j], self.splits[j])]
         self.copies = {i for j in self.mine for i, k in zip(spans[j], self.splits[j])
                        if k == "whole" and self.tp_rank > 0}          # tp rank 0 writes them
+        if self.cp_rank > 0:                                          # cp rank 0 holds the same
+            self.copies = set(self.held)
         self.kinds = [k for j in self.mine for k in self.splits[j]]   # its tensors' splits
         self.shares = clip_shares(self.kinds, args.tp)
         self.starts = [sum(map(len, self.chunks[:c])) for c in range(v)]   # a chunk's first
@@ -139,18 +154,22 @@ class ThreeDRank:
 
     def take_rows(self, args, device):
         """Its replica's slice of each step's batch, by its dp coordinate, the same on every tp
-        rank (only the first stage reads the tokens, and only the last the targets)."""
+        rank (only the first stage reads the tokens, and only the last the targets); with --cp,
+        its positions of each row (step 3's layout)."""
         self.rows = replica_rows(args.batch_size, self.dp_rank, args.dp)
+        self.positions = cp_positions(args.context, self.cp_rank, args.cp, args.cp_layout)
         self.device = device
 
     def micro_batches(self, batch, args):   # [B, T] twice -> its rows, m micro-batches each
-        return [t[self.rows].to(self.device).chunk(args.micro_batches) for t in batch]
+        return [t[self.rows][:, self.positions].to(self.device).chunk(args.micro_batches)
+                for t in batch]
 
     def build_stages(self, args):
         """Step 4's stages, one a chunk, each handed step 3's forward and backward of its parts
         over its tp group, and the vocab-parallel loss; the loss a mean over the replica's rows."""
         p, v = args.pp, args.virtual_stages
         tp_group = self.groups["tp"]
+        self.sequence_parallel = args.sequence_parallel
         self.stages = []
         for c in range(v):                   # chunk c of stage s: virtual stage c p + s
             virtual = c * p + self.stage
@@ -159,21 +178,27 @@ class ThreeDRank:
                 self.replica, range(self.starts[c], self.starts[c] + len(kinds)),
                 blocks=tp_blocks(kinds, args.tp_style, args.dim // args.heads, tp_group,
                                  vocab_size=args.vocab_size,
-                                 sequence_parallel=args.sequence_parallel),
+                                 sequence_parallel=args.sequence_parallel,
+                                 cp_group=self.groups.get("cp"), cp_layout=args.cp_layout,
+                                 positions=self.positions.to(self.device)),
                 first=virtual == 0, last=virtual == v * p - 1,
                 num_micro_batches=args.micro_batches, mean_over=len(self.rows) * args.context,
                 loss_fn=partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size,
                                 group=tp_group),
                 recompute=args.recompute,
-                before_exchange=self.sum_partial if args.sequence_parallel else None))
+                before_exchange=self.sum_partial))
 
     def sum_partial(self, b):
         """Sequence parallel: bucket b's gains and P saw T/tp positions a tp rank: their dg summed
-        over tp before the dp exchange (ZeRO's parts of a bucket differ by tp rank: E_t, H_t)."""
+        over tp before the dp exchange (ZeRO's parts of a bucket differ by tp rank: E_t, H_t).
+        --cp: every gradient of the bucket saw this rank's positions alone: summed over cp."""
         bucket = self.replica.grad_buckets[b]
-        whole = [i for i in self.replica.layout.buckets[b] if self.kinds[i] == "whole"]
-        sum_partial_grads({i: self.replica.view(bucket, i) for i in whole}, whole,
-                          self.groups["tp"])
+        if self.sequence_parallel:
+            whole = [i for i in self.replica.layout.buckets[b] if self.kinds[i] == "whole"]
+            sum_partial_grads({i: self.replica.view(bucket, i) for i in whole}, whole,
+                              self.groups["tp"])
+        if "cp" in self.groups:
+            reduce_over(bucket, self.groups["cp"])
 
     def plan_schedule(self, args):
         """Its stage's action list, its neighbours in the pipe, and what crosses to them. With
@@ -185,10 +210,10 @@ class ThreeDRank:
         self.actions = build_schedule(args.schedule, args.pp, self.stage, args.micro_batches,
                                       args.virtual_stages)           # the first's chunk c+1
         width = args.dim
-        rows = args.context
+        rows = args.context // args.cp        # its own positions
         self.boundary = {}
         if args.sequence_parallel:            # each tp rank holds its T/tp rows: it sends them
-            rows = args.context // args.tp
+            rows = rows // args.tp
         elif args.p2p_shard:
             width = args.dim // args.tp
             self.boundary = dict(outgoing=partial(my_columns, group=self.groups["tp"]),
@@ -248,7 +273,8 @@ def three_d_worker(rank, world_size, args):
     device = setup(rank, world_size)
     me = ThreeDRank(rank, args, device)
     if rank == 0:   # the rank map, and what a stage's (a chunk's) layers are
-        show_rank_map(args.dp, args.pp, args.tp, args.order, args=args, chunks=args.virtual_stages)
+        show_rank_map(args.dp, args.pp, args.tp, args.order, args=args, chunks=args.virtual_stages,
+                      cp=args.cp)
     resumed = load_checkpoint(args, me.replica, me.held, me.boxes)   # --resume: any layout's
     losses = []
     norms = []
@@ -263,8 +289,11 @@ def three_d_worker(rank, world_size, args):
                                          me.shares).item())
         me.replica.update()                   # each rank's optimizer steps its own shards
         if me.stage == args.pp - 1:   # the last stage knows the loss: the replicas' mean
-            losses.append(global_loss(me.stages[-1].loss, me.groups["dp"]))   # losses, averaged
-            if me.dp_rank == me.tp_rank == 0:
+            loss = me.stages[-1].loss
+            if args.cp > 1:                   # its positions' part: summed over cp first
+                loss = reduce_over(loss.detach().clone(), me.groups["cp"])
+            losses.append(global_loss(loss, me.groups["dp"]))   # the replicas' losses, averaged
+            if me.dp_rank == me.tp_rank == me.cp_rank == 0:
                 log_step(me.tag, step, losses, norms, args)
         save_checkpoint(args, step + 1, me.replica, me.held, me.boxes, me.copies)   # its pieces
     finish_ranks(me, args, losses, check, norms, device, resumed=resumed)
@@ -274,13 +303,13 @@ def three_d_worker(rank, world_size, args):
 def main(argv=None):
     args = parse_args(argv)
     if args.show_rank_map:
-        show_rank_map(args.dp, args.pp, args.tp, args.order)
+        show_rank_map(args.dp, args.pp, args.tp, args.order, cp=args.cp)
     elif args.plan:  # which layout? every one, costed by three_d_costs() (below)
         plan(args)
     elif args.ray:   # the same ranks, started by Ray instead of spawn (step 1's launcher)
-        ray_launch(three_d_worker, args.dp * args.pp * args.tp, args)
+        ray_launch(three_d_worker, args.dp * args.pp * args.tp * args.cp, args)
     else:
-        spawn(three_d_worker, args.dp * args.pp * args.tp, args, backend=args.backend,
+        spawn(three_d_worker, args.dp * args.pp * args.tp * args.cp, args, backend=args.backend,
               timeout_s=args.timeout_s)
 
 
@@ -296,8 +325,9 @@ from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_
                            global_loss, in_step_bytes, load_checkpoint, log_step, make_buckets,
                            save_checkpoint, tensors_of, training_parser, whole_on_rank0)
 from pipeline_parallel import add_schedule_args, held_counts, schedule_rules  # noqa: E402
-from tensor_parallel import (Attention, add_sequence_parallel, block_matmuls, describe,  # noqa
-                             divides, refuse_unused, sequence_parallel_rules, vocab_range)
+from tensor_parallel import (Attention, add_context_parallel, add_sequence_parallel,  # noqa
+                             block_matmuls, context_parallel_rules, describe, divides,
+                             refuse_unused, sequence_parallel_rules, vocab_range)
 
 
 def finish_ranks(me, args, losses, check, norms, device, resumed=None):
@@ -307,7 +337,8 @@ def finish_ranks(me, args, losses, check, norms, device, resumed=None):
     if me.stage != args.pp - 1:
         known = [0.0] * (args.steps - args.start_step)
     losses = torch.tensor(known, dtype=torch.float64, device=device)
-    dist.broadcast(losses, src=rank_grid(args.dp, args.pp, args.tp, args.order)[0, -1, 0].item())
+    last = rank_grid(args.dp, args.pp, args.tp * args.cp, args.order)[0, -1, 0].item()
+    dist.broadcast(losses, src=last)
     if dist.get_rank() == 0:
         finish_run(args, tensors_of(me.init), final, losses.tolist(), check, norms, resumed)
 
@@ -355,16 +386,21 @@ def buckets_of(chunks, dim, context, vocab_size, tp, tp_rank, bucket_mb, pad_to)
     return [(c, -(-n // pad_to) * pad_to) for c, n in zip(chunk_of, layout.lengths)]
 
 
-def show_rank_map(dp, pp, tp, order, args=None, chunks=1):
-    groups = rank_groups(dp, pp, tp, order)
-    width = {name: max(len(str(groups[name][0])) + 2, 10) for name in AXES}
-    print(f"rank map: dp={dp} pp={pp} tp={tp}, order {order} (fastest first)")
-    print(f"{'rank':>5} {'dp':>3} {'pp':>3} {'tp':>3}   " + "".join(
-        f"{name + ' group':<{width[name]}}" for name in ("tp", "pp", "dp")).rstrip())
-    for rank in range(dp * pp * tp):
-        mine = {name: next(g for g in groups[name] if rank in g) for name in AXES}
-        coords = " ".join(f"{c:>3}" for c in coordinates(rank, groups))
-        cells = "".join(f"{str(mine[name]):<{width[name]}}" for name in ("tp", "pp", "dp"))
+def show_rank_map(dp, pp, tp, order, args=None, chunks=1, cp=1):
+    groups = rank_groups(dp, pp, tp, order, cp)
+    names = ("tp", "cp", "pp", "dp")                 # each rank's groups, fastest first
+    sizes = f"dp={dp} pp={pp} cp={cp} tp={tp}, order {order.replace('tp-', 'tp-cp-')}"
+    if cp == 1:
+        names = ("tp", "pp", "dp")
+        sizes = f"dp={dp} pp={pp} tp={tp}, order {order}"
+    width = {name: max(len(str(groups[name][0])) + 2, 10) for name in names}
+    print(f"rank map: {sizes} (fastest first)")
+    print(f"{'rank':>5} " + " ".join(f"{name:>3}" for name in names[::-1]) + "   " + "".join(
+        f"{name + ' group':<{width[name]}}" for name in names).rstrip())
+    for rank in range(dp * pp * tp * cp):
+        mine = {name: next(g for g in groups[name] if rank in g) for name in names}
+        coords = " ".join(f"{mine[name].index(rank):>3}" for name in names[::-1])
+        cells = "".join(f"{str(mine[name]):<{width[name]}}" for name in names)
         print(f"{rank:>5} {coords}   {cells}".rstrip(), flush=True)
     if args:
         print(f"each stage{' chunk' * (chunks > 1)}: {describe(args, tp)} over tp={tp}", flush=True)
@@ -747,12 +783,14 @@ def parse_args(argv=None):
     parser.add_argument("--tp", type=positive_int, default=2,
                         help="ranks per block; divides --heads")
     add_schedule_args(parser)
-    parser.add_argument("--order", choices=["tp-pp-dp", "tp-dp-pp"], default="tp-pp-dp",
-                        help="nesting of the rank map, fastest-varying axis first")
+    parser.add_argument("--order", choices=["tp-pp-dp", "tp-dp-pp", "tp-cp-pp-dp", "tp-cp-dp-pp"],
+                        default="tp-pp-dp", help="nesting of the rank map, fastest-varying axis "
+                        "first (cp, where there is one, next to tp)")
     parser.add_argument("--tp-style", choices=["all-gather", "megatron"], default="all-gather",
                         help="every layer column-parallel with an all-gather, or Megatron's pairs")
     parser.add_argument("--p2p-shard", action="store_true", help="send 1/tp of what crosses stages")
     add_sequence_parallel(parser)
+    add_context_parallel(parser)
     parser.add_argument("--show-rank-map", action="store_true", help="print the rank map and exit")
     parser.add_argument("--ray", action="store_true",
                         help="start the ranks as Ray Train workers (make 3d-ray installs Ray)")
@@ -761,6 +799,9 @@ def parse_args(argv=None):
     # blocks and 200 steps: 1.75 in 56 s); --pp 4 or --schedule interleaved want --num-layers 4
     parser.set_defaults(num_layers=2, steps=180)
     args = parser.parse_args(argv)
+    args.order = args.order.replace("cp-", "")       # cp sits next to tp in either order
+    parser.refuse([(args.plan and args.cp > 1, "--cp: --plan does not price context parallelism "
+                                               "yet; plan without it")])
     plan_flags = [name for name in PLAN_FLAGS   # given: a default changed, or one suppressed
                   if getattr(args, name, None) != parser.get_default(name) and name in vars(args)]
     if args.plan:
@@ -769,11 +810,12 @@ def parse_args(argv=None):
     flag = next(iter(plan_flags), "").replace("_", "-")
     parser.refuse([(plan_flags, f"--{flag}: only with --plan (a run's world: --dp x --pp x --tp)")])
     if args.show_rank_map:
-        used = {"show_rank_map", "dp", "pp", "tp", "order", "backend", "timeout_s"}
+        used = {"show_rank_map", "dp", "pp", "tp", "cp", "order", "backend", "timeout_s"}
         refuse_unused(parser, args, used, "--show-rank-map")
         return args
     parser.refuse([divides(args.heads, "--heads", args.tp, "--tp"),
                    *sequence_parallel_rules(args, args.tp, "--tp"),
+                   *context_parallel_rules(args, args.tp),
                    (args.pp > args.num_layers, f"--pp {args.pp}: more stages than --num-layers "
                                                f"({args.num_layers})"),
                    divides(args.num_layers, "--num-layers", args.pp, "--pp"),
@@ -783,8 +825,8 @@ def parse_args(argv=None):
          "--ray: Ray is not installed; pip install 'ray[train]' (or: make 3d-ray)"),
         (args.p2p_shard and args.tp == 1, "--p2p-shard: with --tp 1 there is nothing to shard"),
         (args.p2p_shard and args.pp == 1, "--p2p-shard: with --pp 1 nothing crosses a stage")])
-    check_training_args(parser, args, args.dp * args.pp * args.tp, args.dp, "--dp",
-                        "--dp x --pp x --tp")
+    check_training_args(parser, args, args.dp * args.pp * args.tp * args.cp, args.dp, "--dp",
+                        "--dp x --pp x --tp x --cp")
     return args
 
 

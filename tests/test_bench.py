@@ -28,7 +28,7 @@ def tiny(**sizes):
     return SimpleNamespace(**{**dict(num_layers=4, dim=8, heads=2, context=4, vocab_size=data_parallel.VOCAB_SIZE,
                                       batch_size=8, micro_batches=2, steps=1, seed=0, lr=0.1,
                                       recompute=False, bf16=False, clip_grad=None, bucket_mb=25.0,
-                                      sequence_parallel=False,
+                                      sequence_parallel=False, cp=1, cp_layout="zigzag",
                                       backend="gloo", timeout_s=30.0), **sizes})
 
 
