@@ -4,6 +4,7 @@
     python three_d.py --dp 2 --pp 2 --tp 2 --check      # ...and compare with serial training
     python three_d.py --dp 1 --pp 4 --tp 2 --num-layers 4 --schedule gpipe --order tp-dp-pp
     python three_d.py --tp-style megatron --sequence-parallel --check   # T split over tp too
+    python three_d.py --dp 1 --pp 2 --tp 2 --cp 2 --check   # and T over cp: ring attention
     python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
     python three_d.py --ray                             # the ranks as Ray Train workers
     python three_d.py --plan --hardware h100            # which layout? 8 H100s, ranked

@@ -10,7 +10,9 @@ float64, the defects it must catch, and training with --cp against serial traini
 - tensor_parallel.py --cp C trains what serial training does: its --save replays in float64
   within 1e-5 (SGD) at cp 2, 3 and 4 in both layouts, with tp 2 in both styles, with sequence
   parallelism, with --recompute; a checkpoint written at cp 4 resumes at cp 1 and 2, --check OK.
-- The balance: the pairs each rank computes, contiguous against zigzag.
+- three_d.py --cp: the rank map puts cp next to tp; its --save replays in float64 with pp 2
+  interleaved, ZeRO-3, tp 2 Megatron with sequence parallelism and --recompute, zb-h1 with ZeRO-1.
+- The balance: the pairs each rank computes, contiguous against zigzag; the ring's bytes.
 """
 import argparse
 from unittest import mock
@@ -20,6 +22,7 @@ import torch
 
 import data_parallel as dp
 import tensor_parallel as tp
+import three_d
 from collectives import RankFailed, cleanup, exchange, setup, spawn
 from bench import cp_pairs
 from common import NO_SAMPLE, check_report, init_of
@@ -269,3 +272,43 @@ def test_cp_refuses_what_it_cannot_split_in_one_line(argv, words, capsys):
         tp.parse_args(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+@pytest.mark.parametrize("sizes", [(1, 1, 1, 2), (2, 1, 2, 2), (1, 2, 2, 2), (2, 2, 1, 3), (1, 1, 3, 4)])
+@pytest.mark.parametrize("order", ["tp-pp-dp", "tp-dp-pp"])
+def test_the_rank_map_puts_cp_next_to_tp(sizes, order):
+    """rank = (..) tp cp + c tp + t: a rank's tp group its tp neighbours, its cp group one rank of
+    each tp group in its block, and every group of a partition; dp and pp as 3D's with tp cp."""
+    dp_size, pp_size, tp_size, cp_size = sizes
+    groups = three_d.rank_groups(dp_size, pp_size, tp_size, order, cp=cp_size)
+    outer = three_d.rank_groups(dp_size, pp_size, tp_size * cp_size, order)
+    world = dp_size * pp_size * tp_size * cp_size
+    for kind, size in (("tp", tp_size), ("cp", cp_size)):
+        assert sorted(r for g in groups[kind] for r in g) == list(range(world))
+        assert all(len(g) == size for g in groups[kind])
+    assert groups["dp"] == outer["dp"] and groups["pp"] == outer["pp"]
+    for rank in range(world):
+        block = rank // (tp_size * cp_size) * tp_size * cp_size   # its tp x cp ranks' first
+        c = rank % (tp_size * cp_size) // tp_size
+        t = rank % tp_size
+        assert [g for g in groups["tp"] if rank in g] == [[block + c * tp_size + x
+                                                           for x in range(tp_size)]]
+        assert [g for g in groups["cp"] if rank in g] == [[block + x * tp_size + t
+                                                           for x in range(cp_size)]]
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("flags", [
+    ["--dp", "1", "--pp", "2", "--tp", "1", "--cp", "2", "--schedule", "interleaved",
+     "--virtual-stages", "2", "--num-layers", "4", "--micro-batches", "2"],
+    ["--dp", "2", "--pp", "1", "--tp", "1", "--cp", "2", "--zero", "3", "--micro-batches", "2"],
+    ["--dp", "1", "--pp", "2", "--tp", "2", "--cp", "2", "--tp-style", "megatron",
+     "--sequence-parallel", "--recompute", "--cp-layout", "contiguous"],
+    ["--dp", "2", "--pp", "2", "--tp", "1", "--cp", "2", "--schedule", "zb-h1", "--zero", "1",
+     "--micro-batches", "2", "--order", "tp-cp-dp-pp"]])
+def test_three_d_with_cp_replays_in_float64(tmp_path, flags):
+    save = tmp_path / "run.pt"
+    three_d.main([*SMALL, "--save", str(save), *flags])
+    result = torch.load(save)
+    assert result["config"]["cp"] == 2
+    assert_replays(result)
