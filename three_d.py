@@ -826,8 +826,10 @@ def parse_args(argv=None):
          "--ray: Ray is not installed; pip install 'ray[train]' (or: make 3d-ray)"),
         (args.p2p_shard and args.tp == 1, "--p2p-shard: with --tp 1 there is nothing to shard"),
         (args.p2p_shard and args.pp == 1, "--p2p-shard: with --pp 1 nothing crosses a stage")])
-    check_training_args(parser, args, args.dp * args.pp * args.tp * args.cp, args.dp, "--dp",
-                        "--dp x --pp x --tp x --cp")
+    world = "--dp x --pp x --tp"
+    if args.cp > 1:
+        world = "--dp x --pp x --tp x --cp"
+    check_training_args(parser, args, args.dp * args.pp * args.tp * args.cp, args.dp, "--dp", world)
     return args
 
 
