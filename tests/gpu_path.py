@@ -321,17 +321,17 @@ def run_step(script, argv, rank, warm_up=True):
     comms = collections.Counter({key: calls for key, calls in counter.calls.items()})
     tp_rank = 0
     if script == "tensor_parallel":
-        tp_rank = rank
+        tp_rank = rank % (args.world_size // args.cp)                 # tp innermost
     if script == "three_d":
         tp_rank = three_d.coordinates(rank, three_d.rank_groups(args.dp, args.pp, args.tp,
-                                                                  args.order))[2]
+                                                                  args.order, args.cp))[2]
     return Ran(script, args, rank, stage, tp_rank, record.matmuls, comms, record.peak, held,
                record)
 
 
 def world_of(script, args):
     if script == "three_d":
-        return args.dp * args.pp * args.tp
+        return args.dp * args.pp * args.tp * args.cp
     return args.world_size
 
 
@@ -479,6 +479,9 @@ def main(argv=None):
     ours, theirs = parser.parse_known_args(argv)
     args = gpu_node_args(ours.script, theirs)
     world_size = world_of(ours.script, args)
+    if ours.script == "tensor_parallel" and args.cp > 1:
+        parser.error("--cp: this harness builds step 3's ranks without context parallelism; "
+                     "record it as three_d --cp")
     if not 0 <= ours.rank < world_size:
         parser.error(f"--rank {ours.rank}: expected 0 to {world_size - 1}, a rank of this "
                      f"world of {world_size}")

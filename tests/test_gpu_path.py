@@ -156,6 +156,26 @@ def test_fused_attention_moves_no_t_by_t_pass_through_memory():
     assert 2 * sum(fused.values()) < sum(written.values())
 
 
+@pytest.mark.parametrize("flags", [["--bf16"], ["--tp-style", "megatron", "--sequence-parallel",
+                                              "--recompute", "--zero", "3", "--dp", "2", "--bf16"]])
+def test_a_cp_step_on_the_gpu_path_keeps_to_its_device_and_rings_its_cp_group(flags):
+    """three_d --cp on meta: no tensor on the CPU (its positions, P's rows, the ring's buffers),
+    and the ring's sends on the cp group: 2 (C-1) blocks of K and V forward, as many back, and C
+    of dK and dV, a block and micro-batch (plus --recompute's forward again)."""
+    argv = ["--dp", "1", "--pp", "2", "--tp", "2", "--cp", "2", "--num-layers", "4", "--dim", "64",
+            "--batch-size", "8", "--micro-batches", "2", "--context", "16", *flags]
+    ran = run_step("three_d", argv, 5)
+    args = ran.args
+    sends = {nbytes: calls for (group, kind, nbytes), calls in ran.comms.items()
+             if kind == "send" and group == "cp"}
+    runs = args.num_layers // args.pp * args.micro_batches           # a block and micro-batch
+    rows = args.batch_size // (args.dp * args.micro_batches)
+    block = 2 * rows * (args.context // 2) * args.dim // 2           # K and V: [b, T/C, D/tp]
+    assert ran.record.ops["_scaled_dot_product_flash_attention"] == 0   # pairs, written out
+    assert sends == {block * 2: runs * (2 + args.recompute),          # K, V in bf16: C-1 = 1
+                     block * 4: runs * 2}, ran.comms                   # dK, dV in fp32: C = 2
+
+
 LARGE = ["--dp", "16", "--pp", "8", "--tp", "8", "--num-layers", "64", "--dim", "8192", "--heads", "64",
          "--context", "1024", "--vocab-size", "128256", "--batch-size", "1024", "--micro-batches", "8", "--bf16",
          "--zero", "3",
