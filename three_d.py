@@ -442,6 +442,10 @@ GPUS = {
 # over p, g (12); --bf16's copy of the new master into the layers' weight (6).
 UPDATE_BYTES = {"adamw": 36, "sgd": 20}
 REFRESH_BYTES = 6
+# A block's memory-bound passes on a GPU, in [b, T, D]s read and written: forward, the two fused
+# norms (x in, y out: 2 each), the two residual adds (3 each), gelu over [b, T, 4D] (8); back,
+# the norms' fused backward (dy, x in, dx out: 3 each), four adds (3 each), gelu's backward (12).
+PASSES = {"forward": 2 * 2 + 2 * 3 + 8, "backward": 2 * 3 + 4 * 3 + 12}
 
 
 class Machine:
@@ -475,8 +479,8 @@ class Machine:
 
     def layer_s(self, kind, rows, args, tp, micro_batches, classes=0):   # args: a Shape
         """(F, B, W) of a tp rank's part, a micro-batch of rows positions (W: the step's mean):
-        its matmuls and fused attention (block_matmuls); a block's memory-bound passes, its norms
-        and gelu, about 12 [b, T, D] forward, twice that back; the head's loss fp32
+        its matmuls and fused attention (block_matmuls); a block's memory-bound passes (PASSES);
+        the head's loss fp32
         passes over [b T, classes] (6 forward, 4 back); the embedding's rows moved, no matmul."""
         size = 2 if args.bf16 else 4
         dim = args.dim
@@ -493,9 +497,9 @@ class Machine:
         if kind == "head":
             loss = rows * classes * 4 / self.hbm
             return f + 6 * loss, b + 4 * loss, w
-        passes = 12 * rows * dim * size
-        f += passes / self.hbm
-        b += 2 * passes / self.hbm + f * args.recompute
+        passes = rows * dim * size / self.hbm
+        f += PASSES["forward"] * passes
+        b += PASSES["backward"] * passes + f * args.recompute
         return f, b, w
 
     def update_s(self, params, optimizer, bf16):
@@ -624,9 +628,9 @@ def most_memory(args, stages=None):
 
 def working_bytes(args, stage):
     """What a step holds a moment beside state and stash: a block's backward (the MLP's g, dz, dx,
-    4 D wide; fused attention holds no [T, T]; --recompute: the block's stash rebuilt, the chunk's
-    (x, dz)s until W), or the last stage's loss: logits [b T, V/tp], exps made dlogits in place
-    (bf16: an fp32 copy, a cast), beside others' dlogits between F and B."""
+    4 D wide; fused attention holds no [T, T]; --recompute: the block's stash rebuilt, less the x it
+    kept, the chunk's (x, dz)s until W), or the last stage's loss: logits [b T, V/tp], exps made
+    dlogits in place (bf16: an fp32 copy, a cast), beside others' dlogits between F and B."""
     b = args.batch_size // (args.dp * args.micro_batches)
     act = 2 if args.bf16 else 4
     block = 3 * 4 * b * args.context * args.dim * act                      # the MLP's
@@ -635,7 +639,7 @@ def working_bytes(args, stage):
         xs = 7 * b * args.context * args.dim * act       # chunk's, or zb-h1's stash (held_counts)
         if args.tp > 1 and args.tp_style == "megatron":
             xs = (2 * args.tp + 5) * b * args.context * args.dim * act // args.tp   # o, gelu(z)
-        block += block_stash(whole, b, args.tp)[0] - xs
+        block += block_stash(whole, b, args.tp)[0] - xs - block_stash(args, b, args.tp)[0]   # x: kept
         block += stash_bytes(args)[1] * (args.schedule != "zb-h1")
     if stage < args.pp - 1:
         return block

@@ -88,6 +88,27 @@ def native_meta_kernels():
 native_meta_kernels()
 
 
+def fused_rms_norm_on_meta():
+    """rms_norm's fused forward as a GPU runs it, one kernel: a CUDA build has it, but the meta
+    device (as the CPU) has only its decomposition, eight elementwise passes. Its shapes alone:
+    y as x, and r = rsqrt(mean x^2 + eps) [.., 1] in fp32 (x's dtype when wider)."""
+    name = "aten::_fused_rms_norm"
+    if torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
+        return
+
+    def kernel(x, normalized_shape, weight, eps):
+        kept = x.shape[:x.dim() - len(normalized_shape)]
+        r = x.new_empty((*kept, *[1] * len(normalized_shape)),
+                        dtype=torch.promote_types(x.dtype, torch.float32))
+        return torch.empty_like(x), r
+    library = torch.library.Library("aten", "IMPL", "Meta")   # (its Python check refuses an op
+    library.m.impl("_fused_rms_norm", "Meta", kernel, False)  # with a decomposition: the C++ call)
+    return library
+
+
+FUSED_RMS_NORM = fused_rms_norm_on_meta()   # kept: the kernel lives with its library
+
+
 @functools.lru_cache(maxsize=None)   # many layouts alike; callers only read the Counter
 def matmuls_of(kinds, rows, tp, classes, dim, bf16, micro_batches, recompute, tp_style, context,
                heads):

@@ -156,6 +156,30 @@ def test_fused_attention_moves_no_t_by_t_pass_through_memory():
     assert 2 * sum(fused.values()) < sum(written.values())
 
 
+@pytest.mark.parametrize("bf16", [[], ["--bf16"]])
+def test_a_blocks_memory_bound_passes_are_the_plans_norms_fused_no_dtype_copies(bf16):
+    """What two more blocks move outside the matmuls and attention (L 4 against L 2, the same
+    step otherwise): exactly the plan's PASSES [b, T, D]s each, forward and back, the norms in
+    torch's fused kernels, and no copy of an activation to another dtype (fp32 norms written
+    out: eight passes each way, and a cast of x and dy; each other op grows by the gains' bytes)."""
+    def moved(layers):
+        argv = ["--world-size", "1", "--num-layers", str(layers), "--dim", "256", "--heads", "4",
+                "--context", "128", "--batch-size", "8", "--micro-batches", "1", *bf16]
+        return run_step("data_parallel", argv, 0).record
+    small, large = moved(2), moved(4)
+    activation = 8 * 128 * 256 * (2 if bf16 else 4)           # one [b, T, D]
+    kinds = ("_fused_rms_norm", "_fused_rms_norm_backward", "add", "gelu", "gelu_backward")
+    per_block = sum(large.moved[kind] - small.moved[kind] for kind in kinds) / 2
+    planned = (three_d.PASSES["forward"] + three_d.PASSES["backward"]) * activation
+    assert planned <= per_block <= 1.01 * planned             # and the norms' r [b, T, 1], g, dg
+    assert large.ops["_fused_rms_norm"] - small.ops["_fused_rms_norm"] == 2 * 2
+    assert large.ops["_fused_rms_norm_backward"] - small.ops["_fused_rms_norm_backward"] == 2 * 2
+    update = ("_fused_adamw_", "copy_", "div_")              # the weights' passes, not these
+    grown = {kind: large.moved[kind] - small.moved[kind] for kind in large.moved
+             if kind not in kinds and kind not in update}
+    assert max(grown.values()) < activation / 16, grown        # gains' bytes: no [b, T, D]
+
+
 @pytest.mark.parametrize("flags", [["--bf16"], ["--tp-style", "megatron", "--sequence-parallel",
                                               "--recompute", "--zero", "3", "--dp", "2", "--bf16"]])
 def test_a_cp_step_on_the_gpu_path_keeps_to_its_device_and_rings_its_cp_group(flags):

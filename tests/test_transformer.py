@@ -64,6 +64,21 @@ def test_rmsnorm_backward_is_autograds_and_needs_its_r_cubed_term(backward, agre
     assert torch.allclose(dx, x.grad) == agrees
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_gpus_fused_rmsnorm_op_is_the_written_out_norm(dtype):
+    """What rmsnorm calls off the CPU, aten's _fused_rms_norm, run on the CPU (its decomposition;
+    a CUDA build has the one kernel): y and r equal the written-out ones. Its backward has no CPU
+    kernel to run here: the GPU's --check (make gpu-check) holds it to autograd's."""
+    x = torch.randn(3, 5, 64, dtype=torch.float64).mul(3).to(dtype)
+    g = torch.randn(64, dtype=torch.float64).to(dtype)
+    y, r = dp.rmsnorm(x, g)
+    fused_y, fused_r = torch.ops.aten._fused_rms_norm(x, [64], g, dp.EPS)
+    assert fused_y.dtype == y.dtype and fused_r.dtype == r.dtype and fused_r.shape == r.shape
+    torch.testing.assert_close(fused_r, r, rtol=1e-6 if dtype != torch.float64 else 1e-13, atol=0)
+    torch.testing.assert_close(fused_y, y, rtol=2**-8 if dtype == torch.bfloat16 else 1e-6,
+                               atol=0)
+
+
 def attention_backward_without_scale(do, q, k, v, o, lse, head_dim):   # no 1/sqrt(dh)
     dq, dk, dv = dp.attention_backward(do, q, k, v, o, lse, head_dim)
     return dq * math.sqrt(head_dim), dk * math.sqrt(head_dim), dv
