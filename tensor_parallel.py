@@ -378,6 +378,27 @@ def pair_scores(q, k, head_dim, diagonal):   # S of a chunk pair: causal on the 
     return wide_matmul(q / head_dim ** 0.5, k.transpose(-1, -2))
 
 
+def pair_attention(q_i, k_j, v_j, head_dim, diagonal):
+    """A pair's partial attention: o_ij [b, h, s, dh] fp32 and lse_ij [b, h, s] (a GPU: the
+    fused kernel's, causal on the diagonal, the same two)."""
+    if fused_pair(q_i, head_dim):
+        return fused_pair_attention(q_i, k_j, v_j, diagonal)
+    s_ij = pair_scores(q_i, k_j, head_dim, diagonal)
+    lse_ij = s_ij.logsumexp(-1)
+    return (s_ij - lse_ij[..., None]).exp() @ wide(v_j), lse_ij
+
+
+def pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, d_i, head_dim, diagonal):
+    """The pair's share of dq_i, dk_j, dv_j, from the merged o_i, lse_i and D_i = rowsum(do o):
+    A = exp(S_ij - lse_i), dv = A^T do, dS = A (dA - D_i), dq = dS k / sqrt(dh), dk = dS^T q."""
+    if fused_pair(q_i, head_dim):
+        return fused_pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, diagonal)
+    a = pair_scores(q_i, k_j, head_dim, diagonal).sub_(lse_i[..., None]).exp_()
+    dv = a.transpose(-1, -2) @ wide(do_i)
+    ds = a * (wide_matmul(do_i, v_j.transpose(-1, -2)) - d_i)
+    return ds @ wide(k_j) / head_dim ** 0.5, ds.transpose(-1, -2) @ wide(q_i) / head_dim ** 0.5, dv
+
+
 def merge(o_a, lse_a, o_b, lse_b):
     """Two partial attentions of the same queries over two key sets, as one: o [.., s, dh] fp32,
     lse [.., s] (the comment above derives it)."""
@@ -419,9 +440,7 @@ def ring_attention(q, k, v, head_dim, group=None, layout="zigzag"):
             for j, k_j, v_j in held:
                 if j > i:
                     continue
-                s_ij = pair_scores(q_i, k_j, head_dim, diagonal=i == j)
-                lse_ij = s_ij.logsumexp(-1)                            # [b, h, s]
-                o_ij = (s_ij - lse_ij[..., None]).exp() @ wide(v_j)   # [b, h, s, dh]
+                o_ij, lse_ij = pair_attention(q_i, k_j, v_j, head_dim, diagonal=i == j)
                 outs[a], lses[a] = merge(outs[a], lses[a], o_ij, lse_ij)
         if step < size - 1:
             for work in works:
@@ -448,19 +467,19 @@ def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="z
         if step < size - 1:
             incoming = torch.empty_like(kv)
             works = exchange(kv, incoming, right, left, group, wait=False)
-        rows = zip(mine, q.split(s, 2), do.split(s, 2), d.split(s, 2), lse.split(s, 2),
-                   dq.split(s, 2))
-        for i, q_i, do_i, d_i, lse_i, dq_i in rows:
+        rows = zip(mine, q.split(s, 2), do.split(s, 2), o.split(s, 2), d.split(s, 2),
+                   lse.split(s, 2), dq.split(s, 2))
+        for i, q_i, do_i, o_i, d_i, lse_i, dq_i in rows:
             held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(s, 2),
                        kv[1].split(s, 2), dkv[0].split(s, 2), dkv[1].split(s, 2))
             for j, k_j, v_j, dk_j, dv_j in held:
                 if j > i:
                     continue
-                a = pair_scores(q_i, k_j, head_dim, diagonal=i == j).sub_(lse_i[..., None]).exp_()
-                dv_j += a.transpose(-1, -2) @ wide(do_i)              # A^T do
-                ds = a * (wide_matmul(do_i, v_j.transpose(-1, -2)) - d_i)   # A (dA - D)
-                dq_i += ds @ wide(k_j) / head_dim ** 0.5
-                dk_j += ds.transpose(-1, -2) @ wide(q_i) / head_dim ** 0.5
+                dq_ij, dk_ij, dv_ij = pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i,
+                                                              d_i, head_dim, diagonal=i == j)
+                dq_i += dq_ij
+                dk_j += dk_ij
+                dv_j += dv_ij
         if size > 1:                                                  # the block's sums, on
             arriving = torch.empty_like(dkv)
             exchange(dkv, arriving, right, left, group)
@@ -542,6 +561,27 @@ def main(argv=None):
 # Below the fold: its costs, the command line and its rules, and what the run says it ran. -------
 
 
+def fused_pair(q, head_dim):   # a GPU's bf16 pair: FlashAttention's kernel (fp32 written out)
+    return fused(q, head_dim) and q.dtype == torch.bfloat16
+
+
+def fused_pair_attention(q_i, k_j, v_j, diagonal):   # [b, h, s, dh]: o_ij (bf16, merged in fp32)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q_i, k_j, v_j,
+                                                                is_causal=diagonal)[:2]
+    return o, lse
+
+
+def fused_pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, diagonal):
+    """The flash backward fed the merged o_i and lse_i: it takes D = rowsum(do o) itself, and A
+    again from lse_i, as the written-out pair does; no dropout (empty random state)."""
+    seed = torch.empty(2, dtype=torch.uint64, device=q_i.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q_i.device)
+    s, t = q_i.shape[2], k_j.shape[2]
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do_i, q_i, k_j, v_j, o_i.to(q_i.dtype), lse_i, None, None, s, t, 0.0, diagonal, seed,
+        offset)
+
+
 def tp_and_cp_groups(rank, tp_size, cp_size):
     """This rank's tp group (tp_size consecutive ranks) and cp group (one rank of each tp group,
     at its tp rank); every rank makes every group, in one order. Without cp: the world's, none."""
@@ -555,7 +595,7 @@ def tp_and_cp_groups(rank, tp_size, cp_size):
 
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa
+from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run, fused,  # noqa
                            load_checkpoint, log_step, save_checkpoint, training_parser,
                            whole_on_rank0)
 
@@ -588,6 +628,21 @@ def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=Fa
     return runs
 
 
+def cp_costs(blocks, rows, dim, tp, cp, bf16, num_micro_batches=1, recompute=False,
+             buckets=(), reductions=1):
+    """A cp rank's exchanges a step: each block and micro-batch, K and V (stacked, [2, b, T/C,
+    D/tp], rows = b T/C) to the next rank C-1 times forward (again with --recompute) and C-1
+    back, and dK, dV in fp32 C times (home); each gradient bucket (its bytes) summed over cp as
+    often as the dp exchange takes it (reductions)."""
+    if cp == 1:
+        return []
+    m = num_micro_batches
+    kv = 2 * rows * dim // tp
+    return [("send", kv * (2 if bf16 else 4), (cp - 1) * (2 + recompute) * blocks * m),
+            ("send", kv * 4, cp * blocks * m),
+            *[("all-reduce", nbytes, reductions) for nbytes in buckets]]
+
+
 class Matmul(NamedTuple):
     """[m, k] x [k, n], inputs of in_bytes an element into an output of out_bytes; accumulate:
     it adds into what its output held, reading that too (dW summed over micro-batches)."""
@@ -607,19 +662,21 @@ class Matmul(NamedTuple):
 
 
 class Attention(NamedTuple):
-    """A fused causal attention kernel (FlashAttention's) over `sequences` heads' [T, dh] each, its
-    forward or its backward: q, k, v, o of in_bytes an element, lse fp32. It computes the tiles on
-    and below the diagonal, half of each [T, T], and writes none of them to memory."""
+    """A fused attention kernel (FlashAttention's) over `sequences` heads' [T, dh] each, its
+    forward or its backward: q, k, v, o of in_bytes an element, lse fp32. Causal, it computes the
+    tiles on and below the diagonal, half of each [T, T] (a ring's pair off the diagonal: all of
+    it), and writes none of them to memory."""
     sequences: int
     context: int
     head_dim: int
     in_bytes: int
     backward: bool
     accumulate: bool = False                  # as a Matmul's: nothing is added into
+    causal: bool = True
 
     def flops(self):   # half of 2 T T dh a product: S, A v; back: S again, dv, dA, dq and dk
         products = 5 if self.backward else 2
-        return products * self.sequences * self.context ** 2 * self.head_dim
+        return products * self.sequences * self.context ** 2 * self.head_dim * (2 - self.causal)
 
     def bytes_moved(self):   # q, k, v in, o out; back: q, k, v, o, do in, dq, dk, dv out; lse
         tensor = self.sequences * self.context * self.head_dim * self.in_bytes
@@ -629,11 +686,12 @@ class Attention(NamedTuple):
         return 4 * tensor + lse
 
 
-def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", context=1, heads=1):
+def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", context=1, heads=1,
+                  cp=1, cp_layout="zigzag"):
     """A tp rank's part ("block" or "head"), a micro-batch of rows positions: its matmuls'
     (forwards, backwards' dx, dWs into the fp32 gradient); a block's six weights, and its h/t
-    heads' attention, one fused kernel forward and one back, as a GPU runs them. What --plan
-    prices and tests/gpu_path.py records."""
+    heads' attention, one fused kernel forward and one back, as a GPU runs them (--cp: a kernel a
+    pair of chunks, the busiest rank's). What --plan prices and tests/gpu_path.py records."""
     size = 2 if bf16 else 4
     D = dim
 
@@ -647,11 +705,22 @@ def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", con
     wo = linear(D // tp, D) if row else linear(D, D // tp)
     w2 = linear(4 * D // tp, D) if row else linear(4 * D, D // tp)
     layers = [linear(D, D // tp)] * 3 + [wo, linear(D, 4 * D // tp), w2]
-    sequences = rows // context * (heads // tp)   # b h/t
+    sequences = rows * cp // context * (heads // tp)   # b h/t
     head_dim = D // heads
     forwards, dxs, dws = (list(column) for column in zip(*layers))
-    attention = Attention(sequences, context, head_dim, size, backward=False)
-    return forwards + [attention], dxs + [attention._replace(backward=True)], dws
+    chunk = context // (cp * (1 + (cp > 1 and cp_layout == "zigzag")))   # s: a pair's side
+    diagonal, off = cp_pair_counts(cp, cp_layout)
+    pairs = [Attention(sequences, chunk, head_dim, size, backward=False)] * diagonal + [
+        Attention(sequences, chunk, head_dim, size, backward=False, causal=False)] * off
+    return forwards + pairs, dxs + [pair._replace(backward=True) for pair in pairs], dws
+
+
+def cp_pair_counts(cp, layout):   # the busiest rank's pairs: (on the diagonal, below it)
+    if cp == 1:
+        return 1, 0
+    if layout == "zigzag":
+        return 2, 2 * cp - 1
+    return 1, cp - 1
 
 
 def describe(args, tp_size):   # what ran: "h/tp = 2 heads a rank, Megatron's pairs, ..."

@@ -37,7 +37,7 @@ from collectives import cleanup, ray_launch, run_main, setup, spawn
 from data_parallel import dp_costs, init_params, make_batch, make_replica, replica_rows, spans_of
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts)
-from tensor_parallel import (all_gather_columns, clip_shares, cp_positions, my_columns,
+from tensor_parallel import (all_gather_columns, clip_shares, cp_costs, cp_positions, my_columns,
                              part_kinds, reduce_over, shard, shard_box, sum_partial_grads,
                              tensor_kinds, tp_blocks, tp_costs, vocab_parallel_cross_entropy)
 
@@ -239,7 +239,7 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     largest stash, bytes; its bubble (ZB-H1's for times (T_F, T_B, T_W)). tp_rank: whose classes."""
     v, m, tp = args.virtual_stages, args.micro_batches, args.tp
     kinds = [kind for chunk in stage_kinds(args, stage) for kind in chunk]   # the ends' too
-    rows = args.batch_size // (args.dp * m) * args.context                  # positions, b T
+    rows = args.batch_size // (args.dp * m) * args.context // args.cp       # its positions, b T/C
     act = rows * args.dim * (2 if args.bf16 else 4)                         # [b, T, D]
     gains = 2 * kinds.count("block") + kinds.count("head")
     replicated = [4 * args.dim] * gains + [4 * args.context * args.dim] * ("embedding" in kinds)
@@ -252,9 +252,12 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
                                             kept_bytes=kept, waiting_bytes=waiting, times=times)
     if args.p2p_shard and not args.sequence_parallel:           # and is all-gathered on arrival
         tp_runs += [("all-gather", act, count) for _, _, count in pp_runs]
-    dp_runs, held = dp_costs(replica_lengths(args, stage, tp_rank), args.dp, zero=args.zero,
-                             num_micro_batches=m, optimizer=args.optimizer, bf16=args.bf16)
-    runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs}
+    lengths = replica_lengths(args, stage, tp_rank)
+    dp_runs, held = dp_costs(lengths, args.dp, zero=args.zero, num_micro_batches=m,
+                             optimizer=args.optimizer, bf16=args.bf16)
+    cp_runs = cp_costs(kinds.count("block"), rows, args.dim, tp, args.cp, args.bf16, m,
+                       args.recompute, [4 * n for n in lengths], m if args.zero == 3 else 1)
+    runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs, "cp": cp_runs}
     if args.clip_grad:    # the norm's squares, one float, summed over tp, pp (and dp, if ZeRO)
         for group in ("tp", "pp", "dp")[:2 + (args.zero > 0)]:
             runs[group].append(("all-reduce", 4, 1))
@@ -266,7 +269,8 @@ def stash_bytes(args):
     blocks' (step 4's block_stash, on this rank's shards); the ends' stashes aside (the token
     ids, the head's input), as the stash table counts."""
     blocks = args.num_layers // (args.pp * args.virtual_stages)
-    kept, waiting = block_stash(args, args.batch_size // (args.dp * args.micro_batches), args.tp)
+    mine = argparse.Namespace(**{**vars(args), "context": args.context // args.cp})   # its T/C
+    kept, waiting = block_stash(mine, args.batch_size // (args.dp * args.micro_batches), args.tp)
     return blocks * kept, blocks * waiting
 
 
@@ -489,7 +493,8 @@ class Machine:
             f = (2 + 2 * (tp > 1)) * rows_bytes / self.hbm
             return f, 0.0, (rows_bytes + 2 * rows * dim * 4) / self.hbm
         forwards, dxs, dws = block_matmuls(kind, rows, dim, tp, args.bf16, classes,
-                                           args.tp_style, args.context, args.heads)
+                                           args.tp_style, args.context, args.heads, args.cp,
+                                           args.cp_layout)
         f = sum(map(self.matmul_s, forwards))
         b = sum(map(self.matmul_s, dxs))
         w = sum(self.matmul_s(dw) + (micro_batches - 1) * self.matmul_s(
@@ -501,6 +506,13 @@ class Machine:
         f += PASSES["forward"] * passes
         b += PASSES["backward"] * passes + f * args.recompute
         return f, b, w
+
+    def attention_s(self, rows, shape, tp):   # a block's attention kernels: (forward, back)
+        forwards, dxs, _ = block_matmuls("block", rows, shape.dim, tp, shape.bf16, 0,
+                                         shape.tp_style, shape.context, shape.heads, shape.cp,
+                                         shape.cp_layout)
+        return [sum(self.matmul_s(mm) for mm in kernels if isinstance(mm, Attention))
+                for kernels in (forwards, dxs)]
 
     def update_s(self, params, optimizer, bf16):
         return params * (UPDATE_BYTES[optimizer] + REFRESH_BYTES * bf16) / self.hbm
@@ -529,15 +541,18 @@ class Machine:
 
 
 @functools.lru_cache(maxsize=None)
-def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved):
+def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1):
     """Each stage's {kind: fewest ranks of a group in one node}; "pp": 2 if its sends stay in."""
-    node = (rank_grid(dp, pp, tp, order) // gpus_per_node).tolist()   # [dp][pp][tp] -> node
+    node = (rank_grid(dp, pp, tp * cp, order) // gpus_per_node).tolist()   # [dp][pp][tp cp]
     stages = []
     for s in range(pp):
-        tp_groups = [node[d][s] for d in range(dp)]
+        blocks = [node[d][s] for d in range(dp)]          # each replica's tp cp ranks' nodes
+        tp_groups = [block[c * tp:(c + 1) * tp] for block in blocks for c in range(cp)]
+        cp_groups = [block[t::tp] for block in blocks for t in range(tp)]
         peers = [(s + k) % pp for k in (-1, 1) if interleaved or 0 <= s + k < pp]
         stages.append({"tp": min(min(Counter(group).values()) for group in tp_groups),
-                       "dp": min(min(Counter(group).values()) for group in zip(*tp_groups)),
+                       "cp": min(min(Counter(group).values()) for group in cp_groups),
+                       "dp": min(min(Counter(group).values()) for group in zip(*blocks)),
                        "pp": 1 if any(node[d][s] != node[d][k] for d in range(dp) for k in peers)
                        else 2})
     return stages
@@ -550,6 +565,8 @@ class Shape(NamedTuple):   # what a part's price reads of the run's flags (a cac
     tp_style: str
     bf16: bool
     recompute: bool
+    cp: int
+    cp_layout: str
 
 
 @functools.lru_cache(maxsize=None)   # many layouts share one
@@ -570,23 +587,32 @@ def predict(args, machine):
     the middle ones), the step the slowest stage's pipeline plus the dp exchange (ZeRO-3's is
     inside) and the update, in parts that add up; memory, the largest. tp rank 0's figures (the
     most classes)."""
-    dp, pp, tp, m = args.dp, args.pp, args.tp, args.micro_batches
+    dp, pp, tp, cp, m = args.dp, args.pp, args.tp, args.cp, args.micro_batches
     per_node = members_per_node(dp, pp, tp, args.order, machine.gpus_per_node,
-                                args.schedule == "interleaved")
-    sizes = {"tp": tp, "pp": pp, "dp": dp}
+                                args.schedule == "interleaved", cp)
+    sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
     classes = -(-args.vocab_size // tp)              # tp rank 0's
     chosen = {(s == 0, s == pp - 1, tuple(per_node[s].items())): s for s in reversed(range(pp))}
+    rows = args.batch_size // (dp * m) * args.context // cp   # a micro-batch's positions, a rank's
     stages = []
     for s in chosen.values():
-        shape = Shape(args.dim, args.heads, args.context, args.tp_style, args.bf16, args.recompute)
-        chunks = [chunk_s(machine, kinds, args.batch_size // (dp * m) * args.context, shape, tp,
-                          m, classes) for kinds in stage_kinds(args, s)]
+        shape = Shape(args.dim, args.heads, args.context, args.tp_style, args.bf16, args.recompute,
+                      cp, args.cp_layout)
+        chunks = [chunk_s(machine, kinds, rows, shape, tp, m, classes)
+                  for kinds in stage_kinds(args, s)]
         runs, held, _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
         comm = {group: sum(times * machine.collective_s(kind, nbytes, sizes[group],
                                                         per_node[s][group])
                            for kind, nbytes, times in runs[group]) for group in runs}
+        if cp > 1:   # K and V travel under the pairs' kernels: only what outlasts them shows
+            blocks = sum(kinds.count("block") for kinds in stage_kinds(args, s))
+            kind, nbytes, times = runs["cp"][0]
+            ring = times * machine.collective_s(kind, nbytes, cp, per_node[s]["cp"])
+            forward, back = machine.attention_s(rows, shape, tp)
+            pairs = blocks * m * ((1 + args.recompute) * forward + back)
+            comm["cp"] -= min(ring, pairs)
         compute = m * sum(sum(chunk) for chunk in chunks)
-        inside = compute + comm["tp"] + comm["pp"] + comm["dp"] * (args.zero == 3)
+        inside = compute + comm["tp"] + comm["pp"] + comm["cp"] + comm["dp"] * (args.zero == 3)
         sent = {group: sum(times * ring_bytes(kind, nbytes, sizes[group])
                            for kind, nbytes, times in runs[group]) for group in runs}
         stages.append(dict(stage=s, chunks=chunks, comm=comm, compute=compute, inside=inside,
@@ -606,8 +632,8 @@ def predict(args, machine):
                 bytes={group: max(stage["sent"][group] for stage in stages) for group in sizes},
                 stage=slowest["stage"], args=args,
                 stages={stage["stage"]: stage["inside"] for stage in stages},
-                mfu=model_flops / (step * dp * pp * tp * machine.flops),
-                crosses=[group for group in ("dp", "pp", "tp") if sizes[group] > 1 and min(
+                mfu=model_flops / (step * dp * pp * tp * cp * machine.flops),
+                crosses=[group for group in ("dp", "pp", "tp", "cp") if sizes[group] > 1 and min(
                     stage[group] for stage in per_node) < (2 if group == "pp" else sizes[group])])
 
 
@@ -628,22 +654,29 @@ def most_memory(args, stages=None):
 
 def working_bytes(args, stage):
     """What a step holds a moment beside state and stash: a block's backward (the MLP's g, dz, dx,
-    4 D wide; fused attention holds no [T, T]; --recompute: the block's stash rebuilt, less the x it
-    kept, the chunk's (x, dz)s until W), or the last stage's loss: logits [b T, V/tp], exps made
-    dlogits in place (bf16: an fp32 copy, a cast), beside others' dlogits between F and B."""
+    4 D wide; fused attention holds no [T, T]; --cp: the ring's buffers; --recompute: the block's
+    stash rebuilt, less the x it kept, the chunk's (x, dz)s until W), or the last stage's loss:
+    logits [b T, V/tp], exps made dlogits in place (bf16: an fp32 copy, a cast), beside others'
+    dlogits between F and B."""
     b = args.batch_size // (args.dp * args.micro_batches)
     act = 2 if args.bf16 else 4
-    block = 3 * 4 * b * args.context * args.dim * act                      # the MLP's
+    T = args.context // args.cp                                            # its positions
+    block = 3 * 4 * b * T * args.dim * act                                 # the MLP's
+    if args.cp > 1:   # the ring's backward beside the MLP's dz and 3 more [b, T/C, D]: do, q,
+        # k, v, o in the heads' layout, K V and the incoming (9 A); fp32 dq, dK dV, the arriving
+        A = b * T * args.dim // args.tp                                    # [b, T/C, D/tp]
+        block = max(block, 7 * b * T * args.dim * act + 9 * A * act + 5 * A * 4)
     if args.recompute:   # the stash rebuilt; its n1, o, n2, gelu(z) are its (x, dz)s' xs, counted
-        whole = argparse.Namespace(**{**vars(args), "recompute": False})   # with those: in the
-        xs = 7 * b * args.context * args.dim * act       # chunk's, or zb-h1's stash (held_counts)
+        mine = argparse.Namespace(**{**vars(args), "context": T})          # with those: in the
+        whole = argparse.Namespace(**{**vars(mine), "recompute": False})   # chunk's, or zb-h1's
+        xs = 7 * b * T * args.dim * act                                    # stash (held_counts)
         if args.tp > 1 and args.tp_style == "megatron":
-            xs = (2 * args.tp + 5) * b * args.context * args.dim * act // args.tp   # o, gelu(z)
-        block += block_stash(whole, b, args.tp)[0] - xs - block_stash(args, b, args.tp)[0]   # x: kept
+            xs = (2 * args.tp + 5) * b * T * args.dim * act // args.tp     # o, gelu(z)
+        block += block_stash(whole, b, args.tp)[0] - xs - block_stash(mine, b, args.tp)[0]   # x
         block += stash_bytes(args)[1] * (args.schedule != "zb-h1")
     if stage < args.pp - 1:
         return block
-    logits = b * args.context * -(-args.vocab_size // args.tp)
+    logits = b * T * -(-args.vocab_size // args.tp)
     in_flight = max(k for k, _ in held_counts(args.schedule, args.pp, stage, args.micro_batches,
                                               args.virtual_stages))
     return max(block, logits * (act + 4 + (4 + act) * args.bf16)) + (in_flight - 1) * logits * act
@@ -653,13 +686,13 @@ def layouts(args, gpus_per_node):
     """Every layout as parse_args() leaves it: (dp, pp, tp), order (past a node), schedule (v 2, 4
     interleaved), micro-batches (p to 8 p), ZeRO, TP style, --p2p-shard, --recompute, and
     --sequence-parallel where Megatron's pairs split T (its stages send T/tp rows: no p2p-shard)."""
-    world, L, B = args.world_size, args.num_layers, args.batch_size
+    world, L, B = args.world_size // args.cp, args.num_layers, args.batch_size   # cp: as given
     divisors = [n for n in range(1, world + 1) if world % n == 0]
     for dp, pp in itertools.product(divisors, repeat=2):
         tp = world // (dp * pp)
         if dp * pp * tp != world or args.heads % tp or L % pp or B % dp or tp > args.vocab_size:
             continue
-        orders = ["tp-pp-dp", "tp-dp-pp"][:1 + (world > gpus_per_node and dp * pp > 1)]
+        orders = ["tp-pp-dp", "tp-dp-pp"][:1 + (args.world_size > gpus_per_node and dp * pp > 1)]
         schedules = [("1f1b", 1)]
         if pp > 1:
             schedules = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1),
@@ -668,7 +701,8 @@ def layouts(args, gpus_per_node):
                 itertools.product(orders, schedules, range(4), range(4 if dp > 1 else 1),
                                   ["all-gather", "megatron"][:1 + (tp > 1)],
                                   [False, True][:1 + (tp > 1 and pp > 1)], [False, True],
-                                  [False, True][:1 + (tp > 1 and args.context % tp == 0)]):
+                                  [False, True][:1 + (tp > 1 and
+                                                      args.context // args.cp % tp == 0)]):
             m = pp * 2**k
             if B % (dp * m) or sequence and (style != "megatron" or p2p_shard):
                 continue
@@ -679,7 +713,8 @@ def layouts(args, gpus_per_node):
 
 
 def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 megatron ...
-    words = [f"dp{a.dp} pp{a.pp} tp{a.tp}", a.order * (a.order != "tp-pp-dp"),
+    words = [f"dp{a.dp} pp{a.pp} tp{a.tp}", f"cp{a.cp} {a.cp_layout}" * (a.cp > 1),
+             a.order * (a.order != "tp-pp-dp"),
              f"{a.schedule}{f' v{a.virtual_stages}' * (a.virtual_stages > 1)}" * (a.pp > 1),
              f"m{a.micro_batches}", f"zero{a.zero}" * (a.zero > 0),
              "megatron" * (a.tp_style == "megatron"), "p2p-shard" * a.p2p_shard,
@@ -715,15 +750,16 @@ def show_plan(args, machine, weighed, fits):
           f"{'' if len(shown) == len(fits) else f'{len(shown)} '}best by predicted step time "
           f"(--top N). Bytes: what the busiest rank sends a step, * across nodes")
     width = max([len(short_layout(row["args"])) for row in shown] + [6]) + 2
-    print(f"{'#':>4}  {'layout':<{width}}{'memory':>10}{'tp':>10}{'pp':>10}{'dp':>10}"
+    groups = ("tp", "cp", "pp", "dp") if args.cp > 1 else ("tp", "pp", "dp")
+    print(f"{'#':>4}  {'layout':<{width}}{'memory':>10}" + "".join(f"{g:>10}" for g in groups) +
           f"{'bubble':>8}{'compute':>10}{'comm':>10}{'step':>10}{'MFU':>6}")
     for k, row in enumerate(shown, 1):
         parts = row["parts"]
-        sent = [f"{si(row['bytes'][group])}B{'*' * (group in row['crosses'])}"
-                for group in ("tp", "pp", "dp")]
-        comm = parts["tp"] + parts["pp"] + parts["dp"]
+        sent = "".join(f"{si(row['bytes'][group]) + 'B' + '*' * (group in row['crosses']):>10}"
+                       for group in groups)
+        comm = parts["tp"] + parts["cp"] + parts["pp"] + parts["dp"]
         print(f"{k:>4}  {short_layout(row['args']):<{width}}{si(row['memory_bytes']) + 'B':>10}"
-              f"{sent[0]:>10}{sent[1]:>10}{sent[2]:>10}{row['bubble']:>8.1%}"
+              f"{sent}{row['bubble']:>8.1%}"
               f"{seconds(parts['compute']):>10}{seconds(comm):>10}"
               f"{seconds(row['step_s']):>10}{row['mfu']:>6.0%}")
     print(imbalance(fits[0]))
@@ -760,7 +796,7 @@ def add_plan_args(parser):
 def plan_rules(parser, args):
     """--plan takes the world, the machine and the model; it chooses the rest."""
     used = {"plan", *PLAN_FLAGS, "num_layers", "dim", "heads", "context", "batch_size",
-            "optimizer", "bf16", "bucket_mb", "backend", "timeout_s"}
+            "optimizer", "bf16", "bucket_mb", "backend", "timeout_s", "cp", "cp_layout"}
     refuse_unused(parser, args, used, "--plan, which chooses it")
     args.vocab_size = getattr(args, "vocab_size", VOCAB_SIZE)
     args.world_size = getattr(args, "world_size", 8)
@@ -772,6 +808,9 @@ def plan_rules(parser, args):
         (args.dim % args.heads, f"--dim {args.dim} is not divisible by --heads {args.heads}: "
                                 f"each head has D/h columns"),
         (under_torchrun(), "--plan: run it as a plain command, not under torchrun"),
+        (args.world_size % args.cp, f"--cp {args.cp} does not divide --world-size "
+                                    f"{args.world_size}: the plan lays out the rest"),
+        context_parallel_rules(args, 1)[0],
         (args.world_size > args.gpus_per_node and args.world_size % args.gpus_per_node,
          f"--gpus-per-node {args.gpus_per_node} does not divide --world-size "
          f"{args.world_size}: a world larger than a node is whole nodes"),
@@ -805,8 +844,6 @@ def parse_args(argv=None):
     parser.set_defaults(num_layers=2, steps=180)
     args = parser.parse_args(argv)
     args.order = args.order.replace("cp-", "")       # cp sits next to tp in either order
-    parser.refuse([(args.plan and args.cp > 1, "--cp: --plan does not price context parallelism "
-                                               "yet; plan without it")])
     plan_flags = [name for name in PLAN_FLAGS   # given: a default changed, or one suppressed
                   if getattr(args, name, None) != parser.get_default(name) and name in vars(args)]
     if args.plan:

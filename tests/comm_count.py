@@ -135,7 +135,7 @@ def three_d_formula(args, stage, tp_rank=0):
     """The rank's collectives by three_d.three_d_costs(), over its tp, pp and dp groups (its
     replica's buckets hold its tp rank's classes of E and H)."""
     runs = three_d.three_d_costs(args, stage, tp_rank=tp_rank)[0]
-    sizes = {"tp": args.tp, "pp": args.pp, "dp": args.dp}
+    sizes = {"tp": args.tp, "pp": args.pp, "dp": args.dp, "cp": args.cp}
     return {key: value for group, group_runs in runs.items()
             for key, value in formula(group, group_runs, sizes[group]).items()}
 

@@ -1,8 +1,10 @@
 """Helpers that several test files share."""
+import functools
 import math
 import os
 import re
 import sys
+import types
 
 import torch
 
@@ -161,3 +163,32 @@ def assert_follows_the_contract(result, flags=()):
         inputs, targets = dp.make_batch(args, config.get("start_step", 0) + step)
         assert torch.equal(result["inputs"][step], inputs) and torch.equal(result["targets"][step], targets)
     assert len(result["losses"]) == steps
+
+
+ATEN = torch.ops.aten   # the real ops, before a test puts stand-ins in their place
+
+
+def cpu_kernels_for(op, *args, **kwargs):
+    """What a GPU's fused attention op returns, computed by torch's CPU kernel of the same maths,
+    its arguments read by the names the op's own schema gives them (a call that puts one in the
+    wrong place fails here as it would on a GPU)."""
+    names = [argument.name for argument in op.default._schema.arguments]
+    given = {**dict(zip(names, args)), **kwargs}
+    assert set(given) <= set(names), given.keys()
+    assert given.get("dropout_p", 0.0) == 0.0 and isinstance(given["is_causal"], bool)
+    if "grad_out" in given or "grad_out_" in given:              # a backward
+        grad = given.get("grad_out", given.get("grad_out_"))
+        q = given["query"]
+        lse = given["logsumexp"][..., :q.shape[2]]                # (the efficient one's: padded)
+        return ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, given["key"], given["value"], given["out"], lse, 0.0, given["is_causal"])
+    o, lse = ATEN._scaled_dot_product_flash_attention_for_cpu(
+        given["query"], given["key"], given["value"], 0.0, given["is_causal"])
+    return o, lse, None, None
+
+
+FUSED_ON_CPU = types.SimpleNamespace(**{   # torch.ops.aten's fused attention ops, on the CPU
+    name: functools.partial(cpu_kernels_for, getattr(ATEN, name)) for name in [
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward"]})

@@ -111,7 +111,7 @@ FUSED_RMS_NORM = fused_rms_norm_on_meta()   # kept: the kernel lives with its li
 
 @functools.lru_cache(maxsize=None)   # many layouts alike; callers only read the Counter
 def matmuls_of(kinds, rows, tp, classes, dim, bf16, micro_batches, recompute, tp_style, context,
-               heads):
+               heads, cp=1, cp_layout="zigzag"):
     """A tp rank's {Matmul: calls} a step over parts of these kinds, as --plan prices them from
     tensor_parallel.block_matmuls: the forwards (a block's twice with --recompute), the dxs,
     and each dW into the fp32 gradient (the first of the step, then m - 1 adding into it)."""
@@ -121,7 +121,7 @@ def matmuls_of(kinds, rows, tp, classes, dim, bf16, micro_batches, recompute, tp
         if kind == "embedding":
             continue
         forwards, dxs, dws = tensor_parallel.block_matmuls(kind, rows, dim, tp, bf16, classes,
-                                                           tp_style, context, heads)
+                                                           tp_style, context, heads, cp, cp_layout)
         for mm in forwards:
             calls[mm] += m * (1 + (recompute and kind != "head"))
         for mm in dxs:
@@ -135,10 +135,11 @@ def matmuls_of(kinds, rows, tp, classes, dim, bf16, micro_batches, recompute, tp
 def rank_matmuls(args, stage, tp_rank=0):
     """The matmuls a rank of this stage (and tp rank) runs a step, by the plan's reckoning."""
     kinds = tuple(kind for chunk in three_d.stage_kinds(args, stage) for kind in chunk)
-    rows = args.batch_size // (args.dp * args.micro_batches) * args.context   # positions
-    start, end = tensor_parallel.vocab_range(args.vocab_size, tp_rank, args.tp)   # its classes
+    rows = args.batch_size // (args.dp * args.micro_batches) * args.context // args.cp   # its
+    start, end = tensor_parallel.vocab_range(args.vocab_size, tp_rank, args.tp)   # positions
     return matmuls_of(kinds, rows, args.tp, end - start, args.dim, args.bf16, args.micro_batches,
-                      args.recompute, args.tp_style, args.context, args.heads)
+                      args.recompute, args.tp_style, args.context, args.heads, args.cp,
+                      args.cp_layout)
 
 
 def tensors_in(value):   # an op's tensors, among its arguments or outputs (pytree's, faster)
@@ -191,7 +192,7 @@ class StepRecord(TorchDispatchMode):
         if name in MATMULS:
             self.add_matmul(name, args, out, adds=MATMULS[name] and kwargs.get("beta", 1) != 0)
         if name in FUSED_ATTENTION:
-            self.add_attention(args, backward=FUSED_ATTENTION[name])
+            self.add_attention(func, args, kwargs, backward=FUSED_ATTENTION[name])
         if name not in MATMULS and name not in FUSED_ATTENTION:
             self.add_moved(name, args, kwargs, out)
         for t in tensors_in(out):
@@ -225,12 +226,16 @@ class StepRecord(TorchDispatchMode):
         self.matmuls[tensor_parallel.Matmul(rows, a.shape[-1], b.shape[-1], a.element_size(),
                                             out.element_size(), adds)] += 1
 
-    def add_attention(self, args, backward):   # q [b, h, T, dh]: the grad's, then q, k, v back
-        q = args[1] if backward else args[0]
+    def add_attention(self, func, args, kwargs, backward):   # q [b, h, T, dh]: do's first back
+        schema = func._schema.arguments                   # (a default left out: its own)
+        given = {**{a.name: a.default_value for a in schema if a.has_default_value()},
+                 **dict(zip([a.name for a in schema], args)), **kwargs}
+        q = given["query"]
         self.input_dtypes[q.dtype] += 1
         sequences = q.shape[0] * q.shape[1]
         self.matmuls[tensor_parallel.Attention(sequences, q.shape[2], q.shape[3],
-                                               q.element_size(), backward)] += 1
+                                               q.element_size(), backward,
+                                               causal=given["is_causal"])] += 1
 
     def note_found(self, storage):
         key = id(storage)

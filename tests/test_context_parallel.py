@@ -15,6 +15,8 @@ float64, the defects it must catch, and training with --cp against serial traini
 - The balance: the pairs each rank computes, contiguous against zigzag; the ring's bytes.
 """
 import argparse
+import contextlib
+import types
 from unittest import mock
 
 import pytest
@@ -25,7 +27,7 @@ import tensor_parallel as tp
 import three_d
 from collectives import RankFailed, cleanup, exchange, setup, spawn
 from bench import cp_pairs
-from common import NO_SAMPLE, check_report, init_of
+from common import FUSED_ON_CPU, NO_SAMPLE, check_report, init_of
 
 SMALL = ["--num-layers", "2", "--dim", "16", "--heads", "4", "--context", "24", "--batch-size", "4",
          "--steps", "3", "--optimizer", "sgd", "--lr", "0.3", "--seed", "3", *NO_SAMPLE]
@@ -51,6 +53,23 @@ def masked_by_local_position(q, k, head_dim, diagonal):   # every pair as if on 
     return dp.scores(q, k, head_dim)
 
 
+def on_cpu_kernels(glue):
+    """A GPU's pair glue (tensor_parallel's fused_pair_attention or its backward), run with
+    torch's CPU flash kernel in place of each CUDA op, as the op's schema names its arguments."""
+    def run(*args, **kwargs):
+        with mock.patch.object(torch, "ops", types.SimpleNamespace(aten=FUSED_ON_CPU)):
+            return glue(*args, **kwargs)
+    return run
+
+
+def fused_pairs():   # the GPU's path through every pair: the glue, on the CPU's kernels
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(tp, "fused_pair", lambda q, head_dim: True))
+    for name in ("fused_pair_attention", "fused_pair_attention_backward"):
+        stack.enter_context(mock.patch.object(tp, name, on_cpu_kernels(getattr(tp, name))))
+    return stack
+
+
 def ring_worker(rank, world_size, layout, defect, dtype, scale):
     """This rank's ring attention, forward and backward, against step 2's over the whole T."""
     setup(rank, world_size)
@@ -64,7 +83,12 @@ def ring_worker(rank, world_size, layout, defect, dtype, scale):
     patches = {"left_where_computed": ("exchange", left_where_computed),
                "merge_without_max": ("merge", merge_without_max),
                "masked_by_local_position": ("pair_scores", masked_by_local_position)}
-    with mock.patch.object(tp, *patches[defect]) if defect in patches else mock.MagicMock():
+    put_in = mock.MagicMock()
+    if defect in patches:
+        put_in = mock.patch.object(tp, *patches[defect])
+    if defect == "fused_pairs":
+        put_in = fused_pairs()
+    with put_in:
         o, lse = tp.ring_attention(*forward, layout=layout)
         if defect == "stale_keys":                            # the backward: its own block alone
             with mock.patch.object(tp, "exchange", stale_exchange):
@@ -114,6 +138,16 @@ def ring(tmp_path, world_size, layout, defect=None, dtype=torch.float64, scale=1
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ring_attention_is_causal_attention_over_the_whole_sequence(tmp_path, world_size, layout):
     assert ring(tmp_path, world_size, layout) == [[True] * 5] * world_size
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_gpus_fused_pairs_give_the_same_ring(tmp_path, world_size, layout):
+    """On a GPU each pair runs FlashAttention's kernel, causal on the diagonal alone, and its
+    backward fed the merged o and lse: that glue, on torch's CPU kernel in float64, equals serial
+    attention as the written-out pairs do."""
+    assert ring(tmp_path, world_size, layout, "fused_pairs") == [[True] * 5] * world_size
 
 
 @pytest.mark.deadline(60)
@@ -270,6 +304,18 @@ def test_zigzag_balances_what_contiguous_does_not(cp_size):
 def test_cp_refuses_what_it_cannot_split_in_one_line(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         tp.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--world-size", "8", "--cp", "3"], "--cp 3 does not divide --world-size 8"),
+    (["--world-size", "8", "--cp", "2", "--context", "6"],
+     "--cp 2: --context 6 is not divisible by 4, the zigzag layout's chunks"),
+    (["--world-size", "8", "--cp", "2", "--dp", "4"], "--dp: not used with --plan")])
+def test_the_plan_refuses_a_cp_it_cannot_lay_out_in_one_line(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        three_d.parse_args(["--plan", *argv])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
 

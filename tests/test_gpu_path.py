@@ -27,6 +27,7 @@ import tensor_parallel
 import three_d
 import gpu_path
 from gpu_path import OffDevice, rank_matmuls, run_step
+from plan_check import layout_flags
 
 SMALL = {   # small enough to record fast: a block or two a stage (16 layers for 8 interleaved stages)
     "data_parallel": ["--num-layers", "2", "--dim", "64", "--batch-size", "64"],
@@ -61,9 +62,10 @@ CASES = [(script, flags) for script, families in FAMILIES.items() for flags in f
 
 def as_three_d(script, args):
     """The 3D layout a script's step is: its world on one axis, the others 1."""
-    world = args.dp * args.pp * args.tp if script == "three_d" else args.world_size
+    world = args.dp * args.pp * args.tp * args.cp if script == "three_d" else args.world_size
     layout = dict(dp=1, pp=1, tp=1, order="tp-pp-dp", schedule="1f1b", virtual_stages=1,
-                  tp_style="all-gather", p2p_shard=False, zero=0, bucket_mb=25.0)
+                  tp_style="all-gather", p2p_shard=False, zero=0, bucket_mb=25.0, cp=1,
+                  cp_layout="zigzag")
     if script == "three_d":
         return args
     if script == "data_parallel":
@@ -80,7 +82,7 @@ def planned(layout, stage, tp_rank):
     collectives {(group, kind, bytes): calls} on groups of more than one rank, and its memory at
     the end."""
     runs, held, _, _ = three_d.three_d_costs(layout, stage, tp_rank=tp_rank)
-    sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
+    sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp}
     comms = collections.Counter()
     for group, group_runs in runs.items():
         for kind, nbytes, calls in group_runs:
@@ -101,12 +103,15 @@ def assert_as_planned(ran):
     assert sum(ran.held.values()) == held
     flops = ran.record.flops()
     b = layout.batch_size // (layout.dp * layout.micro_batches)          # a micro-batch's rows
-    T, D, m, tp = layout.context, layout.dim, layout.micro_batches, layout.tp
-    weights = 2 * b * T * 12 * D * D // tp * m        # a block's six matmuls, 12 D^2 a position
-    product = b * T * T * D // tp * m                   # half of S = q k^T, or A v: causal
+    T, D, m, tp, cp = layout.context, layout.dim, layout.micro_batches, layout.tp, layout.cp
+    weights = 2 * b * T // cp * 12 * D * D // tp * m   # a block's six matmuls, 12 D^2 a position
+    share = (2 * cp - 1, cp * cp)   # of attention's causal FLOPs: contiguous, cp rank C-1's
+    if layout.cp_layout == "zigzag":
+        share = (1, cp)             # each rank's (2 diagonal pairs of T/2C and 2C-1 whole ones)
+    product = b * T * T * D // tp * m * share[0] // share[1]   # half of S = q k^T, or of A v
     blocks = layout.num_layers // layout.pp
     start, end = tensor_parallel.vocab_range(layout.vocab_size, ran.tp_rank, layout.tp)
-    head = 3 * 2 * b * T * D * (end - start) * m       # F, dx, dW; the last stage's
+    head = 3 * 2 * b * T // cp * D * (end - start) * m  # F, dx, dW; the last stage's
     attention = product * (2 * (1 + layout.recompute) + 5)   # F: S, A v; back: S, dv, dA, dq, dk
     per_block = weights * (3 + layout.recompute) + attention
     assert flops == per_block * blocks + head * (ran.stage == layout.pp - 1)
@@ -195,9 +200,46 @@ def test_a_cp_step_on_the_gpu_path_keeps_to_its_device_and_rings_its_cp_group(fl
     runs = args.num_layers // args.pp * args.micro_batches           # a block and micro-batch
     rows = args.batch_size // (args.dp * args.micro_batches)
     block = 2 * rows * (args.context // 2) * args.dim // 2           # K and V: [b, T/C, D/tp]
-    assert ran.record.ops["_scaled_dot_product_flash_attention"] == 0   # pairs, written out
+    pairs = 2 + 3                                                      # zigzag C 2: 2 diagonal
+    assert ran.record.ops["_scaled_dot_product_flash_attention"] == runs * pairs * (
+        1 + args.recompute)                                           # FlashAttention's, a pair
+    assert_as_planned(ran)
     assert sends == {block * 2: runs * (2 + args.recompute),          # K, V in bf16: C-1 = 1
                      block * 4: runs * 2}, ran.comms                   # dK, dV in fp32: C = 2
+
+
+def busiest_cp_rank(args, stage):
+    """A rank of this stage at tp rank 0 (the most classes) and cp rank C-1 (contiguous: the
+    most pairs)."""
+    groups = three_d.rank_groups(args.dp, args.pp, args.tp, args.order, args.cp)
+    for rank in range(args.dp * args.pp * args.tp * args.cp):
+        d, p, t = three_d.coordinates(rank, groups)
+        c = next(g.index(rank) for g in groups["cp"] if rank in g)
+        if p == stage and t == 0 and c == args.cp - 1:
+            return rank
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_a_cp_plans_rows_price_what_ranks_of_8_gpus_run(layout):
+    """--plan --cp 2 on 8 GPUs: rows of several families, each one's slowest stage recorded on
+    meta at its busiest cp rank: its matmuls (a fused kernel a pair of chunks), collectives and
+    sends (the ring's K, V and dK, dV; each bucket summed over cp), what it holds at the end and
+    its FLOPs are the row's."""
+    args = three_d.parse_args(["--plan", "--world-size", "8", "--cp", "2", "--cp-layout", layout,
+                               "--num-layers", "4", "--dim", "64", "--context", "32",
+                               "--batch-size", "32"])
+    machine = three_d.Machine(three_d.GPUS["h100"], 8)
+    rows = [three_d.predict(layout, machine) for layout in three_d.layouts(args, 8)]
+    families = [dict(tp=2, tp_style="megatron", sequence_parallel=True), dict(zero=3),
+                dict(schedule="interleaved"), dict(recompute=True, pp=2), dict(p2p_shard=True)]
+    for family in families:
+        row = next(row for row in rows if row["args"].micro_batches > 1 and all(
+            getattr(row["args"], key) == value for key, value in family.items()))
+        a = row["args"]
+        assert a.cp == 2 and a.dp * a.pp * a.tp == 4
+        ran = run_step("three_d", layout_flags(a).split(), busiest_cp_rank(a, row["stage"]))
+        assert_as_planned(ran)
 
 
 LARGE = ["--dp", "16", "--pp", "8", "--tp", "8", "--num-layers", "64", "--dim", "8192", "--heads", "64",
@@ -215,6 +257,17 @@ def test_a_rank_of_1024_gpus_runs_as_planned(rank):
     # 8 micro-batches through 2 chunks of 4 blocks: 6 weights' F, dx and dW, attention's fused
     # kernel F and back each; the head's F, dx and dW, last
     assert sum(ran.matmuls.values()) == 8 * 8 * (6 * 3 + 2) + 8 * 3 * (ran.stage == 7)
+
+
+@pytest.mark.deadline(120)
+def test_a_cp_rank_of_1024_gpus_runs_as_planned():
+    """The same world with cp 2 beside tp 8 (dp 8): rank 229, stage 6 of 8, cp rank 0, runs
+    what the plan prices: 2 + 3 pairs' kernels a block, micro-batch and direction."""
+    large = [*LARGE[LARGE.index("--pp"):], "--dp", "8", "--cp", "2"]
+    ran = run_step("three_d", large, 229)
+    assert (ran.stage, ran.tp_rank) == (6, 5)
+    assert_as_planned(ran)
+    assert sum(ran.matmuls.values()) == 8 * 8 * (6 * 3 + 2 * 5)
 
 
 ON_THE_CPU = torch.ones(97)      # made outside the step, as a CPU tensor left in a script

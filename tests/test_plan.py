@@ -99,7 +99,7 @@ def stage_costs(args, stage, tp_rank=0):
     its own pieces, as predict() puts them together: {group: bytes it sends a step}, {"held",
     "stash", "in step": bytes}."""
     runs, held, stash, _ = three_d.three_d_costs(args, stage, tp_rank=tp_rank)
-    sizes = {"tp": args.tp, "pp": args.pp, "dp": args.dp}
+    sizes = {"tp": args.tp, "pp": args.pp, "dp": args.dp, "cp": args.cp}
     sent = {group: sum(times * three_d.ring_bytes(kind, nbytes, sizes[group])
                        for kind, nbytes, times in runs[group]) for group in runs}
     in_step = data_parallel.in_step_bytes(three_d.chunk_lengths(args, stage, tp_rank), args.dp,
@@ -150,12 +150,13 @@ def test_planned_bytes_and_memory_are_what_a_run_counts(world, dp, pp, tp):
         for rank in range(world):
             stage, tp_sent, pp_sent, dp_sent, end, stash, in_step, tp_rank = counted[rank, j].tolist()
             sent, memory = stage_costs(row["args"], int(stage), int(tp_rank))
-            assert {"tp": tp_sent, "pp": pp_sent, "dp": dp_sent} == sent, (layout_flags(row["args"]), rank)
+            assert {"tp": tp_sent, "pp": pp_sent, "dp": dp_sent, "cp": 0} == sent, \
+                (layout_flags(row["args"]), rank)
             assert (end, stash, in_step) == (memory["held"], memory["stash"],
                                              memory["in step"]), (layout_flags(row["args"]), rank)
         assert row["memory_bytes"] == max(sum(memory.values()) for _, memory in costs)
         assert row["bytes"] == {group: max(sent[group] for sent, _ in costs)
-                                for group in ("tp", "pp", "dp")}
+                                for group in ("tp", "pp", "dp", "cp")}
     # the families really differ: more than one schedule, ZeRO stage or style among them
     assert len({(row["args"].schedule, row["args"].zero, row["args"].tp_style,
                  row["args"].recompute) for row in chosen}) >= 3
@@ -187,7 +188,11 @@ V32K = ["--vocab-size", "32000"]
     ["--pp", "2", "--micro-batches", "2", "--schedule", "gpipe", *V32K, "--bf16"],
     ["--tp", "2", "--tp-style", "megatron", *V32K], ["--tp", "2", "--tp-style", "megatron", "--sequence-parallel"],
     ["--dp", "2", "--zero", "3", "--bf16"],
-    ["--dp", "2", "--pp", "2", "--tp", "2", "--zero", "2", "--micro-batches", "2", "--recompute", "--bf16"]])
+    ["--dp", "2", "--pp", "2", "--tp", "2", "--zero", "2", "--micro-batches", "2", "--recompute", "--bf16"],
+    ["--cp", "2"], ["--cp", "4", "--recompute"], ["--cp", "2", "--cp-layout", "contiguous", "--bf16"],
+    ["--tp", "2", "--cp", "2", "--tp-style", "megatron", "--sequence-parallel", "--bf16"],
+    ["--pp", "2", "--cp", "2", "--micro-batches", "4", "--schedule", "interleaved", "--virtual-stages", "2",
+     "--recompute"]])
 def test_the_plans_memory_is_what_a_recorded_step_holds_within_15_percent(flags):
     """A rank of each stage: what it holds at its step's end plus what the step allocates at its
     most (gpu_path's record, on meta), against the plan's memory for that stage. The plan prices
@@ -196,9 +201,9 @@ def test_the_plans_memory_is_what_a_recorded_step_holds_within_15_percent(flags)
     (3.4 GB once the loss made its softmax in place)."""
     argv = [*RECORDED, *flags]
     args = gpu_node_args("three_d", argv)
-    groups = three_d.rank_groups(args.dp, args.pp, args.tp, args.order)
+    groups = three_d.rank_groups(args.dp, args.pp, args.tp, args.order, args.cp)
     for stage in range(args.pp):
-        rank = int(groups["pp"][0][stage])   # dp and tp rank 0's
+        rank = int(groups["pp"][0][stage])   # dp, cp and tp rank 0's
         ran = run_step("three_d", argv, rank)
         assert ran.stage == stage
         recorded = sum(ran.held.values()) + ran.peak_bytes
@@ -317,7 +322,7 @@ def test_every_row_runs_as_its_flags_say():
     rows = plan_rows(["--world-size", "8", *SMALL])
     assert len(rows) > 100
     for row in rows:
-        assert set(row["bytes"]) == {"tp", "pp", "dp"}
+        assert set(row["bytes"]) == {"tp", "pp", "dp", "cp"} and row["bytes"]["cp"] == 0
         assert 0 <= row["bubble"] < 1 and row["memory_bytes"] <= 80e9
         assert sum(row["parts"].values()) == pytest.approx(row["step_s"], rel=1e-12)
         args = three_d.parse_args(layout_flags(row["args"]).split())   # each runs, as three_d.py reads it

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import data_parallel as dp
+from common import FUSED_ON_CPU
 
 
 
@@ -168,28 +169,6 @@ def test_flash_attentions_tiles_merged_by_running_max_and_sum_are_the_written_ou
     torch.testing.assert_close(tiled_lse, lse)
 
 
-ATEN = torch.ops.aten   # the real ops, before a test puts stand-ins in their place
-
-
-def cpu_kernels_for(op, *args, **kwargs):
-    """What a GPU's fused attention op returns, computed by torch's CPU kernel of the same maths,
-    its arguments read by the names the op's own schema gives them (a call that puts one in the
-    wrong place fails here as it would on a GPU)."""
-    names = [argument.name for argument in op.default._schema.arguments]
-    given = {**dict(zip(names, args)), **kwargs}
-    assert set(given) <= set(names), given.keys()
-    assert given.get("dropout_p", 0.0) == 0.0 and given["is_causal"] is True
-    if "grad_out" in given or "grad_out_" in given:              # a backward
-        grad = given.get("grad_out", given.get("grad_out_"))
-        q = given["query"]
-        lse = given["logsumexp"][..., :q.shape[2]]                # (the efficient one's: padded)
-        return ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, given["key"], given["value"], given["out"], lse, 0.0, True)
-    o, lse = ATEN._scaled_dot_product_flash_attention_for_cpu(
-        given["query"], given["key"], given["value"], 0.0, True)
-    return o, lse, None, None
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])   # flash's glue; efficient's
 def test_the_fused_kernels_glue_gives_the_written_out_attention_and_its_backward(dtype):
     """fused_attention() and its backward, the GPU's, with torch's CPU kernel in place of each
@@ -199,14 +178,8 @@ def test_the_fused_kernels_glue_gives_the_written_out_attention_and_its_backward
     q, k, v, do = (torch.randn(b, T, heads * head_dim, dtype=dtype) for _ in range(4))
     o, lse = dp.attention(q, k, v, head_dim)
     want = dp.attention_backward(do, q, k, v, o, lse, head_dim)
-    ops = ["_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-           "_scaled_dot_product_efficient_attention",
-           "_scaled_dot_product_efficient_attention_backward"]
-    on_cpu = types.SimpleNamespace(**{name: functools.partial(cpu_kernels_for,
-                                                              getattr(ATEN, name))
-                                      for name in ops})
     real = torch.ops
-    with mock.patch.object(dp.torch, "ops", types.SimpleNamespace(aten=on_cpu)):
+    with mock.patch.object(dp.torch, "ops", types.SimpleNamespace(aten=FUSED_ON_CPU)):
         fused_o, fused_lse = dp.fused_attention(q, k, v, head_dim)
         got = dp.fused_attention_backward(do, q, k, v, fused_o, fused_lse, head_dim)
     assert dp.torch.ops is real
