@@ -119,4 +119,6 @@ bench: deps
 	$(PYTHON) tests/bench.py checkpoint --dp 2 --pp 1 --tp 1 --zero 1 $(BIG)
 	$(PYTHON) tests/bench.py checkpoint --dp 2 --pp 2 --tp 2 --zero 1 $(BIG)
 	$(PYTHON) tests/bench.py cp-balance
+	$(PYTHON) tests/bench.py cp-race
+	$(PYTHON) tests/bench.py cp-memory
 	$(PYTHON) tests/bench.py machine

@@ -16,6 +16,8 @@ figures that are not the lecture. The scripts never import this; it imports them
     python tests/bench.py recompute-memory [its sizes]   # steps 2, 3: peak memory, --recompute or not
     python tests/bench.py checkpoint [three_d's flags]   # a checkpoint's write and read beside a step
     python tests/bench.py cp-balance                     # --cp's attention pairs and time a rank
+    python tests/bench.py cp-race                        # the ring against all-gathered K, V and serial
+    python tests/bench.py cp-memory                      # a rank's memory as --cp grows, at T 16,384
     python tests/bench.py machine                        # one line naming this machine
 
 Each comparison takes the script's own flags (--steps: the timed steps, at least 5), runs
@@ -982,6 +984,138 @@ def cp_balance(context=2048, dim=256, heads=4, cp_sizes=(2, 4, 8)):
     print("  contiguous: max/mean = 2C/(C+1) (rank C-1 computes C pairs, rank 0 one); zigzag: 1")
 
 
+CP_RACE = dict(context=2048, dim=256, heads=4, batch=1)
+
+
+def cp_race(cp_sizes=(2, 4), steps=5):
+    """One layer's attention, forward and backward, over C ranks three ways: our ring (K and V
+    travel, zigzag), all-gathered K and V (each rank attends its queries to the whole sequence,
+    masked by global position; dK and dV reduce-scattered home), and serial attention over the
+    whole T on one rank; each rank's o, dq, dk, dv compared with serial's first. PyTorch's
+    context_parallel is tried first: its error, where it has no CPU path."""
+    print(f"context parallelism, one layer's attention forward and backward: T={CP_RACE['context']} "
+          f"D={CP_RACE['dim']} h={CP_RACE['heads']}, one sequence, float32, zigzag")
+    print(f"  PyTorch's context_parallel on the CPU: {torch_context_parallel_error()}")
+    print(f"  {'C':>2} {'ring (ms)':>10} {'all-gather K V':>15} {'serial, 1 rank':>15} "
+          f"{'ring / all-gather':>18} {'largest difference':>19}")
+    worst = 0.0
+    for cp_size in cp_sizes:
+        times, diff = spawn_returning(cp_race_rank, cp_size, steps, timeout_s=300)
+        worst = max(worst, diff)
+        print(f"  {cp_size:>2} {times['ring'] * 1e3:>10.1f} {times['all-gather'] * 1e3:>15.1f} "
+              f"{times['serial'] * 1e3:>15.1f} {times['ring'] / times['all-gather']:>17.2f}x "
+              f"{diff:>19.1e}", flush=True)
+    print(f"  ({os.cpu_count()} cores; the ranks share them: serial's time is one process alone)")
+    if worst > 1e-4:
+        raise SystemExit("error: a side computed other attention than serial's")
+
+
+def cp_memory(cp_sizes=(1, 2, 4, 8)):
+    """A rank's memory as C grows, at a long T: one rank's bf16 step recorded on the meta device
+    (tests/gpu_path.py: its activations at their most, and what its replica holds) beside the
+    plan's most_memory, and the stash a block keeps (the plan's)."""
+    import gpu_path
+    sizes = "--dp 1 --pp 1 --tp 1 --num-layers 2 --dim 1024 --heads 8 --context 16384 " \
+            "--batch-size 1 --micro-batches 1 --bf16"
+    print(f"context parallelism's memory, a rank's: {sizes} (the GPU's step, recorded on meta)")
+    print(f"  {'C':>2} {'activations at most':>20} {'replica':>10} {'sum':>10} {'plan':>10} "
+          f"{'stash a block':>14}")
+    for cp_size in cp_sizes:
+        argv = [*sizes.split(), "--cp", str(cp_size)]
+        ran = gpu_path.run_step("three_d", argv, 0)
+        args = gpu_path.gpu_node_args("three_d", argv)
+        held = sum(ran.held.values())
+        stash = three_d.stash_bytes(args)[0] // args.num_layers
+        print(f"  {cp_size:>2} {ran.peak_bytes / 1e9:>17.2f} GB {held / 1e9:>7.2f} GB "
+              f"{(ran.peak_bytes + held) / 1e9:>7.2f} GB {three_d.most_memory(args) / 1e9:>7.2f} GB "
+              f"{stash / 1e6:>11.0f} MB", flush=True)
+
+
+def torch_context_parallel_error():
+    """What torch.distributed.tensor.experimental.context_parallel says on a CPU group of one."""
+    folder = tempfile.mkdtemp(prefix="cp-race-")
+    try:
+        return spawn_returning(torch_cp_rank, 1, folder, timeout_s=60)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def torch_cp_rank(rank, world_size, folder):
+    setup(rank, world_size)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        mesh = init_device_mesh("cpu", (world_size,))
+        q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        said = "it ran"
+    except Exception as error:   # what it raises is the answer
+        said = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    cleanup()
+    return said
+
+
+def all_gather_attention(q, k, v, do, head_dim, group, layout="zigzag"):
+    """The other CP: every rank's K and V gathered, this rank's queries attended to all of T,
+    masked by global position; dK and dV of all of T reduce-scattered to their owners."""
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    T = q.shape[1] * size
+    owned = [tensor_parallel.cp_positions(T, r, size, layout) for r in range(size)]
+    order = torch.cat(owned)                                  # gathered row i is position order[i]
+    kv = torch.stack([k, v])
+    gathered = [torch.empty_like(kv) for _ in range(size)]
+    dist.all_gather(gathered, kv, group=group)
+    whole_k, whole_v = (torch.cat(parts, 1) for parts in zip(*gathered))   # [b, T, D], by order
+    q, do, whole_k, whole_v = (data_parallel.heads(t, head_dim) for t in (q, do, whole_k, whole_v))
+    future = order[None, :] > owned[rank][:, None]            # key after query, globally
+    s = (q @ whole_k.transpose(-1, -2) / head_dim ** 0.5).masked_fill(future, float("-inf"))
+    a = s.softmax(-1)
+    o = a @ whole_v
+    dv = a.transpose(-1, -2) @ do
+    ds = a * (do @ whole_v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    dq = ds @ whole_k / head_dim ** 0.5
+    dk = ds.transpose(-1, -2) @ q / head_dim ** 0.5
+    flat = [t.transpose(1, 2).flatten(-2) for t in (o, dq, dk, dv)]
+    mine = torch.empty_like(kv)
+    by_owner = torch.stack(flat[2:]).unflatten(2, (size, -1)).movedim(2, 0)   # [C, 2, b, n, D]
+    dist.reduce_scatter_single(mine, by_owner.flatten(0, 1).contiguous(), group=group)   # r's own
+    return flat[0], flat[1], mine[0], mine[1]
+
+
+def cp_race_rank(rank, world_size, steps):
+    setup(rank, world_size)
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    T, D, heads, b = (CP_RACE[key] for key in ("context", "dim", "heads", "batch"))
+    head_dim = D // heads
+    q, k, v, do = (torch.randn(b, T, D, generator=gen) for _ in range(4))
+    mine = tensor_parallel.cp_positions(T, rank, world_size, "zigzag")
+    local = [t[:, mine] for t in (q, k, v, do)]
+
+    def ring():
+        o, lse = tensor_parallel.ring_attention(*local[:3], head_dim)
+        return (o, *tensor_parallel.ring_attention_backward(local[3], *local[:3], o, lse,
+                                                            head_dim))
+
+    def serial():
+        o, lse = data_parallel.attention(q, k, v, head_dim)
+        return (o, *data_parallel.attention_backward(do, q, k, v, o, lse, head_dim))
+
+    def gathered():
+        return all_gather_attention(*local, head_dim, None)
+    whole = serial()
+    diff = torch.tensor(max((a - w[:, mine]).abs().max().item() for got in (ring(), gathered())
+                            for a, w in zip(got, whole)))
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)                 # every rank's, against serial's
+    times = race({"ring": ring, "all-gather": gathered,
+                  "serial": serial if rank == 0 else (lambda: None)},
+                 torch.device("cpu"), repeats=steps)
+    cleanup()
+    return times, diff.item()
+
+
 def cp_pairs(cp_rank, cp_size, layout):
     """The (query chunk, key chunk) pairs a cp rank computes over the ring's C steps: each chunk
     it holds against every chunk at or before it (a diagonal pair, masked, counted as one)."""
@@ -1065,7 +1199,7 @@ def parse(argv):
     """The bench named by argv's first word, its flags through its script's door and the bench's
     own rules (each refusal one line, exit 2), as a call that runs it: nothing runs here."""
     what, rest = (argv[0], argv[1:]) if argv else ("", [])
-    if what in ("bubble-table", "machine", "cp-balance") and rest:
+    if what in ("bubble-table", "machine", "cp-balance", "cp-race", "cp-memory") and rest:
         refuse(f"{what} takes no flags (the bubble table has its own sizes), got {' '.join(rest)}")
     if what == "collectives":
         args = collectives.parse_args(rest)
@@ -1109,9 +1243,13 @@ def parse(argv):
         return lambda: print(machine())
     if what == "cp-balance":
         return cp_balance
+    if what == "cp-race":
+        return cp_race
+    if what == "cp-memory":
+        return cp_memory
     refuse(f"the first word names what to bench: collectives, {', '.join(COMPARISONS)}, "
            f"memory, bubble-table, count-comm, plan, plan-speed, recompute-memory, "
-           f"checkpoint, cp-balance or machine; got {what!r}")
+           f"checkpoint, cp-balance, cp-race, cp-memory or machine; got {what!r}")
 
 
 def bench_collectives(args):
