@@ -33,11 +33,10 @@ block's eight, the head [g, H]. A backward returns each weight's (x, dz), dW = x
 replica sums into its bucket: a gain's gradient comes ready (x None), E's and P's as rows to add (x
 the ids). A block's stash: 16 [b, T, D] and lse; --recompute's: x, the forward run again.
 
-Data parallelism: each of d replicas holds every weight and trains on its own slice of the batch;
-they sum their gradients with an all-reduce and divide by d. dp_step() reads as that: forward;
-backward part by part, each dW into its bucket; each bucket's exchange once final (--overlap:
-under the backward); divide. ZeRO (--zero 1, 2, 3): three classes, each the stage before plus its
-change. PyTorch's: DDP, ZeroRedundancyOptimizer, FSDP2 (tests/bench.py).
+Data parallelism: d replicas, each on its slice of the batch, sum their gradients (all-reduce)
+and divide by d. dp_step() reads so: forward; backward part by part, each dW into its bucket,
+each bucket exchanged once final (--overlap: under the backward); divide. ZeRO (--zero 1-3):
+classes, each the stage before plus its change. PyTorch's: DDP, ZeroRedundancyOptimizer, FSDP2.
 """
 import warnings
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
@@ -97,10 +96,9 @@ def scores(q, k, head_dim):
 
 
 def attention(q, k, v, head_dim):
-    """Causal attention of every head q, k, v hold [b, T, h dh], as FlashAttention computes it:
-    o [b, T, h dh] and lse = log rowsum exp(S) [b, h, T] in fp32, kept in place of A [b, h, T, T]
-    and A made again from it, exp(S - lse). On a GPU torch's fused kernel computes the two, A never
-    whole (tests/test_transformer.py: its tiles, rows' running max and sum merged, equal these)."""
+    """Causal attention of every head of q, k, v [b, T, h dh], as FlashAttention computes it: o
+    [b, T, h dh] and lse = log rowsum exp(S) [b, h, T] fp32, kept for A = exp(S - lse), never A
+    (a GPU: torch's fused kernel; tests/test_transformer.py: tiles merged by running max, sum)."""
     if fused(q, head_dim):
         return fused_attention(q, k, v, head_dim)
     q, k, v = (heads(t, head_dim).contiguous() for t in (q, k, v))   # copied once, not per use
@@ -114,10 +112,9 @@ def attention(q, k, v, head_dim):
 def attention_backward(do, q, k, v, o, lse, head_dim):
     """dq, dk, dv [b, T, h dh] from do, A made again from q, k and lse. Per head:
        dv = A^T do   dA = do v^T   dS = A * (dA - D)   dq = dS k / sqrt(dh)   dk = dS^T q / sqrt(dh)
-    D = rowsum(dA * A) [b, h, T, 1] is the softmax's; it needs no [T, T] pass, for row i
-        D_i = sum_j A_ij dA_ij = sum_j A_ij (do_i . v_j) = do_i . (sum_j A_ij v_j) = do_i . o_i,
-    so D = rowsum(do * o) from two [b, h, T, dh] (FlashAttention-2's equations 13-19). --bf16's o
-    is rounded, which moves D by 2^-9 |do| |o|, all of dS in a saturated row: A v again, fp32."""
+    D = rowsum(dA * A) [b, h, T, 1], the softmax's, needs no [T, T] pass: for row i
+        D_i = sum_j A_ij dA_ij = sum_j A_ij (do_i . v_j) = do_i . (sum_j A_ij v_j) = do_i . o_i
+    (FlashAttention-2's eqs 13-19). --bf16's o, rounded, moves D 2^-9 |do||o|: A v again, fp32."""
     if fused(q, head_dim):
         return fused_attention_backward(do, q, k, v, o, lse, head_dim)
     do, q, k, v = (heads(t, head_dim).contiguous() for t in (do, q, k, v))   # once each
@@ -135,10 +132,9 @@ def attention_backward(do, q, k, v, o, lse, head_dim):
 
 
 class Whole:
-    """Where step 3 puts its collectives in a block, each the identity here (tensor_parallel.py):
-    enter (a norm's output), gather and gather_back (the heads' and the MLP's outputs), out and
-    out_back (Wo's and W2's), f_back (a column layer's dx), row_back (Wo's and W2's dx); attend
-    and attend_back, attention itself (context parallelism runs it over a ring of ranks)."""
+    """Where step 3 puts its collectives in a block, the identity here: enter (a norm's output),
+    gather and gather_back (the heads' and MLP's outputs), out and out_back (Wo's, W2's), f_back
+    (a column layer's dx), row_back (Wo's, W2's dx); attend, attend_back (cp: a ring of ranks)."""
     def enter(self, n): return n
     def gather(self, a): return a
     def gather_back(self, g): return g
@@ -221,8 +217,7 @@ def head_backward(dlogits, stash, w, need_dx=True, split=WHOLE):
 
 
 def cross_entropy(logits, y, n):
-    """sum -log softmax(logits)[y] / n and dlogits = (softmax - onehot(y)) / n, in fp32 always:
-    logits [b T, V], y [b, T]."""
+    """The loss sum -log softmax(logits)[y] / n and dlogits = (softmax - onehot(y)) / n, fp32"""
     y = y.reshape(-1)
     log_p = wide(logits).log_softmax(dim=1)               # [b T, V]
     dlogits = log_p.exp().scatter_add_(1, y[:, None], -torch.ones_like(log_p[:, :1]))
@@ -373,8 +368,6 @@ class DataParallel:
 
     def average(self):                  # the exchanges done, each gradient / d: the mean
         self.finish_reductions()
-        if self.dp_size == 1:           # one replica: nothing to divide, no pass to run
-            return
         for grad in self.grads():
             grad.div_(self.dp_size)
 
