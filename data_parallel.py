@@ -149,9 +149,10 @@ class Whole:
 WHOLE = Whole()
 
 
-def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE):
-    """x [b, T, D] -> x + attention + MLP [b, T, D], and the block's stash."""
-    g1, wq, wk, wv, wo, g2, w1, w2 = w
+def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE, router=None, count=True):
+    """x [b, T, D] -> x + attention + MLP [b, T, D] (router: experts'), and the block's stash."""
+    g1, wq, wk, wv, wo, g2 = w[:6]
+    w1, w2 = w[-2:]
     n1, r1 = rmsnorm(x, g1)
     n1 = split.enter(n1)                      # [b, T, D]
     q, k, v = (n1 @ w for w in (wq, wk, wv))  # [b, T, D/t]: whole heads, this rank's
@@ -160,23 +161,34 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE):
     x2 = x + split.out(o @ wo)                # the residual
     n2, r2 = rmsnorm(x2, g2)
     n2 = split.enter(n2)
-    z = n2 @ w1                               # [b, T, 4D/t]
-    u = split.gather(F.gelu(z))
-    out = x2 + split.out(u @ w2)
+    if router is not None:                    # z: the experts' stash
+        y, z = experts_forward(n2, *w[6:], router, count)
+        u = None
+        out = x2 + y
+    else:
+        z = n2 @ w1                           # [b, T, 4D/t]
+        u = split.gather(F.gelu(z))
+        out = x2 + split.out(u @ w2)
     if recompute:
         return out, (x,)
     return out, (x, n1, r1, q, k, v, lse, o, x2, n2, r2, z, u)
 
 
-def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE):
+def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE, router=None):
     """dx [b, T, D] from dout, and each weight's (x, dz): gains' ready, (None, dg)."""
-    g1, wq, wk, wv, wo, g2, w1, w2 = w
+    g1, wq, wk, wv, wo, g2 = w[:6]
+    w1, w2 = w[-2:]
     if len(stash) == 1:                       # --recompute: the forward again, from x
-        stash = block_forward(stash[0], w, head_dim=head_dim, split=split)[1]
+        stash = block_forward(stash[0], w, head_dim=head_dim, split=split, router=router,
+                              count=False)[1]
     x, n1, r1, q, k, v, lse, o, x2, n2, r2, z, u = stash
     dy2 = split.out_back(dout)                # W2's output's gradient
-    dz = torch.ops.aten.gelu_backward(split.gather_back(split.row_back(dy2 @ w2.T)), z)
-    dn2 = split.f_back(dz @ w1.T)
+    if router is not None:
+        dn2, mlp = experts_backward(dy2, z, *w[6:])
+    else:
+        dz = torch.ops.aten.gelu_backward(split.gather_back(split.row_back(dy2 @ w2.T)), z)
+        dn2 = split.f_back(dz @ w1.T)
+        mlp = [(n2, dz), (u, dy2)]
     dx2, dg2 = rmsnorm_backward(dn2, x2, r2, g2)
     dx2 = dx2 + dout                          # the residual: the branch's and the skip's
     dy1 = split.out_back(dx2)                 # Wo's output's gradient
@@ -185,8 +197,84 @@ def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE):
     dn1 = split.f_back(dq @ wq.T + dk @ wk.T + dv @ wv.T)
     dx, dg1 = rmsnorm_backward(dn1, x, r1, g1)
     dx = dx + dx2
-    return dx, [(None, dg1), (n1, dq), (n1, dk), (n1, dv), (o, dy1), (None, dg2), (n2, dz),
-                (u, dy2)]
+    return dx, [(None, dg1), (n1, dq), (n1, dk), (n1, dv), (o, dy1), (None, dg2), *mlp]
+
+
+# Experts (--experts E, --top-k K): the MLP as E experts and a router (DeepSeek-V3's balance).
+#   forward   p = softmax(n Wr) [N, E] in fp32, N = b T positions; each takes the K largest of
+#             p + bias (ties: the lower index); y = sum over its K experts of p_e gelu(n W1[e]) W2[e]
+#   backward  an expert's as the MLP's over its own positions, dy scaled by p_e. The router's
+#             through p alone: dp_e = <dy, y_e> for a chosen e, 0 for the rest; then softmax's,
+#             ds = p (dp - sum_e dp_e p_e), dWr = n^T ds, dn += ds Wr^T. The choice is a step of
+#             p: flat almost everywhere, it passes no gradient; an expert no position chose
+#             is in no output, and its gradient is 0.
+#   balance   bias [E] steers the choice, never the output: after a step bias_e += g sign(mean
+#             load - load_e), the loads (positions x K an expert took) over the global batch.
+
+class Router:
+    """A layer's bias [E], this step's loads [E] and choices (each micro-batch's [N, K])."""
+
+    def __init__(self, num_experts, top_k, device=None):
+        self.bias = torch.zeros(num_experts, device=device)
+        self.loads = torch.zeros(num_experts, device=device)
+        self.top_k = top_k
+        self.routes = []
+
+    def choose(self, p, count=True):   # [N, K]: the K largest of p + bias, lower index on a tie
+        chosen = (p + self.bias).sort(dim=-1, descending=True, stable=True).indices[:, :self.top_k]
+        if count:                     # the forward's; --recompute's again counts nothing
+            self.loads += torch.bincount(chosen.flatten(), minlength=len(self.loads))
+            self.routes.append(chosen)
+        return chosen
+
+
+def experts_forward(n, wr, w1, w2, router, count=True):
+    """y [b, T, D] from n [b, T, D]; the stash: n [N, D], p [N, E], each expert's positions
+    and its z, gelu(z), y_e [n_e, ..]."""
+    x = n.flatten(0, -2)                                      # [N, D]
+    p = (wide(x) @ wide(wr)).softmax(-1)                      # [N, E], fp32
+    chosen = router.choose(p, count)                          # [N, K]
+    y = torch.zeros(x.shape, dtype=p.dtype, device=x.device)  # the K outputs summed, fp32
+    routed = []
+    for e in range(wr.shape[1]):
+        rows = (chosen == e).any(-1).nonzero()[:, 0]          # the positions that chose e
+        z = x[rows] @ w1[e]                                   # [n_e, 4D]
+        u = F.gelu(z)
+        y_e = u @ w2[e]                                       # [n_e, D]
+        y.index_add_(0, rows, p[rows, e, None] * wide(y_e))
+        routed.append((rows, z, u, y_e))
+    return y.to(n.dtype).view_as(n), (x, p, routed)
+
+
+def experts_backward(dy, stash, wr, w1, w2):
+    """dn [b, T, D], and Wr's, W1's [E, D, 4D] and W2's [E, 4D, D] gradients, ready, fp32."""
+    x, p, routed = stash
+    g = dy.flatten(0, -2)                                     # [N, D]
+    dp = torch.zeros_like(p)                                  # dL/dp [N, E]: 0 where not chosen
+    dx = torch.zeros(x.shape, dtype=p.dtype, device=x.device)
+    dw1 = torch.zeros(w1.shape, dtype=p.dtype, device=x.device)
+    dw2 = torch.zeros(w2.shape, dtype=p.dtype, device=x.device)
+    for e, (rows, z, u, y_e) in enumerate(routed):
+        dp[rows, e] = (wide(g[rows]) * wide(y_e)).sum(-1)     # <dy, y_e>
+        dy_e = (p[rows, e, None] * wide(g[rows])).to(g.dtype)   # y_e's: scaled by p_e
+        dw2[e] = wide(u).T @ wide(dy_e)
+        dz = torch.ops.aten.gelu_backward(dy_e @ w2[e].T, z)  # [n_e, 4D]
+        dw1[e] = wide(x[rows]).T @ wide(dz)
+        dx.index_add_(0, rows, wide(dz @ w1[e].T))
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))            # softmax's backward [N, E]
+    dx += ds @ wide(wr).T
+    return dx.to(dy.dtype).view_as(dy), [(None, wide(x).T @ ds), (None, dw1), (None, dw2)]
+
+
+def balance(routers, rate, group=None):
+    """Each layer's bias moved by the step's loads over every replica: one all-reduce of [L, E]."""
+    loads = torch.stack([router.loads for router in routers])
+    if dist.is_initialized():
+        dist.all_reduce(loads, group=group)
+    for router, load in zip(routers, loads):
+        router.bias += rate * torch.sign(load.mean() - load)
+        router.loads.zero_()
+    return loads
 
 
 def embedding_forward(tokens, w, recompute=False):
@@ -234,9 +322,14 @@ def init_params(args):
     def matrix(rows, cols):
         return torch.randn(rows, cols, generator=gen) / math.sqrt(rows)
     parts = [[torch.randn(V, D, generator=gen), torch.randn(T, D, generator=gen)]]
+    E = getattr(args, "experts", 0)           # (a config from before experts: dense)
     for _ in range(args.num_layers):
-        parts.append([torch.ones(D), matrix(D, D), matrix(D, D), matrix(D, D), matrix(D, D),
-                      torch.ones(D), matrix(D, 4 * D), matrix(4 * D, D)])
+        attention = [torch.ones(D), matrix(D, D), matrix(D, D), matrix(D, D), matrix(D, D)]
+        mlp = [matrix(D, 4 * D), matrix(4 * D, D)]
+        if E:   # Wr [D, E], W1 [E, D, 4D], W2 [E, 4D, D]: each expert's drawn in turn
+            experts = [matrix(D, 4 * D) for _ in range(E)], [matrix(4 * D, D) for _ in range(E)]
+            mlp = [matrix(D, E), torch.stack(experts[0]), torch.stack(experts[1])]
+        parts.append([*attention, torch.ones(D), *mlp])
     parts.append([torch.ones(D), matrix(D, V)])
     return parts
 
@@ -257,10 +350,11 @@ def replica_rows(batch_size, dp_rank, dp_size):   # by its dp rank, never the gl
     return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
 
-def model_blocks(num_layers, head_dim):   # the parts in order, each a Block: [E, P], blocks, [g, H]
-    block = Block(partial(block_forward, head_dim=head_dim), partial(block_backward,
-                                                                     head_dim=head_dim))
-    return [Block(embedding_forward, embedding_backward), *[block] * num_layers,
+def model_blocks(num_layers, head_dim, routers=None):   # the parts, each a Block: [E, P],
+    blocks = [Block(partial(block_forward, head_dim=head_dim, router=router),    # blocks, [g, H]
+                    partial(block_backward, head_dim=head_dim, router=router))
+              for router in routers or [None] * num_layers]
+    return [Block(embedding_forward, embedding_backward), *blocks,
             Block(head_forward, head_backward)]
 
 
@@ -525,21 +619,26 @@ def dp_worker(rank, world_size, args):
     losses = []
     norms = []
     check = SerialCheck(args, resumed)
+    routers = make_routers(args, device)               # --experts: each block's
+    moe = MoE(args, routers)
     for step in range(args.start_step, args.steps):
         inputs, targets = (t[rows].to(device) for t in make_batch(args, step))   # the text's
-        loss = dp_step(replica, model_blocks(args.num_layers, args.dim // args.heads),
+        loss = dp_step(replica, model_blocks(args.num_layers, args.dim // args.heads, routers),
                        cross_entropy, inputs.chunk(m), targets.chunk(m), len(rows) * args.context,
                        recompute=args.recompute)      # n: its positions
+        moe.gather_routes(step)                        # --save, --check: every replica's choice
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
-            check.step(whole(replica), whole(replica, grads=True))
+            check.step(whole(replica), whole(replica, grads=True), moe.step(step))
         if args.clip_grad:
             norms.append(replica.clip(args.clip_grad).item())    # before the update
+        if routers:                                    # the loads over every replica: the bias
+            moe.loads += balance(routers, args.balance_rate).cpu()
         replica.update()
         losses.append(global_loss(loss, None))
         if rank == 0:
             log_step(f"[rank {rank}]", step, losses, norms, args)
         save_checkpoint(args, step + 1, replica)            # --checkpoint: its pieces, on disk
-    finish_replicas(replica, args, tensors_of(init), losses, check, norms, resumed)
+    finish_replicas(replica, args, tensors_of(init), losses, check, norms, resumed, moe)
     cleanup()
 
 
@@ -700,8 +799,11 @@ def make_optimizer(params, optimizer, lr):   # SGD; AdamW, fused off the CPU (on
 BLOCK_NAMES = ("norm1", "wq", "wk", "wv", "wo", "norm2", "w1", "w2")
 
 
-def param_names(num_layers):   # --save's names, each tensor's, in the init order
-    blocks = [f"blocks.{layer}.{name}" for layer in range(num_layers) for name in BLOCK_NAMES]
+def param_names(num_layers, experts=0):   # --save's names, each tensor's, in the init order
+    names = BLOCK_NAMES
+    if experts:   # the router between norm2 and W1, W2 [E, ..] (each expert's, stacked)
+        names = (*BLOCK_NAMES[:6], "router", *BLOCK_NAMES[6:])
+    blocks = [f"blocks.{layer}.{name}" for layer in range(num_layers) for name in names]
     return ["embedding", "positions", *blocks, "norm", "head"]
 
 
@@ -716,14 +818,16 @@ def spans_of(parts):           # part -> the indices of its tensors among tensor
     return [range(first, end) for first, end in zip(firsts, firsts[1:])]
 
 
-def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False, record=None):
+def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False, record=None,
+                moe=None):
     """The loss with autograd, and its logits [b T, V], from torch's own layers (embedding,
     rms_norm, scaled_dot_product_attention); params: every tensor, in order. bf16: the parallel
     runs' casts (bf16 matmuls on fp32 masters; norms, softmax and loss in fp32). halves: each
     matmul sums the halves of its terms apart, as two tp ranks do: the same maths in another
     order, which moves only what rounding moves. record: a list that gets each tensor's (input,
     output), in order: (tokens, E's rows), (None, x0 = those + P), a gain's (x r, x r g), a
-    matrix's (x, x W)."""
+    matrix's (x, x W). moe: --experts' (K, each layer's bias [L, E], routes [L, b, T, K] or None:
+    its own choice), every expert computed at every position, weighted by p_e where chosen."""
     dtype = torch.bfloat16 if bf16 else params[0].dtype
 
     def note(x, out):   # only when asked: the notes hold every activation of the pass
@@ -745,18 +849,41 @@ def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False, rec
 
     def split_heads(t):   # [b, T, D] -> [b, h, T, dh]
         return t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
+
+    def experts(n, wr, w1, w2, layer):   # n [b, T, D]; every expert everywhere, weighted
+        logits = wide(n) @ wide(wr.to(dtype))                 # [b, T, E], fp32
+        note(n, logits)
+        p = logits.softmax(-1)
+        top_k, biases, routes = moe
+        if routes is None:
+            chosen = (p + biases[layer]).sort(dim=-1, descending=True, stable=True).indices[..., :top_k]
+        else:
+            chosen = routes[layer]
+        weight = torch.zeros_like(p).scatter(-1, chosen, 1.0) * p   # p_e where chosen, else 0
+        ns = n.expand(w1.shape[0], *n.shape)                  # [E, b, T, D]
+        z = ns @ w1.to(dtype)[:, None]                        # [E, b, T, 4D]
+        note(ns, z)
+        u = F.gelu(z)
+        y = u @ w2.to(dtype)[:, None]                         # [E, b, T, D]
+        note(u, y)
+        return (wide(y) * weight.movedim(-1, 0)[..., None]).sum(0).to(dtype)
     embedding, positions, *blocks, gain, head = params
     rows = F.embedding(tokens, embedding).to(dtype)
     x = rows + positions.to(dtype)
     note(tokens, rows)
     note(None, x)
-    for layer in range(len(blocks) // 8):
-        g1, wq, wk, wv, wo, g2, w1, w2 = blocks[8 * layer:8 * layer + 8]
+    size = 9 if moe else 8                                    # a block's tensors
+    for layer in range(len(blocks) // size):
+        g1, wq, wk, wv, wo, g2 = blocks[size * layer:size * layer + 6]
+        w1, w2 = blocks[size * layer + size - 2:size * layer + size]
         n = norm(x, g1)
         q, k, v = (split_heads(matmul(n, w)) for w in (wq, wk, wv))
         o = F.scaled_dot_product_attention(wide(q), wide(k), wide(v), is_causal=True)
         x = x + matmul(o.to(dtype).transpose(1, 2).flatten(-2), wo)
-        x = x + matmul(F.gelu(matmul(norm(x, g2), w1)), w2)
+        if moe:
+            x = x + experts(norm(x, g2), blocks[size * layer + 6], w1, w2, layer)
+        else:
+            x = x + matmul(F.gelu(matmul(norm(x, g2), w1)), w2)
     logits = wide(matmul(norm(x, gain), head).flatten(0, 1))
     return F.cross_entropy(logits, targets.reshape(-1)), logits
 
@@ -778,6 +905,8 @@ def gradient_terms(record, logits, targets, params):
             term = torch.zeros_like(w).index_add_(0, x.reshape(-1), dz.flatten(0, -2))
         elif w.dim() == 1:                              # a gain: over the positions
             term = (wide(x).abs() * dz).flatten(0, -2).sum(0)
+        elif w.dim() == 3:                              # experts' [E, ..]: each its own
+            term = wide(x).abs().flatten(1, -2).transpose(1, 2) @ dz.flatten(1, -2)
         else:
             term = wide(x).abs().flatten(0, -2).T @ dz.flatten(0, -2)
         terms.append(term.max())
@@ -824,15 +953,75 @@ def show_memory(replica, args, whose):
         print(f"  {kind:<16}{got:>12} bytes   formula {want[kind][1]:<18} = {want[kind][0]:>10.0f}")
 
 
-def finish_replicas(replica, args, init, losses, check, norms, resumed):
+def finish_replicas(replica, args, init, losses, check, norms, resumed, moe=None):
     weights = whole(replica)   # every rank: the replicas must agree, bit for bit
     drift = replica_drift(weights)
     if dist.get_rank() == 0:
         log("[rank 0]", f"replicas identical after training: {drift == 0.0} (largest "
                         f"difference {drift:g})")
         show_memory(replica, args, "each replica")
-        finish_run(args, init, weights, losses, check, norms, resumed,
-                   extra={"replica_max_diff": drift})
+        extra = {"replica_max_diff": drift}
+        if moe is not None and moe.routers:
+            moe.show_loads()
+            extra.update(moe.saved())
+        finish_run(args, init, weights, losses, check, norms, resumed, extra=extra,
+                   moe=moe and moe.final())
+
+
+def make_routers(args, device):     # --experts: each block's Router, else None
+    if not args.experts:
+        return None
+    return [Router(args.experts, args.top_k, device) for _ in range(args.num_layers)]
+
+
+class MoE:
+    """--experts' record: the bias each step began with and every replica's choices (gathered
+    for --save and --check), the loads [L, E] summed over training; on rank 0, what --save
+    writes (init_bias, final_bias, routes [steps, L, B, T, K]) and the loads' table."""
+
+    def __init__(self, args, routers):
+        self.args = args
+        self.routers = routers
+        self.biases = []
+        self.routes = []
+        self.loads = 0
+        if routers:
+            self.init_bias = torch.stack([router.bias.cpu() for router in routers])
+
+    def gather_routes(self, step):
+        if not self.routers:
+            return
+        biases = torch.stack([router.bias.cpu() for router in self.routers])   # before balance
+        if self.args.save or self.args.check:
+            T, K = self.args.context, self.args.top_k
+            mine = torch.stack([torch.cat(router.routes).view(-1, T, K) for router in
+                                self.routers])                       # [L, b, T, K]: its rows
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine)
+            self.routes.append(torch.cat(every, 1).cpu())           # [L, B, T, K]
+            self.biases.append(biases)
+        for router in self.routers:
+            router.routes = []
+
+    def step(self, step):   # serial_loss's moe for this step's check
+        if not self.routers:
+            return None
+        return self.args.top_k, self.biases[-1], self.routes[-1]
+
+    def final(self):        # the trained model's: its own choice, by the final bias
+        if not self.routers:
+            return None
+        return self.args.top_k, torch.stack([router.bias.cpu() for router in self.routers]), None
+
+    def saved(self):
+        return {"init_bias": self.init_bias, "final_bias": self.final()[1], "loads": self.loads,
+                **({"routes": torch.stack(self.routes)} if self.args.save else {})}
+
+    def show_loads(self):
+        """Each layer's busiest expert over the mean, the loads summed over training."""
+        ratios = [f"{(load.max() / load.mean()).item():.2f}" for load in self.loads]
+        print(f"experts' loads over training, busiest / mean, a layer: {' '.join(ratios)} "
+              f"(--balance-rate {self.args.balance_rate:g})", flush=True)
 
 
 def global_loss(loss, group):       # the replicas' mean losses, averaged: the global mean
@@ -884,6 +1073,11 @@ def training_parser(description, dp=False):
                    "alone, and run the forward again in its backward")
     p.add_argument("--bf16", action="store_true", help="compute in bf16 on fp32 master weights, "
                    "gradients and optimizer")
+    p.add_argument("--experts", type=int, default=0, help="E experts a block's MLP, and a router "
+                   "(0: the dense MLP)")
+    p.add_argument("--top-k", type=positive_int, default=1, help="experts K a position takes")
+    p.add_argument("--balance-rate", type=float, default=1e-3, help="the routers' bias moves by "
+                   "this a step toward the mean load (0: no balancing)")
     if dp:
         p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
                        help="ZeRO stage over the data-parallel group: 1 shards the optimizer "
@@ -893,7 +1087,7 @@ def training_parser(description, dp=False):
 
 
 def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None,
-                        ranks_flag="--world-size"):
+                        ranks_flag="--world-size", experts=False):
     """The rules every training script shares, and the memory its ranks need: the model (P),
     its state (dp_costs), the logits (2 B T V), every block's stash. Reads the text."""
     args.vocab_size = VOCAB_SIZE              # the text's: printable ASCII, newline, the rest
@@ -931,7 +1125,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
          f"--checkpoint-every {args.checkpoint_every}: needs --checkpoint DIR to write into"),
         (args.checkpoint is not None and not writable_folder(args.checkpoint),
          f"--checkpoint {args.checkpoint!r}: cannot make or write a folder there"),
-        *resume_rules(args, args.marker)])
+        *resume_rules(args, args.marker), *experts_rules(args, experts)])
     T = args.context
     P = L * (12 * D * D + 2 * D) + (V + T) * D + D + D * V
     held = dp_costs([P], replicas, zero=getattr(args, "zero", 0))[1]
@@ -939,6 +1133,18 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
     stash = L * B * T * (16 * D + 2 + args.heads * T)   # a block's (block_stash's), fp32
     check_launch_args(parser, args, world_size, ranks_flag, 4 * (P + 2 * B * T * V + stash) + state,
                       f"--num-layers {L} --dim {D} --batch-size {B}")
+
+
+def experts_rules(args, here):   # --experts: step 2's so far, without checkpoints
+    E = args.experts
+    return [(E and not here, f"--experts {E}: only data_parallel.py trains experts so far"),
+            (E < 0, f"--experts {E}: expected 0 (the dense MLP) or more"),
+            (E and args.top_k > E, f"--top-k {args.top_k}: more than --experts {E}"),
+            (not E and args.top_k != 1, f"--top-k {args.top_k}: needs --experts"),
+            (not 0 <= args.balance_rate < 1, f"--balance-rate {args.balance_rate:g}: expected "
+                                             f"0 (none) to below 1"),
+            (E and (args.checkpoint or args.resume), "--checkpoint, --resume: not with --experts "
+                                                     "yet (the routers' bias is no checkpoint's)")]
 
 
 def writable(path):   # a regular file this process can write, or make: tried, not asked
@@ -963,7 +1169,8 @@ def parse_args(argv=None):
     parser.add_argument("--world-size", type=positive_int, default=4, help="replicas d")
     parser.add_argument("--overlap", action="store_true", help="exchange a bucket once final")
     args = parser.parse_args(argv)
-    check_training_args(parser, args, args.world_size, args.world_size, "--world-size")
+    check_training_args(parser, args, args.world_size, args.world_size, "--world-size",
+                        experts=True)
     return args
 
 
@@ -977,7 +1184,7 @@ def log_step(tag, step, losses, norms, args):
     log(tag, f"step {step:3d}  loss {losses[-1]:.6f}{grad_norm}")
 
 
-def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=None):
+def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=None, moe=None):
     """Rank 0, every tensor whole, in order: --save (written beside, renamed onto it: a full disk
     leaves what was there; init_params: resumed's, if it resumed), a non-finite loss's Stop, the
     validation loss and a sample, --check."""
@@ -988,7 +1195,7 @@ def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=N
         init = [w.float().cpu() for w in init]
         final = [w.detach().float().cpu() for w in final]
         try:
-            names = param_names(args.num_layers)
+            names = param_names(args.num_layers, args.experts)
             torch.save({"config": vars(args), "init_params": dict(zip(names, init)),
                         "final_params": dict(zip(names, final)),
                         "inputs": torch.stack([inputs for inputs, _ in batches]),
@@ -1013,7 +1220,7 @@ def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=N
     if not all(w.isfinite().all() for w in final):   # the last update's: no loss saw them
         raise Stop(f"the weights stopped being finite at the last step's update: --lr "
                    f"{args.lr:g} is too large for this model; try a smaller one")
-    show_language_model([w.detach().float().cpu() for w in final], args)
+    show_language_model([w.detach().float().cpu() for w in final], args, moe=moe)
     if args.check:
         check.finish(final, losses, norms)
 
@@ -1419,7 +1626,7 @@ def baselines():
             -(joint[seen] * given[seen].log()).sum().item())
 
 
-def show_language_model(params, args, rows=256):
+def show_language_model(params, args, rows=256, moe=None):
     """The loss on windows of the validation text, beside the baselines, and a sample that
     continues PROMPT (--sample characters), drawn from --seed, each from the T before it."""
     val_args = argparse.Namespace(**{**vars(args), "batch_size": rows})
@@ -1427,12 +1634,12 @@ def show_language_model(params, args, rows=256):
     head_dim = args.dim // args.heads
     T = args.context
     with torch.no_grad():
-        loss = serial_loss(params, inputs, targets, head_dim)[0].item()
+        loss = serial_loss(params, inputs, targets, head_dim, moe=moe)[0].item()
         context = encode((" " * T + PROMPT)[-T:]).tolist()
         gen = torch.Generator().manual_seed(args.seed)
         for _ in range(args.sample):
             logits = serial_loss(params, torch.tensor([context[-T:]]), torch.zeros(1, T,
-                                 dtype=torch.int64), head_dim)[1]
+                                 dtype=torch.int64), head_dim, moe=moe)[1]
             context.append(torch.multinomial(logits[-1].softmax(dim=0), 1, generator=gen).item())
     uniform, unigram, bigram = baselines()
     print(f"validation loss {loss:.3f} nats a character, on {rows} windows of {T} of "
@@ -1467,7 +1674,7 @@ class SerialCheck:
         self.resumed = resumed
         if self.on:
             self.params = [w.requires_grad_() for w in tensors_of(init_params(args))]
-            self.names = param_names(args.num_layers)
+            self.names = param_names(args.num_layers, args.experts)
             self.head_dim = args.dim // args.heads
             self.optimizer = make_optimizer(self.params, args.optimizer, args.lr)
             if args.resume:
@@ -1485,7 +1692,7 @@ class SerialCheck:
                                                    "exp_avg": state["exp_avg"][j],
                                                    "exp_avg_sq": state["exp_avg_sq"][j]}
 
-    def step(self, weights, grads):
+    def step(self, weights, grads, moe=None):   # moe: serial_loss's, this step's choice
         if not self.on:
             return
         weights, grads = [w.float().cpu() for w in weights], [g.float().cpu() for g in grads]
@@ -1498,7 +1705,7 @@ class SerialCheck:
         self.optimizer.zero_grad()
         record = []
         loss, logits = serial_loss(self.params, *batch, self.head_dim, self.args.bf16,
-                                   record=record)
+                                   record=record, moe=moe)
         terms = gradient_terms(record, logits, batch[1], self.params)
         loss.backward()
         self.losses.append((loss.item(), logits.abs().max().item()))
@@ -1507,7 +1714,8 @@ class SerialCheck:
         spreads = [torch.zeros(()) for _ in want]   # fp32's other orders: ~1e-7, inside 1e-4
         if self.args.bf16:           # bf16's: the same step, summed in another order
             self.optimizer.zero_grad()
-            serial_loss(self.params, *batch, self.head_dim, bf16=True, halves=True)[0].backward()
+            serial_loss(self.params, *batch, self.head_dim, bf16=True, halves=True,
+                        moe=moe)[0].backward()
             spreads = [(w.grad - g).abs().max() / scale.clamp_min(1e-30)
                        for w, g, scale in zip(self.params, want, scales)]
         self.compare("gradients", grads, want, scales, spreads)
@@ -1546,7 +1754,7 @@ class SerialCheck:
         tp_size = config.get("tp") or (config["world_size"] if "tp_style" in config else 1)
         if figure == "losses" or part is None:
             return bf16_tolerance(tp_size, layers_above=L + 1)
-        block = (part - 2) // len(BLOCK_NAMES) + 1            # 0: E and P; L + 1: g and H
+        block = (part - 2) // (len(BLOCK_NAMES) + (self.args.experts > 0)) + 1   # 0: E, P
         return bf16_tolerance(tp_size, layers_above=L + 1 - min(max(block, 0), L + 1))
 
     def finish(self, final, losses, norms):

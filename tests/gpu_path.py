@@ -505,6 +505,9 @@ def main(argv=None):
     ours, theirs = parser.parse_known_args(argv)
     args = gpu_node_args(ours.script, theirs)
     world_size = world_of(ours.script, args)
+    if args.experts:
+        parser.error("--experts: this harness builds no routers; the GPU path of experts is "
+                     "not recorded yet")
     if ours.script == "tensor_parallel" and args.cp > 1:
         parser.error("--cp: this harness builds step 3's ranks without context parallelism; "
                      "record it as three_d --cp")

@@ -1,0 +1,247 @@
+"""Experts (data_parallel.py --experts E --top-k K): the router's and each expert's backward by
+hand against autograd in float64, the defects it must catch, and training against serial training.
+
+- experts_forward and experts_backward at K 1 and 2: y, dn, dWr, dW1 and dW2 equal autograd's of
+  the same choice in float64; an expert no position chose gets a zero gradient. Each defect fails:
+  the softmax's backward without its sum term, dp taken for every expert (not the chosen alone),
+  an expert's dy left unscaled by p_e.
+- The choice: the K largest of p + bias, the lower index on a tie; the bias steers the choice
+  and never the output.
+- Training: --save replays in float64 within 1e-5 (SGD), the routes taken from the run, and the
+  bias moved by the loads of the whole global batch equals the run's final bias; loads counted
+  per replica (no all-reduce) fail that. Balancing lowers the busiest expert's load.
+- Every refusal is one line naming its flag.
+"""
+import argparse
+import math
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data_parallel as dp
+import tensor_parallel as tp
+from common import NO_SAMPLE, init_of
+
+SMALL = ["--num-layers", "2", "--dim", "16", "--heads", "4", "--context", "8", "--batch-size", "8",
+         "--micro-batches", "2", "--steps", "3", "--optimizer", "sgd", "--lr", "0.3", "--seed", "5",
+         *NO_SAMPLE]
+
+
+def weights(E, D, gen):
+    wr = torch.randn(D, E, generator=gen, dtype=torch.float64)
+    w1 = torch.randn(E, D, 4 * D, generator=gen, dtype=torch.float64) / math.sqrt(D)
+    w2 = torch.randn(E, 4 * D, D, generator=gen, dtype=torch.float64) / math.sqrt(4 * D)
+    return wr, w1, w2
+
+
+def autograd_experts(n, wr, w1, w2, chosen):
+    """The same layer under autograd: every expert at every position, weighted by p_e where
+    chosen (the choice given: it is not differentiable)."""
+    p = (n @ wr).softmax(-1)                                          # [b, T, E]
+    weight = torch.zeros_like(p).scatter(-1, chosen.view(*n.shape[:-1], -1), 1.0) * p
+    y = F.gelu(n @ w1[:, None]) @ w2[:, None]                         # [E, b, T, D]
+    return (y * weight.movedim(-1, 0)[..., None]).sum(0)
+
+
+def router_terms(dy, routed, p, every=None):
+    """dp [N, E]: <dy, y_e> where e was chosen (every: for each expert, its outputs [E, N, D])."""
+    g = dy.flatten(0, -2)
+    if every is not None:
+        return (g * every).sum(-1).T
+    dpe = torch.zeros_like(p)
+    for e, (rows, z, u, y_e) in enumerate(routed):
+        dpe[rows, e] = (g[rows] * y_e).sum(-1)
+    return dpe
+
+
+def with_router(dy, stash, wr, w1, w2, ds):
+    """experts_backward's, its router's part (dWr, and ds Wr^T in dn) made from ds instead."""
+    x, p, routed = stash
+    dn, terms = dp.experts_backward(dy, stash, wr, w1, w2)
+    dpe = router_terms(dy, routed, p)
+    right = p * (dpe - (dpe * p).sum(-1, keepdim=True))
+    return dn + ((ds - right) @ wr.T).view_as(dn), [(None, x.T @ ds), *terms[1:]]
+
+
+def without_softmax_sum(dy, stash, wr, w1, w2):   # the defect: ds = p dp
+    x, p, routed = stash
+    return with_router(dy, stash, wr, w1, w2, p * router_terms(dy, routed, p))
+
+
+def dp_for_every_expert(dy, stash, wr, w1, w2):   # the defect: the unchosen's <dy, y_e> too
+    x, p, routed = stash
+    dpe = router_terms(dy, routed, p, every=F.gelu(x @ w1) @ w2)
+    return with_router(dy, stash, wr, w1, w2, p * (dpe - (dpe * p).sum(-1, keepdim=True)))
+
+
+def unscaled_expert_dy(dy, stash, wr, w1, w2):   # the defect: an expert's dy not times p_e
+    x, p, routed = stash
+    dn, terms = dp.experts_backward(dy, (x, torch.ones_like(p), routed), wr, w1, w2)
+    right_dn, right_terms = dp.experts_backward(dy, stash, wr, w1, w2)
+    return dn, [right_terms[0], *terms[1:]]
+
+
+@pytest.mark.parametrize("backward,agrees", [(dp.experts_backward, True),
+                                             (without_softmax_sum, False),
+                                             (dp_for_every_expert, False),
+                                             (unscaled_expert_dy, False)])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_experts_backward_is_autograds_for_the_same_choice(backward, agrees, top_k):
+    gen = torch.Generator().manual_seed(top_k)
+    E, D = 5, 8
+    wr, w1, w2 = weights(E, D, gen)
+    n = torch.randn(3, 7, D, generator=gen, dtype=torch.float64)
+    dy = torch.randn(3, 7, D, generator=gen, dtype=torch.float64)
+    router = dp.Router(E, top_k)
+    router.bias = torch.tensor([0.0, 0.0, 0.0, 0.0, -10.0], dtype=torch.float64)   # e 4: never
+    y, stash = dp.experts_forward(n, wr, w1, w2, router)
+    chosen = router.routes[0]
+    assert chosen.shape == (21, top_k) and not (chosen == 4).any()
+    leaves = [t.clone().requires_grad_() for t in (n, wr, w1, w2)]
+    want = autograd_experts(*leaves, chosen)
+    want.backward(dy)
+    torch.testing.assert_close(y, want.detach(), rtol=1e-12, atol=1e-12)
+    dn, terms = backward(dy, stash, wr, w1, w2)
+    grads = [dn, *(dz for _, dz in terms)]
+    close = [torch.allclose(got, leaf.grad, rtol=1e-10, atol=1e-10)
+             for got, leaf in zip(grads, leaves)]
+    assert all(close) == agrees, close
+    if agrees:
+        assert terms[1][1][4].abs().max() == 0 and terms[2][1][4].abs().max() == 0   # unchosen
+
+
+def test_the_choice_is_the_k_largest_of_p_plus_bias_the_lower_index_on_a_tie():
+    router = dp.Router(4, 2)
+    p = torch.tensor([[0.1, 0.4, 0.4, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    assert router.choose(p).tolist() == [[1, 2], [0, 1]]
+    router.bias = torch.tensor([0.0, 0.0, 0.0, 0.5])
+    assert router.choose(p).tolist() == [[3, 1], [3, 0]]
+    assert router.loads.tolist() == [2, 3, 1, 2]                     # K a position, both calls
+
+
+def test_the_bias_steers_the_choice_never_the_output():
+    gen = torch.Generator().manual_seed(0)
+    wr, w1, w2 = weights(3, 8, gen)
+    n = torch.randn(1, 4, 8, generator=gen, dtype=torch.float64)
+    router = dp.Router(3, 1)
+    y, (_, p, _) = dp.experts_forward(n, wr, w1, w2, router)
+    router.bias = torch.tensor([5.0, 0.0, 0.0], dtype=torch.float64)   # every position: e 0
+    y0, _ = dp.experts_forward(n, wr, w1, w2, router)
+    expert0 = F.gelu(n @ w1[0]) @ w2[0]
+    torch.testing.assert_close(y0, p[:, 0].view(1, 4, 1) * expert0)  # weighted by p_0, not bias
+
+
+def replay64(result):
+    """A --save result's SGD steps again in float64 under autograd, each step's routes the run's;
+    each layer's bias moved by the loads of those routes over the whole batch (float32, as the
+    run's): (losses, final params, final bias)."""
+    config = argparse.Namespace(**result["config"])
+    params = [w.double().requires_grad_() for w in init_of(result)]
+    bias = result["init_bias"].clone()
+    losses = []
+    for step in range(config.steps):
+        routes = result["routes"][step]                              # [L, B, T, K]
+        moe = (config.top_k, bias.double(), routes)
+        loss, _ = dp.serial_loss(params, result["inputs"][step], result["targets"][step],
+                                 config.dim // config.heads, moe=moe)
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            for w in params:
+                w -= config.lr * w.grad
+                w.grad = None
+        for layer in range(config.num_layers):
+            load = torch.bincount(routes[layer].flatten(), minlength=config.experts).float()
+            bias[layer] += config.balance_rate * torch.sign(load.mean() - load)
+    return losses, [w.detach() for w in params], bias
+
+
+def train(tmp_path, flags):
+    save = tmp_path / "run.pt"
+    dp.main([*SMALL, "--save", str(save), *flags])
+    return torch.load(save)
+
+
+def assert_replays(result):
+    losses, final, bias = replay64(result)
+    torch.testing.assert_close(torch.tensor(result["losses"], dtype=torch.float64),
+                               torch.tensor(losses, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    for got, want in zip(result["final_params"].values(), final):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(result["final_bias"], bias)
+
+
+@pytest.mark.deadline(90)
+@pytest.mark.parametrize("flags", [
+    ["--world-size", "2", "--experts", "4", "--top-k", "1"],
+    ["--world-size", "2", "--experts", "4", "--top-k", "2", "--balance-rate", "0.05"],
+    ["--world-size", "4", "--experts", "3", "--top-k", "2", "--micro-batches", "1"],
+    ["--world-size", "2", "--experts", "4", "--top-k", "2", "--recompute", "--zero", "3"]])
+def test_training_with_experts_replays_in_float64(tmp_path, flags):
+    result = train(tmp_path, flags)
+    config = result["config"]
+    assert (config["experts"], config["top_k"]) == (int(flags[3]), int(flags[5]))
+    names = list(result["final_params"])
+    assert names[2:11] == [f"blocks.0.{name}" for name in
+                           ("norm1", "wq", "wk", "wv", "wo", "norm2", "router", "w1", "w2")]
+    E, D = config["experts"], config["dim"]
+    assert result["final_params"]["blocks.1.w1"].shape == (E, D, 4 * D)
+    assert result["final_params"]["blocks.1.w2"].shape == (E, 4 * D, D)
+    assert result["routes"].shape == (3, 2, 8, 8, config["top_k"])   # steps, L, B, T, K
+    assert result["init_bias"].shape == result["final_bias"].shape == (2, E)
+    assert_replays(result)
+
+
+@pytest.mark.deadline(90)
+def test_loads_counted_per_replica_move_the_bias_apart_from_the_whole_batchs(tmp_path):
+    """The defect: each replica's bias moved by its own loads (no all-reduce). The replicas'
+    biases differ, and rank 0's is not what the whole batch's loads give."""
+    def own_loads(routers, rate, group=None):
+        loads = torch.stack([router.loads for router in routers])
+        for router, load in zip(routers, loads):
+            router.bias += rate * torch.sign(load.mean() - load)
+            router.loads.zero_()
+        return loads
+    flags = ["--world-size", "2", "--experts", "4", "--top-k", "1", "--balance-rate", "0.05"]
+    with mock.patch.object(dp, "balance", own_loads):
+        result = train(tmp_path, flags)
+    with pytest.raises(AssertionError):
+        assert_replays(result)
+
+
+@pytest.mark.deadline(120)
+def test_balancing_lowers_the_busiest_experts_load(tmp_path, capfd):
+    """30 steps at E 8, top-1, with the bias off and on: the loads summed over training, the
+    busiest expert over the mean, printed each run; lower with it on, in every layer."""
+    ratios = {}
+    for rate in ("0", "0.02"):
+        dp.main([*SMALL, "--world-size", "2", "--experts", "8", "--steps", "30", "--lr", "0.05",
+                 "--balance-rate", rate, "--save", str(tmp_path / f"{rate}.pt")])
+        line = next(line for line in capfd.readouterr().out.splitlines()
+                    if line.startswith("experts' loads"))
+        ratios[rate] = [float(r) for r in line.split(":")[1].split("(")[0].split()]
+        loads = torch.load(tmp_path / f"{rate}.pt")["loads"]
+        assert [round((load.max() / load.mean()).item(), 2) for load in loads] == ratios[rate]
+    assert all(on < off for on, off in zip(ratios["0.02"], ratios["0"])), ratios
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--experts", "-1"], "--experts -1: expected 0"),
+    (["--experts", "2", "--top-k", "3"], "--top-k 3: more than --experts 2"),
+    (["--top-k", "2"], "--top-k 2: needs --experts"),
+    (["--experts", "2", "--balance-rate", "1.5"], "--balance-rate 1.5"),
+    (["--experts", "2", "--checkpoint", "ck"], "--checkpoint, --resume: not with --experts")])
+def test_experts_refuse_in_one_line(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        dp.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+def test_the_other_steps_refuse_experts_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tp.parse_args(["--experts", "4"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--experts 4: only data_parallel.py" in err, err
