@@ -367,7 +367,9 @@ def test_the_readmes_plan_is_what_the_command_prints(capsys):
     (a change to the pricing changes the README with it)."""
     with open(f"{REPO}/README.md") as f:
         readme = f.read()
-    command, shown = re.search(r"\n\$ python three_d.py (--plan .*)\n((?:.*\n)*?)```", readme).groups()
+    command, shown = next(found.groups() for found in re.finditer(
+        r"\n\$ python three_d.py (--plan .*)\n((?:.*\n)*?)```", readme)
+        if "--cp" not in found.group(1))   # (the 16,384 GPUs' cp plan takes 25 s: not here)
     assert "layout" in shown and len(shown.splitlines()) >= 4
     assert shown in run_plan(command.split()[1:], capsys)
 
