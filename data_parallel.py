@@ -48,6 +48,8 @@ import torch.nn.functional as F
 
 from collectives import cleanup, log, run_main, setup, spawn
 
+# Part 1: the model, and its backward by hand ------------------------------------------------------
+
 EPS = 1e-5                                    # rmsnorm's, as nn.RMSNorm(D, eps=1e-5)
 
 
@@ -200,9 +202,93 @@ def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE, rou
     return dx, [(None, dg1), (n1, dq), (n1, dk), (n1, dv), (o, dy1), (None, dg2), *mlp]
 
 
+def embedding_forward(tokens, w, recompute=False):
+    e, p = w
+    return e[tokens] + p, (tokens,)           # [b, T, D]: each token's row, and its position's
+
+
+def embedding_backward(g, stash, w, need_dx=False):
+    """dE[tokens] += g, dP[t] += g[:, t]: each as (ids, rows) for the replica's index_add_."""
+    tokens, = stash
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    return None, [(tokens, g), (positions, g)]
+
+
+def head_forward(x, w, recompute=False, split=WHOLE):
+    gain, h = w
+    n, r = rmsnorm(x, gain)
+    n = split.enter(n)                        # [b, T, D]
+    return n.flatten(0, 1) @ h, (x, n, r)     # logits = n H   [b T, V]: a row a position
+
+
+def head_backward(dlogits, stash, w, need_dx=True, split=WHOLE):
+    gain, h = w
+    x, n, r = stash
+    dn = split.f_back((dlogits @ h.T).view_as(n))   # [b, T, D]
+    dx, dgain = rmsnorm_backward(dn, x, r, gain)
+    return dx, [(None, dgain), (n, dlogits)]
+
+
+def cross_entropy(logits, y, n):
+    """The loss sum -log softmax(logits)[y] / n and dlogits = (softmax - onehot(y)) / n, fp32"""
+    y = y.reshape(-1)
+    log_p = wide(logits).log_softmax(dim=1)               # [b T, V]
+    dlogits = log_p.exp().scatter_add_(1, y[:, None], -torch.ones_like(log_p[:, :1]))
+    return -log_p.gather(1, y[:, None]).sum() / n, (dlogits / n).to(logits.dtype)
+
+
+def init_params(args):
+    """The parts: [E, P], each block's [g1, Wq, Wk, Wv, Wo, g2, W1, W2], [g, H], drawn in that
+    order from one generator: every rank draws them alike and keeps its part (at scale: a
+    generator per shard, or the meta device). A matrix [n, _]: randn / sqrt(n); gains: 1."""
+    D, V, T = args.dim, args.vocab_size, args.context
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def matrix(rows, cols):
+        return torch.randn(rows, cols, generator=gen) / math.sqrt(rows)
+    parts = [[torch.randn(V, D, generator=gen), torch.randn(T, D, generator=gen)]]
+    E = args.experts
+    for _ in range(args.num_layers):
+        attention = [torch.ones(D), matrix(D, D), matrix(D, D), matrix(D, D), matrix(D, D)]
+        mlp = [matrix(D, 4 * D), matrix(4 * D, D)]
+        if E:   # Wr [D, E], W1 [E, D, 4D], W2 [E, 4D, D]: each expert's drawn in turn
+            experts = [matrix(D, 4 * D) for _ in range(E)], [matrix(4 * D, D) for _ in range(E)]
+            mlp = [matrix(D, E), torch.stack(experts[0]), torch.stack(experts[1])]
+        parts.append([*attention, torch.ones(D), *mlp])
+    parts.append([torch.ones(D), matrix(D, V)])
+    return parts
+
+
+def make_batch(args, step, text=None):
+    """The step's B windows of T + 1 characters of the training text, at offsets every rank draws
+    alike from (--seed, step): inputs [B, T], targets [B, T], each position's next character."""
+    if text is None:
+        text = text_part("training")
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    starts = torch.randint(len(text) - args.context, (args.batch_size,), generator=gen)
+    windows = text[starts[:, None] + torch.arange(args.context + 1)]   # [B, T + 1]
+    return windows[:, :-1], windows[:, 1:]
+
+
+def replica_rows(batch_size, dp_rank, dp_size):   # by its dp rank, never the global rank (3D)
+    per_replica = batch_size // dp_size
+    return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
+
+
+def model_blocks(num_layers, head_dim, routers=None):   # the parts, each a Block: [E, P],
+    blocks = [Block(partial(block_forward, head_dim=head_dim, router=router),    # blocks, [g, H]
+                    partial(block_backward, head_dim=head_dim, router=router))
+              for router in routers or [None] * num_layers]
+    return [Block(embedding_forward, embedding_backward), *blocks,
+            Block(head_forward, head_backward)]
+
+
+# Part 2: experts ----------------------------------------------------------------------------------
+
 # Experts (--experts E, --top-k K): the MLP as E experts and a router (DeepSeek-V3's balance).
 #   forward   p = softmax(n Wr) [N, E] in fp32, N = b T positions; each takes the K largest of
-#             p + bias (ties: the lower index); y = sum over its K experts of p_e gelu(n W1[e]) W2[e]
+#             p + bias (ties: the lower index); y = sum over its K experts e of
+#             p_e gelu(n W1[e]) W2[e]
 #   backward  an expert's as the MLP's over its own positions, dy scaled by p_e. The router's
 #             through p alone: dp_e = <dy, y_e> for a chosen e, 0 for the rest; then softmax's,
 #             ds = p (dp - sum_e dp_e p_e), dWr = n^T ds, dn += ds Wr^T. The choice is a step of
@@ -277,86 +363,7 @@ def balance(routers, rate, group=None):
     return loads
 
 
-def embedding_forward(tokens, w, recompute=False):
-    e, p = w
-    return e[tokens] + p, (tokens,)           # [b, T, D]: each token's row, and its position's
-
-
-def embedding_backward(g, stash, w, need_dx=False):
-    """dE[tokens] += g, dP[t] += g[:, t]: each as (ids, rows) for the replica's index_add_."""
-    tokens, = stash
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    return None, [(tokens, g), (positions, g)]
-
-
-def head_forward(x, w, recompute=False, split=WHOLE):
-    gain, h = w
-    n, r = rmsnorm(x, gain)
-    n = split.enter(n)                        # [b, T, D]
-    return n.flatten(0, 1) @ h, (x, n, r)     # logits = n H   [b T, V]: a row a position
-
-
-def head_backward(dlogits, stash, w, need_dx=True, split=WHOLE):
-    gain, h = w
-    x, n, r = stash
-    dn = split.f_back((dlogits @ h.T).view_as(n))   # [b, T, D]
-    dx, dgain = rmsnorm_backward(dn, x, r, gain)
-    return dx, [(None, dgain), (n, dlogits)]
-
-
-def cross_entropy(logits, y, n):
-    """The loss sum -log softmax(logits)[y] / n and dlogits = (softmax - onehot(y)) / n, fp32"""
-    y = y.reshape(-1)
-    log_p = wide(logits).log_softmax(dim=1)               # [b T, V]
-    dlogits = log_p.exp().scatter_add_(1, y[:, None], -torch.ones_like(log_p[:, :1]))
-    return -log_p.gather(1, y[:, None]).sum() / n, (dlogits / n).to(logits.dtype)
-
-
-def init_params(args):
-    """The parts: [E, P], each block's [g1, Wq, Wk, Wv, Wo, g2, W1, W2], [g, H], drawn in that
-    order from one generator: every rank draws them alike and keeps its part (at scale: a
-    generator per shard, or the meta device). A matrix [n, _]: randn / sqrt(n); gains: 1."""
-    D, V, T = args.dim, args.vocab_size, args.context
-    gen = torch.Generator().manual_seed(args.seed)
-
-    def matrix(rows, cols):
-        return torch.randn(rows, cols, generator=gen) / math.sqrt(rows)
-    parts = [[torch.randn(V, D, generator=gen), torch.randn(T, D, generator=gen)]]
-    E = getattr(args, "experts", 0)           # (a config from before experts: dense)
-    for _ in range(args.num_layers):
-        attention = [torch.ones(D), matrix(D, D), matrix(D, D), matrix(D, D), matrix(D, D)]
-        mlp = [matrix(D, 4 * D), matrix(4 * D, D)]
-        if E:   # Wr [D, E], W1 [E, D, 4D], W2 [E, 4D, D]: each expert's drawn in turn
-            experts = [matrix(D, 4 * D) for _ in range(E)], [matrix(4 * D, D) for _ in range(E)]
-            mlp = [matrix(D, E), torch.stack(experts[0]), torch.stack(experts[1])]
-        parts.append([*attention, torch.ones(D), *mlp])
-    parts.append([torch.ones(D), matrix(D, V)])
-    return parts
-
-
-def make_batch(args, step, text=None):
-    """The step's B windows of T + 1 characters of the training text, at offsets every rank draws
-    alike from (--seed, step): inputs [B, T], targets [B, T], each position's next character."""
-    if text is None:
-        text = text_part("training")
-    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    starts = torch.randint(len(text) - args.context, (args.batch_size,), generator=gen)
-    windows = text[starts[:, None] + torch.arange(args.context + 1)]   # [B, T + 1]
-    return windows[:, :-1], windows[:, 1:]
-
-
-def replica_rows(batch_size, dp_rank, dp_size):   # by its dp rank, never the global rank (3D)
-    per_replica = batch_size // dp_size
-    return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
-
-
-def model_blocks(num_layers, head_dim, routers=None):   # the parts, each a Block: [E, P],
-    blocks = [Block(partial(block_forward, head_dim=head_dim, router=router),    # blocks, [g, H]
-                    partial(block_backward, head_dim=head_dim, router=router))
-              for router in routers or [None] * num_layers]
-    return [Block(embedding_forward, embedding_backward), *blocks,
-            Block(head_forward, head_backward)]
-
+# Part 3: data parallelism, and ZeRO ---------------------------------------------------------------
 
 def dp_step(replica, blocks, loss_fn, xs, ys, n, recompute=False):
     """One replica's step on micro-batches xs, ys [B/(d m), T] of tokens: its loss (n positions)."""
@@ -619,7 +626,9 @@ def dp_worker(rank, world_size, args):
     losses = []
     norms = []
     check = SerialCheck(args, resumed)
-    routers = make_routers(args, device)               # --experts: each block's
+    routers = None
+    if args.experts:                                   # each block's
+        routers = [Router(args.experts, args.top_k, device) for _ in range(args.num_layers)]
     moe = MoE(args, routers)
     for step in range(args.start_step, args.steps):
         inputs, targets = (t[rows].to(device) for t in make_batch(args, step))   # the text's
@@ -856,7 +865,8 @@ def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False, rec
         p = logits.softmax(-1)
         top_k, biases, routes = moe
         if routes is None:
-            chosen = (p + biases[layer]).sort(dim=-1, descending=True, stable=True).indices[..., :top_k]
+            order = (p + biases[layer]).sort(dim=-1, descending=True, stable=True).indices
+            chosen = order[..., :top_k]
         else:
             chosen = routes[layer]
         weight = torch.zeros_like(p).scatter(-1, chosen, 1.0) * p   # p_e where chosen, else 0
@@ -966,12 +976,6 @@ def finish_replicas(replica, args, init, losses, check, norms, resumed, moe=None
             extra.update(moe.saved())
         finish_run(args, init, weights, losses, check, norms, resumed, extra=extra,
                    moe=moe and moe.final())
-
-
-def make_routers(args, device):     # --experts: each block's Router, else None
-    if not args.experts:
-        return None
-    return [Router(args.experts, args.top_k, device) for _ in range(args.num_layers)]
 
 
 class MoE:

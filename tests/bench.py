@@ -804,7 +804,7 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     p, stage = num_stages, rank
     model = SimpleNamespace(num_layers=2 * p, dim=dim, heads=8, context=8, vocab_size=data_parallel.VOCAB_SIZE,
-                            seed=0, optimizer="sgd", lr=0.0, bf16=False, recompute=False)   # two blocks a stage
+                            seed=0, optimizer="sgd", lr=0.0, bf16=False, recompute=False, experts=0)   # two blocks a stage
     table = []
     for m in micro_batches:
         batch = data_parallel.make_batch(SimpleNamespace(**vars(model), batch_size=m * rows), step=m)

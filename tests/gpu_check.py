@@ -159,7 +159,7 @@ def join_alone(device, folder):
 def side(name, flags, m, device):
     """A step on the batch of step 0: ours, data_parallel.py's (DataParallel, bf16 on fp32
     masters, AdamW), or PyTorch's (TorchLM under autocast, AdamW fused off the CPU)."""
-    args = argparse.Namespace(**flags, vocab_size=data_parallel.VOCAB_SIZE, seed=0)
+    args = argparse.Namespace(**flags, vocab_size=data_parallel.VOCAB_SIZE, seed=0, experts=0)
     init = data_parallel.init_params(args)
     tokens, targets = (t.to(device) for t in data_parallel.make_batch(args, 0))
     n = tokens.numel()                    # the batch's positions

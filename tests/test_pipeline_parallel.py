@@ -469,7 +469,8 @@ DIRECT_CASES = [(schedule, m) for schedule in SCHEDULES[:3] for m in (1, 3, 6)] 
 
 def direct_args(num_layers, batch_size):
     return argparse.Namespace(num_layers=num_layers, dim=DIRECT["dim"], heads=DIRECT["heads"], context=DIRECT["context"],
-                              batch_size=batch_size, seed=DIRECT["seed"], vocab_size=dp.VOCAB_SIZE)
+                              batch_size=batch_size, seed=DIRECT["seed"], vocab_size=dp.VOCAB_SIZE,
+                              experts=0)
 
 
 def direct_worker(rank, world_size, out_dir):

@@ -229,7 +229,8 @@ def test_the_model_is_torchs_layers_from_embedding_to_loss():
     """Step 2's parts end to end (dp_step's order, by hand) against serial_loss under autograd:
     the loss and every tensor's gradient."""
     import argparse
-    args = argparse.Namespace(dim=8, heads=2, context=5, vocab_size=11, num_layers=2, seed=3)
+    args = argparse.Namespace(dim=8, heads=2, context=5, vocab_size=11, num_layers=2, seed=3,
+                              experts=0)
     parts = dp.init_params(args)
     params = [w.double().requires_grad_() for w in dp.tensors_of(parts)]
     tokens = torch.randint(11, (3, 5))
