@@ -60,6 +60,7 @@ def serial_train(args):
                                serial_loss, tensors_of)
     if "vocab_size" not in vars(args):
         args.vocab_size = VOCAB_SIZE
+    assert not vars(args).setdefault("experts", 0), "experts: tests/test_experts.py replays them"
     params = [w.requires_grad_() for w in tensors_of(init_params(args))]
     optimizer = make_optimizer(params, args.optimizer, args.lr)
     losses, norms, first_grads = [], [], None

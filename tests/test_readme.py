@@ -1,0 +1,28 @@
+"""The README's claims that a command prints, held to what runs (the make 3d sample: .ci/run
+holds it to a whole run with tests/readme_sample.py; here, that checker itself)."""
+import readme_sample
+
+
+def as_printed(sample):   # the README's lines, each "..." two lines of a run's in its place
+    printed = []
+    for line in sample:
+        if line.strip() == "...":
+            printed += ["[dp0 pp1 tp0] step   1  loss 4.1", "[dp0 pp1 tp0] step   2  loss 4.0"]
+        else:
+            printed.append(line)
+    return printed
+
+
+def test_the_make_3d_sample_passes_as_printed_and_fails_with_a_line_dropped_unsaid():
+    sample = readme_sample.shown()
+    assert sample[0] == readme_sample.START and "check OK" in sample
+    printed = as_printed(sample)
+    assert readme_sample.mismatch(sample, printed) is None
+    other_numbers = [line.replace("1.9", "1.8") for line in printed]   # another CPU's rounding
+    assert readme_sample.mismatch(sample, other_numbers) is None
+    for dropped in ("loss 4.930123 -> 1.981530 over 180 steps", "check OK"):
+        assert readme_sample.mismatch(sample, [line for line in printed if line != dropped]) \
+            is not None
+    at = next(k for k, line in enumerate(printed) if line.startswith("validation loss")) + 1
+    extra = printed[:at] + ["a line the README does not show"] + printed[at:]
+    assert readme_sample.mismatch(sample, extra) is not None
