@@ -232,9 +232,11 @@ def head_backward(dlogits, stash, w, need_dx=True, split=WHOLE):
 def cross_entropy(logits, y, n):
     """The loss sum -log softmax(logits)[y] / n and dlogits = (softmax - onehot(y)) / n, fp32"""
     y = y.reshape(-1)
+    rows = torch.arange(len(y), device=y.device)
     log_p = wide(logits).log_softmax(dim=1)               # [b T, V]
-    dlogits = log_p.exp().scatter_add_(1, y[:, None], -torch.ones_like(log_p[:, :1]))
-    return -log_p.gather(1, y[:, None]).sum() / n, (dlogits / n).to(logits.dtype)
+    dlogits = log_p.exp()                                 # softmax
+    dlogits[rows, y] -= 1.0                               # - onehot(y)
+    return -log_p[rows, y].sum() / n, (dlogits / n).to(logits.dtype)
 
 
 def init_params(args):
@@ -1231,12 +1233,12 @@ def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=N
 
 # Checkpoints: --checkpoint DIR, --checkpoint-every N, --resume DIR. A run's state is its step
 # (which, with --seed, decides the data: make_batch draws step s's windows from them alone), the
-# fp32 parameters and AdamW's two moments and step count. No rank gathers it: each writes the
-# pieces it holds, each with its place in the whole, and each reads back the pieces that overlap
-# what it will hold, at whatever layout the resumed run has. Our tp shards are boxes of the whole
-# (shard_box); ZeRO's flat buckets are no DTensor layout at all, and a replica's range of a
-# bucket is mapped back to boxes (range_boxes). torch.distributed.checkpoint (DCP) does the same
-# for DTensors; with DTensor, use DCP. Each function here, as DCP names its role:
+# fp32 parameters and AdamW's two moments and step count. No rank gathers it: each piece is
+# written once, by a rank that holds it, with its place in the whole, and each rank reads back the
+# pieces that overlap what it will hold, at whatever layout the resumed run has. Our tp shards are
+# boxes of the whole (shard_box); ZeRO's flat buckets are no DTensor layout at all, and a
+# replica's range of a bucket is mapped back to boxes (range_boxes). torch.distributed.checkpoint
+# (DCP) does the same for DTensors; with DTensor, use DCP. Each function here, as DCP names it:
 #   held_pieces                   the planner's local plan: what this rank writes or reads
 #   gather_index, the marker      the global plan, saved as .metadata (complete.json here)
 #   write_pieces, read_pieces     the storage writer and reader (FileSystemWriter, -Reader)
@@ -1666,7 +1668,7 @@ class SerialCheck:
     whole runs drift apart: chaotic training, AdamW's eps). Each figure, and its tolerance:
       gradients  each tensor's difference over its terms (gradient_terms), within 1e-4 (bf16:
                  bf16_tolerance) plus ten times what another summation order moves (bf16's);
-      losses     over L + 2 max |logits|: logits within tol m move the cross-entropy <= 2 tol m;
+      losses     over loss + 2 max |logits|: logits within tol m move the cross-entropy <= 2 tol m;
       weights    the optimizer's step on this run's gradients against its next weights, 2^-20.
     Rank 0 alone computes; step() takes what every rank gathered (None off rank 0)."""
 
@@ -1778,7 +1780,7 @@ class SerialCheck:
             share, difference, tolerance, where = self.worst[figure]
             print(f"  {figure:<23} largest difference {difference:.2e}  tolerance {tolerance:.1e}"
                   f"  {'ok' if share <= 1 else 'FAILED'}{where}", flush=True)     # nan: FAILED
-        print("  (of each tensor's terms |x|^T |dz|; of L + 2 max |logits|; of its largest)",
+        print("  (of each tensor's terms |x|^T |dz|; of the loss + 2 max |logits|; of its largest)",
               flush=True)
         if not all(share <= 1 for share, *_ in self.worst.values()):
             raise Stop("check FAILED: this run differs from serial autograd training (see above)")

@@ -11,11 +11,11 @@ exercise", and "Not handled: overlapping communication/computation to eliminate 
 This step adds both: the backward across stages, and schedules that keep several stages busy at
 once, as data: per stage, a list of actions that one runner executes, printed, tested and drawn.
 
-    stage s of p owns layers [s L/p, (s+1) L/p); stage 0 the embedding (it reads the tokens
-    [B/m, k]), stage p-1 the head and the loss (it reads the targets [B/m])
-    F(i) on stage s: receive x_i [B/m, D] from s-1, run its parts, send a_i to s+1
+    stage s of p owns blocks [s L/p, (s+1) L/p); stage 0 the embedding (it reads the tokens
+    [B/m, T]), stage p-1 the final norm, the head and the loss (it reads the targets [B/m, T])
+    F(i) on stage s: receive x_i [B/m, T, D] from s-1, run its parts, send its output to s+1
     B(i) on stage s: receive g_i from s+1, run its parts' backward (dW summed over
-                     micro-batches), send dL/dx_i to s-1; one [B/m, D] each way
+                     micro-batches), send dL/dx_i to s-1; one [B/m, T, D] each way
 
 1F1B at p = 3, m = 4, as build_schedule() writes it: [a>0] sends activation 0 on, [>a0]
 receives it, [<g0] sends gradient 0 back, [g<0] receives it; brackets post together.
@@ -172,8 +172,8 @@ def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1,
     """Stage s's costs a step: the bubble, the idle share for stages of equal speed and free
     communication (GPipe, 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v m+p-1); ZB-H1, for times
     (T_F, T_B, T_W): (p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W)), or none);
-    its stash at its largest: kept_bytes a micro-batch between its F and B (a chunk's (x, z) a
-    layer, --recompute: x), waiting_bytes between B and W ((x, dz)); its sends, act_bytes each."""
+    its stash at its largest: kept_bytes a micro-batch between its F and B (a chunk's blocks'
+    stashes, --recompute: x), waiting_bytes between B and W ((x, dz)); its sends, act_bytes each."""
     p, s, m, v = num_stages, stage, num_micro_batches, num_chunks
     t_f, t_b, t_w = times
     bubble = (p - 1) / (v * m + p - 1)
@@ -201,7 +201,7 @@ def stage_parts(num_layers, num_stages, stage, num_chunks=1, chunk=0):
 class Stage:
     """A stage's parts (a chunk's): replica, step 2's holder of weights and gradients; layers,
     their indices in it; blocks, each's forward and backward (3D: step 3's). A micro-batch keeps
-    each part's stash from its F to its B: a layer's (x, z), or x alone with --recompute."""
+    each part's stash from its F to its B: a block's 16 [b, T, D] and lse, or x (--recompute)."""
 
     def __init__(self, replica, layers, *, blocks, first, last, num_micro_batches, mean_over=1,
                  loss_fn=cross_entropy, recompute=False, before_exchange=None):
@@ -293,7 +293,7 @@ def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, gr
                 peer = next_rank if kind in (SEND_ACT, RECV_GRAD) else prev_rank
                 if kind in (RECV_ACT, RECV_GRAD):
                     received[key] = torch.empty(buffer_shape, dtype=stages[0].replica.dtype,
-                                                device=stages[0].replica.device)   # [b, D]
+                                                device=stages[0].replica.device)   # [b, T, D]
                     ops.append(dist.P2POp(dist.irecv, received[key], peer, group))
                 else:
                     ops.append(dist.P2POp(dist.isend, to_send.pop(key), peer, group))

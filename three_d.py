@@ -19,9 +19,9 @@ Nothing new is computed here: this file composes the blocks of steps 2-4.
   DP group (with --zero, sharded over the replicas), and the optimizer steps.
 What is new is the rank map: which ranks form each group. From-scratch 3D code often
 hard-codes it for 8 ranks; rank_groups() derives it for any sizes and nesting order. And a
-stopped run resumes at any layout: --checkpoint has each rank write the pieces it holds, each
-with its place in the whole (its tp box: shard_box; its range of a ZeRO bucket), --resume
-each read what overlaps its own (data_parallel.py, below its fold: DCP's way, by hand).
+stopped run resumes at any layout: --checkpoint has each piece written once, by the rank that
+holds it (replica 0's, or each replica's range of a ZeRO bucket; its tp box: shard_box), and
+--resume has each rank read what overlaps its own (data_parallel.py, below its fold: DCP's way).
 
 What PyTorch gives you: a DeviceMesh of shape (dp, pp, tp) with pipelining over pp,
 ColwiseParallel over tp, and FSDP2 or DDP over dp (tests/bench.py races it against this).
@@ -412,7 +412,7 @@ def show_rank_map(dp, pp, tp, order, args=None, chunks=1, cp=1):
 
 
 # --plan: which layout? Each layout of --world-size GPUs priced as the code runs it: each
-# part's matmuls by step 3's layer_matmuls() (tests/gpu_path.py records a rank's on the meta
+# part's matmuls by step 3's block_matmuls() (tests/gpu_path.py records a rank's on the meta
 # device), its collectives, sends and memory by three_d_costs(), on a GPU's published figures.
 
 # Each GPU's figures, with their sources. The datasheets: H100 https://www.nvidia.com/en-us/

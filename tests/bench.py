@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import warnings
 from types import SimpleNamespace
@@ -1221,7 +1222,7 @@ def parse(argv):
                    "--optimizer and the launch flags")
         return functools.partial(memory_table, args)
     if what == "bubble-table":
-        sizes = dict(dim=1024, rows=64, steps=5)
+        sizes = dict(dim=512, rows=32, steps=3)   # within two minutes here (D 1024: over five)
         return lambda: print_bubble_table(bubble_table(**sizes), **sizes)
     if what == "count-comm":
         import comm_count
@@ -1257,8 +1258,28 @@ def bench_collectives(args):
     print_startup(startup_race(8, repeats=3), 8, repeats=3)
 
 
+HEARTBEAT_S = 50   # no bench line is silent for a minute: the user can tell slow from hung
+
+
+def heartbeat(what, every=HEARTBEAT_S):
+    """A daemon thread that says, every `every` seconds, that `what` still runs (os.write: no
+    Python lock that a forked rank could inherit held)."""
+    start = time.monotonic()
+
+    def beat():
+        while True:
+            time.sleep(every)
+            os.write(2, f"  tests/bench.py {what}: still running, {time.monotonic() - start:.0f} s\n"
+                     .encode())
+    threading.Thread(target=beat, daemon=True).start()
+
+
 def main(argv):
-    parse(argv)()
+    run = parse(argv)                  # the door first: a refusal prints nothing else
+    what = " ".join(argv[:1])
+    print(f"tests/bench.py {' '.join(argv)}", flush=True)
+    heartbeat(what)
+    run()
 
 
 if __name__ == "__main__":
