@@ -42,6 +42,8 @@ import warnings
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import math
 from functools import partial
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -151,6 +153,22 @@ class Whole:
 WHOLE = Whole()
 
 
+class BlockStash(NamedTuple):   # what a block keeps from its forward for its backward
+    x: torch.Tensor        # [b, T, D], its input
+    n1: torch.Tensor       # rmsnorm(x; g1), and r1 [b, T, 1]
+    r1: torch.Tensor
+    q: torch.Tensor        # [b, T, D/t] each: this rank's heads
+    k: torch.Tensor
+    v: torch.Tensor
+    lse: torch.Tensor      # [b, h/t, T], fp32: A made again from it
+    o: torch.Tensor        # the heads' output (gathered, where step 3 gathers it)
+    x2: torch.Tensor       # x + y1, the residual
+    n2: torch.Tensor       # rmsnorm(x2; g2), and r2
+    r2: torch.Tensor
+    z: object              # n2 W1 [b, T, 4D/t] (--experts: the experts' stash)
+    u: torch.Tensor        # gelu(z) (--experts: None)
+
+
 def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE, router=None, count=True):
     """x [b, T, D] -> x + attention + MLP [b, T, D] (router: experts'), and the block's stash."""
     g1, wq, wk, wv, wo, g2 = w[:6]
@@ -160,43 +178,51 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE, router=None
     q, k, v = (n1 @ w for w in (wq, wk, wv))  # [b, T, D/t]: whole heads, this rank's
     o, lse = split.attend(q, k, v, head_dim)  # [b, T, D/t], lse [b, h/t, T]: no A kept
     o = split.gather(o)
-    x2 = x + split.out(o @ wo)                # the residual
+    y1 = split.out(o @ wo)                    # [b, T, D]
+    x2 = x + y1                               # the residual
     n2, r2 = rmsnorm(x2, g2)
     n2 = split.enter(n2)
     if router is not None:                    # z: the experts' stash
-        y, z = experts_forward(n2, *w[6:], router, count)
+        y2, z = experts_forward(n2, *w[6:], router, count)
         u = None
-        out = x2 + y
     else:
         z = n2 @ w1                           # [b, T, 4D/t]
         u = split.gather(F.gelu(z))
-        out = x2 + split.out(u @ w2)
+        y2 = split.out(u @ w2)
+    out = x2 + y2
     if recompute:
         return out, (x,)
-    return out, (x, n1, r1, q, k, v, lse, o, x2, n2, r2, z, u)
+    return out, BlockStash(x, n1, r1, q, k, v, lse, o, x2, n2, r2, z, u)
+
+
+def gelu_backward(du, z):   # dz = du gelu'(z), gelu'(z) = Phi(z) + z phi(z) (erf's), one pass
+    return torch.ops.aten.gelu_backward(du, z)
 
 
 def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE, router=None):
-    """dx [b, T, D] from dout, and each weight's (x, dz): gains' ready, (None, dg)."""
+    """dx [b, T, D] from dout, and each weight's (x, dz), in w's order: gains' ready, (None, dg)."""
     g1, wq, wk, wv, wo, g2 = w[:6]
     w1, w2 = w[-2:]
-    if len(stash) == 1:                       # --recompute: the forward again, from x
+    if not isinstance(stash, BlockStash):     # --recompute: the forward again, from x
         stash = block_forward(stash[0], w, head_dim=head_dim, split=split, router=router,
                               count=False)[1]
     x, n1, r1, q, k, v, lse, o, x2, n2, r2, z, u = stash
-    dy2 = split.out_back(dout)                # W2's output's gradient
+    dy2 = split.out_back(dout)                # out = x2 + y2: y2's gradient
     if router is not None:
         dn2, mlp = experts_backward(dy2, z, *w[6:])
     else:
-        dz = torch.ops.aten.gelu_backward(split.gather_back(split.row_back(dy2 @ w2.T)), z)
-        dn2 = split.f_back(dz @ w1.T)
-        mlp = [(n2, dz), (u, dy2)]
+        du = split.row_back(dy2 @ w2.T)       # y2 = u W2
+        du = split.gather_back(du)            # this rank's columns of u
+        dz = gelu_backward(du, z)             # u = gelu(z)
+        dn2 = split.f_back(dz @ w1.T)         # z = n2 W1
+        mlp = [(n2, dz), (u, dy2)]            # W1's, W2's
     dx2, dg2 = rmsnorm_backward(dn2, x2, r2, g2)
     dx2 = dx2 + dout                          # the residual: the branch's and the skip's
-    dy1 = split.out_back(dx2)                 # Wo's output's gradient
-    do = split.gather_back(split.row_back(dy1 @ wo.T))
+    dy1 = split.out_back(dx2)                 # x2 = x + y1: y1's gradient
+    do = split.row_back(dy1 @ wo.T)           # y1 = o Wo
+    do = split.gather_back(do)
     dq, dk, dv = split.attend_back(do, q, k, v, split.gather_back(o), lse, head_dim)
-    dn1 = split.f_back(dq @ wq.T + dk @ wk.T + dv @ wv.T)
+    dn1 = split.f_back(dq @ wq.T + dk @ wk.T + dv @ wv.T)   # q, k, v = n1 Wq, n1 Wk, n1 Wv
     dx, dg1 = rmsnorm_backward(dn1, x, r1, g1)
     dx = dx + dx2
     return dx, [(None, dg1), (n1, dq), (n1, dk), (n1, dv), (o, dy1), (None, dg2), *mlp]
@@ -661,7 +687,7 @@ def main(argv=None):
 # Below the fold: a GPU's fused attention; each stage's costs, the bucket layout, the clipping norm;
 # what later steps share (training flags, --save, checkpoints, the text, --check); the memory table.
 import argparse, contextlib, functools, glob, json, math, os, shutil, sys  # noqa
-from typing import Callable, NamedTuple  # noqa: E402
+from typing import Callable  # noqa: E402
 
 
 def fused(q, head_dim):   # a GPU (meta: its stand-in) runs torch's kernels; flash's head sizes
