@@ -328,11 +328,12 @@ def model_blocks(num_layers, head_dim, routers=None):   # the parts, each a Bloc
 class Router:
     """A layer's bias [E], this step's loads [E] and choices (each micro-batch's [N, K])."""
 
-    def __init__(self, num_experts, top_k, device=None):
+    def __init__(self, num_experts, top_k, device=None, group=None):
         self.bias = torch.zeros(num_experts, device=device)
         self.loads = torch.zeros(num_experts, device=device)
         self.top_k = top_k
         self.routes = []
+        self.group = group            # --ep: the ranks that hold the experts between them
 
     def choose(self, p, count=True):   # [N, K]: the K largest of p + bias, lower index on a tie
         chosen = (p + self.bias).sort(dim=-1, descending=True, stable=True).indices[:, :self.top_k]
@@ -348,6 +349,9 @@ def experts_forward(n, wr, w1, w2, router, count=True):
     x = n.flatten(0, -2)                                      # [N, D]
     p = (wide(x) @ wide(wr)).softmax(-1)                      # [N, E], fp32
     chosen = router.choose(p, count)                          # [N, K]
+    if router.group is not None:                              # --ep: to the experts' ranks
+        y, stash = dispatched_forward(x, p, chosen, w1, w2, router.group)
+        return y.to(n.dtype).view_as(n), stash
     y = torch.zeros(x.shape, dtype=p.dtype, device=x.device)  # the K outputs summed, fp32
     routed = []
     for e in range(wr.shape[1]):
@@ -362,6 +366,8 @@ def experts_forward(n, wr, w1, w2, router, count=True):
 
 def experts_backward(dy, stash, wr, w1, w2):
     """dn [b, T, D], and Wr's, W1's [E, D, 4D] and W2's [E, 4D, D] gradients, ready, fp32."""
+    if len(stash) == 4:                                       # --ep's
+        return dispatched_backward(dy, stash, wr, w1, w2)
     x, p, routed = stash
     g = dy.flatten(0, -2)                                     # [N, D]
     dp = torch.zeros_like(p)                                  # dL/dp [N, E]: 0 where not chosen
@@ -376,6 +382,75 @@ def experts_backward(dy, stash, wr, w1, w2):
         dw1[e] = wide(x[rows]).T @ wide(dz)
         dx.index_add_(0, rows, wide(dz @ w1[e].T))
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))            # softmax's backward [N, E]
+    dx += ds @ wide(wr).T
+    return dx.to(dy.dtype).view_as(dy), [(None, wide(x).T @ ds), (None, dw1), (None, dw2)]
+
+
+# Expert parallelism (--ep P): the P ranks of an ep group hold E/P experts each (rank r: experts
+# r E/P .. (r+1) E/P - 1). ZeRO-3 brings the weights to the data; EP brings the data to the weights:
+#   dispatch  each (position, chosen expert) pair's row of n to its expert's rank: one all-to-all,
+#             the counts exchanged first, so that no position is dropped   [N K, D] -> [M, D]
+#   combine   each expert's output back to the position's rank: the all-to-all in reverse,
+#             y = sum over the pairs of p_e y_e, as before
+#   backward  p_e dy to the experts as the dispatch went, dn of each pair home as the combine;
+#             dp_e = <dy, y_e> at home, where y_e came back: every chosen expert's, local or not
+# An expert's gradient: summed over its copies (the dp/P ranks that hold it) and divided by dp,
+# the replicas' count (ExpertCopies); the router and the rest stay data-parallel.
+
+def all_to_all(rows, send_counts, recv_counts, group):   # rows [M, ..] out by send_counts' splits
+    out = rows.new_empty((int(recv_counts.sum()), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), recv_counts.tolist(), send_counts.tolist(),
+                           group=group)
+    return out
+
+
+def dispatched_forward(x, p, chosen, w1, w2, group):
+    """y [N, D] fp32 from x [N, D]: each pair sent to its expert, computed there, sent back."""
+    local = w1.shape[0]                                       # E/P experts here
+    expert = chosen.flatten()                                 # [N K]: each pair's expert
+    order = expert.argsort(stable=True)                       # by expert: by its rank
+    rows = torch.arange(len(x), device=x.device).repeat_interleave(chosen.shape[1])[order]
+    expert = expert[order]
+    send_counts = torch.bincount(expert // local, minlength=dist.get_world_size(group))
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)   # each rank's, from each
+    x_in = all_to_all(x[rows], send_counts, recv_counts, group)     # [M, D]: rows for my experts
+    e_in = all_to_all(expert % local, send_counts, recv_counts, group)   # which of mine
+    y_in = torch.empty_like(x_in)
+    routed = []
+    for e in range(local):
+        mine = (e_in == e).nonzero()[:, 0]
+        z = x_in[mine] @ w1[e]                                # [m_e, 4D]
+        u = F.gelu(z)
+        y_in[mine] = u @ w2[e]
+        routed.append((mine, z, u))
+    y_e = all_to_all(y_in, recv_counts, send_counts, group)  # [N K, D]: home, pair by pair
+    y = torch.zeros(x.shape, dtype=p.dtype, device=x.device)
+    y.index_add_(0, rows, p[rows, expert, None] * wide(y_e))
+    sent = (rows, expert, send_counts, recv_counts, x_in, routed, y_e, group)
+    return y, (x, p, sent, None)
+
+
+def dispatched_backward(dy, stash, wr, w1, w2):
+    """experts_backward's, each pair's p_e dy sent to its expert and its dn sent home."""
+    x, p, (rows, expert, send_counts, recv_counts, x_in, routed, y_e, group), _ = stash
+    g = dy.flatten(0, -2)
+    dp = torch.zeros_like(p)
+    dp[rows, expert] = (wide(g[rows]) * wide(y_e)).sum(-1)    # <dy, y_e>, every chosen e
+    dy_e = (p[rows, expert, None] * wide(g[rows])).to(g.dtype)
+    dy_in = all_to_all(dy_e, send_counts, recv_counts, group)   # as the dispatch
+    dw1 = torch.zeros(w1.shape, dtype=p.dtype, device=x.device)
+    dw2 = torch.zeros(w2.shape, dtype=p.dtype, device=x.device)
+    dx_in = torch.empty_like(x_in)
+    for e, (mine, z, u) in enumerate(routed):
+        dw2[e] = wide(u).T @ wide(dy_in[mine])
+        dz = gelu_backward(dy_in[mine] @ w2[e].T, z)
+        dw1[e] = wide(x_in[mine]).T @ wide(dz)
+        dx_in[mine] = dz @ w1[e].T
+    dx_e = all_to_all(dx_in, recv_counts, send_counts, group)   # home, as the combine
+    dx = torch.zeros(x.shape, dtype=p.dtype, device=x.device)
+    dx.index_add_(0, rows, wide(dx_e))
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
     dx += ds @ wide(wr).T
     return dx.to(dy.dtype).view_as(dy), [(None, wide(x).T @ ds), (None, dw1), (None, dw2)]
 
@@ -642,13 +717,97 @@ class ZeRO3(ZeRO2):
             self.weights[i] = None
 
 
+class ExpertCopies(DataParallel):
+    """--ep: this rank's experts of every block, a part a block, over the ranks that hold the
+    same experts (dp/P of them). Each expert's gradient is a sum over the positions sent to it
+    from its ep group's replicas: summed over its copies, it is the sum over all dp replicas,
+    and so divided by dp, not by the copies' dp/P (megablocks #86's bug)."""
+
+    def __init__(self, parts, group, replicas, **options):
+        super().__init__(parts, group, **options)
+        self.replicas = replicas
+
+    def average(self):                  # every bucket at once, at the step's end
+        for b in range(len(self.buckets)):
+            self.reduce_gradients(b)
+        self.finish_reductions()
+        for grad in self.grads():
+            grad.div_(self.replicas)
+
+
+class WithExperts:
+    """A replica of all but the experts, and the experts' copies: block i's weights are the
+    replica's part i and the copies' part i-1 (W1, W2 [E/P, ..]); their gradients go apart."""
+
+    def __init__(self, replica, experts, ep_group):
+        self.replica = replica
+        self.experts = experts
+        self.ep_group = ep_group
+
+    def __getattr__(self, name):        # the buckets, the exchanges: the replica's
+        return getattr(self.replica, name)
+
+    def is_block(self, i):
+        return 0 < i < len(self.replica.spans) - 1
+
+    def part(self, i):
+        if self.is_block(i):
+            return [*self.replica.part(i), *self.experts.part(i - 1)]
+        return self.replica.part(i)
+
+    def add_grads(self, i, terms):
+        if self.is_block(i):
+            self.experts.add_grads(i - 1, terms[-2:])
+            terms = terms[:-2]
+        self.replica.add_grads(i, terms)
+
+    def begin_step(self):
+        self.replica.begin_step()
+        self.experts.begin_step()
+
+    def average(self):
+        self.replica.average()
+        self.experts.average()
+
+    def update(self):
+        self.replica.update()
+        self.experts.update()
+
+
+def ep_groups(rank, world_size, ep):
+    """(this rank's ep group: P consecutive ranks; its copies: the ranks of its ep rank)."""
+    mine = None
+    copies = None
+    for start in range(0, world_size, ep):             # every rank makes every group
+        group = dist.new_group(list(range(start, start + ep)))
+        if start <= rank < start + ep:
+            mine = group
+    for r in range(ep):
+        group = dist.new_group(list(range(r, world_size, ep)))
+        if rank % ep == r:
+            copies = group
+    return mine, copies
+
+
 def dp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     m = args.micro_batches
     init = init_params(args)                            # [E, P], the blocks, [g, H]
-    replica = make_replica([[w.to(device, copy=True) for w in part] for part in init], None,
-                           zero=args.zero, optimizer=args.optimizer, lr=args.lr,
+    parts = [[w.to(device, copy=True) for w in part] for part in init]
+    ep_group = None
+    if args.ep > 1:                                     # each block's W1, W2: this rank's E/P
+        ep_group, copies = ep_groups(rank, world_size, args.ep)
+        experts = [part[-2:] for part in parts[1:-1]]
+        parts[1:-1] = [part[:-2] for part in parts[1:-1]]
+        r = dist.get_rank(ep_group)
+        local = args.experts // args.ep
+        mine = [[w[r * local:(r + 1) * local].clone() for w in part] for part in experts]
+    replica = make_replica(parts, None, zero=args.zero, optimizer=args.optimizer, lr=args.lr,
                            bucket_mb=args.bucket_mb, bf16=args.bf16, overlap=args.overlap)
+    if args.ep > 1:                                     # the experts' copies, apart
+        replica = WithExperts(replica, ExpertCopies(mine, copies, world_size,
+                                                    optimizer=args.optimizer, lr=args.lr,
+                                                    bf16=args.bf16), ep_group)
     rows = replica_rows(args.batch_size, rank, world_size)   # the world's ranks are the replicas
     resumed = load_checkpoint(args, replica)            # --resume: a step's state, any layout's
     losses = []
@@ -656,7 +815,8 @@ def dp_worker(rank, world_size, args):
     check = SerialCheck(args, resumed)
     routers = None
     if args.experts:                                   # each block's
-        routers = [Router(args.experts, args.top_k, device) for _ in range(args.num_layers)]
+        routers = [Router(args.experts, args.top_k, device, ep_group)
+                   for _ in range(args.num_layers)]
     moe = MoE(args, routers)
     for step in range(args.start_step, args.steps):
         inputs, targets = (t[rows].to(device) for t in make_batch(args, step))   # the text's
@@ -953,7 +1113,9 @@ def gradient_terms(record, logits, targets, params):
 
 def whole(replica, grads=False):
     """On every replica, every fp32 weight (--bf16: its master), or (grads) the averaged
-    gradient, whole, as copies: ZeRO's parts all-gathered."""
+    gradient, whole, as copies: ZeRO's parts all-gathered; --ep's experts gathered over ep."""
+    if isinstance(replica, WithExperts):
+        return whole_with_experts(replica, grads)
     parts = replica.grads() if grads else replica.params
     if not replica.shards_optimizer:
         return [part.clone() for part in parts]
@@ -961,6 +1123,21 @@ def whole(replica, grads=False):
     for flat, part in zip(flats, parts):
         dist.all_gather_single(flat, part.contiguous(), group=replica.group)
     return [replica.view(flats[replica.layout.bucket_of[i]], i) for i in range(len(replica.shapes))]
+
+
+def whole_with_experts(replica, grads=False):   # each block's W1, W2 after its router
+    rest = whole(replica.replica, grads)
+    mine = whole(replica.experts, grads)             # [E/P, ..] each
+    size = dist.get_world_size(replica.ep_group)
+    experts = []
+    for tensor in mine:
+        every = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(every, tensor.contiguous(), group=replica.ep_group)
+        experts.append(torch.cat(every))              # [E, ..], in the experts' order
+    out = rest[:2]
+    for layer in range(len(experts) // 2):
+        out += [*rest[2 + 7 * layer:2 + 7 * layer + 7], *experts[2 * layer:2 * layer + 2]]
+    return out + rest[-2:]
 
 
 def memory_held(replica):   # bytes held now, by kind; a view of another tensor counts once
@@ -1110,6 +1287,8 @@ def training_parser(description, dp=False):
     p.add_argument("--top-k", type=positive_int, default=1, help="experts K a position takes")
     p.add_argument("--balance-rate", type=float, default=1e-3, help="the routers' bias moves by "
                    "this a step toward the mean load (0: no balancing)")
+    p.add_argument("--ep", type=positive_int, default=1, help="expert parallelism: the ranks P "
+                   "of an ep group, each holding E/P experts (all-to-all)")
     if dp:
         p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
                        help="ZeRO stage over the data-parallel group: 1 shards the optimizer "
@@ -1176,7 +1355,13 @@ def experts_rules(args, here):   # --experts: step 2's so far, without checkpoin
             (not 0 <= args.balance_rate < 1, f"--balance-rate {args.balance_rate:g}: expected "
                                              f"0 (none) to below 1"),
             (E and (args.checkpoint or args.resume), "--checkpoint, --resume: not with --experts "
-                                                     "yet (the routers' bias is no checkpoint's)")]
+                                                     "yet (the routers' bias is no checkpoint's)"),
+            (args.ep > 1 and not E, f"--ep {args.ep}: needs --experts"),
+            (E and E % args.ep, f"--ep {args.ep} does not divide --experts {E}"),
+            (args.ep > 1 and getattr(args, "world_size", 1) % args.ep,
+             f"--ep {args.ep} does not divide --world-size"),
+            (args.ep > 1 and getattr(args, "zero", 0), "--zero: not with --ep yet"),
+            (args.ep > 1 and args.clip_grad, "--clip-grad: not with --ep yet")]
 
 
 def writable(path):   # a regular file this process can write, or make: tried, not asked

@@ -10,6 +10,9 @@ hand against autograd in float64, the defects it must catch, and training agains
 - Training: --save replays in float64 within 1e-5 (SGD), the routes taken from the run, and the
   bias moved by the loads of the whole global batch equals the run's final bias; loads counted
   per replica (no all-reduce) fail that. Balancing lowers the busiest expert's load.
+- Expert parallelism (--ep 2, 4): the same replay; each defect fails it: an expert's gradient
+  divided by its copies' count dp/P, the router's gradient from this rank's experts alone, a
+  position dropped at a full expert.
 - Every refusal is one line naming its flag.
 """
 import argparse
@@ -18,6 +21,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import data_parallel as dp
@@ -232,7 +236,12 @@ def test_balancing_lowers_the_busiest_experts_load(tmp_path, capfd):
     (["--experts", "2", "--top-k", "3"], "--top-k 3: more than --experts 2"),
     (["--top-k", "2"], "--top-k 2: needs --experts"),
     (["--experts", "2", "--balance-rate", "1.5"], "--balance-rate 1.5"),
-    (["--experts", "2", "--checkpoint", "ck"], "--checkpoint, --resume: not with --experts")])
+    (["--experts", "2", "--checkpoint", "ck"], "--checkpoint, --resume: not with --experts"),
+    (["--ep", "2"], "--ep 2: needs --experts"),
+    (["--experts", "4", "--ep", "3", "--world-size", "3", "--batch-size", "6"],
+     "--ep 3 does not divide --experts 4"),
+    (["--experts", "4", "--ep", "4", "--world-size", "2"], "--ep 4 does not divide --world-size"),
+    (["--experts", "4", "--ep", "2", "--zero", "1"], "--zero: not with --ep yet")])
 def test_experts_refuse_in_one_line(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         dp.parse_args(argv)
@@ -245,3 +254,66 @@ def test_the_other_steps_refuse_experts_in_one_line(capsys):
         tp.parse_args(["--experts", "4"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--experts 4: only data_parallel.py" in err, err
+
+
+@pytest.mark.deadline(90)
+@pytest.mark.parametrize("flags", [
+    ["--world-size", "2", "--experts", "4", "--top-k", "2", "--ep", "2"],
+    ["--world-size", "4", "--experts", "4", "--top-k", "1", "--ep", "4"],
+    ["--world-size", "4", "--experts", "4", "--top-k", "2", "--ep", "2", "--recompute"],
+    ["--world-size", "4", "--experts", "8", "--top-k", "2", "--ep", "2", "--micro-batches", "1"]])
+def test_expert_parallel_training_replays_in_float64(tmp_path, flags):
+    """--ep P: each rank holds E/P experts, positions travel by all-to-all; the weights after
+    training (every expert's, gathered), the losses and the bias are serial training's."""
+    result = train(tmp_path, flags)
+    assert result["config"]["ep"] == int(flags[flags.index("--ep") + 1])
+    assert result["final_params"]["blocks.0.w1"].shape[0] == result["config"]["experts"]
+    assert_replays(result)
+
+
+def divided_by_copies(self):   # the defect: an expert's gradient / (dp/P), its copies' count
+    for b in range(len(self.buckets)):
+        self.reduce_gradients(b)
+    self.finish_reductions()
+    for grad in self.grads():
+        grad.div_(self.dp_size)
+
+
+def router_from_local_experts(real):
+    """The defect: dp_e = <dy, y_e> for the experts on this rank alone (the others' y_e as 0)."""
+    def backward(dy, stash, wr, w1, w2):
+        x, p, (rows, expert, sends, recvs, x_in, routed, y_e, group), extra = stash
+        local = w1.shape[0]
+        y_e = y_e * (expert // local == dist.get_rank(group))[:, None]
+        return real(dy, (x, p, (rows, expert, sends, recvs, x_in, routed, y_e, group), extra),
+                    wr, w1, w2)
+    return backward
+
+
+def dropped_when_full(real):
+    """The defect: capacity 1 (N K / E pairs an expert): a position past it at a full expert
+    gets nothing from that expert (its p_e taken as 0)."""
+    def forward(x, p, chosen, w1, w2, group):
+        kept = p.clone()
+        capacity = chosen.numel() // p.shape[1]
+        for e in range(p.shape[1]):
+            rows = (chosen == e).any(-1).nonzero()[:, 0]
+            kept[rows[capacity:], e] = 0.0
+        return real(x, kept, chosen, w1, w2, group)
+    return forward
+
+
+@pytest.mark.deadline(90)
+@pytest.mark.parametrize("defect", ["divided_by_copies", "router_from_local_experts",
+                                    "dropped_when_full"])
+def test_each_defect_of_expert_parallelism_fails_the_replay(tmp_path, defect):
+    patches = {"divided_by_copies": (dp.ExpertCopies, "average", divided_by_copies),
+               "router_from_local_experts": (dp, "dispatched_backward",
+                                             router_from_local_experts(dp.dispatched_backward)),
+               "dropped_when_full": (dp, "dispatched_forward",
+                                     dropped_when_full(dp.dispatched_forward))}
+    flags = ["--world-size", "4", "--experts", "4", "--top-k", "2", "--ep", "2"]
+    with mock.patch.object(*patches[defect]):
+        result = train(tmp_path, flags)
+    with pytest.raises(AssertionError):
+        assert_replays(result)
