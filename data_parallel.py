@@ -717,6 +717,8 @@ class ZeRO3(ZeRO2):
             self.weights[i] = None
 
 
+# Part 4: the experts' copies (--ep), and the worker -----------------------------------------------
+
 class ExpertCopies(DataParallel):
     """--ep: this rank's experts of every block, a part a block, over the ranks that hold the
     same experts (dp/P of them). Each expert's gradient is a sum over the positions sent to it
