@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 import data_parallel as dp
 import tensor_parallel as tp
+from collectives import cleanup, setup, spawn
 from common import NO_SAMPLE, init_of
 
 SMALL = ["--num-layers", "2", "--dim", "16", "--heads", "4", "--context", "8", "--batch-size", "8",
@@ -317,3 +318,49 @@ def test_each_defect_of_expert_parallelism_fails_the_replay(tmp_path, defect):
         result = train(tmp_path, flags)
     with pytest.raises(AssertionError):
         assert_replays(result)
+
+
+RESULTS = None
+
+
+def all_to_all_worker(rank, world_size):
+    """One layer's experts over an ep group of all ranks, forward and backward: the bytes each
+    all_to_all_single call sends (its input), beside the routed counts."""
+    setup(rank, world_size)
+    gen = torch.Generator().manual_seed(rank)
+    E, D, K = 4, 8, 2
+    wr, w1, w2 = (w.float() for w in weights(E, D, torch.Generator().manual_seed(9)))
+    local = E // world_size
+    mine = [w[rank * local:(rank + 1) * local] for w in (w1, w2)]
+    n = torch.randn(2, 5, D, generator=gen)
+    router = dp.Router(E, K, group=dist.group.WORLD)
+    sent = []
+    real = dist.all_to_all_single
+
+    def counted(out, rows, *args, **kwargs):
+        sent.append(rows.numel() * rows.element_size())
+        return real(out, rows, *args, **kwargs)
+    with mock.patch.object(dist, "all_to_all_single", counted):
+        y, stash = dp.experts_forward(n, wr, *mine, router)
+        forward = sum(sent)
+        dp.experts_backward(torch.randn(2, 5, D, generator=gen), stash, wr, *mine)
+    received = int(stash[2][3].sum())                     # M: the pairs for this rank's experts
+    torch.save((forward, sum(sent) - forward, received), f"{RESULTS}/a2a-{rank}.pt")
+    cleanup()
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_all_to_alls_send_the_bytes_of_the_formula(tmp_path, world_size):
+    """N = 10 positions, K = 2, D = 8, float32, P ranks: forward, the counts (P int64), the N K
+    pairs' rows and expert ids out, and the M rows this rank's experts made back; backward, the
+    N K rows of p_e dy out and the M rows of dn back: 8 P + N K (4 D + 8) + 4 M D, then
+    4 D (N K + M)."""
+    global RESULTS
+    RESULTS = tmp_path
+    spawn(all_to_all_worker, world_size, timeout_s=30)
+    N, K, D, P = 10, 2, 8, world_size
+    for r in range(P):
+        forward, backward, M = torch.load(tmp_path / f"a2a-{r}.pt")
+        assert forward == 8 * P + N * K * (4 * D + 8) + 4 * M * D
+        assert backward == 4 * D * (N * K + M)
