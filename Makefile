@@ -121,4 +121,5 @@ bench: deps
 	$(PYTHON) tests/bench.py cp-balance
 	$(PYTHON) tests/bench.py cp-race
 	$(PYTHON) tests/bench.py cp-memory
+	$(PYTHON) tests/bench.py moe-race
 	$(PYTHON) tests/bench.py machine

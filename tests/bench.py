@@ -18,6 +18,7 @@ figures that are not the lecture. The scripts never import this; it imports them
     python tests/bench.py cp-balance                     # --cp's attention pairs and time a rank
     python tests/bench.py cp-race                        # the ring against all-gathered K, V and serial
     python tests/bench.py cp-memory                      # a rank's memory as --cp grows, at T 16,384
+    python tests/bench.py moe-race                       # --ep's experts against an nn.Module MoE
     python tests/bench.py machine                        # one line naming this machine
 
 Each comparison takes the script's own flags (--steps: the timed steps, at least 5), runs
@@ -1117,6 +1118,107 @@ def cp_race_rank(rank, world_size, steps):
     return times, diff.item()
 
 
+MOE_RACE = dict(positions=2048, dim=256, experts=8, top_k=2)
+
+
+def moe_race(ep_sizes=(2, 4), steps=5):
+    """One experts layer, forward and backward, over an ep group of P ranks: ours (the
+    all-to-alls and every backward by hand) against an nn.Module under autograd, dispatching
+    with torch.distributed.nn.functional.all_to_all_single, which is autograd-aware; the same
+    choice, each rank's dn, dWr, dW1, dW2 compared first."""
+    print(f"experts, one layer forward and backward over --ep P ranks: N={MOE_RACE['positions']} "
+          f"positions a rank, D={MOE_RACE['dim']}, E={MOE_RACE['experts']}, "
+          f"K={MOE_RACE['top_k']}, float32")
+    print(f"  {'P':>2} {'ours (ms)':>10} {'nn.Module + autograd':>21} {'ours / theirs':>14} "
+          f"{'difference / largest':>21}")
+    worst = 0.0
+    for ep in ep_sizes:
+        times, diff = spawn_returning(moe_race_rank, ep, steps, timeout_s=300)
+        worst = max(worst, diff)
+        print(f"  {ep:>2} {times['ours'] * 1e3:>10.1f} {times['theirs'] * 1e3:>21.1f} "
+              f"{times['ours'] / times['theirs']:>13.2f}x {diff:>21.1e}", flush=True)
+    if worst > 1e-4:
+        raise SystemExit("error: the two sides computed other gradients")
+
+
+def all_to_all_autograd(rows, output_splits, input_splits, group):
+    """torch's all_to_all_single with a backward (the reverse all-to-all): the functional
+    collectives' (torch.distributed.nn.functional's, which the docs name, is deprecated for it)."""
+    from torch.distributed import _functional_collectives as functional
+    out = functional.all_to_all_single_autograd(rows, output_splits, input_splits, group)
+    return functional.wait_tensor(out)
+
+
+class TorchExperts(torch.nn.Module):
+    """The experts layer as nn.Modules: a Linear router, this rank's E/P experts as Parameters;
+    the pairs dispatched and combined by autograd's all_to_all_single."""
+
+    def __init__(self, wr, w1, w2, group):
+        super().__init__()
+        self.router = torch.nn.Linear(*wr.shape, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(wr.T)
+        self.w1 = torch.nn.Parameter(w1.clone())
+        self.w2 = torch.nn.Parameter(w2.clone())
+        self.group = group
+
+    def forward(self, x, chosen):
+        p = self.router(x).softmax(-1)
+        local = self.w1.shape[0]
+        expert = chosen.flatten()
+        order = expert.argsort(stable=True)
+        rows = torch.arange(len(x)).repeat_interleave(chosen.shape[1])[order]
+        expert = expert[order]
+        sends = torch.bincount(expert // local, minlength=dist.get_world_size(self.group))
+        recvs = torch.empty_like(sends)
+        dist.all_to_all_single(recvs, sends, group=self.group)
+        x_in = all_to_all_autograd(x[rows], recvs.tolist(), sends.tolist(), self.group)
+        e_in = torch.empty(int(recvs.sum()), dtype=torch.int64)
+        dist.all_to_all_single(e_in, expert % local, recvs.tolist(), sends.tolist(),
+                               group=self.group)
+        y_in = torch.zeros_like(x_in)
+        for e in range(local):
+            mine = (e_in == e).nonzero()[:, 0]
+            y_in = y_in.index_add(0, mine, F.gelu(x_in[mine] @ self.w1[e]) @ self.w2[e])
+        y_e = all_to_all_autograd(y_in, sends.tolist(), recvs.tolist(), self.group)
+        return torch.zeros_like(x).index_add(0, rows, p[rows, expert, None] * y_e)
+
+
+def moe_race_rank(rank, world_size, steps):
+    setup(rank, world_size)
+    torch.set_num_threads(1)
+    N, D, E, K = (MOE_RACE[key] for key in ("positions", "dim", "experts", "top_k"))
+    gen = torch.Generator().manual_seed(0)
+    wr = torch.randn(D, E, generator=gen) / D ** 0.5
+    w1 = torch.randn(E, D, 4 * D, generator=gen) / D ** 0.5
+    w2 = torch.randn(E, 4 * D, D, generator=gen) / (4 * D) ** 0.5
+    local = E // world_size
+    mine = [w[rank * local:(rank + 1) * local] for w in (w1, w2)]
+    mine_gen = torch.Generator().manual_seed(1 + rank)
+    n = torch.randn(1, N, D, generator=mine_gen)
+    dy = torch.randn(1, N, D, generator=mine_gen)
+    router = data_parallel.Router(E, K, group=dist.group.WORLD)
+    module = TorchExperts(wr, *mine, dist.group.WORLD)
+
+    def ours():
+        y, stash = data_parallel.experts_forward(n, wr, *mine, router, count=False)
+        dn, terms = data_parallel.experts_backward(dy, stash, wr, *mine)
+        return [dn.flatten(0, 1), *(dz for _, dz in terms)]
+
+    def theirs():
+        x = n[0].clone().requires_grad_()
+        chosen = router.choose((x.detach() @ wr).softmax(-1), count=False)
+        module.zero_grad()
+        module(x, chosen).backward(dy[0])
+        return [x.grad, module.router.weight.grad.T, module.w1.grad, module.w2.grad]
+    diff = torch.tensor(max(((a - b).abs().max() / b.abs().max()).item()   # of the largest
+                            for a, b in zip(ours(), theirs())))
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    times = race({"ours": ours, "theirs": theirs}, torch.device("cpu"), repeats=steps)
+    cleanup()
+    return times, diff.item()
+
+
 def cp_pairs(cp_rank, cp_size, layout):
     """The (query chunk, key chunk) pairs a cp rank computes over the ring's C steps: each chunk
     it holds against every chunk at or before it (a diagonal pair, masked, counted as one)."""
@@ -1200,7 +1302,7 @@ def parse(argv):
     """The bench named by argv's first word, its flags through its script's door and the bench's
     own rules (each refusal one line, exit 2), as a call that runs it: nothing runs here."""
     what, rest = (argv[0], argv[1:]) if argv else ("", [])
-    if what in ("bubble-table", "machine", "cp-balance", "cp-race", "cp-memory") and rest:
+    if what in ("bubble-table", "machine", "cp-balance", "cp-race", "cp-memory", "moe-race") and rest:
         refuse(f"{what} takes no flags (the bubble table has its own sizes), got {' '.join(rest)}")
     if what == "collectives":
         args = collectives.parse_args(rest)
@@ -1248,9 +1350,11 @@ def parse(argv):
         return cp_race
     if what == "cp-memory":
         return cp_memory
+    if what == "moe-race":
+        return moe_race
     refuse(f"the first word names what to bench: collectives, {', '.join(COMPARISONS)}, "
            f"memory, bubble-table, count-comm, plan, plan-speed, recompute-memory, "
-           f"checkpoint, cp-balance, cp-race, cp-memory or machine; got {what!r}")
+           f"checkpoint, cp-balance, cp-race, cp-memory, moe-race or machine; got {what!r}")
 
 
 def bench_collectives(args):
