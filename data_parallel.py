@@ -135,17 +135,8 @@ def attention_backward(do, q, k, v, o, lse, head_dim):
     return [t.transpose(1, 2).flatten(-2) for t in (dq, dk, dv)]
 
 
-class Whole:
-    """Where step 3 puts its collectives in a block, the identity here: enter (a norm's output),
-    gather and gather_back (the heads' and MLP's outputs), out and out_back (Wo's, W2's), f_back
-    (a column layer's dx), row_back (Wo's, W2's dx); attend, attend_back (cp: a ring of ranks)."""
-    def enter(self, n): return n
-    def gather(self, a): return a
-    def gather_back(self, g): return g
-    def out(self, y): return y
-    def out_back(self, g): return g
-    def f_back(self, dx): return dx
-    def row_back(self, dx): return dx
+class Whole:   # where step 3 puts its collectives (tensor_parallel.py): each the identity here
+    f = f_back = g = g_back = gather = gather_back = row_back = staticmethod(lambda t: t)
     attend = staticmethod(attention)
     attend_back = staticmethod(attention_backward)
 
@@ -174,21 +165,21 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE, router=None
     g1, wq, wk, wv, wo, g2 = w[:6]
     w1, w2 = w[-2:]
     n1, r1 = rmsnorm(x, g1)
-    n1 = split.enter(n1)                      # [b, T, D]
+    n1 = split.f(n1)                      # [b, T, D]
     q, k, v = (n1 @ w for w in (wq, wk, wv))  # [b, T, D/t]: whole heads, this rank's
     o, lse = split.attend(q, k, v, head_dim)  # [b, T, D/t], lse [b, h/t, T]: no A kept
     o = split.gather(o)
-    y1 = split.out(o @ wo)                    # [b, T, D]
+    y1 = split.g(o @ wo)                    # [b, T, D]
     x2 = x + y1                               # the residual
     n2, r2 = rmsnorm(x2, g2)
-    n2 = split.enter(n2)
+    n2 = split.f(n2)
     if router is not None:                    # z: the experts' stash
         y2, z = experts_forward(n2, *w[6:], router, count)
         u = None
     else:
         z = n2 @ w1                           # [b, T, 4D/t]
         u = split.gather(F.gelu(z))
-        y2 = split.out(u @ w2)
+        y2 = split.g(u @ w2)
     out = x2 + y2
     if recompute:
         return out, (x,)
@@ -207,7 +198,7 @@ def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE, rou
         stash = block_forward(stash[0], w, head_dim=head_dim, split=split, router=router,
                               count=False)[1]
     x, n1, r1, q, k, v, lse, o, x2, n2, r2, z, u = stash
-    dy2 = split.out_back(dout)                # out = x2 + y2: y2's gradient
+    dy2 = split.g_back(dout)                # out = x2 + y2: y2's gradient
     if router is not None:
         dn2, mlp = experts_backward(dy2, z, *w[6:])
     else:
@@ -218,7 +209,7 @@ def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE, rou
         mlp = [(n2, dz), (u, dy2)]            # W1's, W2's
     dx2, dg2 = rmsnorm_backward(dn2, x2, r2, g2)
     dx2 = dx2 + dout                          # the residual: the branch's and the skip's
-    dy1 = split.out_back(dx2)                 # x2 = x + y1: y1's gradient
+    dy1 = split.g_back(dx2)                 # x2 = x + y1: y1's gradient
     do = split.row_back(dy1 @ wo.T)           # y1 = o Wo
     do = split.gather_back(do)
     dq, dk, dv = split.attend_back(do, q, k, v, split.gather_back(o), lse, head_dim)
@@ -243,7 +234,7 @@ def embedding_backward(g, stash, w, need_dx=False):
 def head_forward(x, w, recompute=False, split=WHOLE):
     gain, h = w
     n, r = rmsnorm(x, gain)
-    n = split.enter(n)                        # [b, T, D]
+    n = split.f(n)                        # [b, T, D]
     return n.flatten(0, 1) @ h, (x, n, r)     # logits = n H   [b T, V]: a row a position
 
 

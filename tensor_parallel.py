@@ -112,20 +112,20 @@ class MegatronSplit:
     def __init__(self, group):
         self.group = group
 
-    def enter(self, n):                       # f forward: the identity
+    def f(self, n):                           # f forward: the identity
         return n
 
     def gather(self, a):                      # o_t, gelu(z)_t stay sharded
         return a
 
-    def gather_back(self, g):
-        return g
+    def gather_back(self, dy):
+        return dy
 
-    def out(self, y):                         # g forward: y = sum_t o_t Wo_t   2(tp-1)/tp A
+    def g(self, y):                           # g forward: y = sum_t o_t Wo_t   2(tp-1)/tp A
         return reduce_over(y, self.group)
 
-    def out_back(self, g):                    # g backward: the identity
-        return g
+    def g_back(self, dy):                     # g backward: the identity
+        return dy
 
     def f_back(self, dx):                     # f backward: dx = sum_t dz_t W_t^T   2(tp-1)/tp A
         return reduce_over(dx, self.group)
@@ -146,14 +146,14 @@ class GatherSplit(MegatronSplit):
     def gather(self, a):                      # [b, T, n/tp] -> [b, T, n]   (tp-1)/tp of it
         return all_gather_columns(a, self.group)
 
-    def gather_back(self, g):                 # the slice: this rank's columns, its own
-        return my_columns(g, self.group).contiguous()   # (a view would hold all of g)
+    def gather_back(self, dy):                # the slice: this rank's columns, its own
+        return my_columns(dy, self.group).contiguous()   # (a view would hold all of dy)
 
-    def out(self, y):
+    def g(self, y):                           # Wo's, W2's outputs gathered, as gelu's
         return self.gather(y)
 
-    def out_back(self, g):
-        return self.gather_back(g)
+    def g_back(self, dy):
+        return self.gather_back(dy)
 
     def row_back(self, dx):                   # Wo, W2: column layers here, so f's all-reduce
         return self.f_back(dx)
@@ -170,10 +170,18 @@ class SequenceSplit(MegatronSplit):
                 y_t = (sum_r o_r Wo_r)[rows_t]           g: reduce-scatter along T
       backward  dy = [dy_0; dy_1; ..]                    g's: all-gather along T
                 dn_t = (sum_r dq_r Wq_r^T + ..)[rows_t]  f's: reduce-scatter along T"""
-    def enter(self, n): return gather_along_T(n, self.group)
-    def out(self, y): return scatter_along_T(y, self.group)
-    def out_back(self, g): return gather_along_T(g, self.group)
-    def f_back(self, dx): return scatter_along_T(dx, self.group)
+
+    def f(self, n):                           # f: all-gathered along T
+        return gather_along_T(n, self.group)
+
+    def g(self, y):                           # g: reduce-scattered along T
+        return scatter_along_T(y, self.group)
+
+    def g_back(self, dy):                     # g's backward: all-gathered along T
+        return gather_along_T(dy, self.group)
+
+    def f_back(self, dx):                     # f's backward: reduce-scattered along T
+        return scatter_along_T(dx, self.group)
 
 
 # Part 2: the vocabulary ------------------------------------------------------------------------

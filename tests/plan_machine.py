@@ -152,13 +152,12 @@ class LocalSplit:
     def gather(self, a):
         return torch.cat([a] * self.tp, dim=-1) if self.gathers else a
 
-    def gather_back(self, g):
-        return g[..., :g.shape[-1] // self.tp].contiguous() if self.gathers else g
+    def gather_back(self, dy):
+        return dy[..., :dy.shape[-1] // self.tp].contiguous() if self.gathers else dy
 
-    out = gather
-    out_back = gather_back
-    f_back = row_back = WHOLE.f_back
-    enter = WHOLE.enter
+    g = gather
+    g_back = gather_back
+    f = f_back = row_back = staticmethod(WHOLE.f)
     attend = staticmethod(WHOLE.attend)
     attend_back = staticmethod(WHOLE.attend_back)
 

@@ -152,7 +152,7 @@ def test_a_head_split_off_its_boundaries_fails_the_comparison(tmp_path, style):
 
 def test_f_and_g_are_conjugate_all_reduces(tmp_path):
     """Megatron's f: the identity forward (nothing sent), the sum over ranks backward (f_back);
-    g: the sum forward (out), the identity backward (out_back); a row layer's dx, and the
+    g: the sum forward, the identity backward (g_back); a row layer's dx, and the
     heads' gather, send nothing. On 3 ranks, every term computed here."""
     spawn(_f_and_g_worker, 3, tmp_path)
     terms = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(3)]
@@ -168,11 +168,11 @@ def _f_and_g_worker(rank, world_size, folder):
     split = tp.MegatronSplit(None)
     sent, all_reduce = [], dist.all_reduce
     dist.all_reduce = lambda *a, **k: sent.append(a) or all_reduce(*a, **k)
-    for identity in (split.gather, split.gather_back, split.out_back, split.row_back):
+    for identity in (split.gather, split.gather_back, split.g_back, split.row_back):
         assert torch.equal(identity(term.clone()), term)
     sent_by_identities = len(sent)
     dx = split.f_back(term.clone())                            # f backward: summed
-    y = split.out(term.clone())                                # g forward: summed
+    y = split.g(term.clone())                                # g forward: summed
     dist.all_reduce = all_reduce
     torch.save({"dx": dx, "y": y, "term": term, "sent": len(sent),
                 "sent_by_identities": sent_by_identities}, folder / f"rank{rank}.pt")
