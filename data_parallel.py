@@ -21,7 +21,7 @@ out. Its backward is derived by hand here, once; every later step splits these l
     backward   dlogits = (softmax(logits) - onehot(y)) / n
       matmul   z = x W:  dW = x^T dz (over every position), dx = dz W^T;  gelu: dz = du gelu'(z)
       residual x' = x + f(x):  dx = dx' + the branch's dx: the two, summed
-      rmsnorm  u = g dy:  dx = r u - x r^3 mean_D(u x)          dg = sum over positions of dy x r
+      rmsnorm  s = g dy:  dx = r s - x r^3 mean_D(s x)          dg = sum over positions of dy x r
       attention, a head (S = q k^T / sqrt(dh), A = softmax(S) = exp(S - lse), o = A v), where
                lse = log rowsum exp(S) [b, h, T] is kept and A made again (FlashAttention's way):
                dv = A^T do    dA = do v^T    dS = A * (dA - D),  D = rowsum(dA * A) = rowsum(do * o)
@@ -69,15 +69,15 @@ def rmsnorm(x, g):
 
 
 def rmsnorm_backward(dy, x, r, g):
-    """dx = r u - x r^3 mean_D(u x), u = g dy  [b, T, D]; dg = sum over positions of dy x r  [D]."""
+    """dx = r s - x r^3 mean_D(s x), s = g dy  [b, T, D]; dg = sum over positions of dy x r  [D]."""
     if x.device.type != "cpu":                # its fused backward: dg summed in fp32
         dx, dg = torch.ops.aten._fused_rms_norm_backward(dy, x, [x.shape[-1]], r, g, [True, True])
         return dx, wide(dg)
     dtype = dy.dtype
     x = wide(x)
     dy = wide(dy)
-    u = g * dy
-    dx = r * u - x * r**3 * (u * x).mean(-1, keepdim=True)   # as written: autograd's order
+    s = g * dy
+    dx = r * s - x * r**3 * (s * x).mean(-1, keepdim=True)   # as written: autograd's order
     return dx.to(dtype), (dy * x * r).flatten(0, -2).sum(0)
 
 
@@ -169,7 +169,7 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE, router=None
     q, k, v = (n1 @ w for w in (wq, wk, wv))  # [b, T, D/t]: whole heads, this rank's
     o, lse = split.attend(q, k, v, head_dim)  # [b, T, D/t], lse [b, h/t, T]: no A kept
     o = split.gather(o)
-    y1 = split.g(o @ wo)                    # [b, T, D]
+    y1 = split.g(o @ wo)                      # [b, T, D]
     x2 = x + y1                               # the residual
     n2, r2 = rmsnorm(x2, g2)
     n2 = split.f(n2)
@@ -224,11 +224,11 @@ def embedding_forward(tokens, w, recompute=False):
     return e[tokens] + p, (tokens,)           # [b, T, D]: each token's row, and its position's
 
 
-def embedding_backward(g, stash, w, need_dx=False):
-    """dE[tokens] += g, dP[t] += g[:, t]: each as (ids, rows) for the replica's index_add_."""
+def embedding_backward(dx, stash, w, need_dx=False):
+    """dE[tokens] += dx, dP[t] += dx[:, t]: each as (ids, rows) for the replica's index_add_."""
     tokens, = stash
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    return None, [(tokens, g), (positions, g)]
+    return None, [(tokens, dx), (positions, dx)]
 
 
 def head_forward(x, w, recompute=False, split=WHOLE):
@@ -360,14 +360,14 @@ def experts_backward(dy, stash, wr, w1, w2):
     if len(stash) == 4:                                       # --ep's
         return dispatched_backward(dy, stash, wr, w1, w2)
     x, p, routed = stash
-    g = dy.flatten(0, -2)                                     # [N, D]
+    dy_rows = dy.flatten(0, -2)                               # [N, D]
     dp = torch.zeros_like(p)                                  # dL/dp [N, E]: 0 where not chosen
     dx = torch.zeros(x.shape, dtype=p.dtype, device=x.device)
     dw1 = torch.zeros(w1.shape, dtype=p.dtype, device=x.device)
     dw2 = torch.zeros(w2.shape, dtype=p.dtype, device=x.device)
     for e, (rows, z, u, y_e) in enumerate(routed):
-        dp[rows, e] = (wide(g[rows]) * wide(y_e)).sum(-1)     # <dy, y_e>
-        dy_e = (p[rows, e, None] * wide(g[rows])).to(g.dtype)   # y_e's: scaled by p_e
+        dp[rows, e] = (wide(dy_rows[rows]) * wide(y_e)).sum(-1)     # <dy, y_e>
+        dy_e = (p[rows, e, None] * wide(dy_rows[rows])).to(dy.dtype)   # y_e's: scaled by p_e
         dw2[e] = wide(u).T @ wide(dy_e)
         dz = torch.ops.aten.gelu_backward(dy_e @ w2[e].T, z)  # [n_e, 4D]
         dw1[e] = wide(x[rows]).T @ wide(dz)
@@ -425,10 +425,10 @@ def dispatched_forward(x, p, chosen, w1, w2, group):
 def dispatched_backward(dy, stash, wr, w1, w2):
     """experts_backward's, each pair's p_e dy sent to its expert and its dn sent home."""
     x, p, (rows, expert, send_counts, recv_counts, x_in, routed, y_e, group), _ = stash
-    g = dy.flatten(0, -2)
+    dy_rows = dy.flatten(0, -2)                               # [N, D]
     dp = torch.zeros_like(p)
-    dp[rows, expert] = (wide(g[rows]) * wide(y_e)).sum(-1)    # <dy, y_e>, every chosen e
-    dy_e = (p[rows, expert, None] * wide(g[rows])).to(g.dtype)
+    dp[rows, expert] = (wide(dy_rows[rows]) * wide(y_e)).sum(-1)    # <dy, y_e>, every chosen e
+    dy_e = (p[rows, expert, None] * wide(dy_rows[rows])).to(dy.dtype)
     dy_in = all_to_all(dy_e, send_counts, recv_counts, group)   # as the dispatch
     dw1 = torch.zeros(w1.shape, dtype=p.dtype, device=x.device)
     dw2 = torch.zeros(w2.shape, dtype=p.dtype, device=x.device)
@@ -472,13 +472,13 @@ def dp_step(replica, blocks, loss_fn, xs, ys, n, recompute=False):
                 a, stash = blocks[i].forward(a, replica.part(i), recompute=recompute)
                 stashes.append(stash)
             replica.release_weights(b)
-        micro_batch_loss, g = loss_fn(a, y, n)        # g = dlogits  [b T, V]
+        micro_batch_loss, da = loss_fn(a, y, n)       # da = dlogits  [b T, V]
         loss += micro_batch_loss
         for b, parts in reversed(buckets):            # backward, from the head's bucket
             replica.gather_weights(b, prefetch=b - 1)
             for i in reversed(parts):
-                g, terms = blocks[i].backward(g, stashes.pop(), replica.part(i),
-                                              need_dx=i > 0)   # the tokens need none
+                da, terms = blocks[i].backward(da, stashes.pop(), replica.part(i),
+                                               need_dx=i > 0)   # the tokens need none
                 replica.add_grads(i, terms)           # each dW = x^T dz, summed over micro-batches
                 del terms                             # gone before the next part's backward
             replica.release_weights(b)

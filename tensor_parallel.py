@@ -48,8 +48,8 @@ import torch.distributed as dist
 from collectives import cleanup, run_main, setup, spawn
 from collectives import exchange
 from data_parallel import (Block, DataParallel, attention, attention_backward, block_backward,
-                           block_forward, dp_step, embedding_backward, head_backward, head_forward,
-                           heads, init_params, make_batch, scores, tensors_of, wide, wide_matmul)
+                           block_forward, dp_step, head_backward, head_forward, heads,
+                           init_params, make_batch, scores, tensors_of, wide, wide_matmul)
 
 
 def all_gather_columns(a_t, group=None):
@@ -164,7 +164,8 @@ class SequenceSplit(MegatronSplit):
     the next column layer each rank holds rows_t of T, [b, T/tp, D], and runs the residual adds
     and the norms on them. f becomes an all-gather along T, g a reduce-scatter: an all-reduce's
     bytes, and x, x' and r held by 1/tp. A gain sees T/tp positions, P its rows_t: dg and dP
-    are partial, to be summed over tp (averaged: 1/tp of the gradient).
+    are partial sums, summed over tp after the backward (tp_worker's sum_partial_grads; an
+    average would give 1/tp of the gradient).
 
       forward   n = [n_0; n_1; ..], n_t = rmsnorm(x_t)   f: all-gather along T   [b, T, D]
                 y_t = (sum_r o_r Wo_r)[rows_t]           g: reduce-scatter along T
@@ -236,13 +237,14 @@ def vocab_embedding_backward(g, stash, w, need_dx=False, group=None, sequence_pa
     dE_t; dP from g alone, P's rows of this rank's T/tp (partial: summed over tp). --cp: dP's
     rows at this rank's places in T."""
     local, outside = stash
-    _, (_, (places, _)) = embedding_backward(g, (local,), w)          # [b, T]: step 2's
-    if positions is not None:
-        places = positions[places]
+    places = torch.arange(local.shape[1], device=local.device)        # [T]: P's rows, in order
+    if positions is not None:                                         # --cp: its places in T
+        places = positions
     g_all = g
     if sequence_parallel:
-        places = my_rows(places.T, group).T                           # [b, T/tp]
+        places = my_rows(places, group)                               # its T/tp rows' places
         g_all = gather_along_T(g, group)
+    places = places.expand(g.shape[0], -1)                            # [b, T(/tp)]: a row each
     return None, [(local, g_all.masked_fill(outside[..., None], 0.0)), (places, g)]
 
 
