@@ -317,7 +317,7 @@ def model_blocks(num_layers, head_dim, routers=None):   # the parts, each a Bloc
 #             load - load_e), the loads (positions x K an expert took) over the global batch.
 
 class Router:
-    """A layer's bias [E], this step's loads [E] and choices (each micro-batch's [N, K])."""
+    """A block's bias [E], this step's loads [E] and choices (each micro-batch's [N, K])."""
 
     def __init__(self, num_experts, top_k, device=None, group=None):
         self.bias = torch.zeros(num_experts, device=device)
@@ -447,7 +447,7 @@ def dispatched_backward(dy, stash, wr, w1, w2):
 
 
 def balance(routers, rate, group=None):
-    """Each layer's bias moved by the step's loads over every replica: one all-reduce of [L, E]."""
+    """Each block's bias moved by the step's loads over every replica: one all-reduce of [L, E]."""
     loads = torch.stack([router.loads for router in routers])
     if dist.is_initialized():
         dist.all_reduce(loads, group=group)
@@ -521,11 +521,11 @@ class DataParallel:
         self.params = weights
         self.weights = [w.to(self.dtype) for w in weights]   # --bf16: a copy
 
-    def view(self, flat, i):            # layer i's part of its bucket's flat buffer   [D, D]
+    def view(self, flat, i):            # tensor i's place in its bucket's flat buffer   [D, D]
         start = self.layout.offset[i]
         return flat[start:start + self.shapes[i].numel()].view(self.shapes[i])
 
-    def begin_step(self):               # a layer's first dW of the step overwrites its part
+    def begin_step(self):               # a tensor's first dW of the step overwrites its place
         self.first_dw = set(range(len(self.shapes)))
 
     def gather_weights(self, b, prefetch=None):   # every weight is here and stays (ZeRO-3
@@ -609,73 +609,73 @@ class ZeRO1(DataParallel):
         self.flat = [flat.to(self.dtype) for flat in flats]       # the layers' (bf16: a copy)
         self.weights = [self.view(self.flat[self.layout.bucket_of[i]], i)
                         for i in range(len(weights))]
-        self.params = [self.my_part(flat) for flat in flats]      # the optimizer's [S], fp32
+        self.params = [self.my_shard(flat) for flat in flats]      # the optimizer's [S], fp32
         if self.dtype != torch.float32:                           # bf16: the masters alone
             self.params = [param.clone() for param in self.params]
 
-    def my_part(self, flat):            # this replica's 1/d of a bucket: a view [S]
+    def my_shard(self, flat):           # this replica's 1/d of a bucket: a view [S]
         return flat.view(self.dp_size, -1)[self.dp_rank]
 
-    def reduce_gradients(self, b):      # this replica's part of the sum: (d-1)/d of the bytes
+    def reduce_gradients(self, b):      # this replica's shard of the sum: (d-1)/d of the bytes
         bucket = self.grad_buckets[b]
-        work = dist.reduce_scatter_single(self.my_part(bucket), bucket, group=self.group,
+        work = dist.reduce_scatter_single(self.my_shard(bucket), bucket, group=self.group,
                                           async_op=self.overlap)
         self.reductions.append(work)
 
     def grads(self):
-        return [self.my_part(bucket) for bucket in self.grad_buckets]
+        return [self.my_shard(bucket) for bucket in self.grad_buckets]
 
     def clip(self, max_norm, groups=(), shares=None):   # each replica holds 1/d: summed over dp
         return clip_grads(self.grads(), max_norm, (*groups, self.group), self.weigh(shares))
 
-    def weigh(self, shares):            # each bucket's part: its tensors' shares, element-wise
+    def weigh(self, shares):            # each bucket's shard: its tensors' shares, element-wise
         if shares is None:
             return None
         buckets = [torch.ones(n, device=self.device) for n in self.lengths]
         for i, share in enumerate(shares):
             self.view(buckets[self.layout.bucket_of[i]], i).fill_(share)
-        return [self.my_part(bucket) for bucket in buckets]
+        return [self.my_shard(bucket) for bucket in buckets]
 
     def refresh_weights(self):
-        """The optimizer stepped this replica's part of each bucket: all-gathered."""
+        """The optimizer stepped this replica's shard of each bucket: all-gathered."""
         for flat, param in zip(self.flat, self.params):
-            part = self.my_part(flat)
-            if self.dtype != torch.float32:                   # bf16: the new part, rounded
-                part.copy_(param)
-            dist.all_gather_single(flat, part, group=self.group)
+            shard = self.my_shard(flat)
+            if self.dtype != torch.float32:                   # bf16: the new shard, rounded
+                shard.copy_(param)
+            dist.all_gather_single(flat, shard, group=self.group)
 
 
 class ZeRO2(ZeRO1):
-    """Stage 2 = stage 1, but a bucket is reduce-scattered into a part of its own, the bucket let
-    go at once; exchanged again in the step (ZeRO-3's), it adds to its part."""
+    """Stage 2 = stage 1, but a bucket is reduce-scattered into a shard of its own, the bucket
+    let go at once; exchanged again in the step (ZeRO-3's), it adds to its shard."""
 
     def begin_step(self):
         super().begin_step()
-        self.grad_parts = [None] * len(self.buckets)
-        self.parts_in_flight = []       # (bucket, part) of an exchange again, --overlap's
+        self.grad_shards = [None] * len(self.buckets)
+        self.shards_in_flight = []      # (bucket, shard) of an exchange again, --overlap's
 
     def reduce_gradients(self, b):
-        part = self.grad_buckets[b].new_empty(self.lengths[b] // self.dp_size)   # [S]
-        work = dist.reduce_scatter_single(part, self.grad_buckets[b], group=self.group,
+        shard = self.grad_buckets[b].new_empty(self.lengths[b] // self.dp_size)   # [S]
+        work = dist.reduce_scatter_single(shard, self.grad_buckets[b], group=self.group,
                                           async_op=self.overlap)
         self.reductions.append(work)
         self.grad_buckets[b] = None               # let go: the Work holds what it sends
-        if self.grad_parts[b] is None:
-            self.grad_parts[b] = part
+        if self.grad_shards[b] is None:
+            self.grad_shards[b] = shard
         elif self.overlap:                        # summed once it has come in (average)
-            self.parts_in_flight.append((b, part))
+            self.shards_in_flight.append((b, shard))
         else:
-            self.grad_parts[b] += part
+            self.grad_shards[b] += shard
 
     def average(self):
         self.finish_reductions()
-        for b, part in self.parts_in_flight:
-            self.grad_parts[b] += part
-        self.parts_in_flight = []
+        for b, shard in self.shards_in_flight:
+            self.grad_shards[b] += shard
+        self.shards_in_flight = []
         super().average()                         # nothing left under way: each / d
 
-    def grads(self):                    # the parts, [S] each
-        return self.grad_parts
+    def grads(self):                    # the shards, [S] each
+        return self.grad_shards
 
 
 class ZeRO3(ZeRO2):
@@ -1139,8 +1139,8 @@ def memory_held(replica):   # bytes held now, by kind; a view of another tensor 
     gathering = [flat for _, flat in getattr(replica, "gathering", {}).values()]   # ZeRO-3's
     kinds = {"weights": [replica.weights, getattr(replica, "flat", 0), replica.params *
                          (not masters), gathering],
-             "gradients": [replica.grad_buckets, getattr(replica, "grad_parts", 0),
-                           [part for _, part in getattr(replica, "parts_in_flight", [])]],
+             "gradients": [replica.grad_buckets, getattr(replica, "grad_shards", 0),
+                           [shard for _, shard in getattr(replica, "shards_in_flight", [])]],
              "optimizer state": [state, masters]}
     return {kind: sum({id(t.untyped_storage()): t.untyped_storage().nbytes()   # (the storage
                        for ts in lists if ts for t in ts if t is not None}.values())  # object:
