@@ -193,3 +193,24 @@ FUSED_ON_CPU = types.SimpleNamespace(**{   # torch.ops.aten's fused attention op
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_efficient_attention_backward"]})
+
+
+def replay64(result, moe_of=None):
+    """A --save result's SGD steps again, serially with autograd in float64: (losses, final).
+    moe_of(step): serial_loss's moe for that step (--experts), called once a step, in order."""
+    import argparse
+    import data_parallel as dp
+    config = argparse.Namespace(**result["config"])
+    params = [w.double().requires_grad_() for w in init_of(result)]
+    losses = []
+    for step in range(config.steps):
+        moe = moe_of(step) if moe_of else None
+        loss, _ = dp.serial_loss(params, result["inputs"][step], result["targets"][step],
+                                 config.dim // config.heads, moe=moe)
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            for w in params:
+                w -= config.lr * w.grad
+                w.grad = None
+    return losses, [w.detach() for w in params]

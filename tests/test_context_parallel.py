@@ -27,7 +27,7 @@ import tensor_parallel as tp
 import three_d
 from collectives import RankFailed, cleanup, exchange, setup, spawn
 from bench import cp_pairs
-from common import FUSED_ON_CPU, NO_SAMPLE, check_report, init_of
+from common import FUSED_ON_CPU, NO_SAMPLE, check_report, replay64
 
 SMALL = ["--num-layers", "2", "--dim", "16", "--heads", "4", "--context", "24", "--batch-size", "4",
          "--steps", "3", "--optimizer", "sgd", "--lr", "0.3", "--seed", "3", *NO_SAMPLE]
@@ -206,23 +206,6 @@ def test_the_ring_sends_the_bytes_of_the_formula(tmp_path, world_size, dtype):
     for r in range(C):
         assert torch.load(tmp_path / f"bytes-{r}.pt") == [2 * (C - 1) * A,
                                                           2 * (C - 1) * A + 2 * C * A32]
-
-
-def replay64(result):
-    """A --save result's SGD steps again, serially with autograd in float64: (losses, final)."""
-    config = argparse.Namespace(**result["config"])
-    params = [w.double().requires_grad_() for w in init_of(result)]
-    losses = []
-    for step in range(config.steps):
-        inputs, targets = result["inputs"][step], result["targets"][step]
-        loss, _ = dp.serial_loss(params, inputs, targets, config.dim // config.heads)
-        loss.backward()
-        losses.append(loss.item())
-        with torch.no_grad():
-            for w in params:
-                w -= config.lr * w.grad
-                w.grad = None
-    return losses, [w.detach() for w in params]
 
 
 def assert_replays(result):

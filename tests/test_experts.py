@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import data_parallel as dp
 import tensor_parallel as tp
 from collectives import cleanup, setup, spawn
-from common import NO_SAMPLE, init_of
+from common import NO_SAMPLE, replay64
 
 SMALL = ["--num-layers", "2", "--dim", "16", "--heads", "4", "--context", "8", "--batch-size", "8",
          "--micro-batches", "2", "--steps", "3", "--optimizer", "sgd", "--lr", "0.3", "--seed", "5",
@@ -138,29 +138,22 @@ def test_the_bias_steers_the_choice_never_the_output():
     torch.testing.assert_close(y0, p[:, 0].view(1, 4, 1) * expert0)  # weighted by p_0, not bias
 
 
-def replay64(result):
-    """A --save result's SGD steps again in float64 under autograd, each step's routes the run's;
-    each layer's bias moved by the loads of those routes over the whole batch (float32, as the
-    run's): (losses, final params, final bias)."""
+def replay64_with_bias(result):
+    """common's replay64, each step's routes the run's, each layer's bias moved after the step
+    by the loads of those routes over the whole batch (float32, as the run's): (losses, final
+    params, final bias)."""
     config = argparse.Namespace(**result["config"])
-    params = [w.double().requires_grad_() for w in init_of(result)]
     bias = result["init_bias"].clone()
-    losses = []
-    for step in range(config.steps):
-        routes = result["routes"][step]                              # [L, B, T, K]
+
+    def moe_of(step):   # this step's, then the bias moved for the next
+        routes = result["routes"][step]                               # [L, B, T, K]
         moe = (config.top_k, bias.double(), routes)
-        loss, _ = dp.serial_loss(params, result["inputs"][step], result["targets"][step],
-                                 config.dim // config.heads, moe=moe)
-        loss.backward()
-        losses.append(loss.item())
-        with torch.no_grad():
-            for w in params:
-                w -= config.lr * w.grad
-                w.grad = None
         for layer in range(config.num_layers):
             load = torch.bincount(routes[layer].flatten(), minlength=config.experts).float()
             bias[layer] += config.balance_rate * torch.sign(load.mean() - load)
-    return losses, [w.detach() for w in params], bias
+        return moe
+    losses, final = replay64(result, moe_of)
+    return losses, final, bias
 
 
 def train(tmp_path, flags):
@@ -170,7 +163,7 @@ def train(tmp_path, flags):
 
 
 def assert_replays(result):
-    losses, final, bias = replay64(result)
+    losses, final, bias = replay64_with_bias(result)
     torch.testing.assert_close(torch.tensor(result["losses"], dtype=torch.float64),
                                torch.tensor(losses, dtype=torch.float64), atol=1e-5, rtol=1e-5)
     for got, want in zip(result["final_params"].values(), final):
