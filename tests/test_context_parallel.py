@@ -14,7 +14,6 @@ float64, the defects it must catch, and training with --cp against serial traini
   interleaved, ZeRO-3, tp 2 Megatron with sequence parallelism and --recompute, zb-h1 with ZeRO-1.
 - The balance: the pairs each rank computes, contiguous against zigzag; the ring's bytes.
 """
-import argparse
 import contextlib
 import types
 from unittest import mock
