@@ -3,7 +3,8 @@
     python tests/readme_sample.py LOG
 
 Each line the README shows is a line the run printed, in the same order; a "..." line (any
-indent) stands for one or more lines left out, and nowhere else is a line left out. Numbers
+indent) stands for one or more lines left out, and nowhere else is a line left out (before the
+first: make's command line, the first call's install). Numbers
 are compared by shape (every run of digits as one #), and the sample's characters, drawn from
 the model, are not compared (another CPU's rounding may draw others): the README may show no
 line the run does not print, and may drop none without saying so."""
@@ -44,7 +45,7 @@ def mismatch(sample, printed):
         return any(shape(printed[k]) == shape(line) and
                    fits(i + 1, k + 1, line.startswith("a sample, "), line.startswith("a sample, "))
                    for k in ends)
-    if fits(0, 0, False, False):
+    if fits(0, 0, True, False):           # what comes before (make's command, the install)
         return None
     return sample[min(deepest[0], len(sample) - 1)]
 
