@@ -148,15 +148,15 @@ class BlockStash(NamedTuple):   # what a block keeps from its forward for its ba
     x: torch.Tensor        # [b, T, D], its input
     n1: torch.Tensor       # rmsnorm(x; g1), and r1 [b, T, 1]
     r1: torch.Tensor
-    q: torch.Tensor        # [b, T, D/t] each: this rank's heads
+    q: torch.Tensor        # [b, T, D/tp] each: this rank's heads
     k: torch.Tensor
     v: torch.Tensor
-    lse: torch.Tensor      # [b, h/t, T], fp32: A made again from it
+    lse: torch.Tensor      # [b, h/tp, T], fp32: A made again from it
     o: torch.Tensor        # the heads' output (gathered, where step 3 gathers it)
     x2: torch.Tensor       # x + y1, the residual
     n2: torch.Tensor       # rmsnorm(x2; g2), and r2
     r2: torch.Tensor
-    z: object              # n2 W1 [b, T, 4D/t] (--experts: the experts' stash)
+    z: object              # n2 W1 [b, T, 4D/tp] (--experts: the experts' stash)
     u: torch.Tensor        # gelu(z) (--experts: None)
 
 
@@ -166,8 +166,8 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE, router=None
     w1, w2 = w[-2:]
     n1, r1 = rmsnorm(x, g1)
     n1 = split.f(n1)                      # [b, T, D]
-    q, k, v = (n1 @ w for w in (wq, wk, wv))  # [b, T, D/t]: whole heads, this rank's
-    o, lse = split.attend(q, k, v, head_dim)  # [b, T, D/t], lse [b, h/t, T]: no A kept
+    q, k, v = (n1 @ w for w in (wq, wk, wv))  # [b, T, D/tp]: whole heads, this rank's
+    o, lse = split.attend(q, k, v, head_dim)  # [b, T, D/tp], lse [b, h/tp, T]: no A kept
     o = split.gather(o)
     y1 = split.g(o @ wo)                      # [b, T, D]
     x2 = x + y1                               # the residual
@@ -177,7 +177,7 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE, router=None
         y2, z = experts_forward(n2, *w[6:], router, count)
         u = None
     else:
-        z = n2 @ w1                           # [b, T, 4D/t]
+        z = n2 @ w1                           # [b, T, 4D/tp]
         u = split.gather(F.gelu(z))
         y2 = split.g(u @ w2)
     out = x2 + y2

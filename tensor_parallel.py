@@ -317,7 +317,7 @@ def tensor_kinds(kinds, tp_style):
     return [by_part[part] for part in kinds]
 
 
-def clip_shares(kinds, tp_size):   # each tensor's share of its squares: a whole one's, 1/t
+def clip_shares(kinds, tp_size):   # each tensor's share of its squares: a whole one's, 1/tp
     return [1 / tp_size if kind == "whole" else 1.0 for kind in kinds]
 
 
@@ -699,7 +699,7 @@ class Attention(NamedTuple):
 def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", context=1, heads=1,
                   cp=1, cp_layout="zigzag"):
     """A tp rank's part ("block" or "head"), a micro-batch of rows positions: its matmuls'
-    (forwards, backwards' dx, dWs into the fp32 gradient); a block's six weights, and its h/t
+    (forwards, backwards' dx, dWs into the fp32 gradient); a block's six weights, and its h/tp
     heads' attention, one fused kernel forward and one back, as a GPU runs them (--cp: a kernel a
     pair of chunks, the busiest rank's). What --plan prices and tests/gpu_path.py records."""
     size = 2 if bf16 else 4
@@ -715,7 +715,7 @@ def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", con
     wo = linear(D // tp, D) if row else linear(D, D // tp)
     w2 = linear(4 * D // tp, D) if row else linear(4 * D, D // tp)
     layers = [linear(D, D // tp)] * 3 + [wo, linear(D, 4 * D // tp), w2]
-    sequences = rows * cp // context * (heads // tp)   # b h/t
+    sequences = rows * cp // context * (heads // tp)   # b h/tp
     head_dim = D // heads
     forwards, dxs, dws = (list(column) for column in zip(*layers))
     chunk = context // (cp * (1 + (cp > 1 and cp_layout == "zigzag")))   # s: a pair's side
