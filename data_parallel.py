@@ -42,7 +42,7 @@ import warnings
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import math
 from functools import partial
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -294,6 +294,11 @@ def replica_rows(batch_size, dp_rank, dp_size):   # by its dp rank, never the gl
     return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
 
+class Block(NamedTuple):   # a part's pair, as every step runs one: step 2's, and step 3's
+    forward: Callable         # (x, w, recompute) -> (a, stash); w: the part's weights, a list
+    backward: Callable        # (dy, stash, w, need_dx) -> (dx, [(x, dz) a weight]): dW = x^T dz
+
+
 def model_blocks(num_layers, head_dim, routers=None):   # the parts, each a Block: [E, P],
     blocks = [Block(partial(block_forward, head_dim=head_dim, router=router),    # blocks, [g, H]
                     partial(block_backward, head_dim=head_dim, router=router))
@@ -486,6 +491,52 @@ def dp_step(replica, blocks, loss_fn, xs, ys, n, recompute=False):
                 replica.reduce_gradients(b)           # final: summed over the replicas
     replica.average()                                 # every exchange done; each gradient / d
     return loss
+
+
+class BucketLayout(NamedTuple):
+    parts: list        # the parts of each bucket, in order
+    buckets: list      # the tensors of each bucket (every part's, numbered in order)
+    bucket_of: dict    # tensor -> its bucket
+    offset: dict       # tensor -> where its elements start in its bucket
+    lengths: list      # the elements of each bucket
+    spans: list        # part -> its tensors
+
+
+def make_buckets(numels, bucket_mb, chunk_starts=()):
+    """Consecutive parts (numels: each part's tensors' elements) whose fp32 gradients fit in
+    bucket_mb (0: a part each): a collective costs a fixed time plus bytes / bandwidth (gloo
+    here: 4 KB and 1 MB both ~0.6 ms, 16 MB 11 ms). Cut from the last part, final first; the first
+    bucket 1 MB at most, as DDP's, to start early. None crosses a chunk's start (3D interleaved)."""
+    sizes = [sum(part) for part in numels]
+    parts = [[]]
+    cap = min(bucket_mb, 1.0) * 2**20
+    size = 0
+    for i in reversed(range(len(sizes))):
+        if parts[-1] and (size + 4 * sizes[i] > cap or i + 1 in chunk_starts):
+            parts.append([])
+            cap = bucket_mb * 2**20
+            size = 0
+        parts[-1].insert(0, i)
+        size += 4 * sizes[i]
+    parts.reverse()
+    spans = spans_of(numels)
+    flat = [n for part in numels for n in part]
+    buckets = [[j for i in group for j in spans[i]] for group in parts]
+    bucket_of = {}
+    offset = {}
+    for b, tensors in enumerate(buckets):
+        for j in tensors:
+            bucket_of[j] = b
+            offset[j] = sum(flat[tensors[0]:j])
+    return BucketLayout(parts, buckets, bucket_of, offset,
+                        [sum(flat[j] for j in tensors) for tensors in buckets], spans)
+
+
+def spans_of(parts):           # part -> the indices of its tensors among tensors_of(parts)
+    firsts = [0]
+    for part in parts:
+        firsts.append(firsts[-1] + len(part))
+    return [range(first, end) for first, end in zip(firsts, firsts[1:])]
 
 
 class DataParallel:
@@ -767,6 +818,10 @@ class WithExperts:
         self.experts.update()
 
 
+def make_replica(weights, group, zero=0, **options):   # the ZeRO stage asked for (--zero)
+    return [DataParallel, ZeRO1, ZeRO2, ZeRO3][zero](weights, group, **options)
+
+
 def ep_groups(rank, world_size, ep):
     """(this rank's ep group: P consecutive ranks; its copies: the ranks of its ep rank)."""
     mine = None
@@ -837,10 +892,9 @@ def main(argv=None):
     spawn(dp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
 
 
-# Below the fold: a GPU's fused attention; each stage's costs, the bucket layout, the clipping norm;
+# Below the fold: a GPU's fused attention; each stage's costs, the clipping norm;
 # what later steps share (training flags, --save, checkpoints, the text, --check); the memory table.
 import argparse, contextlib, functools, glob, json, math, os, shutil, sys  # noqa
-from typing import Callable  # noqa: E402
 
 
 def fused(q, head_dim):   # a GPU (meta: its stand-in) runs torch's kernels; flash's head sizes
@@ -880,15 +934,6 @@ def fused_attention_backward(do, q, k, v, o, lse, head_dim):
 from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
 
 
-class Block(NamedTuple):   # a part's pair, as every step runs one: step 2's, and step 3's
-    forward: Callable         # (x, w, recompute) -> (a, stash); w: the part's weights, a list
-    backward: Callable        # (g, stash, w, need_dx) -> (dx, [(x, dz) a weight]): dW = x^T dz
-
-
-def make_replica(weights, group, zero=0, **options):   # the ZeRO stage asked for (--zero)
-    return [DataParallel, ZeRO1, ZeRO2, ZeRO3][zero](weights, group, **options)
-
-
 def dp_costs(lengths, dp_size, zero=0, num_micro_batches=1, optimizer="adamw", bf16=False):
     """A replica's costs a step, for buckets of these lengths (ZeRO: padded to d S): collectives
     (kind, bytes of the tensor, times), and what it holds at the step's end {kind: (bytes,
@@ -921,45 +966,6 @@ def in_step_bytes(chunks, dp_size, zero=0, num_micro_batches=1):
     first_only = num_micro_batches == 1
     return max(4 * n - 4 * (sum(chunks[:c]) + n * first_only) // dp_size
                for c, n in enumerate(chunks))
-
-
-class BucketLayout(NamedTuple):
-    parts: list        # the parts of each bucket, in order
-    buckets: list      # the tensors of each bucket (every part's, numbered in order)
-    bucket_of: dict    # tensor -> its bucket
-    offset: dict       # tensor -> where its elements start in its bucket
-    lengths: list      # the elements of each bucket
-    spans: list        # part -> its tensors
-
-
-def make_buckets(numels, bucket_mb, chunk_starts=()):
-    """Consecutive parts (numels: each part's tensors' elements) whose fp32 gradients fit in
-    bucket_mb (0: a part each): a collective costs a fixed time plus bytes / bandwidth (gloo
-    here: 4 KB and 1 MB both ~0.6 ms, 16 MB 11 ms). Cut from the last part, final first; the first
-    bucket 1 MB at most, as DDP's, to start early. None crosses a chunk's start (3D interleaved)."""
-    sizes = [sum(part) for part in numels]
-    parts = [[]]
-    cap = min(bucket_mb, 1.0) * 2**20
-    size = 0
-    for i in reversed(range(len(sizes))):
-        if parts[-1] and (size + 4 * sizes[i] > cap or i + 1 in chunk_starts):
-            parts.append([])
-            cap = bucket_mb * 2**20
-            size = 0
-        parts[-1].insert(0, i)
-        size += 4 * sizes[i]
-    parts.reverse()
-    spans = spans_of(numels)
-    flat = [n for part in numels for n in part]
-    buckets = [[j for i in group for j in spans[i]] for group in parts]
-    bucket_of = {}
-    offset = {}
-    for b, tensors in enumerate(buckets):
-        for j in tensors:
-            bucket_of[j] = b
-            offset[j] = sum(flat[tensors[0]:j])
-    return BucketLayout(parts, buckets, bucket_of, offset,
-                        [sum(flat[j] for j in tensors) for tensors in buckets], spans)
 
 
 def clip_grads(grads, max_norm, groups, shares=None):
@@ -999,13 +1005,6 @@ def param_names(num_layers, experts=0):   # --save's names, each tensor's, in th
 
 def tensors_of(parts):         # the parts' tensors, in order
     return [w for part in parts for w in part]
-
-
-def spans_of(parts):           # part -> the indices of its tensors among tensors_of(parts)
-    firsts = [0]
-    for part in parts:
-        firsts.append(firsts[-1] + len(part))
-    return [range(first, end) for first, end in zip(firsts, firsts[1:])]
 
 
 def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False, record=None,
