@@ -278,22 +278,6 @@ def init_params(args):
     return parts
 
 
-def make_batch(args, step, text=None):
-    """The step's B windows of T + 1 characters of the training text, at offsets every rank draws
-    alike from (--seed, step): inputs [B, T], targets [B, T], each position's next character."""
-    if text is None:
-        text = text_part("training")
-    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    starts = torch.randint(len(text) - args.context, (args.batch_size,), generator=gen)
-    windows = text[starts[:, None] + torch.arange(args.context + 1)]   # [B, T + 1]
-    return windows[:, :-1], windows[:, 1:]
-
-
-def replica_rows(batch_size, dp_rank, dp_size):   # by its dp rank, never the global rank (3D)
-    per_replica = batch_size // dp_size
-    return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
-
-
 class Block(NamedTuple):   # a part's pair, as every step runs one: step 2's, and step 3's
     forward: Callable         # (x, w, recompute) -> (a, stash); w: the part's weights, a list
     backward: Callable        # (dy, stash, w, need_dx) -> (dx, [(x, dz) a weight]): dW = x^T dz
@@ -759,7 +743,7 @@ class ZeRO3(ZeRO2):
             self.weights[i] = None
 
 
-# Part 4: the experts' copies (--ep), and the worker -----------------------------------------------
+# Part 4: the experts' copies (--ep), the batch, and the worker ------------------------------------
 
 class ExpertCopies(DataParallel):
     """--ep: this rank's experts of every block, a part a block, over the ranks that hold the
@@ -816,6 +800,22 @@ class WithExperts:
     def update(self):
         self.replica.update()
         self.experts.update()
+
+
+def make_batch(args, step, text=None):
+    """The step's B windows of T + 1 characters of the training text, at offsets every rank draws
+    alike from (--seed, step): inputs [B, T], targets [B, T], each position's next character."""
+    if text is None:
+        text = text_part("training")
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    starts = torch.randint(len(text) - args.context, (args.batch_size,), generator=gen)
+    windows = text[starts[:, None] + torch.arange(args.context + 1)]   # [B, T + 1]
+    return windows[:, :-1], windows[:, 1:]
+
+
+def replica_rows(batch_size, dp_rank, dp_size):   # by its dp rank, never the global rank (3D)
+    per_replica = batch_size // dp_size
+    return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
 
 
 def make_replica(weights, group, zero=0, **options):   # the ZeRO stage asked for (--zero)
