@@ -346,7 +346,7 @@ def experts_forward(n, wr, w1, w2, router, count=True):
 
 def experts_backward(dy, stash, wr, w1, w2):
     """dn [b, T, D], and Wr's, W1's [E, D, 4D] and W2's [E, 4D, D] gradients, ready, fp32."""
-    if len(stash) == 4:                                       # --ep's
+    if isinstance(stash[2], Dispatched):                      # --ep's
         return dispatched_backward(dy, stash, wr, w1, w2)
     x, p, routed = stash
     dy_rows = dy.flatten(0, -2)                               # [N, D]
@@ -384,6 +384,17 @@ def all_to_all(rows, send_counts, recv_counts, group):   # rows [M, ..] out by s
     return out
 
 
+class Dispatched(NamedTuple):   # what --ep's forward keeps of its all-to-alls, for the backward
+    rows: torch.Tensor         # [N K]: each pair's position, sorted by its expert
+    expert: torch.Tensor       # [N K]: each pair's expert
+    send_counts: torch.Tensor  # [P]: the pairs sent to each rank
+    recv_counts: torch.Tensor  # [P]: the pairs taken from each
+    x_in: torch.Tensor         # [M, D]: the rows this rank's experts took
+    routed: list               # each expert here: its rows of x_in, z, gelu(z)
+    y_e: torch.Tensor          # [N K, D]: each pair's expert output, home
+    group: object
+
+
 def dispatched_forward(x, p, chosen, w1, w2, group):
     """y [N, D] fp32 from x [N, D]: each pair sent to its expert, computed there, sent back."""
     local = w1.shape[0]                                       # E/P experts here
@@ -407,13 +418,12 @@ def dispatched_forward(x, p, chosen, w1, w2, group):
     y_e = all_to_all(y_in, recv_counts, send_counts, group)  # [N K, D]: home, pair by pair
     y = torch.zeros(x.shape, dtype=p.dtype, device=x.device)
     y.index_add_(0, rows, p[rows, expert, None] * wide(y_e))
-    sent = (rows, expert, send_counts, recv_counts, x_in, routed, y_e, group)
-    return y, (x, p, sent, None)
+    return y, (x, p, Dispatched(rows, expert, send_counts, recv_counts, x_in, routed, y_e, group))
 
 
 def dispatched_backward(dy, stash, wr, w1, w2):
     """experts_backward's, each pair's p_e dy sent to its expert and its dn sent home."""
-    x, p, (rows, expert, send_counts, recv_counts, x_in, routed, y_e, group), _ = stash
+    x, p, (rows, expert, send_counts, recv_counts, x_in, routed, y_e, group) = stash
     dy_rows = dy.flatten(0, -2)                               # [N, D]
     dp = torch.zeros_like(p)
     dp[rows, expert] = (wide(dy_rows[rows]) * wide(y_e)).sum(-1)    # <dy, y_e>, every chosen e
@@ -871,9 +881,9 @@ def dp_worker(rank, world_size, args):
         loss = dp_step(replica, model_blocks(args.num_layers, args.dim // args.heads, routers),
                        cross_entropy, inputs.chunk(m), targets.chunk(m), len(rows) * args.context,
                        recompute=args.recompute)      # n: its positions
-        moe.gather_routes(step)                        # --save, --check: every replica's choice
+        moe.gather_routes()                            # --save, --check: every replica's choice
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
-            check.step(whole(replica), whole(replica, grads=True), moe.step(step))
+            check.step(whole(replica), whole(replica, grads=True), moe.step())
         if args.clip_grad:
             norms.append(replica.clip(args.clip_grad).item())    # before the update
         if routers:                                    # the loads over every replica: the bias
@@ -1189,7 +1199,7 @@ class MoE:
         if routers:
             self.init_bias = torch.stack([router.bias.cpu() for router in routers])
 
-    def gather_routes(self, step):
+    def gather_routes(self):
         if not self.routers:
             return
         biases = torch.stack([router.bias.cpu() for router in self.routers])   # before balance
@@ -1204,7 +1214,7 @@ class MoE:
         for router in self.routers:
             router.routes = []
 
-    def step(self, step):   # serial_loss's moe for this step's check
+    def step(self):         # serial_loss's moe for this step's check
         if not self.routers:
             return None
         return self.args.top_k, self.biases[-1], self.routes[-1]

@@ -1124,7 +1124,7 @@ MOE_RACE = dict(positions=2048, dim=256, experts=8, top_k=2)
 def moe_race(ep_sizes=(2, 4), steps=5):
     """One experts layer, forward and backward, over an ep group of P ranks: ours (the
     all-to-alls and every backward by hand) against an nn.Module under autograd, dispatching
-    with torch.distributed.nn.functional.all_to_all_single, which is autograd-aware; the same
+    with torch's autograd-aware all-to-all (all_to_all_autograd); the same
     choice, each rank's dn, dWr, dW1, dW2 compared first."""
     print(f"experts, one layer forward and backward over --ep P ranks: N={MOE_RACE['positions']} "
           f"positions a rank, D={MOE_RACE['dim']}, E={MOE_RACE['experts']}, "

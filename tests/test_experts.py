@@ -84,7 +84,7 @@ def dp_for_every_expert(dy, stash, wr, w1, w2):   # the defect: the unchosen's <
 def unscaled_expert_dy(dy, stash, wr, w1, w2):   # the defect: an expert's dy not times p_e
     x, p, routed = stash
     dn, terms = dp.experts_backward(dy, (x, torch.ones_like(p), routed), wr, w1, w2)
-    right_dn, right_terms = dp.experts_backward(dy, stash, wr, w1, w2)
+    right_terms = dp.experts_backward(dy, stash, wr, w1, w2)[1]
     return dn, [right_terms[0], *terms[1:]]
 
 
@@ -276,11 +276,9 @@ def divided_by_copies(self):   # the defect: an expert's gradient / (dp/P), its 
 def router_from_local_experts(real):
     """The defect: dp_e = <dy, y_e> for the experts on this rank alone (the others' y_e as 0)."""
     def backward(dy, stash, wr, w1, w2):
-        x, p, (rows, expert, sends, recvs, x_in, routed, y_e, group), extra = stash
-        local = w1.shape[0]
-        y_e = y_e * (expert // local == dist.get_rank(group))[:, None]
-        return real(dy, (x, p, (rows, expert, sends, recvs, x_in, routed, y_e, group), extra),
-                    wr, w1, w2)
+        x, p, sent = stash
+        mine = sent.expert // w1.shape[0] == dist.get_rank(sent.group)
+        return real(dy, (x, p, sent._replace(y_e=sent.y_e * mine[:, None])), wr, w1, w2)
     return backward
 
 
@@ -337,7 +335,7 @@ def all_to_all_worker(rank, world_size):
         y, stash = dp.experts_forward(n, wr, *mine, router)
         forward = sum(sent)
         dp.experts_backward(torch.randn(2, 5, D, generator=gen), stash, wr, *mine)
-    received = int(stash[2][3].sum())                     # M: the pairs for this rank's experts
+    received = int(stash[2].recv_counts.sum())            # M: the pairs for this rank's experts
     torch.save((forward, sum(sent) - forward, received), f"{RESULTS}/a2a-{rank}.pt")
     cleanup()
 
