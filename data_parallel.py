@@ -174,7 +174,8 @@ def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE, router=None
     n2, r2 = rmsnorm(x2, g2)
     n2 = split.f(n2)
     if router is not None:                    # z: the experts' stash
-        y2, z = experts_forward(n2, *w[6:], router, count)
+        y2, z = experts_forward(n2, *w[6:], router, count, split)
+        y2 = split.g(y2)
         u = None
     else:
         z = n2 @ w1                           # [b, T, 4D/tp]
@@ -200,7 +201,8 @@ def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE, rou
     x, n1, r1, q, k, v, lse, o, x2, n2, r2, z, u = stash
     dy2 = split.g_back(dout)                # out = x2 + y2: y2's gradient
     if router is not None:
-        dn2, mlp = experts_backward(dy2, z, *w[6:])
+        dn2, mlp = experts_backward(dy2, z, *w[6:], split)
+        dn2 = split.f_back(dn2)
     else:
         du = split.row_back(dy2 @ w2.T)       # y2 = u W2
         du = split.gather_back(du)            # this rank's columns of u
@@ -304,6 +306,10 @@ def model_blocks(num_layers, head_dim, routers=None):   # the parts, each a Bloc
 #             is in no output, and its gradient is 0.
 #   balance   bias [E] steers the choice, never the output: after a step bias_e += g sign(mean
 #             load - load_e), the loads (positions x K an expert took) over the global batch.
+#   tp        (step 3) each expert's W1 and W2 split as the MLP's, the router whole on every rank.
+#             y_e is then a sum over tp (or its columns), so each rank's dp_e = <dy, y_e> is its
+#             part: so are ds, dWr (summed over tp, as sequence parallelism's gains) and ds Wr^T
+#             (summed by f's backward with the experts' dn).
 
 class Router:
     """A block's bias [E], this step's loads [E] and choices (each micro-batch's [N, K])."""
@@ -323,29 +329,30 @@ class Router:
         return chosen
 
 
-def experts_forward(n, wr, w1, w2, router, count=True):
-    """y [b, T, D] from n [b, T, D]; the stash: n [N, D], p [N, E], each expert's positions
-    and its z, gelu(z), y_e [n_e, ..]."""
+def experts_forward(n, wr, w1, w2, router, count=True, split=WHOLE):
+    """y [b, T, D] from n [b, T, D] (step 3's: before g); the stash: n [N, D], p [N, E], each
+    expert's positions and its z, gelu(z), y_e [n_e, ..]."""
     x = n.flatten(0, -2)                                      # [N, D]
     p = (wide(x) @ wide(wr)).softmax(-1)                      # [N, E], fp32
     chosen = router.choose(p, count)                          # [N, K]
     if router.group is not None:                              # --ep: to the experts' ranks
         y, stash = dispatched_forward(x, p, chosen, w1, w2, router.group)
         return y.to(n.dtype).view_as(n), stash
-    y = torch.zeros(x.shape, dtype=p.dtype, device=x.device)  # the K outputs summed, fp32
+    y = x.new_zeros((len(x), w2.shape[-1]), dtype=p.dtype)   # the K outputs summed, fp32
     routed = []
     for e in range(wr.shape[1]):
         rows = (chosen == e).any(-1).nonzero()[:, 0]          # the positions that chose e
-        z = x[rows] @ w1[e]                                   # [n_e, 4D]
-        u = F.gelu(z)
+        z = x[rows] @ w1[e]                                   # [n_e, 4D/tp]
+        u = split.gather(F.gelu(z))
         y_e = u @ w2[e]                                       # [n_e, D]
         y.index_add_(0, rows, p[rows, e, None] * wide(y_e))
         routed.append((rows, z, u, y_e))
-    return y.to(n.dtype).view_as(n), (x, p, routed)
+    return y.to(n.dtype).view(*n.shape[:-1], -1), (x, p, routed)
 
 
-def experts_backward(dy, stash, wr, w1, w2):
-    """dn [b, T, D], and Wr's, W1's [E, D, 4D] and W2's [E, 4D, D] gradients, ready, fp32."""
+def experts_backward(dy, stash, wr, w1, w2, split=WHOLE):
+    """dn [b, T, D] (step 3's: before f's backward), and Wr's, W1's [E, D, 4D] and W2's
+    [E, 4D, D] gradients, ready, fp32."""
     if isinstance(stash[2], Dispatched):                      # --ep's
         return dispatched_backward(dy, stash, wr, w1, w2)
     x, p, routed = stash
@@ -355,15 +362,17 @@ def experts_backward(dy, stash, wr, w1, w2):
     dw1 = torch.zeros(w1.shape, dtype=p.dtype, device=x.device)
     dw2 = torch.zeros(w2.shape, dtype=p.dtype, device=x.device)
     for e, (rows, z, u, y_e) in enumerate(routed):
-        dp[rows, e] = (wide(dy_rows[rows]) * wide(y_e)).sum(-1)     # <dy, y_e>
+        dp[rows, e] = (wide(dy_rows[rows]) * wide(y_e)).sum(-1)     # <dy, y_e>: tp's part
         dy_e = (p[rows, e, None] * wide(dy_rows[rows])).to(dy.dtype)   # y_e's: scaled by p_e
         dw2[e] = wide(u).T @ wide(dy_e)
-        dz = torch.ops.aten.gelu_backward(dy_e @ w2[e].T, z)  # [n_e, 4D]
+        du = split.gather_back(split.row_back(dy_e @ w2[e].T))   # y_e = u W2[e]
+        dz = gelu_backward(du, z)                             # [n_e, 4D/tp]
         dw1[e] = wide(x[rows]).T @ wide(dz)
         dx.index_add_(0, rows, wide(dz @ w1[e].T))
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))            # softmax's backward [N, E]
     dx += ds @ wide(wr).T
-    return dx.to(dy.dtype).view_as(dy), [(None, wide(x).T @ ds), (None, dw1), (None, dw2)]
+    return dx.to(dy.dtype).view(*dy.shape[:-1], -1), [(None, wide(x).T @ ds), (None, dw1),
+                                                      (None, dw2)]
 
 
 # Expert parallelism (--ep P): the P ranks of an ep group hold E/P experts each (rank r: experts
@@ -1199,17 +1208,23 @@ class MoE:
         if routers:
             self.init_bias = torch.stack([router.bias.cpu() for router in routers])
 
-    def gather_routes(self):
+    def gather_routes(self, group=None, positions=None):
+        """From every rank of group, each with other rows of the batch, or (positions [T], step
+        3's --cp) other places in T, the ranks' in turn."""
         if not self.routers:
             return
         biases = torch.stack([router.bias.cpu() for router in self.routers])   # before balance
         if self.args.save or self.args.check:
-            T, K = self.args.context, self.args.top_k
-            mine = torch.stack([torch.cat(router.routes).view(-1, T, K) for router in
-                                self.routers])                       # [L, b, T, K]: its rows
-            every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-            dist.all_gather(every, mine)
-            self.routes.append(torch.cat(every, 1).cpu())           # [L, B, T, K]
+            mine = torch.stack([torch.cat(router.routes) for router in self.routers])
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(every, mine, group=group)              # [L, b t, K] each
+            L, K = mine.shape[0], mine.shape[-1]
+            routes = torch.cat(every, 1).view(L, -1, self.args.context, K)   # [L, B, T, K]
+            if positions is not None:               # each rank's [L, B, T/C, K], its places
+                places = torch.cat([r.view(L, routes.shape[1], -1, K) for r in every], 2)
+                routes = torch.empty_like(routes)
+                routes[:, :, positions] = places
+            self.routes.append(routes.cpu())
             self.biases.append(biases)
         for router in self.routers:
             router.routes = []
@@ -1348,9 +1363,10 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
                       f"--num-layers {L} --dim {D} --batch-size {B}")
 
 
-def experts_rules(args, here):   # --experts: step 2's so far, without checkpoints
+def experts_rules(args, here):   # --experts: steps 2 and 3 so far, without checkpoints
     E = args.experts
-    return [(E and not here, f"--experts {E}: only data_parallel.py trains experts so far"),
+    return [(E and not here, f"--experts {E}: only data_parallel.py and tensor_parallel.py "
+                             f"train experts so far"),
             (E < 0, f"--experts {E}: expected 0 (the dense MLP) or more"),
             (E and args.top_k > E, f"--top-k {args.top_k}: more than --experts {E}"),
             (not E and args.top_k != 1, f"--top-k {args.top_k}: needs --experts"),

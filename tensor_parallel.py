@@ -47,9 +47,9 @@ import torch.distributed as dist
 
 from collectives import cleanup, run_main, setup, spawn
 from collectives import exchange
-from data_parallel import (Block, DataParallel, attention, attention_backward, block_backward,
-                           block_forward, dp_step, head_backward, head_forward, heads,
-                           init_params, make_batch, scores, tensors_of, wide, wide_matmul)
+from data_parallel import (Block, DataParallel, Router, attention, attention_backward, balance,
+                           block_backward, block_forward, dp_step, head_backward, head_forward,
+                           heads, init_params, make_batch, scores, tensors_of, wide, wide_matmul)
 
 
 def all_gather_columns(a_t, group=None):
@@ -276,12 +276,12 @@ def sum_partial_grads(grads, whole, group):   # sequence parallel: dg, dP summed
 
 
 def tp_blocks(kinds, tp_style, head_dim, group=None, vocab_size=None, sequence_parallel=False,
-              cp_group=None, cp_layout="zigzag", positions=None):
+              cp_group=None, cp_layout="zigzag", positions=None, routers=None):
     """Each part's forward and backward over group, by kind ("embedding", "block", "head"): what
     tp_worker runs, and 3D's stages. A block is step 2's, handed this style's split. The head's
     own split gathers along T before H under sequence parallelism: the vocab-parallel loss takes
     whole rows of logits, each position's every class. cp_group: attention over its ring, P's
-    rows at this rank's positions."""
+    rows at this rank's positions. routers: the blocks' in order (--experts)."""
     split = GatherSplit(group) if tp_style == "all-gather" else MegatronSplit(group)
     ends = MegatronSplit(group)
     if sequence_parallel:
@@ -290,35 +290,42 @@ def tp_blocks(kinds, tp_style, head_dim, group=None, vocab_size=None, sequence_p
     if cp_group is not None:
         split.attend = partial(ring_attention, group=cp_group, layout=cp_layout)
         split.attend_back = partial(ring_attention_backward, group=cp_group, layout=cp_layout)
-    blocks = {"embedding": Block(partial(vocab_embedding_forward, group=group,
-                                         vocab_size=vocab_size,
-                                         sequence_parallel=sequence_parallel,
-                                         positions=positions),
-                                 partial(vocab_embedding_backward, group=group,
-                                         sequence_parallel=sequence_parallel,
-                                         positions=positions)),
-              "block": Block(partial(block_forward, head_dim=head_dim, split=split),
-                             partial(block_backward, head_dim=head_dim, split=split)),
-              "head": Block(partial(head_forward, split=ends), partial(head_backward, split=ends))}
-    return [blocks[kind] for kind in kinds]
+    routers = iter(routers or [])
+    outer = {"embedding": Block(partial(vocab_embedding_forward, group=group,
+                                        vocab_size=vocab_size,
+                                        sequence_parallel=sequence_parallel,
+                                        positions=positions),
+                                partial(vocab_embedding_backward, group=group,
+                                        sequence_parallel=sequence_parallel,
+                                        positions=positions)),
+             "head": Block(partial(head_forward, split=ends), partial(head_backward, split=ends))}
+    blocks = []
+    for kind in kinds:
+        if kind == "block":
+            block = dict(head_dim=head_dim, split=split, router=next(routers, None))
+            blocks.append(Block(partial(block_forward, **block), partial(block_backward, **block)))
+        else:
+            blocks.append(outer[kind])
+    return blocks
 
 
 def part_kinds(num_layers):   # the model's parts, in order
     return ["embedding", *["block"] * num_layers, "head"]
 
 
-def tensor_kinds(kinds, tp_style):
+def tensor_kinds(kinds, tp_style, experts=0):
     """How each part's tensors are split: "embedding" (E's rows by class), "head" (H's
-    columns by class), "column", "row", or "whole" (a gain, P): the same on every rank."""
+    columns by class), "column", "row", "whole" (a gain, P): the same on every rank, or
+    "router" (whole, its gradient a sum over tp). An expert's W1, W2 [E, ..] as the MLP's."""
     mlp_out = "column" if tp_style == "all-gather" else "row"          # Wo, W2
+    mlp = ["router", "column", mlp_out] if experts else ["column", mlp_out]
     by_part = {"embedding": ["embedding", "whole"], "head": ["whole", "head"],
-               "block": ["whole", "column", "column", "column", mlp_out, "whole", "column",
-                         mlp_out]}
+               "block": ["whole", "column", "column", "column", mlp_out, "whole", *mlp]}
     return [by_part[part] for part in kinds]
 
 
 def clip_shares(kinds, tp_size):   # each tensor's share of its squares: a whole one's, 1/tp
-    return [1 / tp_size if kind == "whole" else 1.0 for kind in kinds]
+    return [1 / tp_size if kind in ("whole", "router") else 1.0 for kind in kinds]
 
 
 def shard(w, kind, tp_rank, tp_size):
@@ -327,7 +334,8 @@ def shard(w, kind, tp_rank, tp_size):
     row_start, row_end, col_start, col_end = shard_box(w.shape, kind, tp_rank, tp_size)
     if w.dim() == 1:                      # a gain: whole
         return w.clone()
-    return w[row_start:row_end, col_start:col_end].clone(memory_format=torch.contiguous_format)
+    return w[..., row_start:row_end, col_start:col_end].clone(   # an expert's [E, ..]: each's
+        memory_format=torch.contiguous_format)
 
 
 def shard_box(shape, kind, tp_rank, tp_size):
@@ -509,7 +517,7 @@ def tp_worker(rank, world_size, args):
     cp_rank = rank // tp_size
     tp_group, cp_group = tp_and_cp_groups(rank, tp_size, args.cp)
     kinds = part_kinds(args.num_layers)
-    splits = tensor_kinds(kinds, args.tp_style)                        # a part's tensors'
+    splits = tensor_kinds(kinds, args.tp_style, args.experts)          # a part's tensors'
     init = init_params(args)                                           # drawn whole, then cut
     shards = [[shard(w, k, tp_rank, tp_size).to(device) for w, k in zip(part, part_splits)]
               for part, part_splits in zip(init, splits)]
@@ -520,14 +528,20 @@ def tp_worker(rank, world_size, args):
                            bf16=args.bf16)
     boxes = [shard_box(w.shape, k, tp_rank, tp_size) for w, k in zip(full, split)]   # in the whole
     resumed = load_checkpoint(args, replica, range(len(full)), boxes)   # --resume: any layout's
-    whole = [i for i, k in enumerate(split) if k == "whole"]          # the gains and P
+    whole = split_as(split, "whole")                                   # the gains and P
     copies = set(whole) if tp_rank > 0 else set()                      # rank 0 writes them
     if cp_rank > 0:                                                    # cp rank 0 holds the same
         copies = set(range(len(full)))
-    gather = partial(whole_on_rank0, replica, full, range(len(full)), boxes, copies)   # on rank 0
+    gather = partial(whole_model, replica, full, boxes, copies, split, tp_group)   # on rank 0
     positions = cp_positions(args.context, cp_rank, args.cp, args.cp_layout)   # its places in T
+    routers = None
+    if args.experts:                                                   # each block's, the same
+        routers = [Router(args.experts, args.top_k, device) for _ in range(args.num_layers)]
+    others = cp_group if args.cp > 1 else replica.group   # the ranks with other positions
+    moe = MoE(args, routers)
     blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, tp_group, args.vocab_size,
-                       args.sequence_parallel, cp_group, args.cp_layout, positions.to(device))
+                       args.sequence_parallel, cp_group, args.cp_layout, positions.to(device),
+                       routers)
     loss_fn = partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size, group=tp_group)
     m = args.micro_batches
     losses = []
@@ -544,14 +558,19 @@ def tp_worker(rank, world_size, args):
                        args.batch_size * args.context, recompute=args.recompute)   # step 2's
         if args.sequence_parallel:   # each gain and P saw this rank's T/tp positions alone:
             sum_partial_grads(replica.grads(), whole, tp_group)        # summed over tp
+        if routers:                  # each router's, from its part of every dp_e: summed over tp
+            sum_partial_grads(replica.grads(), split_as(split, "router"), tp_group)
         if args.cp > 1:   # every gradient, a partial sum over this rank's positions: summed
             sum_partial_grads(replica.grads(), range(len(full)), cp_group)   # over cp
             reduce_over(loss, cp_group)                                 # so is the loss
+        moe.gather_routes(others, all_positions(args))   # --save, --check: every position's
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
-            check.step(gather(grads=False), gather(grads=True))
+            check.step(gather(grads=False), gather(grads=True), moe.step())
         if args.clip_grad:     # the norm's squares summed over the shards, a whole tensor once
             norms.append(replica.clip(args.clip_grad, [tp_group],
                                       clip_shares(split, tp_size)).item())
+        if routers:                  # the loads over every position (tp's ranks: the same ones)
+            moe.loads += balance(routers, args.balance_rate, others).cpu()
         replica.update()
         losses.append(loss.item())
         if rank == 0:
@@ -559,7 +578,11 @@ def tp_worker(rank, world_size, args):
         save_checkpoint(args, step + 1, replica, range(len(full)), boxes, copies)   # its pieces
     final = gather(grads=False)                                # put together on rank 0
     if rank == 0:
-        finish_run(args, full, final, losses, check, norms, resumed)
+        extra = None
+        if routers:
+            moe.show_loads()
+            extra = moe.saved()
+        finish_run(args, full, final, losses, check, norms, resumed, extra=extra, moe=moe.final())
     cleanup()
 
 
@@ -592,6 +615,31 @@ def fused_pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, diagonal):
         offset)
 
 
+def split_as(kinds, kind):   # the tensors split as kind
+    return [i for i, k in enumerate(kinds) if k == kind]
+
+
+def all_positions(args):   # [T]: the cp ranks' positions, rank after rank (None: T in order)
+    if args.cp == 1:
+        return None
+    return torch.cat([cp_positions(args.context, c, args.cp, args.cp_layout)
+                      for c in range(args.cp)])
+
+
+def whole_model(replica, full, boxes, copies, kinds, group, grads=False):
+    """whole_on_rank0's, and each expert tensor [E, ..] (3-D: no box of a checkpoint's)
+    all-gathered over tp, the pieces side by side along the dimension tp splits."""
+    experts = [i for i, w in enumerate(full) if w.dim() == 3]
+    whole = whole_on_rank0(replica, full, range(len(full)), boxes, {*copies, *experts}, grads)
+    for i in experts:
+        held = (replica.grads() if grads else replica.params)[i]
+        every = [torch.empty_like(held) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, held.contiguous(), group=group)
+        if whole is not None:
+            whole[i] = torch.cat(every, dim=-1 if kinds[i] == "column" else -2).cpu()
+    return whole
+
+
 def tp_and_cp_groups(rank, tp_size, cp_size):
     """This rank's tp group (tp_size consecutive ranks) and cp group (one rank of each tp group,
     at its tp rank); every rank makes every group, in one order. Without cp: the world's, none."""
@@ -605,8 +653,8 @@ def tp_and_cp_groups(rank, tp_size, cp_size):
 
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run, fused,  # noqa
-                           load_checkpoint, log_step, save_checkpoint, training_parser,
+from data_parallel import (VOCAB_SIZE, MoE, SerialCheck, check_training_args, finish_run,  # noqa
+                           fused, load_checkpoint, log_step, save_checkpoint, training_parser,
                            whole_on_rank0)
 
 
@@ -804,7 +852,9 @@ def parse_args(argv=None):
                    *sequence_parallel_rules(args, tp_size, tp_flag),
                    (tp_size > VOCAB_SIZE, f"--world-size {args.world_size}: more tp ranks "
                                           f"than the vocabulary's {VOCAB_SIZE} classes")])
-    check_training_args(parser, args, args.world_size)
+    parser.refuse([(args.ep > 1, f"--ep {args.ep}: step 3 has no replicas to hold the experts "
+                                 f"(data_parallel.py, three_d.py)")])
+    check_training_args(parser, args, args.world_size, experts=True)
     return args
 
 

@@ -12,7 +12,9 @@ hand against autograd in float64, the defects it must catch, and training agains
   per replica (no all-reduce) fail that. Balancing lowers the busiest expert's load.
 - Expert parallelism (--ep 2, 4): the same replay; each defect fails it: an expert's gradient
   divided by its copies' count dp/P, the router's gradient from this rank's experts alone, a
-  position dropped at a full expert.
+  position dropped at a full expert, the combine's backward sending a dn to the wrong rank.
+- Step 3 (tensor_parallel.py --experts): each expert split over tp as the MLP's, both styles,
+  sequence parallelism, --cp: the same replay; a router's gradient left unsummed over tp fails.
 - Every refusal is one line naming its flag.
 """
 import argparse
@@ -156,9 +158,9 @@ def replay64_with_bias(result):
     return losses, final, bias
 
 
-def train(tmp_path, flags):
+def train(tmp_path, flags, script=dp):
     save = tmp_path / "run.pt"
-    dp.main([*SMALL, "--save", str(save), *flags])
+    script.main([*SMALL, "--save", str(save), *flags])
     return torch.load(save)
 
 
@@ -243,11 +245,49 @@ def test_experts_refuse_in_one_line(argv, words, capsys):
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
 
 
-def test_the_other_steps_refuse_experts_in_one_line(capsys):
+@pytest.mark.parametrize("script,argv,words", [
+    ("pipeline_parallel", ["--experts", "4"], "--experts 4: only data_parallel.py and "
+                                              "tensor_parallel.py"),
+    ("tensor_parallel", ["--experts", "4", "--ep", "2"], "--ep 2: step 3 has no replicas")])
+def test_the_other_steps_refuse_experts_in_one_line(script, argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
-        tp.parse_args(["--experts", "4"])
+        __import__(script).parse_args(argv)
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "--experts 4: only data_parallel.py" in err, err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+TP_FLAGS = {"all-gather": ["--world-size", "2", "--experts", "4", "--top-k", "1",
+                           "--balance-rate", "0.05"],
+            "megatron sp": ["--world-size", "2", "--experts", "4", "--top-k", "2",
+                            "--tp-style", "megatron", "--sequence-parallel", "--recompute"],
+            "megatron cp": ["--world-size", "4", "--cp", "2", "--experts", "4", "--top-k", "2",
+                            "--tp-style", "megatron", "--balance-rate", "0.05"]}
+
+
+@pytest.mark.deadline(90)
+@pytest.mark.parametrize("style", TP_FLAGS)
+def test_tensor_parallel_experts_replay_in_float64(tmp_path, style):
+    """Step 3: each expert's W1, W2 split over tp as the MLP's, the router whole; with --cp the
+    routes gathered by position. The same replay: losses, every weight, the final bias."""
+    result = train(tmp_path, TP_FLAGS[style], script=tp)
+    assert result["final_params"]["blocks.0.w2"].shape == (4, 64, 16)
+    assert_replays(result)
+
+
+@pytest.mark.deadline(60)
+def test_a_router_gradient_left_unsummed_over_tp_fails_the_replay(tmp_path):
+    """The defect: each tp rank steps its router by its own part of dp (no sum over tp). One
+    step: after more, the tp ranks' routers choose apart and their collectives no longer match."""
+    real = tp.sum_partial_grads
+
+    def all_but_the_routers(grads, indices, group):
+        if len(indices) == 2:                    # the two routers (SP's gains are more)
+            return
+        real(grads, indices, group)
+    with mock.patch.object(tp, "sum_partial_grads", all_but_the_routers):
+        result = train(tmp_path, [*TP_FLAGS["all-gather"], "--steps", "1"], script=tp)
+    with pytest.raises(AssertionError):
+        assert_replays(result)
 
 
 @pytest.mark.deadline(90)
@@ -295,15 +335,35 @@ def dropped_when_full(real):
     return forward
 
 
+def combine_back_to_wrong_rank(real):
+    """The defect: the combine's backward (the backward's second all-to-all) sends the dn rows
+    shifted by one: the last row of each rank's span goes to the next rank, its pair's dn lost."""
+    def backward(*args):
+        calls = []
+        send = dp.all_to_all
+
+        def shifted(rows, *counts):
+            calls.append(rows)
+            if len(calls) == 2:
+                rows = rows.roll(1, 0)
+            return send(rows, *counts)
+        with mock.patch.object(dp, "all_to_all", shifted):
+            return real(*args)
+    return backward
+
+
 @pytest.mark.deadline(90)
 @pytest.mark.parametrize("defect", ["divided_by_copies", "router_from_local_experts",
-                                    "dropped_when_full"])
+                                    "dropped_when_full", "combine_back_to_wrong_rank"])
 def test_each_defect_of_expert_parallelism_fails_the_replay(tmp_path, defect):
     patches = {"divided_by_copies": (dp.ExpertCopies, "average", divided_by_copies),
                "router_from_local_experts": (dp, "dispatched_backward",
                                              router_from_local_experts(dp.dispatched_backward)),
                "dropped_when_full": (dp, "dispatched_forward",
-                                     dropped_when_full(dp.dispatched_forward))}
+                                     dropped_when_full(dp.dispatched_forward)),
+               "combine_back_to_wrong_rank": (dp, "dispatched_backward",
+                                              combine_back_to_wrong_rank(
+                                                  dp.dispatched_backward))}
     flags = ["--world-size", "4", "--experts", "4", "--top-k", "2", "--ep", "2"]
     with mock.patch.object(*patches[defect]):
         result = train(tmp_path, flags)
