@@ -1208,13 +1208,22 @@ class MoE:
         if routers:
             self.init_bias = torch.stack([router.bias.cpu() for router in routers])
 
-    def gather_routes(self, group=None, positions=None):
+    def gather_routes(self, group=None, positions=None, stages_apart=False):
         """From every rank of group, each with other rows of the batch, or (positions [T], step
-        3's --cp) other places in T, the ranks' in turn."""
+        3's --cp) other places in T, the ranks' in turn; stages_apart (step 4): each block's
+        routes, all of the batch, on its stage alone, zeros on the rest, summed over them."""
         if not self.routers:
             return
         biases = torch.stack([router.bias.cpu() for router in self.routers])   # before balance
-        if self.args.save or self.args.check:
+        if (self.args.save or self.args.check) and stages_apart:
+            rows = self.args.batch_size * self.args.context
+            mine = torch.stack([torch.cat(router.routes) if router.routes else
+                                router.bias.new_zeros((rows, self.args.top_k), dtype=torch.long)
+                                for router in self.routers])
+            dist.all_reduce(mine)
+            self.routes.append(mine.view(len(mine), -1, self.args.context, self.args.top_k).cpu())
+            self.biases.append(biases)
+        elif self.args.save or self.args.check:
             mine = torch.stack([torch.cat(router.routes) for router in self.routers])
             every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
             dist.all_gather(every, mine, group=group)              # [L, b t, K] each
@@ -1363,10 +1372,10 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
                       f"--num-layers {L} --dim {D} --batch-size {B}")
 
 
-def experts_rules(args, here):   # --experts: steps 2 and 3 so far, without checkpoints
+def experts_rules(args, here):   # --experts: steps 2 to 4 so far, without checkpoints
     E = args.experts
-    return [(E and not here, f"--experts {E}: only data_parallel.py and tensor_parallel.py "
-                             f"train experts so far"),
+    return [(E and not here, f"--experts {E}: not in three_d.py yet (data_parallel.py, "
+                             f"tensor_parallel.py and pipeline_parallel.py train experts)"),
             (E < 0, f"--experts {E}: expected 0 (the dense MLP) or more"),
             (E and args.top_k > E, f"--top-k {args.top_k}: more than --experts {E}"),
             (not E and args.top_k != 1, f"--top-k {args.top_k}: needs --experts"),
@@ -1519,7 +1528,8 @@ def held_pieces(replica, tensors=None, boxes=None, grads=False):
     held_by = replica.grads() if grads else replica.params
     pieces = []
     for i, tensor in enumerate(tensors or range(len(replica.shapes))):
-        rows, cols = (1, *replica.shapes[i])[-2:]    # a gain [D]: one row
+        cols = replica.shapes[i][-1]                  # a gain [D]: one row; experts'
+        rows = replica.shapes[i].numel() // cols      # [E, r, c]: E r rows
         box = Box(*boxes[i]) if boxes else Box(0, rows, 0, cols)
         start = 0
         end = rows * cols
@@ -1552,7 +1562,7 @@ def own_pieces(pieces, replica, copies=()):
 
 def whole_pieces(state):   # {name: whole tensors, in order}: each tensor as one piece, all of it
     shapes = [t.shape for t in next(iter(state.values()))]
-    return [Piece(j, Box(0, (1, *shape)[-2], 0, shape[-1]), 0, shape.numel(),
+    return [Piece(j, Box(0, shape.numel() // shape[-1], 0, shape[-1]), 0, shape.numel(),
                   {name: tensors[j].view(-1) for name, tensors in state.items()})
             for j, shape in enumerate(shapes)]
 

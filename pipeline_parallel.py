@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, log, run_main, setup, spawn
-from data_parallel import DataParallel, cross_entropy, init_params, make_batch, model_blocks
+from data_parallel import (DataParallel, Router, balance, cross_entropy, init_params, make_batch,
+                           model_blocks)
 
 SEND_ACT = "a>"    # an activation, on to the next stage
 RECV_ACT = ">a"    # ... received from the stage before
@@ -329,12 +330,13 @@ def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, gr
         work.wait()
 
 
-def hold_stages(args, stage, num_stages, device):
+def hold_stages(args, stage, num_stages, device, routers=None):
     """(the whole model as drawn, this stage's parts' indices, step 2's replica holding them over a
-    dp group of one, a Stage a chunk): what pp_worker trains, and tests/bench.py."""
+    dp group of one, a Stage a chunk): what pp_worker trains, and tests/bench.py. routers: every
+    block's (--experts), this stage's used."""
     p, v = num_stages, args.virtual_stages
     init = init_params(args)
-    blocks = model_blocks(args.num_layers, args.dim // args.heads)
+    blocks = model_blocks(args.num_layers, args.dim // args.heads, routers)
     chunks = [stage_parts(args.num_layers, p, stage, v, c) for c in range(v)]
     mine = [j for parts in chunks for j in parts]
     starts = [sum(map(len, chunks[:c])) for c in range(v)]   # where each chunk's parts begin
@@ -353,7 +355,11 @@ def pp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     p, stage, m, v = world_size, rank, args.micro_batches, args.virtual_stages
-    init, mine, replica, stages = hold_stages(args, stage, p, device)   # a Stage a chunk
+    routers = None
+    if args.experts:                  # every block's: its stage's chooses, every stage's balances
+        routers = [Router(args.experts, args.top_k, device) for _ in range(args.num_layers)]
+    moe = MoE(args, routers)
+    init, mine, replica, stages = hold_stages(args, stage, p, device, routers)   # a Stage a chunk
     held = [i for j in mine for i in spans_of(init)[j]]   # its parts' tensors, in the whole
     resumed = load_checkpoint(args, replica, held)   # --resume: its parts, any layout's pieces
     actions = build_schedule(args.schedule, p, stage, m, v)
@@ -369,17 +375,21 @@ def pp_worker(rank, world_size, args):
         recorder = Recorder(device) if step == args.steps - 1 else None   # its timeline, stash
         run_schedule(actions, stages, inputs, (stage - 1) % p, (stage + 1) % p,
                      (args.batch_size // m, args.context, args.dim), recorder=recorder)
+        moe.gather_routes(stages_apart=True)      # --save, --check: each block's, from its stage
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
-            check.step(gather(grads=False), gather(grads=True))
+            check.step(gather(grads=False), gather(grads=True), moe.step())
         if args.clip_grad:      # the norm's squares summed over the stages
             norms.append(replica.clip(args.clip_grad, [dist.group.WORLD]).item())
+        if routers:             # a block's loads on its stage, 0 on the rest: summed over all
+            moe.loads += balance(routers, args.balance_rate).cpu()
         replica.update()
         losses.append(float(stages[-1].loss))                     # one host sync a step
         if stage == p - 1:
             log_step(f"[stage {stage}]", step, losses, norms, args)
         save_checkpoint(args, step + 1, replica, held)   # --checkpoint: its parts' pieces
     final = gather(grads=False)
-    finish_stages(args, recorder, final, init, losses, check, norms, device, resumed=resumed)
+    finish_stages(args, recorder, final, init, losses, check, norms, device, resumed=resumed,
+                  moe=moe)
     cleanup()
 
 
@@ -393,7 +403,7 @@ def main(argv=None):
 import argparse, os, textwrap, time  # noqa: E401, E402
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
+from data_parallel import (MoE, SerialCheck, check_training_args, finish_run,  # noqa: E402
                            gather_on_rank0, load_checkpoint, log_step, save_checkpoint, spans_of,
                            tensors_of, training_parser, whole_on_rank0)
 from tensor_parallel import divides  # noqa: E402
@@ -437,7 +447,8 @@ class Recorder:
                  t0 + zero.elapsed_time(end) / 1e3) for op, mb, chunk, begin, end in self.spans]
 
 
-def finish_stages(args, recorder, final, init, losses, check, norms, device, resumed=None):
+def finish_stages(args, recorder, final, init, losses, check, norms, device, resumed=None,
+                  moe=None):
     """The last step's pictures (timeline, stash table, schedules), then rank 0's end of the run
     with the losses, which the last stage alone knows."""
     p, rank = dist.get_world_size(), dist.get_rank()
@@ -448,12 +459,25 @@ def finish_stages(args, recorder, final, init, losses, check, norms, device, res
     dist.broadcast(losses, src=p - 1)
     if rank == 0:
         print_schedules(args.schedule, p, args.micro_batches, args.virtual_stages, args.num_layers)
-        finish_run(args, tensors_of(init), final, losses.tolist(), check, norms, resumed)
+        extra = None
+        if moe is not None and moe.routers:
+            moe.show_loads()
+            extra = moe.saved()
+        finish_run(args, tensors_of(init), final, losses.tolist(), check, norms, resumed,
+                   extra=extra, moe=moe and moe.final())
 
 
 def nbytes(tensors):   # each tensor once (a layer's output is the next one's input), by where
     return sum({(id(t.untyped_storage()), t.storage_offset()): t.numel() * t.element_size()
-                for t in tensors if t is not None}.values())   # it is: no address on meta
+                for t in opened(tensors)}.values())   # it is: no address on meta
+
+
+def opened(stash):   # a stash's tensors, the records in it opened (--experts': lists of them)
+    for t in stash:
+        if isinstance(t, torch.Tensor):
+            yield t
+        elif isinstance(t, (tuple, list)):
+            yield from opened(t)
 
 
 def stash_bytes(stage):
@@ -662,7 +686,9 @@ def parse_args(argv=None):
                                          f"({args.num_layers})"),
                    *schedule_rules(args, p, "--world-size"),
                    divides(args.num_layers, "--num-layers", p, "--world-size")])
-    check_training_args(parser, args, p)
+    parser.refuse([(args.ep > 1, f"--ep {args.ep}: step 4 has no replicas to hold the experts "
+                                 f"(data_parallel.py, three_d.py)")])
+    check_training_args(parser, args, p, experts=True)
     return args
 
 

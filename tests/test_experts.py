@@ -15,6 +15,7 @@ hand against autograd in float64, the defects it must catch, and training agains
   position dropped at a full expert, the combine's backward sending a dn to the wrong rank.
 - Step 3 (tensor_parallel.py --experts): each expert split over tp as the MLP's, both styles,
   sequence parallelism, --cp: the same replay; a router's gradient left unsummed over tp fails.
+  Step 4 (pipeline_parallel.py): 1F1B, interleaved with --recompute: the same replay.
 - Every refusal is one line naming its flag.
 """
 import argparse
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import data_parallel as dp
+import pipeline_parallel as pp
 import tensor_parallel as tp
 from collectives import cleanup, setup, spawn
 from common import NO_SAMPLE, replay64
@@ -246,9 +248,9 @@ def test_experts_refuse_in_one_line(argv, words, capsys):
 
 
 @pytest.mark.parametrize("script,argv,words", [
-    ("pipeline_parallel", ["--experts", "4"], "--experts 4: only data_parallel.py and "
-                                              "tensor_parallel.py"),
-    ("tensor_parallel", ["--experts", "4", "--ep", "2"], "--ep 2: step 3 has no replicas")])
+    ("three_d", ["--experts", "4"], "--experts 4: not in three_d.py yet"),
+    ("tensor_parallel", ["--experts", "4", "--ep", "2"], "--ep 2: step 3 has no replicas"),
+    ("pipeline_parallel", ["--experts", "4", "--ep", "2"], "--ep 2: step 4 has no replicas")])
 def test_the_other_steps_refuse_experts_in_one_line(script, argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         __import__(script).parse_args(argv)
@@ -262,15 +264,24 @@ TP_FLAGS = {"all-gather": ["--world-size", "2", "--experts", "4", "--top-k", "1"
                             "--tp-style", "megatron", "--sequence-parallel", "--recompute"],
             "megatron cp": ["--world-size", "4", "--cp", "2", "--experts", "4", "--top-k", "2",
                             "--tp-style", "megatron", "--balance-rate", "0.05"]}
+PP_FLAGS = {"1f1b": ["--world-size", "2", "--experts", "4", "--top-k", "2", "--schedule", "1f1b",
+                     "--balance-rate", "0.05"],
+            "interleaved": ["--world-size", "2", "--experts", "3", "--top-k", "1", "--schedule",
+                            "interleaved", "--virtual-stages", "2", "--micro-batches", "4",
+                            "--num-layers", "4", "--recompute"]}
 
 
 @pytest.mark.deadline(90)
-@pytest.mark.parametrize("style", TP_FLAGS)
-def test_tensor_parallel_experts_replay_in_float64(tmp_path, style):
+@pytest.mark.parametrize("script,flags", [*[(tp, flags) for flags in TP_FLAGS.values()],
+                                          *[(pp, flags) for flags in PP_FLAGS.values()]],
+                         ids=[*TP_FLAGS, *PP_FLAGS])
+def test_steps_3_and_4_train_experts_as_serial_training(tmp_path, script, flags):
     """Step 3: each expert's W1, W2 split over tp as the MLP's, the router whole; with --cp the
-    routes gathered by position. The same replay: losses, every weight, the final bias."""
-    result = train(tmp_path, TP_FLAGS[style], script=tp)
-    assert result["final_params"]["blocks.0.w2"].shape == (4, 64, 16)
+    routes gathered by position. Step 4: each block's router on its stage, every schedule's
+    order. The same replay: losses, every weight, the final bias."""
+    result = train(tmp_path, flags, script=script)
+    E = result["config"]["experts"]
+    assert result["final_params"]["blocks.0.w2"].shape == (E, 64, 16)
     assert_replays(result)
 
 
