@@ -454,11 +454,14 @@ def dispatched_backward(dy, stash, wr, w1, w2):
     return dx.to(dy.dtype).view_as(dy), [(None, wide(x).T @ ds), (None, dw1), (None, dw2)]
 
 
-def balance(routers, rate, group=None):
-    """Each block's bias moved by the step's loads over every replica: one all-reduce of [L, E]."""
+def balance(routers, rate, counted=True):
+    """Each block's bias moved by the step's loads over every rank: one all-reduce of [L, E]
+    (counted=False: a tp rank but the first, whose positions that one counts)."""
     loads = torch.stack([router.loads for router in routers])
+    if not counted:
+        loads.zero_()
     if dist.is_initialized():
-        dist.all_reduce(loads, group=group)
+        dist.all_reduce(loads)
     for router, load in zip(routers, loads):
         router.bias += rate * torch.sign(load.mean() - load)
         router.loads.zero_()
@@ -890,7 +893,7 @@ def dp_worker(rank, world_size, args):
         loss = dp_step(replica, model_blocks(args.num_layers, args.dim // args.heads, routers),
                        cross_entropy, inputs.chunk(m), targets.chunk(m), len(rows) * args.context,
                        recompute=args.recompute)      # n: its positions
-        moe.gather_routes()                            # --save, --check: every replica's choice
+        moe.gather_routes(rows)                        # --save, --check: every replica's choice
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
             check.step(whole(replica), whole(replica, grads=True), moe.step())
         if args.clip_grad:
@@ -1208,31 +1211,24 @@ class MoE:
         if routers:
             self.init_bias = torch.stack([router.bias.cpu() for router in routers])
 
-    def gather_routes(self, group=None, positions=None, stages_apart=False):
-        """From every rank of group, each with other rows of the batch, or (positions [T], step
-        3's --cp) other places in T, the ranks' in turn; stages_apart (step 4): each block's
-        routes, all of the batch, on its stage alone, zeros on the rest, summed over them."""
+    def gather_routes(self, rows=None, positions=None, counted=True):
+        """Every rank's choices in place in [L, B, T, K], zeros elsewhere, summed over the world:
+        the blocks it holds (a stage's), its rows (a replica's: rows [b]), its positions (cp's:
+        positions [t]). counted=False: a tp rank but the first, which holds the same."""
         if not self.routers:
             return
         biases = torch.stack([router.bias.cpu() for router in self.routers])   # before balance
-        if (self.args.save or self.args.check) and stages_apart:
-            rows = self.args.batch_size * self.args.context
-            mine = torch.stack([torch.cat(router.routes) if router.routes else
-                                router.bias.new_zeros((rows, self.args.top_k), dtype=torch.long)
-                                for router in self.routers])
-            dist.all_reduce(mine)
-            self.routes.append(mine.view(len(mine), -1, self.args.context, self.args.top_k).cpu())
-            self.biases.append(biases)
-        elif self.args.save or self.args.check:
-            mine = torch.stack([torch.cat(router.routes) for router in self.routers])
-            every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(every, mine, group=group)              # [L, b t, K] each
-            L, K = mine.shape[0], mine.shape[-1]
-            routes = torch.cat(every, 1).view(L, -1, self.args.context, K)   # [L, B, T, K]
-            if positions is not None:               # each rank's [L, B, T/C, K], its places
-                places = torch.cat([r.view(L, routes.shape[1], -1, K) for r in every], 2)
-                routes = torch.empty_like(routes)
-                routes[:, :, positions] = places
+        if self.args.save or self.args.check:
+            B, T, K = self.args.batch_size, self.args.context, self.args.top_k
+            device = self.routers[0].bias.device
+            routes = torch.zeros(len(self.routers), B, T, K, dtype=torch.long, device=device)
+            rows = torch.arange(B) if rows is None else rows
+            positions = torch.arange(T) if positions is None else positions
+            for layer, router in enumerate(self.routers):
+                if router.routes and counted:
+                    chosen = torch.cat(router.routes).view(len(rows), len(positions), K)
+                    routes[layer, rows.to(device)[:, None], positions.to(device)] = chosen
+            dist.all_reduce(routes)
             self.routes.append(routes.cpu())
             self.biases.append(biases)
         for router in self.routers:
@@ -1524,13 +1520,16 @@ def held_pieces(replica, tensors=None, boxes=None, grads=False):
     """What this rank's optimizer holds, as pieces of the whole model, views into what it
     steps (grads: into its gradients instead, as "param"). Its tensor i is the box boxes[i] of
     whole tensor tensors[i] (None: tensor i, whole), and [start, end) the elements of that box
-    it holds: all, or under ZeRO what falls in this replica's 1/d of i's bucket."""
+    it holds: all, or under ZeRO what falls in this replica's 1/d of i's bucket. Experts
+    [E', r, c]: boxes[i] a list, each held expert's box in the whole's [E R, C]."""
     held_by = replica.grads() if grads else replica.params
     pieces = []
     for i, tensor in enumerate(tensors or range(len(replica.shapes))):
         cols = replica.shapes[i][-1]                  # a gain [D]: one row; experts'
         rows = replica.shapes[i].numel() // cols      # [E, r, c]: E r rows
-        box = Box(*boxes[i]) if boxes else Box(0, rows, 0, cols)
+        box = Box(0, rows, 0, cols)
+        if boxes and not isinstance(boxes[i], list):
+            box = Box(*boxes[i])
         start = 0
         end = rows * cols
         at = 0                                        # where [start, end) begins in held
@@ -1549,6 +1548,23 @@ def held_pieces(replica, tensors=None, boxes=None, grads=False):
         views = {name: state[name].view(-1)[at:at + end - start]
                  for name in CHECKPOINT_STATE if name in state}
         pieces.append(Piece(tensor, box, start, end, views))
+        if boxes and isinstance(boxes[i], list):
+            pieces[-1:] = by_expert(pieces[-1], [Box(*b) for b in boxes[i]])
+    return pieces
+
+
+def by_expert(piece, boxes):
+    """A piece of experts [E', r, c] (its elements [start, end) of all E' r c) as a piece a held
+    expert, each of its own box: expert k's elements are k r c .. (k+1) r c."""
+    size = boxes[0].size()
+    pieces = []
+    for k, box in enumerate(boxes):
+        start = max(piece.start, k * size)
+        end = min(piece.end, (k + 1) * size)
+        if start < end:
+            views = {name: view[start - piece.start:end - piece.start]
+                     for name, view in piece.views.items()}
+            pieces.append(Piece(piece.tensor, box, start - k * size, end - k * size, views))
     return pieces
 
 

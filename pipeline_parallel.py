@@ -375,7 +375,7 @@ def pp_worker(rank, world_size, args):
         recorder = Recorder(device) if step == args.steps - 1 else None   # its timeline, stash
         run_schedule(actions, stages, inputs, (stage - 1) % p, (stage + 1) % p,
                      (args.batch_size // m, args.context, args.dim), recorder=recorder)
-        moe.gather_routes(stages_apart=True)      # --save, --check: each block's, from its stage
+        moe.gather_routes()          # --save, --check: each block's, from its stage
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
             check.step(gather(grads=False), gather(grads=True), moe.step())
         if args.clip_grad:      # the norm's squares summed over the stages

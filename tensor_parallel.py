@@ -338,6 +338,17 @@ def shard(w, kind, tp_rank, tp_size):
         memory_format=torch.contiguous_format)
 
 
+def held_boxes(shape, kind, tp_rank, tp_size, experts=None):
+    """shard_box's; an expert tensor [E, R, C]'s: a list, each held expert's box (experts: their
+    indices, all if None) in the whole seen as [E R, C], where expert e's rows are e R .. (e+1) R."""
+    box = shard_box(shape, kind, tp_rank, tp_size)
+    if len(shape) < 3:
+        return box
+    top, bottom, left, right = box
+    rows = shape[-2]
+    return [(e * rows + top, e * rows + bottom, left, right) for e in experts or range(shape[0])]
+
+
 def shard_box(shape, kind, tp_rank, tp_size):
     """Rank t's rows and columns of a whole tensor, (row_start, row_end, col_start, col_end): its
     rows W[t D/tp : (t+1) D/tp, :] for a row layer, its classes' rows of E or columns of H, its
@@ -526,18 +537,17 @@ def tp_worker(rank, world_size, args):
     # The shards live in step 2's replica over a dp group of one: buckets, optimizer, no exchange.
     replica = DataParallel(shards, dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
                            bf16=args.bf16)
-    boxes = [shard_box(w.shape, k, tp_rank, tp_size) for w, k in zip(full, split)]   # in the whole
+    boxes = [held_boxes(w.shape, k, tp_rank, tp_size) for w, k in zip(full, split)]   # where
     resumed = load_checkpoint(args, replica, range(len(full)), boxes)   # --resume: any layout's
     whole = split_as(split, "whole")                                   # the gains and P
     copies = set(whole) if tp_rank > 0 else set()                      # rank 0 writes them
     if cp_rank > 0:                                                    # cp rank 0 holds the same
         copies = set(range(len(full)))
-    gather = partial(whole_model, replica, full, boxes, copies, split, tp_group)   # on rank 0
+    gather = partial(whole_on_rank0, replica, full, range(len(full)), boxes, copies)   # on rank 0
     positions = cp_positions(args.context, cp_rank, args.cp, args.cp_layout)   # its places in T
     routers = None
     if args.experts:                                                   # each block's, the same
         routers = [Router(args.experts, args.top_k, device) for _ in range(args.num_layers)]
-    others = cp_group if args.cp > 1 else replica.group   # the ranks with other positions
     moe = MoE(args, routers)
     blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, tp_group, args.vocab_size,
                        args.sequence_parallel, cp_group, args.cp_layout, positions.to(device),
@@ -563,14 +573,14 @@ def tp_worker(rank, world_size, args):
         if args.cp > 1:   # every gradient, a partial sum over this rank's positions: summed
             sum_partial_grads(replica.grads(), range(len(full)), cp_group)   # over cp
             reduce_over(loss, cp_group)                                 # so is the loss
-        moe.gather_routes(others, all_positions(args))   # --save, --check: every position's
+        moe.gather_routes(positions=positions, counted=tp_rank == 0)   # --save, --check
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
             check.step(gather(grads=False), gather(grads=True), moe.step())
         if args.clip_grad:     # the norm's squares summed over the shards, a whole tensor once
             norms.append(replica.clip(args.clip_grad, [tp_group],
                                       clip_shares(split, tp_size)).item())
         if routers:                  # the loads over every position (tp's ranks: the same ones)
-            moe.loads += balance(routers, args.balance_rate, others).cpu()
+            moe.loads += balance(routers, args.balance_rate, counted=tp_rank == 0).cpu()
         replica.update()
         losses.append(loss.item())
         if rank == 0:
@@ -617,27 +627,6 @@ def fused_pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, diagonal):
 
 def split_as(kinds, kind):   # the tensors split as kind
     return [i for i, k in enumerate(kinds) if k == kind]
-
-
-def all_positions(args):   # [T]: the cp ranks' positions, rank after rank (None: T in order)
-    if args.cp == 1:
-        return None
-    return torch.cat([cp_positions(args.context, c, args.cp, args.cp_layout)
-                      for c in range(args.cp)])
-
-
-def whole_model(replica, full, boxes, copies, kinds, group, grads=False):
-    """whole_on_rank0's, and each expert tensor [E, ..] (3-D: no box of a checkpoint's)
-    all-gathered over tp, the pieces side by side along the dimension tp splits."""
-    experts = [i for i, w in enumerate(full) if w.dim() == 3]
-    whole = whole_on_rank0(replica, full, range(len(full)), boxes, {*copies, *experts}, grads)
-    for i in experts:
-        held = (replica.grads() if grads else replica.params)[i]
-        every = [torch.empty_like(held) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(every, held.contiguous(), group=group)
-        if whole is not None:
-            whole[i] = torch.cat(every, dim=-1 if kinds[i] == "column" else -2).cpu()
-    return whole
 
 
 def tp_and_cp_groups(rank, tp_size, cp_size):
