@@ -336,8 +336,8 @@ def experts_forward(n, wr, w1, w2, router, count=True, split=WHOLE):
     p = (wide(x) @ wide(wr)).softmax(-1)                      # [N, E], fp32
     chosen = router.choose(p, count)                          # [N, K]
     if router.group is not None:                              # --ep: to the experts' ranks
-        y, stash = dispatched_forward(x, p, chosen, w1, w2, router.group)
-        return y.to(n.dtype).view_as(n), stash
+        y, stash = dispatched_forward(x, p, chosen, w1, w2, router.group, split)
+        return y.to(n.dtype).view(*n.shape[:-1], -1), stash
     y = x.new_zeros((len(x), w2.shape[-1]), dtype=p.dtype)   # the K outputs summed, fp32
     routed = []
     for e in range(wr.shape[1]):
@@ -354,7 +354,7 @@ def experts_backward(dy, stash, wr, w1, w2, split=WHOLE):
     """dn [b, T, D] (step 3's: before f's backward), and Wr's, W1's [E, D, 4D] and W2's
     [E, 4D, D] gradients, ready, fp32."""
     if isinstance(stash[2], Dispatched):                      # --ep's
-        return dispatched_backward(dy, stash, wr, w1, w2)
+        return dispatched_backward(dy, stash, wr, w1, w2, split)
     x, p, routed = stash
     dy_rows = dy.flatten(0, -2)                               # [N, D]
     dp = torch.zeros_like(p)                                  # dL/dp [N, E]: 0 where not chosen
@@ -404,7 +404,7 @@ class Dispatched(NamedTuple):   # what --ep's forward keeps of its all-to-alls, 
     group: object
 
 
-def dispatched_forward(x, p, chosen, w1, w2, group):
+def dispatched_forward(x, p, chosen, w1, w2, group, split=WHOLE):
     """y [N, D] fp32 from x [N, D]: each pair sent to its expert, computed there, sent back."""
     local = w1.shape[0]                                       # E/P experts here
     expert = chosen.flatten()                                 # [N K]: each pair's expert
@@ -416,21 +416,21 @@ def dispatched_forward(x, p, chosen, w1, w2, group):
     dist.all_to_all_single(recv_counts, send_counts, group=group)   # each rank's, from each
     x_in = all_to_all(x[rows], send_counts, recv_counts, group)     # [M, D]: rows for my experts
     e_in = all_to_all(expert % local, send_counts, recv_counts, group)   # which of mine
-    y_in = torch.empty_like(x_in)
+    y_in = x_in.new_empty((len(x_in), w2.shape[-1]))
     routed = []
     for e in range(local):
         mine = (e_in == e).nonzero()[:, 0]
-        z = x_in[mine] @ w1[e]                                # [m_e, 4D]
-        u = F.gelu(z)
+        z = x_in[mine] @ w1[e]                                # [m_e, 4D/tp]
+        u = split.gather(F.gelu(z))
         y_in[mine] = u @ w2[e]
         routed.append((mine, z, u))
     y_e = all_to_all(y_in, recv_counts, send_counts, group)  # [N K, D]: home, pair by pair
-    y = torch.zeros(x.shape, dtype=p.dtype, device=x.device)
+    y = x.new_zeros((len(x), w2.shape[-1]), dtype=p.dtype)
     y.index_add_(0, rows, p[rows, expert, None] * wide(y_e))
     return y, (x, p, Dispatched(rows, expert, send_counts, recv_counts, x_in, routed, y_e, group))
 
 
-def dispatched_backward(dy, stash, wr, w1, w2):
+def dispatched_backward(dy, stash, wr, w1, w2, split=WHOLE):
     """experts_backward's, each pair's p_e dy sent to its expert and its dn sent home."""
     x, p, (rows, expert, send_counts, recv_counts, x_in, routed, y_e, group) = stash
     dy_rows = dy.flatten(0, -2)                               # [N, D]
@@ -443,7 +443,7 @@ def dispatched_backward(dy, stash, wr, w1, w2):
     dx_in = torch.empty_like(x_in)
     for e, (mine, z, u) in enumerate(routed):
         dw2[e] = wide(u).T @ wide(dy_in[mine])
-        dz = gelu_backward(dy_in[mine] @ w2[e].T, z)
+        dz = gelu_backward(split.gather_back(split.row_back(dy_in[mine] @ w2[e].T)), z)
         dw1[e] = wide(x_in[mine]).T @ wide(dz)
         dx_in[mine] = dz @ w1[e].T
     dx_e = all_to_all(dx_in, recv_counts, send_counts, group)   # home, as the combine
@@ -451,7 +451,8 @@ def dispatched_backward(dy, stash, wr, w1, w2):
     dx.index_add_(0, rows, wide(dx_e))
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))
     dx += ds @ wide(wr).T
-    return dx.to(dy.dtype).view_as(dy), [(None, wide(x).T @ ds), (None, dw1), (None, dw2)]
+    return dx.to(dy.dtype).view(*dy.shape[:-1], -1), [(None, wide(x).T @ ds), (None, dw1),
+                                                      (None, dw2)]
 
 
 def balance(routers, rate, counted=True):
@@ -632,10 +633,13 @@ class DataParallel:
         return [self.view(self.grad_buckets[self.layout.bucket_of[i]], i)
                 for i in range(len(self.shapes))]
 
-    def clip(self, max_norm, groups=(), shares=None):   # every replica holds the whole average
+    def clip(self, max_norm, groups=(), shares=None):   # clip_grad_norm_'s, over the groups
+        return scale_grads(self.grads(), max_norm, self.squares(groups, shares))
+
+    def squares(self, groups=(), shares=None):   # every replica holds the whole average
         """shares: each tensor's share of its squares this rank counts (1/t for one that every
         tp rank holds whole: counted once)."""
-        return clip_grads(self.grads(), max_norm, groups, shares)
+        return grad_squares(self.grads(), groups, shares)
 
     def update(self):                   # the optimizer's step, then the layers' weights from it
         self.step_optimizer()
@@ -682,8 +686,8 @@ class ZeRO1(DataParallel):
     def grads(self):
         return [self.my_shard(bucket) for bucket in self.grad_buckets]
 
-    def clip(self, max_norm, groups=(), shares=None):   # each replica holds 1/d: summed over dp
-        return clip_grads(self.grads(), max_norm, (*groups, self.group), self.weigh(shares))
+    def squares(self, groups=(), shares=None):   # each replica holds 1/d: summed over dp
+        return grad_squares(self.grads(), (*groups, self.group), self.weigh(shares))
 
     def weigh(self, shares):            # each bucket's shard: its tensors' shares, element-wise
         if shares is None:
@@ -786,30 +790,33 @@ class ExpertCopies(DataParallel):
 
 
 class WithExperts:
-    """A replica of all but the experts, and the experts' copies: block i's weights are the
-    replica's part i and the copies' part i-1 (W1, W2 [E/P, ..]); their gradients go apart."""
+    """A replica of all but the experts, and the experts' copies: the replica's part blocks[k], a
+    block, has its W1, W2 [E/P, ..] in the copies' part k; their gradients go apart."""
 
-    def __init__(self, replica, experts, ep_group):
+    def __init__(self, replica, experts, ep_group, blocks):
         self.replica = replica
         self.experts = experts
         self.ep_group = ep_group
+        self.blocks = blocks
 
     def __getattr__(self, name):        # the buckets, the exchanges: the replica's
         return getattr(self.replica, name)
 
-    def is_block(self, i):
-        return 0 < i < len(self.replica.spans) - 1
-
     def part(self, i):
-        if self.is_block(i):
-            return [*self.replica.part(i), *self.experts.part(i - 1)]
+        if i in self.blocks:
+            return [*self.replica.part(i), *self.experts.part(self.blocks.index(i))]
         return self.replica.part(i)
 
     def add_grads(self, i, terms):
-        if self.is_block(i):
-            self.experts.add_grads(i - 1, terms[-2:])
+        if i in self.blocks:
+            self.experts.add_grads(self.blocks.index(i), terms[-2:])
             terms = terms[:-2]
         self.replica.add_grads(i, terms)
+
+    def clip(self, max_norm, groups=(), shares=None):   # each expert once: on one rank of ep's
+        squares = self.replica.squares(groups, shares) + self.experts.squares([*groups,
+                                                                               self.ep_group])
+        return scale_grads([*self.replica.grads(), *self.experts.grads()], max_norm, squares)
 
     def begin_step(self):
         self.replica.begin_step()
@@ -877,7 +884,8 @@ def dp_worker(rank, world_size, args):
     if args.ep > 1:                                     # the experts' copies, apart
         replica = WithExperts(replica, ExpertCopies(mine, copies, world_size,
                                                     optimizer=args.optimizer, lr=args.lr,
-                                                    bf16=args.bf16), ep_group)
+                                                    bf16=args.bf16), ep_group,
+                              list(range(1, args.num_layers + 1)))
     rows = replica_rows(args.batch_size, rank, world_size)   # the world's ranks are the replicas
     resumed = load_checkpoint(args, replica)            # --resume: a step's state, any layout's
     losses = []
@@ -990,11 +998,10 @@ def in_step_bytes(chunks, dp_size, zero=0, num_micro_batches=1):
                for c, n in enumerate(chunks))
 
 
-def clip_grads(grads, max_norm, groups, shares=None):
-    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_: the whole
-    model's norm, each rank's squares summed over the groups that hold the other parts: tp
-    (shards), pp (stages), dp where ZeRO shards; shares: what of each's squares counts here (a
-    tensor every tp rank holds whole: 1/t of it on each, counted once)."""
+def grad_squares(grads, groups, shares=None):
+    """The whole model's squared norm: each rank's squares summed over the groups that hold the
+    other parts: tp (shards), pp (stages), dp where ZeRO shards, ep (experts); shares: what of
+    each's squares counts here (a tensor every tp rank holds whole: 1/t of it on each)."""
     if shares is None:
         shares = [1.0] * len(grads)
     squares = torch.stack([(g.float().square() * share).sum()
@@ -1002,6 +1009,11 @@ def clip_grads(grads, max_norm, groups, shares=None):
     for group in groups:
         if dist.get_world_size(group) > 1:
             dist.all_reduce(squares, group=group)
+    return squares
+
+
+def scale_grads(grads, max_norm, squares):
+    """Every gradient times min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_."""
     norm = squares.sqrt()
     for g in grads:
         g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
@@ -1320,7 +1332,7 @@ def training_parser(description, dp=False):
 
 
 def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None,
-                        ranks_flag="--world-size", experts=False):
+                        ranks_flag="--world-size"):
     """The rules every training script shares, and the memory its ranks need: the model (P),
     its state (dp_costs), the logits (2 B T V), every block's stash. Reads the text."""
     args.vocab_size = VOCAB_SIZE              # the text's: printable ASCII, newline, the rest
@@ -1358,7 +1370,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
          f"--checkpoint-every {args.checkpoint_every}: needs --checkpoint DIR to write into"),
         (args.checkpoint is not None and not writable_folder(args.checkpoint),
          f"--checkpoint {args.checkpoint!r}: cannot make or write a folder there"),
-        *resume_rules(args, args.marker), *experts_rules(args, experts)])
+        *resume_rules(args, args.marker), *experts_rules(args, replicas, replicas_flag)])
     T = args.context
     P = L * (12 * D * D + 2 * D) + (V + T) * D + D + D * V
     held = dp_costs([P], replicas, zero=getattr(args, "zero", 0))[1]
@@ -1368,11 +1380,9 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
                       f"--num-layers {L} --dim {D} --batch-size {B}")
 
 
-def experts_rules(args, here):   # --experts: steps 2 to 4 so far, without checkpoints
+def experts_rules(args, replicas, replicas_flag):   # --experts: without checkpoints so far
     E = args.experts
-    return [(E and not here, f"--experts {E}: not in three_d.py yet (data_parallel.py, "
-                             f"tensor_parallel.py and pipeline_parallel.py train experts)"),
-            (E < 0, f"--experts {E}: expected 0 (the dense MLP) or more"),
+    return [(E < 0, f"--experts {E}: expected 0 (the dense MLP) or more"),
             (E and args.top_k > E, f"--top-k {args.top_k}: more than --experts {E}"),
             (not E and args.top_k != 1, f"--top-k {args.top_k}: needs --experts"),
             (not 0 <= args.balance_rate < 1, f"--balance-rate {args.balance_rate:g}: expected "
@@ -1381,10 +1391,8 @@ def experts_rules(args, here):   # --experts: steps 2 to 4 so far, without check
                                                      "yet (the routers' bias is no checkpoint's)"),
             (args.ep > 1 and not E, f"--ep {args.ep}: needs --experts"),
             (E and E % args.ep, f"--ep {args.ep} does not divide --experts {E}"),
-            (args.ep > 1 and getattr(args, "world_size", 1) % args.ep,
-             f"--ep {args.ep} does not divide --world-size"),
-            (args.ep > 1 and getattr(args, "zero", 0), "--zero: not with --ep yet"),
-            (args.ep > 1 and args.clip_grad, "--clip-grad: not with --ep yet")]
+            (args.ep > 1 and replicas % args.ep, f"--ep {args.ep} does not divide {replicas_flag} "
+                                                 f"{replicas} (the replicas hold the experts)")]
 
 
 def writable(path):   # a regular file this process can write, or make: tried, not asked
@@ -1409,8 +1417,7 @@ def parse_args(argv=None):
     parser.add_argument("--world-size", type=positive_int, default=4, help="replicas d")
     parser.add_argument("--overlap", action="store_true", help="exchange a bucket once final")
     args = parser.parse_args(argv)
-    check_training_args(parser, args, args.world_size, args.world_size, "--world-size",
-                        experts=True)
+    check_training_args(parser, args, args.world_size, args.world_size, "--world-size")
     return args
 
 

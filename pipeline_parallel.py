@@ -688,7 +688,7 @@ def parse_args(argv=None):
                    divides(args.num_layers, "--num-layers", p, "--world-size")])
     parser.refuse([(args.ep > 1, f"--ep {args.ep}: step 4 has no replicas to hold the experts "
                                  f"(data_parallel.py, three_d.py)")])
-    check_training_args(parser, args, p, experts=True)
+    check_training_args(parser, args, p)
     return args
 
 

@@ -843,7 +843,7 @@ def parse_args(argv=None):
                                           f"than the vocabulary's {VOCAB_SIZE} classes")])
     parser.refuse([(args.ep > 1, f"--ep {args.ep}: step 3 has no replicas to hold the experts "
                                  f"(data_parallel.py, three_d.py)")])
-    check_training_args(parser, args, args.world_size, experts=True)
+    check_training_args(parser, args, args.world_size)
     return args
 
 

@@ -34,11 +34,12 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, ray_launch, run_main, setup, spawn
-from data_parallel import dp_costs, init_params, make_batch, make_replica, replica_rows, spans_of
+from data_parallel import (Router, balance, dp_costs, init_params, make_batch, make_replica,
+                           replica_rows, spans_of)
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts)
 from tensor_parallel import (all_gather_columns, clip_shares, cp_costs, cp_positions, my_columns,
-                             part_kinds, reduce_over, shard, shard_box, sum_partial_grads,
+                             held_boxes, part_kinds, reduce_over, shard, sum_partial_grads,
                              tensor_kinds, tp_blocks, tp_costs, vocab_parallel_cross_entropy)
 
 AXES = ("dp", "pp", "tp")
@@ -130,14 +131,14 @@ class ThreeDRank:
         self.init = init_params(args)
         v = args.virtual_stages
         self.part_kinds = part_kinds(args.num_layers)                 # by part, in order
-        self.splits = tensor_kinds(self.part_kinds, args.tp_style)    # each part's tensors'
+        self.splits = tensor_kinds(self.part_kinds, args.tp_style, args.experts)   # a part's
         self.chunks = [stage_parts(args.num_layers, args.pp, self.stage, v, c) for c in range(v)]
         self.mine = [j for parts in self.chunks for j in parts]      # its parts' indices
         shards = [[shard(w, k, self.tp_rank, args.tp).to(device)
                    for w, k in zip(self.init[j], self.splits[j])] for j in self.mine]
         spans = spans_of(self.init)
         self.held = [i for j in self.mine for i in spans[j]]          # its tensors' indices
-        self.boxes = [shard_box(w.shape, k, self.tp_rank, args.tp)   # where each sits
+        self.boxes = [held_boxes(w.shape, k, self.tp_rank, args.tp)   # where each sits
                       for j in self.mine for w, k in zip(self.init[j], self.splits[j])]
         self.copies = {i for j in self.mine for i, k in zip(spans[j], self.splits[j])
                        if k == "whole" and self.tp_rank > 0}          # tp rank 0 writes them
@@ -152,6 +153,10 @@ class ThreeDRank:
                                     chunk_starts=self.starts)
         self.gather = partial(whole_on_rank0, self.replica, tensors_of(self.init), self.held,
                               self.boxes, self.copies)   # rank 0: every tensor whole (--check)
+        self.routers = None
+        if args.experts:             # every block's: its stage's choose, every stage's balance
+            self.routers = [Router(args.experts, args.top_k, device)
+                            for _ in range(args.num_layers)]
 
     def take_rows(self, args, device):
         """Its replica's slice of each step's batch, by its dp coordinate, the same on every tp
@@ -175,13 +180,17 @@ class ThreeDRank:
         for c in range(v):                   # chunk c of stage s: virtual stage c p + s
             virtual = c * p + self.stage
             kinds = [self.part_kinds[j] for j in self.chunks[c]]
+            routers = None
+            if self.routers:                 # part j, a block: block j - 1's router
+                routers = [self.routers[j - 1] for j in self.chunks[c]
+                           if self.part_kinds[j] == "block"]
             self.stages.append(Stage(
                 self.replica, range(self.starts[c], self.starts[c] + len(kinds)),
                 blocks=tp_blocks(kinds, args.tp_style, args.dim // args.heads, tp_group,
                                  vocab_size=args.vocab_size,
                                  sequence_parallel=args.sequence_parallel,
                                  cp_group=self.groups.get("cp"), cp_layout=args.cp_layout,
-                                 positions=self.positions.to(self.device)),
+                                 positions=self.positions.to(self.device), routers=routers),
                 first=virtual == 0, last=virtual == v * p - 1,
                 num_micro_batches=args.micro_batches, mean_over=len(self.rows) * args.context,
                 loss_fn=partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size,
@@ -191,13 +200,14 @@ class ThreeDRank:
 
     def sum_partial(self, b):
         """Sequence parallel: bucket b's gains and P saw T/tp positions a tp rank: their dg summed
-        over tp before the dp exchange (ZeRO's parts of a bucket differ by tp rank: E_t, H_t).
+        over tp before the dp exchange (ZeRO's parts of a bucket differ by tp rank: E_t, H_t);
+        so is a router's, a part of each dp_e a tp rank (step 2's experts).
         --cp: every gradient of the bucket saw this rank's positions alone: summed over cp."""
         bucket = self.replica.grad_buckets[b]
-        if self.sequence_parallel:
-            whole = [i for i in self.replica.layout.buckets[b] if self.kinds[i] == "whole"]
-            sum_partial_grads({i: self.replica.view(bucket, i) for i in whole}, whole,
-                              self.groups["tp"])
+        partial_kinds = ["router", *["whole"] * self.sequence_parallel]
+        summed = [i for i in self.replica.layout.buckets[b] if self.kinds[i] in partial_kinds]
+        sum_partial_grads({i: self.replica.view(bucket, i) for i in summed}, summed,
+                          self.groups["tp"])
         if "cp" in self.groups:
             reduce_over(bucket, self.groups["cp"])
 
@@ -284,14 +294,18 @@ def three_d_worker(rank, world_size, args):
     losses = []
     norms = []
     check = SerialCheck(args, resumed)
+    moe = MoE(args, me.routers)
     for step in range(args.start_step, args.steps):
         batch = make_batch(args, step)          # tokens, targets [B, T]
         me.train_step(*me.micro_batches(batch, args))
+        moe.gather_routes(me.rows, me.positions, counted=me.tp_rank == 0)   # --save, --check
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
-            check.step(me.gather(grads=False), me.gather(grads=True))
+            check.step(me.gather(grads=False), me.gather(grads=True), moe.step())
         if args.clip_grad:   # the norm's squares summed over tp and pp (and dp, if ZeRO shards)
             norms.append(me.replica.clip(args.clip_grad, [me.groups["tp"], me.groups["pp"]],
                                          me.shares).item())
+        if me.routers:     # every block's loads, from its stage's ranks, tp's first alone
+            moe.loads += balance(me.routers, args.balance_rate, counted=me.tp_rank == 0).cpu()
         me.replica.update()                   # each rank's optimizer steps its own shards
         if me.stage == args.pp - 1:   # the last stage knows the loss: the replicas' mean
             loss = me.stages[-1].loss
@@ -301,7 +315,7 @@ def three_d_worker(rank, world_size, args):
             if me.dp_rank == me.tp_rank == me.cp_rank == 0:
                 log_step(me.tag, step, losses, norms, args)
         save_checkpoint(args, step + 1, me.replica, me.held, me.boxes, me.copies)   # its pieces
-    finish_ranks(me, args, losses, check, norms, device, resumed=resumed)
+    finish_ranks(me, args, losses, check, norms, device, resumed=resumed, moe=moe)
     cleanup()
 
 
@@ -326,7 +340,7 @@ from collections import Counter  # noqa: E402
 
 from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
-from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa: E402
+from data_parallel import (VOCAB_SIZE, MoE, SerialCheck, check_training_args, finish_run,  # noqa
                            global_loss, in_step_bytes, load_checkpoint, log_step, make_buckets,
                            save_checkpoint, tensors_of, training_parser, whole_on_rank0)
 from pipeline_parallel import add_schedule_args, held_counts, schedule_rules  # noqa: E402
@@ -335,7 +349,7 @@ from tensor_parallel import (Attention, add_context_parallel, add_sequence_paral
                              refuse_unused, sequence_parallel_rules, vocab_range)
 
 
-def finish_ranks(me, args, losses, check, norms, device, resumed=None):
+def finish_ranks(me, args, losses, check, norms, device, resumed=None, moe=None):
     """The full matrices, the last stage's losses, rank 0's memory table, --save and --check."""
     final = me.gather(grads=False)
     known = losses                            # the last stage's; elsewhere as many zeros
@@ -345,7 +359,12 @@ def finish_ranks(me, args, losses, check, norms, device, resumed=None):
     last = rank_grid(args.dp, args.pp, args.tp * args.cp, args.order)[0, -1, 0].item()
     dist.broadcast(losses, src=last)
     if dist.get_rank() == 0:
-        finish_run(args, tensors_of(me.init), final, losses.tolist(), check, norms, resumed)
+        extra = None
+        if me.routers:
+            moe.show_loads()
+            extra = moe.saved()
+        finish_run(args, tensors_of(me.init), final, losses.tolist(), check, norms, resumed,
+                   extra=extra, moe=moe and moe.final())
 
 
 def stage_kinds(args, stage):
