@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, ray_launch, run_main, setup, spawn
-from data_parallel import (Router, balance, dp_costs, init_params, make_batch, make_replica,
-                           replica_rows, spans_of)
+from data_parallel import (ExpertCopies, Router, WithExperts, balance, dp_costs, init_params,
+                           make_batch, make_replica, replica_rows, spans_of)
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts)
 from tensor_parallel import (all_gather_columns, clip_shares, cp_costs, cp_positions, my_columns,
@@ -71,12 +71,14 @@ def rank_grid(dp, pp, tp, order="tp-pp-dp"):
     return grid.permute(*(slowest_first.index(a) for a in AXES))                  # [dp, pp, tp]
 
 
-def rank_groups(dp, pp, tp, order="tp-pp-dp", cp=1):
-    """{"dp": [...], "pp": [...], "tp": [...]}, and "cp" with --cp: for each kind, a partition of
-    all ranks into groups, each in ascending order. A group varies one coordinate and fixes the
-    others. cp sits next to tp (tp-cp-pp-dp, tp-cp-dp-pp): the map is 3D's with tp cp ranks in
-    tp's place, each such block cut into cp tp groups of consecutive ranks, and tp cp groups
-    that take one rank of each (rank = (.. ) tp cp + c tp + t)."""
+def rank_groups(dp, pp, tp, order="tp-pp-dp", cp=1, ep=1):
+    """{"dp": [...], "pp": [...], "tp": [...]}, "cp" with --cp, "ep" and "ep_copies" with --ep:
+    for each kind, a partition of all ranks into groups, each in ascending order. A group varies
+    one coordinate and fixes the others. cp sits next to tp (tp-cp-pp-dp, tp-cp-dp-pp): the map
+    is 3D's with tp cp ranks in tp's place, each such block cut into cp tp groups of consecutive
+    ranks, and tp cp groups that take one rank of each (rank = (.. ) tp cp + c tp + t). ep sits
+    inside dp: each dp group cut into ep groups of P replicas in a row; an expert's copies, the
+    dp/P replicas at one place in their ep groups, hold it (step 2's ep_groups)."""
     grid = rank_grid(dp, pp, tp * cp, order)
     groups = {}
     for axis, name in enumerate(AXES):
@@ -86,6 +88,9 @@ def rank_groups(dp, pp, tp, order="tp-pp-dp", cp=1):
         blocks = groups["tp"]                                  # tp cp ranks each
         groups["tp"] = sorted(block[c * tp:(c + 1) * tp] for block in blocks for c in range(cp))
         groups["cp"] = sorted(block[t::tp] for block in blocks for t in range(tp))
+    if ep > 1:
+        groups["ep"] = sorted(g[i:i + ep] for g in groups["dp"] for i in range(0, dp, ep))
+        groups["ep_copies"] = sorted(g[r::ep] for g in groups["dp"] for r in range(ep))
     return groups
 
 
@@ -109,9 +114,9 @@ class ThreeDRank:
     def join_groups(self, rank, args):
         """Every rank creates every group, in the same order, and keeps its own. (A new group
         waits PyTorch's default 30 minutes for a peer unless told otherwise: --timeout-s.)"""
-        groups = rank_groups(args.dp, args.pp, args.tp, args.order, args.cp)
+        groups = rank_groups(args.dp, args.pp, args.tp, args.order, args.cp, args.ep)
         timeout = timedelta(seconds=args.timeout_s)
-        names = ("tp", "pp", "dp", "cp")[:3 + (args.cp > 1)]
+        names = [name for name in ("tp", "pp", "dp", "cp", "ep", "ep_copies") if name in groups]
         self.groups = {name: dist.new_subgroups_by_enumeration(groups[name], timeout=timeout)[0]
                        for name in names}
         self.dp_rank, self.stage, self.tp_rank = coordinates(rank, groups)
@@ -145,18 +150,60 @@ class ThreeDRank:
         if self.cp_rank > 0:                                          # cp rank 0 holds the same
             self.copies = set(self.held)
         self.kinds = [k for j in self.mine for k in self.splits[j]]   # its tensors' splits
-        self.shares = clip_shares(self.kinds, args.tp)
         self.starts = [sum(map(len, self.chunks[:c])) for c in range(v)]   # a chunk's first
+        experts = self.hold_experts(args, shards) if args.ep > 1 else None   # out of shards
+        self.shares = clip_shares(self.kinds, args.tp)
         self.replica = make_replica(shards, self.groups["dp"], zero=args.zero,
                                     optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
                                     bucket_mb=args.bucket_mb,      # no bucket crosses a chunk
                                     chunk_starts=self.starts)
         self.gather = partial(whole_on_rank0, self.replica, tensors_of(self.init), self.held,
                               self.boxes, self.copies)   # rank 0: every tensor whole (--check)
+        if experts is not None:      # step 2's: the experts' copies beside the replica
+            self.replica = WithExperts(self.replica, experts, self.groups["ep"],
+                                       [k for k, j in enumerate(self.mine)
+                                        if self.part_kinds[j] == "block"])
+            self.gather = partial(self.gather_with_experts, tensors_of(self.init))
         self.routers = None
         if args.experts:             # every block's: its stage's choose, every stage's balance
-            self.routers = [Router(args.experts, args.top_k, device)
+            self.routers = [Router(args.experts, args.top_k, device, self.groups.get("ep"))
                             for _ in range(args.num_layers)]
+
+    def hold_experts(self, args, shards):
+        """--ep: each block's W1 and W2 [E, ..] (tp shards) out of shards, and its ep rank's E/P
+        of them held apart, over the replicas that hold the same (step 2's ExpertCopies)."""
+        r = dist.get_rank(self.groups["ep"])
+        local = args.experts // args.ep
+        spans = spans_of(self.init)
+        mine = []
+        self.expert_held = []
+        self.expert_boxes = []
+        for k, j in enumerate(self.mine):
+            if self.part_kinds[j] != "block":
+                continue
+            mine.append([w[r * local:(r + 1) * local].clone() for w in shards[k][-2:]])
+            shards[k] = shards[k][:-2]
+            for i, w, kind in zip(spans[j][-2:], self.init[j][-2:], self.splits[j][-2:]):
+                self.expert_held.append(i)
+                self.expert_boxes.append(held_boxes(w.shape, kind, self.tp_rank, args.tp,
+                                                    range(r * local, (r + 1) * local)))
+        kept = [n for n, i in enumerate(self.held) if i not in self.expert_held]
+        self.held = [self.held[n] for n in kept]
+        self.boxes = [self.boxes[n] for n in kept]
+        self.kinds = [self.kinds[n] for n in kept]
+        return ExpertCopies(mine, self.groups["ep_copies"], args.dp, optimizer=args.optimizer,
+                            lr=args.lr, bf16=args.bf16)
+
+    def gather_with_experts(self, full, grads=False):   # --check, --save: both, whole on rank 0
+        whole = whole_on_rank0(self.replica.replica, full, self.held, self.boxes, self.copies,
+                               grads)
+        experts = whole_on_rank0(self.replica.experts, full, self.expert_held, self.expert_boxes,
+                                 self.copies, grads)
+        if whole is not None:
+            for i, w in enumerate(full):
+                if w.dim() == 3:                                   # W1, W2 [E, ..]
+                    whole[i] = experts[i]
+        return whole
 
     def take_rows(self, args, device):
         """Its replica's slice of each step's batch, by its dp coordinate, the same on every tp
@@ -885,7 +932,9 @@ def parse_args(argv=None):
         (args.ray and importlib.util.find_spec("ray") is None,
          "--ray: Ray is not installed; pip install 'ray[train]' (or: make 3d-ray)"),
         (args.p2p_shard and args.tp == 1, "--p2p-shard: with --tp 1 there is nothing to shard"),
-        (args.p2p_shard and args.pp == 1, "--p2p-shard: with --pp 1 nothing crosses a stage")])
+        (args.p2p_shard and args.pp == 1, "--p2p-shard: with --pp 1 nothing crosses a stage"),
+        (args.ep > 1 and args.cp > 1, "--ep with --cp: not yet (each expert's gradient would be "
+                                      "summed over cp too)")])
     world = "--dp x --pp x --tp"
     if args.cp > 1:
         world = "--dp x --pp x --tp x --cp"

@@ -209,6 +209,8 @@ def replay64(result, moe_of=None):
                                  config.dim // config.heads, moe=moe)
         loss.backward()
         losses.append(loss.item())
+        if vars(config).get("clip_grad"):
+            torch.nn.utils.clip_grad_norm_(params, config.clip_grad)
         with torch.no_grad():
             for w in params:
                 w -= config.lr * w.grad

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import data_parallel as dp
 import pipeline_parallel as pp
 import tensor_parallel as tp
+import three_d
 from collectives import cleanup, setup, spawn
 from common import NO_SAMPLE, replay64
 
@@ -270,14 +271,27 @@ PP_FLAGS = {"1f1b": ["--world-size", "2", "--experts", "4", "--top-k", "2", "--s
                             "--num-layers", "4", "--recompute"]}
 
 
+THREE_D_FLAGS = {
+    "dp2 pp2 tp2 ep2": ["--dp", "2", "--pp", "2", "--tp", "2", "--ep", "2", "--experts", "4",
+                        "--top-k", "2", "--balance-rate", "0.05"],
+    "megatron sp zero3 ep2": ["--dp", "2", "--pp", "1", "--tp", "2", "--ep", "2", "--experts",
+                              "4", "--tp-style", "megatron", "--sequence-parallel", "--zero",
+                              "3", "--recompute"],
+    "ep2 zero1 clip": ["--dp", "4", "--pp", "1", "--tp", "1", "--ep", "2", "--experts", "4",
+                       "--top-k", "2", "--zero", "1", "--clip-grad", "0.5"],
+    "cp2": ["--dp", "1", "--pp", "2", "--tp", "1", "--cp", "2", "--experts", "4"]}
+
+
 @pytest.mark.deadline(90)
 @pytest.mark.parametrize("script,flags", [*[(tp, flags) for flags in TP_FLAGS.values()],
-                                          *[(pp, flags) for flags in PP_FLAGS.values()]],
-                         ids=[*TP_FLAGS, *PP_FLAGS])
-def test_steps_3_and_4_train_experts_as_serial_training(tmp_path, script, flags):
+                                          *[(pp, flags) for flags in PP_FLAGS.values()],
+                                          *[(three_d, flags) for flags in THREE_D_FLAGS.values()]],
+                         ids=[*TP_FLAGS, *PP_FLAGS, *THREE_D_FLAGS])
+def test_steps_3_to_5_train_experts_as_serial_training(tmp_path, script, flags):
     """Step 3: each expert's W1, W2 split over tp as the MLP's, the router whole; with --cp the
     routes gathered by position. Step 4: each block's router on its stage, every schedule's
-    order. The same replay: losses, every weight, the final bias."""
+    order. Step 5: those with --ep inside dp, ZeRO (the experts' copies whole), --clip-grad
+    (each expert once). The same replay: losses, every weight, the final bias."""
     result = train(tmp_path, flags, script=script)
     E = result["config"]["experts"]
     assert result["final_params"]["blocks.0.w2"].shape == (E, 64, 16)
@@ -305,7 +319,9 @@ def test_a_router_gradient_left_unsummed_over_tp_fails_the_replay(tmp_path):
     ["--world-size", "2", "--experts", "4", "--top-k", "2", "--ep", "2"],
     ["--world-size", "4", "--experts", "4", "--top-k", "1", "--ep", "4"],
     ["--world-size", "4", "--experts", "4", "--top-k", "2", "--ep", "2", "--recompute"],
-    ["--world-size", "4", "--experts", "8", "--top-k", "2", "--ep", "2", "--micro-batches", "1"]])
+    ["--world-size", "4", "--experts", "8", "--top-k", "2", "--ep", "2", "--micro-batches", "1"],
+    ["--world-size", "4", "--experts", "4", "--top-k", "2", "--ep", "2", "--zero", "2",
+     "--clip-grad", "0.5"]])
 def test_expert_parallel_training_replays_in_float64(tmp_path, flags):
     """--ep P: each rank holds E/P experts, positions travel by all-to-all; the weights after
     training (every expert's, gathered), the losses and the bias are serial training's."""
@@ -325,23 +341,23 @@ def divided_by_copies(self):   # the defect: an expert's gradient / (dp/P), its 
 
 def router_from_local_experts(real):
     """The defect: dp_e = <dy, y_e> for the experts on this rank alone (the others' y_e as 0)."""
-    def backward(dy, stash, wr, w1, w2):
+    def backward(dy, stash, *rest):
         x, p, sent = stash
-        mine = sent.expert // w1.shape[0] == dist.get_rank(sent.group)
-        return real(dy, (x, p, sent._replace(y_e=sent.y_e * mine[:, None])), wr, w1, w2)
+        mine = sent.expert // rest[1].shape[0] == dist.get_rank(sent.group)   # w1 [E/P, ..]
+        return real(dy, (x, p, sent._replace(y_e=sent.y_e * mine[:, None])), *rest)
     return backward
 
 
 def dropped_when_full(real):
     """The defect: capacity 1 (N K / E pairs an expert): a position past it at a full expert
     gets nothing from that expert (its p_e taken as 0)."""
-    def forward(x, p, chosen, w1, w2, group):
+    def forward(x, p, chosen, *rest):
         kept = p.clone()
         capacity = chosen.numel() // p.shape[1]
         for e in range(p.shape[1]):
             rows = (chosen == e).any(-1).nonzero()[:, 0]
             kept[rows[capacity:], e] = 0.0
-        return real(x, kept, chosen, w1, w2, group)
+        return real(x, kept, chosen, *rest)
     return forward
 
 
