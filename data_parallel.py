@@ -791,13 +791,15 @@ class ExpertCopies(DataParallel):
 
 class WithExperts:
     """A replica of all but the experts, and the experts' copies: the replica's part blocks[k], a
-    block, has its W1, W2 [E/P, ..] in the copies' part k; their gradients go apart."""
+    block, has its W1, W2 [E/P, ..] in the copies' part k; their gradients go apart. held: each
+    one's tensors' places in the whole, (tensors, boxes) twice, for --check and checkpoints."""
 
-    def __init__(self, replica, experts, ep_group, blocks):
+    def __init__(self, replica, experts, ep_group, blocks, held):
         self.replica = replica
         self.experts = experts
         self.ep_group = ep_group
         self.blocks = blocks
+        self.held = held
 
     def __getattr__(self, name):        # the buckets, the exchanges: the replica's
         return getattr(self.replica, name)
@@ -885,7 +887,8 @@ def dp_worker(rank, world_size, args):
         replica = WithExperts(replica, ExpertCopies(mine, copies, world_size,
                                                     optimizer=args.optimizer, lr=args.lr,
                                                     bf16=args.bf16), ep_group,
-                              list(range(1, args.num_layers + 1)))
+                              list(range(1, args.num_layers + 1)),
+                              expert_places(init, r * local, local))
     rows = replica_rows(args.batch_size, rank, world_size)   # the world's ranks are the replicas
     resumed = load_checkpoint(args, replica)            # --resume: a step's state, any layout's
     losses = []
@@ -912,7 +915,7 @@ def dp_worker(rank, world_size, args):
         losses.append(global_loss(loss, None))
         if rank == 0:
             log_step(f"[rank {rank}]", step, losses, norms, args)
-        save_checkpoint(args, step + 1, replica)            # --checkpoint: its pieces, on disk
+        save_checkpoint(args, step + 1, replica, routers=routers)   # --checkpoint: its pieces
     finish_replicas(replica, args, tensors_of(init), losses, check, norms, resumed, moe)
     cleanup()
 
@@ -1220,6 +1223,9 @@ class MoE:
         self.biases = []
         self.routes = []
         self.loads = 0
+        if routers and args.marker:                   # --resume: the bias it was at
+            for router, bias in zip(routers, args.marker["bias"]):
+                router.bias.copy_(torch.tensor(bias))
         if routers:
             self.init_bias = torch.stack([router.bias.cpu() for router in routers])
 
@@ -1380,15 +1386,13 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
                       f"--num-layers {L} --dim {D} --batch-size {B}")
 
 
-def experts_rules(args, replicas, replicas_flag):   # --experts: without checkpoints so far
+def experts_rules(args, replicas, replicas_flag):   # --experts, --top-k, --balance-rate, --ep
     E = args.experts
     return [(E < 0, f"--experts {E}: expected 0 (the dense MLP) or more"),
             (E and args.top_k > E, f"--top-k {args.top_k}: more than --experts {E}"),
             (not E and args.top_k != 1, f"--top-k {args.top_k}: needs --experts"),
             (not 0 <= args.balance_rate < 1, f"--balance-rate {args.balance_rate:g}: expected "
                                              f"0 (none) to below 1"),
-            (E and (args.checkpoint or args.resume), "--checkpoint, --resume: not with --experts "
-                                                     "yet (the routers' bias is no checkpoint's)"),
             (args.ep > 1 and not E, f"--ep {args.ep}: needs --experts"),
             (E and E % args.ep, f"--ep {args.ep} does not divide --experts {E}"),
             (args.ep > 1 and replicas % args.ep, f"--ep {args.ep} does not divide {replicas_flag} "
@@ -1575,6 +1579,37 @@ def by_expert(piece, boxes):
     return pieces
 
 
+def holdings(replica, tensors=None, boxes=None):
+    """(replica, tensors, boxes) for each optimizer this rank steps: --ep's two (WithExperts)."""
+    if hasattr(replica, "experts"):
+        return [(replica.replica, *replica.held[0]), (replica.experts, *replica.held[1])]
+    return [(replica, tensors, boxes)]
+
+
+def rank_pieces(replica, tensors=None, boxes=None, copies=(), grads=False):   # what it writes
+    return [piece for held, t, b in holdings(replica, tensors, boxes)
+            for piece in own_pieces(held_pieces(held, t, b, grads=grads), held, copies)]
+
+
+def expert_places(init, first, count):
+    """Step 2's --ep: (tensors, boxes) of the replica (all but W1, W2, whole) and of the experts'
+    copies (W1, W2 of each block: experts first .. first + count, each a box)."""
+    spans = spans_of(init)
+    shapes = [w.shape for w in tensors_of(init)]
+    experts = [i for part in spans[1:-1] for i in part[-2:]]
+    rest = [i for i in range(len(shapes)) if i not in experts]
+    return ((rest, None),
+            (experts, [expert_boxes(shapes[i], range(first, first + count)) for i in experts]))
+
+
+def expert_boxes(shape, experts, box=None):
+    """An expert tensor [E, R, C]'s pieces: each held expert's box (box: of its [R, C], all if
+    None) in the whole seen as [E R, C], where expert e's rows are e R .. (e+1) R."""
+    rows = shape[-2]
+    top, bottom, left, right = box or (0, rows, 0, shape[-1])
+    return [(e * rows + top, e * rows + bottom, left, right) for e in experts]
+
+
 def own_pieces(pieces, replica, copies=()):
     """Those no other rank writes: dp rank 0 alone a replica's (ZeRO's differ), tp rank 0 alone
     its copies (the tensors every tp rank holds whole)."""
@@ -1656,7 +1691,7 @@ def gather_index(pieces, device):
     return {rank: [row for row in rows.tolist() if row[0] >= 0] for rank, rows in enumerate(every)}
 
 
-def save_checkpoint(args, step, replica, tensors=None, boxes=None, copies=()):
+def save_checkpoint(args, step, replica, tensors=None, boxes=None, copies=(), routers=None):
     """--checkpoint DIR after every --checkpoint-every N steps and the last: DIR/step-00000150/, a
     file a rank with its pieces (without ZeRO, replicas beyond dp rank 0 write none: they hold the
     same; nor does a rank write its copies, tensors that tp rank 0 holds whole too), then the marker
@@ -1671,7 +1706,7 @@ def save_checkpoint(args, step, replica, tensors=None, boxes=None, copies=()):
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
     dist.barrier()
-    pieces = own_pieces(held_pieces(replica, tensors, boxes), replica, copies)
+    pieces = rank_pieces(replica, tensors, boxes, copies)
     index = gather_index(pieces, replica.device)
     if pieces:
         write_pieces(os.path.join(folder, f"rank-{rank:05d}.pt"), pieces, args)
@@ -1680,7 +1715,8 @@ def save_checkpoint(args, step, replica, tensors=None, boxes=None, copies=()):
         state = replica.optimizer.state.get(replica.params[0], {})
         marker = {"step": step, "script": os.path.basename(sys.argv[0]),
                   "optimizer_steps": state["step"].item() if "step" in state else None,
-                  **{name: vars(args)[name] for name in CHECKPOINT_MODEL}, "index": index}
+                  **{name: vars(args)[name] for name in CHECKPOINT_MODEL}, "index": index,
+                  "bias": [router.bias.tolist() for router in routers or []]}   # --experts'
         with open(os.path.join(folder, MARKER + ".partial"), "w") as f:
             json.dump(marker, f)
             f.flush()
@@ -1715,15 +1751,18 @@ def load_checkpoint(args, replica, tensors=None, boxes=None):
     if not args.resume:
         return None
     marker = args.marker
-    if marker["optimizer_steps"] is not None:         # AdamW's state, filled in below
-        for param in replica.params:
-            replica.optimizer.state[param] = {
-                "step": torch.tensor(float(marker["optimizer_steps"])),
-                "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
-    mine = held_pieces(replica, tensors, boxes)
+    mine = []
+    for held, t, b in holdings(replica, tensors, boxes):   # --ep: the replica, the experts'
+        if marker["optimizer_steps"] is not None:     # AdamW's state, filled in below
+            for param in held.params:
+                held.optimizer.state[param] = {
+                    "step": torch.tensor(float(marker["optimizer_steps"])),
+                    "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+        mine += held_pieces(held, t, b)
     copied = read_pieces(marker, mine)
     with torch.no_grad():
-        replica.refresh_weights()
+        for held, _, _ in holdings(replica):
+            held.refresh_weights()
     wanted = sum(piece.end - piece.start for piece in mine)
     if copied != wanted:
         raise Stop(f"--resume {args.resume}: {marker['folder']} holds {copied} of the {wanted} "
@@ -1770,7 +1809,7 @@ def whole_on_rank0(replica, full, tensors=None, boxes=None, copies=(), grads=Fal
     """Rank 0: every tensor of the model whole (full: its tensors, for their shapes), fp32, from
     every rank's pieces, each rank's in one message: the weights (--bf16: the masters), or the
     averaged gradients (grads); else None. --check's and --save's, as a checkpoint's pieces."""
-    pieces = own_pieces(held_pieces(replica, tensors, boxes, grads=grads), replica, copies)
+    pieces = rank_pieces(replica, tensors, boxes, copies, grads=grads)
     index = gather_index(pieces, replica.device)
     flat = torch.cat([replica.params[0].new_empty(0), *(p.views["param"] for p in pieces)])
     if dist.get_rank() != 0:
@@ -1798,7 +1837,8 @@ def checkpoints(folder):   # the complete checkpoints in folder (step-N, its mar
     return sorted(os.path.dirname(marker) for marker in markers)
 
 
-CHECKPOINT_MODEL = ("num_layers", "dim", "heads", "context", "vocab_size", "optimizer", "seed")
+CHECKPOINT_MODEL = ("num_layers", "dim", "heads", "context", "vocab_size", "optimizer", "seed",
+                    "experts")
 
 
 def resume_rules(args, marker):
@@ -1813,8 +1853,9 @@ def resume_rules(args, marker):
         flag = f"--{name.replace('_', '-')}"
         if name == "vocab_size":
             flag = "the vocabulary's classes"
-        rules.append((marker[name] != vars(args)[name], f"{flag} {vars(args)[name]}: the "
-                      f"checkpoint in {marker['folder']} has {marker[name]}, and a resumed run "
+        saved = marker.get(name, 0)                   # experts: 0 where a marker has none
+        rules.append((saved != vars(args)[name], f"{flag} {vars(args)[name]}: the "
+                      f"checkpoint in {marker['folder']} has {saved}, and a resumed run "
                       f"keeps its model, optimizer and data"))
     rules.append((args.steps <= marker["step"], f"--steps {args.steps}: the checkpoint in "
                   f"{marker['folder']} is at step {marker['step']} already; ask for more steps"))

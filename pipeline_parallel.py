@@ -386,7 +386,7 @@ def pp_worker(rank, world_size, args):
         losses.append(float(stages[-1].loss))                     # one host sync a step
         if stage == p - 1:
             log_step(f"[stage {stage}]", step, losses, norms, args)
-        save_checkpoint(args, step + 1, replica, held)   # --checkpoint: its parts' pieces
+        save_checkpoint(args, step + 1, replica, held, routers=routers)   # its parts' pieces
     final = gather(grads=False)
     finish_stages(args, recorder, final, init, losses, check, norms, device, resumed=resumed,
                   moe=moe)

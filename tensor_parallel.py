@@ -340,13 +340,11 @@ def shard(w, kind, tp_rank, tp_size):
 
 def held_boxes(shape, kind, tp_rank, tp_size, experts=None):
     """shard_box's; an expert tensor [E, R, C]'s: a list, each held expert's box (experts: their
-    indices, all if None) in the whole seen as [E R, C], where expert e's rows are e R .. (e+1) R."""
+    indices, all if None) in the whole seen as [E R, C] (step 2's expert_boxes)."""
     box = shard_box(shape, kind, tp_rank, tp_size)
     if len(shape) < 3:
         return box
-    top, bottom, left, right = box
-    rows = shape[-2]
-    return [(e * rows + top, e * rows + bottom, left, right) for e in experts or range(shape[0])]
+    return expert_boxes(shape, experts or range(shape[0]), box)
 
 
 def shard_box(shape, kind, tp_rank, tp_size):
@@ -585,7 +583,7 @@ def tp_worker(rank, world_size, args):
         losses.append(loss.item())
         if rank == 0:
             log_step(f"[rank {rank}]", step, losses, norms, args)
-        save_checkpoint(args, step + 1, replica, range(len(full)), boxes, copies)   # its pieces
+        save_checkpoint(args, step + 1, replica, range(len(full)), boxes, copies, routers)
     final = gather(grads=False)                                # put together on rank 0
     if rank == 0:
         extra = None
@@ -642,8 +640,8 @@ def tp_and_cp_groups(rank, tp_size, cp_size):
 
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import (VOCAB_SIZE, MoE, SerialCheck, check_training_args, finish_run,  # noqa
-                           fused, load_checkpoint, log_step, save_checkpoint, training_parser,
+from data_parallel import (VOCAB_SIZE, MoE, SerialCheck, check_training_args, expert_boxes,  # noqa
+                           finish_run, fused, load_checkpoint, log_step, save_checkpoint, training_parser,
                            whole_on_rank0)
 
 

@@ -162,8 +162,10 @@ class ThreeDRank:
         if experts is not None:      # step 2's: the experts' copies beside the replica
             self.replica = WithExperts(self.replica, experts, self.groups["ep"],
                                        [k for k, j in enumerate(self.mine)
-                                        if self.part_kinds[j] == "block"])
-            self.gather = partial(self.gather_with_experts, tensors_of(self.init))
+                                        if self.part_kinds[j] == "block"],
+                                       [(self.held, self.boxes), self.expert_places])
+            self.gather = partial(whole_on_rank0, self.replica, tensors_of(self.init),
+                                  copies=self.copies)
         self.routers = None
         if args.experts:             # every block's: its stage's choose, every stage's balance
             self.routers = [Router(args.experts, args.top_k, device, self.groups.get("ep"))
@@ -176,34 +178,24 @@ class ThreeDRank:
         local = args.experts // args.ep
         spans = spans_of(self.init)
         mine = []
-        self.expert_held = []
-        self.expert_boxes = []
+        held = []
+        boxes = []
         for k, j in enumerate(self.mine):
             if self.part_kinds[j] != "block":
                 continue
             mine.append([w[r * local:(r + 1) * local].clone() for w in shards[k][-2:]])
             shards[k] = shards[k][:-2]
             for i, w, kind in zip(spans[j][-2:], self.init[j][-2:], self.splits[j][-2:]):
-                self.expert_held.append(i)
-                self.expert_boxes.append(held_boxes(w.shape, kind, self.tp_rank, args.tp,
-                                                    range(r * local, (r + 1) * local)))
-        kept = [n for n, i in enumerate(self.held) if i not in self.expert_held]
+                held.append(i)
+                boxes.append(held_boxes(w.shape, kind, self.tp_rank, args.tp,
+                                        range(r * local, (r + 1) * local)))
+        self.expert_places = (held, boxes)                          # in the whole
+        kept = [n for n, i in enumerate(self.held) if i not in held]
         self.held = [self.held[n] for n in kept]
         self.boxes = [self.boxes[n] for n in kept]
         self.kinds = [self.kinds[n] for n in kept]
         return ExpertCopies(mine, self.groups["ep_copies"], args.dp, optimizer=args.optimizer,
                             lr=args.lr, bf16=args.bf16)
-
-    def gather_with_experts(self, full, grads=False):   # --check, --save: both, whole on rank 0
-        whole = whole_on_rank0(self.replica.replica, full, self.held, self.boxes, self.copies,
-                               grads)
-        experts = whole_on_rank0(self.replica.experts, full, self.expert_held, self.expert_boxes,
-                                 self.copies, grads)
-        if whole is not None:
-            for i, w in enumerate(full):
-                if w.dim() == 3:                                   # W1, W2 [E, ..]
-                    whole[i] = experts[i]
-        return whole
 
     def take_rows(self, args, device):
         """Its replica's slice of each step's batch, by its dp coordinate, the same on every tp
@@ -361,7 +353,8 @@ def three_d_worker(rank, world_size, args):
             losses.append(global_loss(loss, me.groups["dp"]))   # the replicas' losses, averaged
             if me.dp_rank == me.tp_rank == me.cp_rank == 0:
                 log_step(me.tag, step, losses, norms, args)
-        save_checkpoint(args, step + 1, me.replica, me.held, me.boxes, me.copies)   # its pieces
+        save_checkpoint(args, step + 1, me.replica, me.held, me.boxes, me.copies,   # its pieces
+                        me.routers)
     finish_ranks(me, args, losses, check, norms, device, resumed=resumed, moe=moe)
     cleanup()
 

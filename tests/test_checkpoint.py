@@ -112,7 +112,7 @@ def newest(folder):   # the newest complete checkpoint's complete.json, and wher
 
 def whole(folder):   # the newest complete checkpoint, read whole here: {state: [E, W.., H]}
     marker = newest(folder)
-    return dp.whole_checkpoint(marker, argparse.Namespace(experts=0, **marker))   # a dense model
+    return dp.whole_checkpoint(marker, argparse.Namespace(**marker))   # its model
 
 
 def names(folder):   # the checkpoints' folders, complete or not

@@ -235,7 +235,6 @@ def test_balancing_lowers_the_busiest_experts_load(tmp_path, capfd):
     (["--experts", "2", "--top-k", "3"], "--top-k 3: more than --experts 2"),
     (["--top-k", "2"], "--top-k 2: needs --experts"),
     (["--experts", "2", "--balance-rate", "1.5"], "--balance-rate 1.5"),
-    (["--experts", "2", "--checkpoint", "ck"], "--checkpoint, --resume: not with --experts"),
     (["--ep", "2"], "--ep 2: needs --experts"),
     (["--experts", "4", "--ep", "3", "--world-size", "3", "--batch-size", "6"],
      "--ep 3 does not divide --experts 4"),
@@ -441,3 +440,28 @@ def test_the_all_to_alls_send_the_bytes_of_the_formula(tmp_path, world_size):
         forward, backward, M = torch.load(tmp_path / f"a2a-{r}.pt")
         assert forward == 8 * P + N * K * (4 * D + 8) + 4 * M * D
         assert backward == 4 * D * (N * K + M)
+
+
+@pytest.mark.deadline(120)
+def test_a_checkpoint_at_ep_4_resumes_at_ep_2_and_1_as_the_run_went_on(tmp_path):
+    """AdamW, the routers' bias in the checkpoint: 3 steps at --ep 4 written, resumed for 2 more
+    at --ep 2, at one replica, and in step 5 at dp2 pp2 tp2 ep2, each with --check; the last two
+    steps' losses, every weight and the final bias are those of the run that went on at ep 4."""
+    flags = [*SMALL, "--optimizer", "adamw", "--lr", "0.01", "--experts", "4", "--top-k", "2",
+             "--balance-rate", "0.05"]
+    dp.main([*flags, "--world-size", "4", "--ep", "4", "--steps", "5", "--save",
+             str(tmp_path / "on.pt")])
+    dp.main([*flags, "--world-size", "4", "--ep", "4", "--checkpoint", str(tmp_path / "ck")])
+    went_on = torch.load(tmp_path / "on.pt")
+    for script, layout in [(dp, ["--world-size", "4", "--ep", "2"]), (dp, ["--world-size", "1"]),
+                           (three_d, ["--dp", "2", "--pp", "2", "--tp", "2", "--ep", "2"])]:
+        save = tmp_path / "resumed.pt"
+        script.main([*flags, *layout, "--steps", "5", "--resume", str(tmp_path / "ck"), "--check",
+                     "--save", str(save)])
+        resumed = torch.load(save)
+        torch.testing.assert_close(torch.tensor(resumed["losses"]),
+                                   torch.tensor(went_on["losses"][3:]), atol=1e-5, rtol=1e-5)
+        for name, weight in went_on["final_params"].items():
+            torch.testing.assert_close(resumed["final_params"][name], weight, atol=1e-5,
+                                       rtol=1e-5, msg=lambda msg: f"{layout} {name}: {msg}")
+        assert torch.equal(resumed["final_bias"], went_on["final_bias"])
