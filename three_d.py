@@ -5,6 +5,7 @@
     python three_d.py --dp 1 --pp 4 --tp 2 --num-layers 4 --schedule gpipe --order tp-dp-pp
     python three_d.py --tp-style megatron --sequence-parallel --check   # T split over tp too
     python three_d.py --dp 1 --pp 2 --tp 2 --cp 2 --check   # and T over cp: ring attention
+    python three_d.py --experts 4 --ep 2 --check        # experts: 2 of the 4 on each replica
     python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
     python three_d.py --ray                             # the ranks as Ray Train workers
     python three_d.py --plan --hardware h100            # which layout? 8 H100s, ranked
@@ -328,7 +329,7 @@ def three_d_worker(rank, world_size, args):
     me = ThreeDRank(rank, args, device)
     if rank == 0:   # the rank map, and what a stage's (a chunk's) layers are
         show_rank_map(args.dp, args.pp, args.tp, args.order, args=args, chunks=args.virtual_stages,
-                      cp=args.cp)
+                      cp=args.cp, ep=args.ep)
     resumed = load_checkpoint(args, me.replica, me.held, me.boxes)   # --resume: any layout's
     losses = []
     norms = []
@@ -362,7 +363,7 @@ def three_d_worker(rank, world_size, args):
 def main(argv=None):
     args = parse_args(argv)
     if args.show_rank_map:
-        show_rank_map(args.dp, args.pp, args.tp, args.order, cp=args.cp)
+        show_rank_map(args.dp, args.pp, args.tp, args.order, cp=args.cp, ep=args.ep)
     elif args.plan:  # which layout? every one, costed by three_d_costs() (below)
         plan(args)
     elif args.ray:   # the same ranks, started by Ray instead of spawn (step 1's launcher)
@@ -450,13 +451,16 @@ def buckets_of(chunks, dim, context, vocab_size, tp, tp_rank, bucket_mb, pad_to)
     return [(c, -(-n // pad_to) * pad_to) for c, n in zip(chunk_of, layout.lengths)]
 
 
-def show_rank_map(dp, pp, tp, order, args=None, chunks=1, cp=1):
-    groups = rank_groups(dp, pp, tp, order, cp)
+def show_rank_map(dp, pp, tp, order, args=None, chunks=1, cp=1, ep=1):
+    groups = rank_groups(dp, pp, tp, order, cp, ep)
     names = ("tp", "cp", "pp", "dp")                 # each rank's groups, fastest first
     sizes = f"dp={dp} pp={pp} cp={cp} tp={tp}, order {order.replace('tp-', 'tp-cp-')}"
     if cp == 1:
         names = ("tp", "pp", "dp")
         sizes = f"dp={dp} pp={pp} tp={tp}, order {order}"
+    if ep > 1:                                       # inside dp: its own column, last
+        names = (*names, "ep")
+        sizes = f"{sizes}, ep={ep} inside dp"
     width = {name: max(len(str(groups[name][0])) + 2, 10) for name in names}
     print(f"rank map: {sizes} (fastest first)")
     print(f"{'rank':>5} " + " ".join(f"{name:>3}" for name in names[::-1]) + "   " + "".join(
@@ -911,8 +915,10 @@ def parse_args(argv=None):
     flag = next(iter(plan_flags), "").replace("_", "-")
     parser.refuse([(plan_flags, f"--{flag}: only with --plan (a run's world: --dp x --pp x --tp)")])
     if args.show_rank_map:
-        used = {"show_rank_map", "dp", "pp", "tp", "cp", "order", "backend", "timeout_s"}
+        used = {"show_rank_map", "dp", "pp", "tp", "cp", "ep", "order", "backend", "timeout_s"}
         refuse_unused(parser, args, used, "--show-rank-map")
+        parser.refuse([(args.dp % args.ep, f"--ep {args.ep} does not divide --dp {args.dp} (the "
+                                           f"replicas hold the experts)")])
         return args
     parser.refuse([divides(args.heads, "--heads", args.tp, "--tp"),
                    *sequence_parallel_rules(args, args.tp, "--tp"),
