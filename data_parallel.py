@@ -559,6 +559,7 @@ class DataParallel:
         self.device = weights[0].device
         self.dp_size = dist.get_world_size(group)
         self.dp_rank = dist.get_rank(group)
+        self.replicas = self.dp_size                  # a gradient's mean over (--ep: see below)
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         self.shapes = [w.shape for w in weights]
         self.layout = make_buckets([[w.numel() for w in part] for part in parts], bucket_mb,
@@ -622,7 +623,7 @@ class DataParallel:
     def average(self):                  # the exchanges done, each gradient / d: the mean
         self.finish_reductions()
         for grad in self.grads():
-            grad.div_(self.dp_size)
+            grad.div_(self.replicas)
 
     def finish_reductions(self):        # started with --overlap: waited for now
         for work in filter(None, self.reductions):
@@ -771,22 +772,29 @@ class ZeRO3(ZeRO2):
 
 # Part 4: the experts' copies (--ep), the batch, and the worker ------------------------------------
 
-class ExpertCopies(DataParallel):
+class ExpertCopies:
     """--ep: this rank's experts of every block, a part a block, over the ranks that hold the
-    same experts (dp/P of them). Each expert's gradient is a sum over the positions sent to it
-    from its ep group's replicas: summed over its copies, it is the sum over all dp replicas,
-    and so divided by dp, not by the copies' dp/P (megablocks #86's bug)."""
+    same experts (dp/P of them), as a replica of the ZeRO stage asked for (expert_copies).
+    Each expert's gradient is a sum over the positions sent to it from its ep group's replicas:
+    summed over its copies, it is the sum over all dp replicas, and so divided by dp, not by the
+    copies' dp/P (megablocks #86's bug)."""
 
     def __init__(self, parts, group, replicas, **options):
         super().__init__(parts, group, **options)
         self.replicas = replicas
 
-    def average(self):                  # every bucket at once, at the step's end
+    def average(self):                  # every bucket at once, at the step's end; then / dp
         for b in range(len(self.buckets)):
             self.reduce_gradients(b)
-        self.finish_reductions()
-        for grad in self.grads():
-            grad.div_(self.replicas)
+        super().average()
+
+
+def expert_copies(parts, group, replicas, zero=0, **options):
+    """ExpertCopies over DataParallel, ZeRO1 or ZeRO2: --zero 1 and 2 shard the experts'
+    optimizer and gradients over their copies; 3 as 2 (the weights stay whole)."""
+    base = [DataParallel, ZeRO1, ZeRO2][min(zero, 2)]
+    return type(f"ExpertCopies{base.__name__}", (ExpertCopies, base), {})(parts, group, replicas,
+                                                                          **options)
 
 
 class WithExperts:
@@ -884,9 +892,9 @@ def dp_worker(rank, world_size, args):
     replica = make_replica(parts, None, zero=args.zero, optimizer=args.optimizer, lr=args.lr,
                            bucket_mb=args.bucket_mb, bf16=args.bf16, overlap=args.overlap)
     if args.ep > 1:                                     # the experts' copies, apart
-        replica = WithExperts(replica, ExpertCopies(mine, copies, world_size,
-                                                    optimizer=args.optimizer, lr=args.lr,
-                                                    bf16=args.bf16), ep_group,
+        replica = WithExperts(replica, expert_copies(mine, copies, world_size, zero=args.zero,
+                                                     optimizer=args.optimizer, lr=args.lr,
+                                                     bf16=args.bf16), ep_group,
                               list(range(1, args.num_layers + 1)),
                               expert_places(init, r * local, local))
     rows = replica_rows(args.batch_size, rank, world_size)   # the world's ranks are the replicas

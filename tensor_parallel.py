@@ -538,7 +538,9 @@ def tp_worker(rank, world_size, args):
     boxes = [held_boxes(w.shape, k, tp_rank, tp_size) for w, k in zip(full, split)]   # where
     resumed = load_checkpoint(args, replica, range(len(full)), boxes)   # --resume: any layout's
     whole = split_as(split, "whole")                                   # the gains and P
-    copies = set(whole) if tp_rank > 0 else set()                      # rank 0 writes them
+    copies = set()                                                     # rank 0 writes them:
+    if tp_rank > 0:                                                    # the gains, P, routers
+        copies = {*whole, *split_as(split, "router")}
     if cp_rank > 0:                                                    # cp rank 0 holds the same
         copies = set(range(len(full)))
     gather = partial(whole_on_rank0, replica, full, range(len(full)), boxes, copies)   # on rank 0

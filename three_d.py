@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, ray_launch, run_main, setup, spawn
-from data_parallel import (ExpertCopies, Router, WithExperts, balance, dp_costs, init_params,
+from data_parallel import (Router, WithExperts, balance, dp_costs, expert_copies, init_params,
                            make_batch, make_replica, replica_rows, spans_of)
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts)
@@ -147,7 +147,7 @@ class ThreeDRank:
         self.boxes = [held_boxes(w.shape, k, self.tp_rank, args.tp)   # where each sits
                       for j in self.mine for w, k in zip(self.init[j], self.splits[j])]
         self.copies = {i for j in self.mine for i, k in zip(spans[j], self.splits[j])
-                       if k == "whole" and self.tp_rank > 0}          # tp rank 0 writes them
+                       if k in ("whole", "router") and self.tp_rank > 0}   # tp rank 0 writes
         if self.cp_rank > 0:                                          # cp rank 0 holds the same
             self.copies = set(self.held)
         self.kinds = [k for j in self.mine for k in self.splits[j]]   # its tensors' splits
@@ -195,8 +195,8 @@ class ThreeDRank:
         self.held = [self.held[n] for n in kept]
         self.boxes = [self.boxes[n] for n in kept]
         self.kinds = [self.kinds[n] for n in kept]
-        return ExpertCopies(mine, self.groups["ep_copies"], args.dp, optimizer=args.optimizer,
-                            lr=args.lr, bf16=args.bf16)
+        return expert_copies(mine, self.groups["ep_copies"], args.dp, zero=args.zero,
+                             optimizer=args.optimizer, lr=args.lr, bf16=args.bf16)
 
     def take_rows(self, args, device):
         """Its replica's slice of each step's batch, by its dp coordinate, the same on every tp

@@ -445,8 +445,9 @@ def test_the_all_to_alls_send_the_bytes_of_the_formula(tmp_path, world_size):
 @pytest.mark.deadline(120)
 def test_a_checkpoint_at_ep_4_resumes_at_ep_2_and_1_as_the_run_went_on(tmp_path):
     """AdamW, the routers' bias in the checkpoint: 3 steps at --ep 4 written, resumed for 2 more
-    at --ep 2, at one replica, and in step 5 at dp2 pp2 tp2 ep2, each with --check; the last two
-    steps' losses, every weight and the final bias are those of the run that went on at ep 4."""
+    at --ep 2, at one replica, and in step 5 at dp2 pp2 tp2 ep2 and at tp 2 with ZeRO-2 (the
+    experts' state sharded over their copies), each with --check; the last two steps' losses,
+    every weight and the final bias are those of the run that went on at ep 4."""
     flags = [*SMALL, "--optimizer", "adamw", "--lr", "0.01", "--experts", "4", "--top-k", "2",
              "--balance-rate", "0.05"]
     dp.main([*flags, "--world-size", "4", "--ep", "4", "--steps", "5", "--save",
@@ -454,7 +455,9 @@ def test_a_checkpoint_at_ep_4_resumes_at_ep_2_and_1_as_the_run_went_on(tmp_path)
     dp.main([*flags, "--world-size", "4", "--ep", "4", "--checkpoint", str(tmp_path / "ck")])
     went_on = torch.load(tmp_path / "on.pt")
     for script, layout in [(dp, ["--world-size", "4", "--ep", "2"]), (dp, ["--world-size", "1"]),
-                           (three_d, ["--dp", "2", "--pp", "2", "--tp", "2", "--ep", "2"])]:
+                           (three_d, ["--dp", "2", "--pp", "2", "--tp", "2", "--ep", "2"]),
+                           (three_d, ["--dp", "4", "--pp", "1", "--tp", "2", "--ep", "4",
+                                      "--zero", "2"])]:
         save = tmp_path / "resumed.pt"
         script.main([*flags, *layout, "--steps", "5", "--resume", str(tmp_path / "ck"), "--check",
                      "--save", str(save)])
