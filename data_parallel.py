@@ -84,6 +84,8 @@ def rmsnorm_backward(dy, x, r, g):
 def wide_matmul(a, b):   # [.., m, k] @ [.., k, n] summed into fp32, as FlashAttention sums S, dA
     if a.dtype != torch.bfloat16 or a.device.type == "cpu":   # the CPU has no bf16 x bf16 -> fp32
         return wide(a) @ wide(b)                              # kernel: cast (fp32 stays as it is)
+    if a.dim() == 2:                                          # an expert's dW
+        return torch.mm(a, b, out_dtype=torch.float32)
     out = torch.bmm(a.flatten(0, -3), b.flatten(0, -3), out_dtype=torch.float32)   # bf16 inputs
     return out.unflatten(0, a.shape[:-2])
 
@@ -364,10 +366,10 @@ def experts_backward(dy, stash, wr, w1, w2, split=WHOLE):
     for e, (rows, z, u, y_e) in enumerate(routed):
         dp[rows, e] = (wide(dy_rows[rows]) * wide(y_e)).sum(-1)     # <dy, y_e>: tp's part
         dy_e = (p[rows, e, None] * wide(dy_rows[rows])).to(dy.dtype)   # y_e's: scaled by p_e
-        dw2[e] = wide(u).T @ wide(dy_e)
+        dw2[e] = wide_matmul(u.T, dy_e)
         du = split.gather_back(split.row_back(dy_e @ w2[e].T))   # y_e = u W2[e]
         dz = gelu_backward(du, z)                             # [n_e, 4D/tp]
-        dw1[e] = wide(x[rows]).T @ wide(dz)
+        dw1[e] = wide_matmul(x[rows].T, dz)
         dx.index_add_(0, rows, wide(dz @ w1[e].T))
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))            # softmax's backward [N, E]
     dx += ds @ wide(wr).T
@@ -442,9 +444,9 @@ def dispatched_backward(dy, stash, wr, w1, w2, split=WHOLE):
     dw2 = torch.zeros(w2.shape, dtype=p.dtype, device=x.device)
     dx_in = torch.empty_like(x_in)
     for e, (mine, z, u) in enumerate(routed):
-        dw2[e] = wide(u).T @ wide(dy_in[mine])
+        dw2[e] = wide_matmul(u.T, dy_in[mine])
         dz = gelu_backward(split.gather_back(split.row_back(dy_in[mine] @ w2[e].T)), z)
-        dw1[e] = wide(x_in[mine]).T @ wide(dz)
+        dw1[e] = wide_matmul(x_in[mine].T, dz)
         dx_in[mine] = dz @ w1[e].T
     dx_e = all_to_all(dx_in, recv_counts, send_counts, group)   # home, as the combine
     dx = torch.zeros(x.shape, dtype=p.dtype, device=x.device)
@@ -1178,6 +1180,10 @@ def whole_with_experts(replica, grads=False):   # each block's W1, W2 after its 
 
 
 def memory_held(replica):   # bytes held now, by kind; a view of another tensor counts once
+    if hasattr(replica, "experts"):                   # --ep: the replica's and the experts'
+        rest = memory_held(replica.replica)
+        experts = memory_held(replica.experts)
+        return {kind: rest[kind] + experts[kind] for kind in rest}
     state = [t for s in replica.optimizer.state.values() for t in s.values() if t.dim()]
     masters = replica.params if replica.params[0].dtype != replica.dtype else []   # bf16's
     gathering = [flat for _, flat in getattr(replica, "gathering", {}).values()]   # ZeRO-3's

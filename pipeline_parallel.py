@@ -549,9 +549,15 @@ def block_stash(args, rows, tp=1):
     if tp == 1:
         whole_kept, whole_waiting = 16, 16
     kept = whole_kept * A + (16 - whole_kept) * A // tp + norms + rows * h * T * 4 // tp
+    waiting = whole_waiting * A + (16 - whole_waiting) * A // tp + 2 * D * 4
+    if getattr(args, "experts", 0):   # estimated, balanced: z, gelu(z) by tp a pair and its y_e
+        K = args.top_k                # (--ep: and its x, sent), p fp32, in place of the MLP's z,
+        kept += K * (8 * A // tp + A * (1 + (args.ep > 1))) + rows * T * args.experts * 4
+        kept -= 8 * A // tp           # gelu(z); their dWs made in the backward: no (x, dz) waits
+        waiting -= 5 * A + 5 * A // tp
     if args.recompute:
         kept = x
-    return kept, whole_waiting * A + (16 - whole_waiting) * A // tp + 2 * D * 4
+    return kept, waiting
 
 
 def show_stash(memory, args, num_stages, rank, device):

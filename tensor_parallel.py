@@ -734,27 +734,42 @@ class Attention(NamedTuple):
 
 
 def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", context=1, heads=1,
-                  cp=1, cp_layout="zigzag"):
+                  cp=1, cp_layout="zigzag", experts=0, top_k=1, ep=1):
     """A tp rank's part ("block" or "head"), a micro-batch of rows positions: its matmuls'
     (forwards, backwards' dx, dWs into the fp32 gradient); a block's six weights, and its h/tp
     heads' attention, one fused kernel forward and one back, as a GPU runs them (--cp: a kernel a
-    pair of chunks, the busiest rank's). What --plan prices and tests/gpu_path.py records."""
+    pair of chunks, the busiest rank's). What --plan prices and tests/gpu_path.py records.
+    --experts: the router's three fp32 matmuls, and each of the E/ep experts here its W1's and
+    W2's over rows K ep / E pairs (balanced: as many as the dense MLP's rows K), its dWs in the
+    backward (experts_backward's), in place of the MLP's."""
     size = 2 if bf16 else 4
     D = dim
 
-    def linear(n_in, n_out):
-        return (Matmul(rows, n_in, n_out, size, size, accumulate=False),   # z = x W
-                Matmul(rows, n_out, n_in, size, size, accumulate=False),   # dx = dz W^T
-                Matmul(n_in, rows, n_out, size, 4, accumulate=False))      # dW = x^T dz
+    def linear(n_in, n_out, m=rows):
+        return (Matmul(m, n_in, n_out, size, size, accumulate=False),      # z = x W
+                Matmul(m, n_out, n_in, size, size, accumulate=False),      # dx = dz W^T
+                Matmul(n_in, m, n_out, size, 4, accumulate=False))         # dW = x^T dz
     if kind == "head":
         return [[m] for m in linear(D, classes)]
     row = tp_style == "megatron"
     wo = linear(D // tp, D) if row else linear(D, D // tp)
     w2 = linear(4 * D // tp, D) if row else linear(4 * D, D // tp)
     layers = [linear(D, D // tp)] * 3 + [wo, linear(D, 4 * D // tp), w2]
+    if experts:                          # the MLP's two out: the router's and the experts' in
+        layers = layers[:4]
     sequences = rows * cp // context * (heads // tp)   # b h/tp
     head_dim = D // heads
     forwards, dxs, dws = (list(column) for column in zip(*layers))
+    if experts:                          # every dW in the backward (experts_backward's)
+        routed = rows * top_k * ep // experts                            # an expert's pairs
+        w1 = linear(D, 4 * D // tp, routed)
+        w2 = linear(4 * D // tp, D, routed) if row else linear(4 * D, D // tp, routed)
+        forwards += [Matmul(rows, D, experts, 4, 4, accumulate=False)]    # p = softmax(n Wr)
+        dxs += [Matmul(rows, experts, D, 4, 4, accumulate=False),         # dn = ds Wr^T
+                Matmul(D, rows, experts, 4, 4, accumulate=False)]         # dWr = n^T ds
+        for _ in range(experts // ep):
+            forwards += [w1[0], w2[0]]
+            dxs += [w1[1], w1[2], w2[1], w2[2]]
     chunk = context // (cp * (1 + (cp > 1 and cp_layout == "zigzag")))   # s: a pair's side
     diagonal, off = cp_pair_counts(cp, cp_layout)
     pairs = [Attention(sequences, chunk, head_dim, size, backward=False)] * diagonal + [

@@ -308,6 +308,16 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     cp_runs = cp_costs(kinds.count("block"), rows, args.dim, tp, args.cp, args.bf16, m,
                        args.recompute, [4 * n for n in lengths], m if args.zero == 3 else 1)
     runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs, "cp": cp_runs}
+    if args.ep > 1:   # each block's four all-to-alls of rows K pairs (balanced), the ids and
+        calls = kinds.count("block") * m                      # counts; the experts' copies'
+        forwards = calls * (1 + args.recompute)               # exchange at the step's end
+        runs["ep"] = [("all-to-all", act * args.top_k, 2 * forwards + 2 * calls),
+                      ("all-to-all", rows * args.top_k * 8, forwards),
+                      ("all-to-all", args.ep * 8, 2 * forwards)]
+        runs["copies"], experts = dp_costs(expert_lengths(args, stage), args.dp // args.ep,
+                                           zero=min(args.zero, 2), num_micro_batches=1,
+                                           optimizer=args.optimizer, bf16=args.bf16)
+        held = {kind: (size + experts[kind][0], formula) for kind, (size, formula) in held.items()}
     if args.clip_grad:    # the norm's squares, one float, summed over tp, pp (and dp, if ZeRO)
         for group in ("tp", "pp", "dp")[:2 + (args.zero > 0)]:
             runs[group].append(("all-reduce", 4, 1))
@@ -381,9 +391,10 @@ from collections import Counter  # noqa: E402
 
 from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
-from data_parallel import (VOCAB_SIZE, MoE, SerialCheck, check_training_args, finish_run,  # noqa
-                           global_loss, in_step_bytes, load_checkpoint, log_step, make_buckets,
-                           save_checkpoint, tensors_of, training_parser, whole_on_rank0)
+from data_parallel import (VOCAB_SIZE, MoE, SerialCheck, check_training_args, experts_rules,  # noqa
+                           finish_run, global_loss, in_step_bytes, load_checkpoint, log_step,
+                           make_buckets, save_checkpoint, tensors_of, training_parser,
+                           whole_on_rank0)
 from pipeline_parallel import add_schedule_args, held_counts, schedule_rules  # noqa: E402
 from tensor_parallel import (Attention, add_context_parallel, add_sequence_parallel,  # noqa
                              block_matmuls, context_parallel_rules, describe, divides,
@@ -433,17 +444,32 @@ def chunk_lengths(args, stage=0, tp_rank=0):     # the elements of each of its c
 
 def replica_buckets(args, stage, tp_rank):
     return buckets_of(stage_kinds(args, stage), args.dim, args.context, args.vocab_size,
-                      args.tp, tp_rank, args.bucket_mb, args.dp if args.zero else 1)
+                      args.tp, tp_rank, args.bucket_mb, args.dp if args.zero else 1,
+                      args.experts, args.ep)
+
+
+def expert_lengths(args, stage):   # --ep: the experts' copies' buckets, a block's E/P W1, W2
+    blocks = sum(kinds.count("block") for kinds in stage_kinds(args, stage))
+    if args.ep == 1 or not blocks:
+        return []
+    n = args.experts // args.ep * 4 * args.dim * args.dim // args.tp
+    pad = args.dp // args.ep if args.zero else 1
+    return [-(-m // pad) * pad for m in make_buckets([[n, n]] * blocks, args.bucket_mb).lengths]
 
 
 @functools.lru_cache(maxsize=None)
-def buckets_of(chunks, dim, context, vocab_size, tp, tp_rank, bucket_mb, pad_to):
+def buckets_of(chunks, dim, context, vocab_size, tp, tp_rank, bucket_mb, pad_to, experts=0,
+               ep=1):
     """A rank's buckets (chunk, elements): a block's 12 D^2/tp and two gains, its classes of E and
-    H with P and the final gain (ZeRO: d S)."""
+    H with P and the final gain (ZeRO: d S). Experts: the router's D E, and W1, W2 E times the
+    MLP's, or with --ep none (the experts' copies hold them: expert_lengths)."""
     start, end = vocab_range(vocab_size, tp_rank, tp)
     D = dim
+    mlp = [4 * D * D // tp] * 2
+    if experts:
+        mlp = [D * experts, *[experts * 4 * D * D // tp] * 2 * (ep == 1)]
     size = {"embedding": [(end - start) * D, context * D], "head": [D, D * (end - start)],
-            "block": [D, *[D * D // tp] * 4, D, 4 * D * D // tp, 4 * D * D // tp]}
+            "block": [D, *[D * D // tp] * 4, D, *mlp]}
     numels = [size[kind] for chunk in chunks for kind in chunk]
     starts = [sum(map(len, chunks[:c])) for c in range(len(chunks))]
     layout = make_buckets(numels, bucket_mb, starts)
@@ -513,6 +539,10 @@ REFRESH_BYTES = 6
 # norms (x in, y out: 2 each), the two residual adds (3 each), gelu over [b, T, 4D] (8); back,
 # the norms' fused backward (dy, x in, dx out: 3 each), four adds (3 each), gelu's backward (12).
 PASSES = {"forward": 2 * 2 + 2 * 3 + 8, "backward": 2 * 3 + 4 * 3 + 12}
+# --experts, in [N K, D]s, a pair's (estimated, not recorded: the routing is data): forward gelu's
+# 8, the rows gathered (2), the p-weighted sum into fp32 y (3); back gelu's 12, dy's rows gathered
+# and scaled (3), dn summed in (3), <dy, y_e> (2). They replace the dense MLP's gelu passes.
+EXPERT_PASSES = {"forward": 8 + 2 + 3, "backward": 12 + 3 + 3 + 2}
 
 
 class Machine:
@@ -557,7 +587,7 @@ class Machine:
             return f, 0.0, (rows_bytes + 2 * rows * dim * 4) / self.hbm
         forwards, dxs, dws = block_matmuls(kind, rows, dim, tp, args.bf16, classes,
                                            args.tp_style, args.context, args.heads, args.cp,
-                                           args.cp_layout)
+                                           args.cp_layout, args.experts, args.top_k, args.ep)
         f = sum(map(self.matmul_s, forwards))
         b = sum(map(self.matmul_s, dxs))
         w = sum(self.matmul_s(dw) + (micro_batches - 1) * self.matmul_s(
@@ -567,8 +597,11 @@ class Machine:
             return f + 6 * loss, b + 4 * loss, w
         passes = rows * dim * size / self.hbm
         f += PASSES["forward"] * passes
-        b += PASSES["backward"] * passes + f * args.recompute
-        return f, b, w
+        b += PASSES["backward"] * passes
+        if args.experts:   # gelu's passes K times, over the pairs, and their gathers and sums
+            f += (EXPERT_PASSES["forward"] * args.top_k - 8) * passes
+            b += (EXPERT_PASSES["backward"] * args.top_k - 12) * passes
+        return f, b + f * args.recompute, w
 
     def attention_s(self, rows, shape, tp):   # a block's attention kernels: (forward, back)
         forwards, dxs, _ = block_matmuls("block", rows, shape.dim, tp, shape.bf16, 0,
@@ -604,8 +637,9 @@ class Machine:
 
 
 @functools.lru_cache(maxsize=None)
-def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1):
-    """Each stage's {kind: fewest ranks of a group in one node}; "pp": 2 if its sends stay in."""
+def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1, ep=1):
+    """Each stage's {kind: fewest ranks of a group in one node}; "pp": 2 if its sends stay in;
+    "ep" and "copies" (--ep's groups, cut from dp's)."""
     node = (rank_grid(dp, pp, tp * cp, order) // gpus_per_node).tolist()   # [dp][pp][tp cp]
     stages = []
     for s in range(pp):
@@ -616,6 +650,10 @@ def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1):
         stages.append({"tp": min(min(Counter(group).values()) for group in tp_groups),
                        "cp": min(min(Counter(group).values()) for group in cp_groups),
                        "dp": min(min(Counter(group).values()) for group in zip(*blocks)),
+                       "ep": min(min(Counter(group[i:i + ep]).values())
+                                 for group in zip(*blocks) for i in range(0, dp, ep)),
+                       "copies": min(min(Counter(group[r::ep]).values())
+                                     for group in zip(*blocks) for r in range(ep)),
                        "pp": 1 if any(node[d][s] != node[d][k] for d in range(dp) for k in peers)
                        else 2})
     return stages
@@ -630,6 +668,9 @@ class Shape(NamedTuple):   # what a part's price reads of the run's flags (a cac
     recompute: bool
     cp: int
     cp_layout: str
+    experts: int = 0
+    top_k: int = 1
+    ep: int = 1
 
 
 @functools.lru_cache(maxsize=None)   # many layouts share one
@@ -652,15 +693,17 @@ def predict(args, machine):
     most classes)."""
     dp, pp, tp, cp, m = args.dp, args.pp, args.tp, args.cp, args.micro_batches
     per_node = members_per_node(dp, pp, tp, args.order, machine.gpus_per_node,
-                                args.schedule == "interleaved", cp)
+                                args.schedule == "interleaved", cp, args.ep)
     sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
+    if args.ep > 1:                                  # --ep's all-to-alls; the experts' copies
+        sizes.update(ep=args.ep, copies=dp // args.ep)
     classes = -(-args.vocab_size // tp)              # tp rank 0's
     chosen = {(s == 0, s == pp - 1, tuple(per_node[s].items())): s for s in reversed(range(pp))}
     rows = args.batch_size // (dp * m) * args.context // cp   # a micro-batch's positions, a rank's
     stages = []
     for s in chosen.values():
         shape = Shape(args.dim, args.heads, args.context, args.tp_style, args.bf16, args.recompute,
-                      cp, args.cp_layout)
+                      cp, args.cp_layout, args.experts, args.top_k, args.ep)
         chunks = [chunk_s(machine, kinds, rows, shape, tp, m, classes)
                   for kinds in stage_kinds(args, s)]
         runs, held, _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
@@ -675,12 +718,14 @@ def predict(args, machine):
             pairs = blocks * m * ((1 + args.recompute) * forward + back)
             comm["cp"] -= min(ring, pairs)
         compute = m * sum(sum(chunk) for chunk in chunks)
-        inside = compute + comm["tp"] + comm["pp"] + comm["cp"] + comm["dp"] * (args.zero == 3)
+        inside = (compute + comm["tp"] + comm["pp"] + comm["cp"] + comm.get("ep", 0) +
+                  comm["dp"] * (args.zero == 3))
         sent = {group: sum(times * ring_bytes(kind, nbytes, sizes[group])
                            for kind, nbytes, times in runs[group]) for group in runs}
         stages.append(dict(stage=s, chunks=chunks, comm=comm, compute=compute, inside=inside,
                            bubble=bubble, sent=sent,
-                           params=sum(replica_lengths(args, s)) // (dp if args.zero else 1)))
+                           params=sum(replica_lengths(args, s)) // (dp if args.zero else 1) +
+                           sum(expert_lengths(args, s)) // (dp // args.ep if args.zero else 1)))
     slowest = max(stages, key=lambda stage: stage["inside"])
     pipeline, waits = machine.pipeline_s(args, slowest, stages)
     parts = dict(compute=slowest["compute"], **slowest["comm"], **waits,
@@ -689,15 +734,31 @@ def predict(args, machine):
     parts["update"] = machine.update_s(params, args.optimizer, args.bf16)
     step = sum(parts.values())
     L, D, T = args.num_layers, args.dim, args.context   # 6 a weight a position; attention 12 T D
-    model_flops = args.batch_size * T * (6 * (12 * L * D + args.vocab_size) * D + 12 * L * T * D)
+    model_flops = args.batch_size * T * (6 * active_params(args) + 12 * L * T * D)
     return dict(step_s=step, parts=parts, bubble=slowest["bubble"],
                 memory_bytes=most_memory(args),
                 bytes={group: max(stage["sent"][group] for stage in stages) for group in sizes},
                 stage=slowest["stage"], args=args,
                 stages={stage["stage"]: stage["inside"] for stage in stages},
                 mfu=model_flops / (step * dp * pp * tp * cp * machine.flops),
-                crosses=[group for group in ("dp", "pp", "tp", "cp") if sizes[group] > 1 and min(
+                crosses=[group for group in sizes if sizes[group] > 1 and min(
                     stage[group] for stage in per_node) < (2 if group == "pp" else sizes[group])])
+
+
+def active_params(args):   # the weights a position multiplies: with experts, its K and the router
+    L, D = args.num_layers, args.dim
+    mlp = 8 * D * D
+    if args.experts:
+        mlp = args.top_k * 8 * D * D + D * args.experts
+    return L * (4 * D * D + mlp) + args.vocab_size * D
+
+
+def total_params(args):   # every weight: E, P, the blocks (gains, router), the final gain, H
+    L, D = args.num_layers, args.dim
+    mlp = 8 * D * D
+    if args.experts:
+        mlp = args.experts * 8 * D * D + D * args.experts
+    return L * (4 * D * D + 2 * D + mlp) + (2 * args.vocab_size + args.context + 1) * D
 
 
 def most_memory(args, stages=None):
@@ -753,7 +814,8 @@ def layouts(args, gpus_per_node):
     divisors = [n for n in range(1, world + 1) if world % n == 0]
     for dp, pp in itertools.product(divisors, repeat=2):
         tp = world // (dp * pp)
-        if dp * pp * tp != world or args.heads % tp or L % pp or B % dp or tp > args.vocab_size:
+        if dp * pp * tp != world or args.heads % tp or L % pp or B % dp or tp > args.vocab_size \
+                or dp % args.ep:
             continue
         orders = ["tp-pp-dp", "tp-dp-pp"][:1 + (args.world_size > gpus_per_node and dp * pp > 1)]
         schedules = [("1f1b", 1)]
@@ -809,18 +871,24 @@ def show_plan(args, machine, weighed, fits):
           f"D={args.dim}, h={args.heads}, V={args.vocab_size}, T={args.context}, "
           f"B={args.batch_size}, bf16 on fp32 masters, {args.optimizer}; "
           f"{machine.figures['name']}, {si(machine.memory)}B")
+    if args.experts:
+        print(f"experts: {args.experts} a block, {args.top_k} a position, --ep {args.ep}: "
+              f"{si(total_params(args))} parameters, {si(active_params(args))} active (the "
+              f"embedding's aside); the experts' loads taken as balanced")
     print(f"{weighed} layouts weighed, {len(fits)} fit; the "
           f"{'' if len(shown) == len(fits) else f'{len(shown)} '}best by predicted step time "
           f"(--top N). Bytes: what the busiest rank sends a step, * across nodes")
     width = max([len(short_layout(row["args"])) for row in shown] + [6]) + 2
     groups = ("tp", "cp", "pp", "dp") if args.cp > 1 else ("tp", "pp", "dp")
+    if args.ep > 1:
+        groups = (*groups, "ep")
     print(f"{'#':>4}  {'layout':<{width}}{'memory':>10}" + "".join(f"{g:>10}" for g in groups) +
           f"{'bubble':>8}{'compute':>10}{'comm':>10}{'step':>10}{'MFU':>6}")
     for k, row in enumerate(shown, 1):
         parts = row["parts"]
         sent = "".join(f"{si(row['bytes'][group]) + 'B' + '*' * (group in row['crosses']):>10}"
                        for group in groups)
-        comm = parts["tp"] + parts["cp"] + parts["pp"] + parts["dp"]
+        comm = sum(parts[group] for group in row["bytes"])
         print(f"{k:>4}  {short_layout(row['args']):<{width}}{si(row['memory_bytes']) + 'B':>10}"
               f"{sent}{row['bubble']:>8.1%}"
               f"{seconds(parts['compute']):>10}{seconds(comm):>10}"
@@ -859,7 +927,8 @@ def add_plan_args(parser):
 def plan_rules(parser, args):
     """--plan takes the world, the machine and the model; it chooses the rest."""
     used = {"plan", *PLAN_FLAGS, "num_layers", "dim", "heads", "context", "batch_size",
-            "optimizer", "bf16", "bucket_mb", "backend", "timeout_s", "cp", "cp_layout"}
+            "optimizer", "bf16", "bucket_mb", "backend", "timeout_s", "cp", "cp_layout",
+            "experts", "top_k", "balance_rate", "ep"}
     refuse_unused(parser, args, used, "--plan, which chooses it")
     args.vocab_size = getattr(args, "vocab_size", VOCAB_SIZE)
     args.world_size = getattr(args, "world_size", 8)
@@ -874,6 +943,9 @@ def plan_rules(parser, args):
         (args.world_size % args.cp, f"--cp {args.cp} does not divide --world-size "
                                     f"{args.world_size}: the plan lays out the rest"),
         context_parallel_rules(args, 1)[0],
+        *experts_rules(args, args.world_size // args.cp, "--world-size"),
+        (args.ep > 1 and args.cp > 1, "--ep with --cp: not yet (each expert's gradient would be "
+                                      "summed over cp too)"),
         (args.world_size > args.gpus_per_node and args.world_size % args.gpus_per_node,
          f"--gpus-per-node {args.gpus_per_node} does not divide --world-size "
          f"{args.world_size}: a world larger than a node is whole nodes"),

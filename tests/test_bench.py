@@ -26,7 +26,7 @@ def no_warm_up(monkeypatch):
 def tiny(**sizes):
     # one timed step; lr 0.1: a step moves the weights visibly, so a wrong gradient shows in them too
     return SimpleNamespace(**{**dict(num_layers=4, dim=8, heads=2, context=4, vocab_size=data_parallel.VOCAB_SIZE,
-                                      batch_size=8, micro_batches=2, steps=1, seed=0, lr=0.1, experts=0,
+                                      batch_size=8, micro_batches=2, steps=1, seed=0, lr=0.1, experts=0, ep=1,
                                       recompute=False, bf16=False, clip_grad=None, bucket_mb=25.0,
                                       sequence_parallel=False, cp=1, cp_layout="zigzag",
                                       backend="gloo", timeout_s=30.0), **sizes})

@@ -468,3 +468,42 @@ def test_a_checkpoint_at_ep_4_resumes_at_ep_2_and_1_as_the_run_went_on(tmp_path)
             torch.testing.assert_close(resumed["final_params"][name], weight, atol=1e-5,
                                        rtol=1e-5, msg=lambda msg: f"{layout} {name}: {msg}")
         assert torch.equal(resumed["final_bias"], went_on["final_bias"])
+
+
+def held_worker(rank, world_size, args):
+    """A three_d.py layout's rank after one AdamW step and its update: what its replicas hold
+    (memory_held's, the experts' copies with the rest), beside what --plan prices for its stage."""
+    device = setup(rank, world_size)
+    me = three_d.ThreeDRank(rank, args, device)
+    batch = me.micro_batches(dp.make_batch(args, 0), args)
+    me.train_step(*batch)
+    me.replica.update()
+    held = sum(dp.memory_held(me.replica).values())
+    planned = sum(size for size, _ in three_d.three_d_costs(args, me.stage,
+                                                            tp_rank=me.tp_rank)[1].values())
+    torch.save((held, planned), f"{RESULTS}/held-{rank}.pt")
+    cleanup()
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("layout", [["--dp", "4", "--pp", "1", "--tp", "1", "--ep", "2",
+                                     "--zero", "1"],
+                                    ["--dp", "2", "--pp", "2", "--tp", "2", "--ep", "2", "--bf16"],
+                                    ["--dp", "2", "--pp", "1", "--tp", "2", "--zero", "2"]])
+def test_the_plan_prices_what_a_rank_holds_with_experts(tmp_path, layout):
+    """--plan with --experts: the router in the replica; with --ep, each rank's E/P experts'
+    weights, gradients and AdamW state apart, sharded over their copies by ZeRO 1 and 2. Every
+    rank holds what the plan prices for its stage, to the byte. And the plan's parameters are
+    the model's: total, and active (K experts of E a position)."""
+    global RESULTS
+    RESULTS = tmp_path
+    argv = [*SMALL[:-2], "--experts", "4", "--top-k", "2", "--optimizer", "adamw", *layout,
+            "--timeout-s", "30"]
+    args = three_d.parse_args(argv)
+    spawn(held_worker, args.dp * args.pp * args.tp, args, timeout_s=30)
+    for rank in range(args.dp * args.pp * args.tp):
+        held, planned = torch.load(tmp_path / f"held-{rank}.pt")
+        assert held == planned, (rank, held, planned)
+    assert three_d.total_params(args) == sum(w.numel() for w in dp.tensors_of(dp.init_params(args)))
+    D, L, V = args.dim, args.num_layers, args.vocab_size
+    assert three_d.active_params(args) == L * (4 * D * D + 2 * 8 * D * D + 4 * D) + V * D
