@@ -363,15 +363,17 @@ def test_the_table_has_top_rows_apart_columns_and_the_best_ones_stages(capsys):
 
 
 def test_the_readmes_plan_is_what_the_command_prints(capsys):
-    """The README's Llama 3 8B example: its command, run, prints the README's table to the digit
-    (a change to the pricing changes the README with it)."""
+    """The README's Llama 3 8B and Mixtral 8x7B examples: each command, run, prints the README's
+    table to the digit (a change to the pricing changes the README with it)."""
     with open(f"{REPO}/README.md") as f:
         readme = f.read()
-    command, shown = next(found.groups() for found in re.finditer(
+    plans = [found.groups() for found in re.finditer(
         r"\n\$ python three_d.py (--plan .*)\n((?:.*\n)*?)```", readme)
-        if "--cp" not in found.group(1))   # (the 16,384 GPUs' cp plan takes 25 s: not here)
-    assert "layout" in shown and len(shown.splitlines()) >= 4
-    assert shown in run_plan(command.split()[1:], capsys)
+        if "--cp" not in found.group(1)]   # (the 16,384 GPUs' cp plan takes 25 s: not here)
+    assert len(plans) == 2                 # Llama 3 8B's, and Mixtral 8x7B's with experts
+    for command, shown in plans:
+        assert "layout" in shown and len(shown.splitlines()) >= 3
+        assert shown in run_plan(command.split()[1:], capsys)
 
 
 @pytest.mark.deadline(120)
