@@ -804,12 +804,13 @@ class WithExperts:
     block, has its W1, W2 [E/P, ..] in the copies' part k; their gradients go apart. held: each
     one's tensors' places in the whole, (tensors, boxes) twice, for --check and checkpoints."""
 
-    def __init__(self, replica, experts, ep_group, blocks, held):
+    def __init__(self, replica, experts, ep_group, blocks, held, cp_group=None):
         self.replica = replica
         self.experts = experts
         self.ep_group = ep_group
         self.blocks = blocks
         self.held = held
+        self.cp_group = cp_group      # step 5's --cp: the experts saw its positions alone
 
     def __getattr__(self, name):        # the buckets, the exchanges: the replica's
         return getattr(self.replica, name)
@@ -836,6 +837,9 @@ class WithExperts:
 
     def average(self):
         self.replica.average()
+        if self.cp_group is not None:   # each expert's gradient, a part a cp rank: summed first
+            for bucket in self.experts.grad_buckets:
+                dist.all_reduce(bucket, group=self.cp_group)
         self.experts.average()
 
     def update(self):

@@ -164,7 +164,8 @@ class ThreeDRank:
             self.replica = WithExperts(self.replica, experts, self.groups["ep"],
                                        [k for k, j in enumerate(self.mine)
                                         if self.part_kinds[j] == "block"],
-                                       [(self.held, self.boxes), self.expert_places])
+                                       [(self.held, self.boxes), self.expert_places],
+                                       self.groups.get("cp"))
             self.gather = partial(whole_on_rank0, self.replica, tensors_of(self.init),
                                   copies=self.copies)
         self.routers = None
@@ -318,6 +319,8 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
                                            zero=min(args.zero, 2), num_micro_batches=1,
                                            optimizer=args.optimizer, bf16=args.bf16)
         held = {kind: (size + experts[kind][0], formula) for kind, (size, formula) in held.items()}
+        if args.cp > 1:                                       # their gradients summed over cp
+            runs["cp"] += [("all-reduce", 4 * n, 1) for n in expert_lengths(args, stage)]
     if args.clip_grad:    # the norm's squares, one float, summed over tp, pp (and dp, if ZeRO)
         for group in ("tp", "pp", "dp")[:2 + (args.zero > 0)]:
             runs[group].append(("all-reduce", 4, 1))
@@ -944,8 +947,6 @@ def plan_rules(parser, args):
                                     f"{args.world_size}: the plan lays out the rest"),
         context_parallel_rules(args, 1)[0],
         *experts_rules(args, args.world_size // args.cp, "--world-size"),
-        (args.ep > 1 and args.cp > 1, "--ep with --cp: not yet (each expert's gradient would be "
-                                      "summed over cp too)"),
         (args.world_size > args.gpus_per_node and args.world_size % args.gpus_per_node,
          f"--gpus-per-node {args.gpus_per_node} does not divide --world-size "
          f"{args.world_size}: a world larger than a node is whole nodes"),
@@ -1003,9 +1004,7 @@ def parse_args(argv=None):
         (args.ray and importlib.util.find_spec("ray") is None,
          "--ray: Ray is not installed; pip install 'ray[train]' (or: make 3d-ray)"),
         (args.p2p_shard and args.tp == 1, "--p2p-shard: with --tp 1 there is nothing to shard"),
-        (args.p2p_shard and args.pp == 1, "--p2p-shard: with --pp 1 nothing crosses a stage"),
-        (args.ep > 1 and args.cp > 1, "--ep with --cp: not yet (each expert's gradient would be "
-                                      "summed over cp too)")])
+        (args.p2p_shard and args.pp == 1, "--p2p-shard: with --pp 1 nothing crosses a stage")])
     world = "--dp x --pp x --tp"
     if args.cp > 1:
         world = "--dp x --pp x --tp x --cp"

@@ -278,7 +278,10 @@ THREE_D_FLAGS = {
                               "3", "--recompute"],
     "ep2 zero1 clip": ["--dp", "4", "--pp", "1", "--tp", "1", "--ep", "2", "--experts", "4",
                        "--top-k", "2", "--zero", "1", "--clip-grad", "0.5"],
-    "cp2": ["--dp", "1", "--pp", "2", "--tp", "1", "--cp", "2", "--experts", "4"]}
+    "cp2": ["--dp", "1", "--pp", "2", "--tp", "1", "--cp", "2", "--experts", "4"],
+    "sp cp2 ep2 zero2": ["--dp", "2", "--pp", "1", "--tp", "2", "--cp", "2", "--ep", "2",
+                         "--experts", "4", "--tp-style", "megatron", "--sequence-parallel",
+                         "--zero", "2"]}
 
 
 @pytest.mark.deadline(90)
@@ -289,8 +292,8 @@ THREE_D_FLAGS = {
 def test_steps_3_to_5_train_experts_as_serial_training(tmp_path, script, flags):
     """Step 3: each expert's W1, W2 split over tp as the MLP's, the router whole; with --cp the
     routes gathered by position. Step 4: each block's router on its stage, every schedule's
-    order. Step 5: those with --ep inside dp, ZeRO (the experts' copies whole), --clip-grad
-    (each expert once). The same replay: losses, every weight, the final bias."""
+    order. Step 5: those with --ep inside dp, ZeRO (the experts' copies sharded by 1 and 2),
+    --clip-grad (each expert once), --cp (each expert's gradient summed over cp). The same replay: losses, every weight, the final bias."""
     result = train(tmp_path, flags, script=script)
     E = result["config"]["experts"]
     assert result["final_params"]["blocks.0.w2"].shape == (E, 64, 16)
