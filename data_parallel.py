@@ -639,10 +639,8 @@ class DataParallel:
     def clip(self, max_norm, groups=(), shares=None):   # clip_grad_norm_'s, over the groups
         return scale_grads(self.grads(), max_norm, self.squares(groups, shares))
 
-    def squares(self, groups=(), shares=None):   # every replica holds the whole average
-        """shares: each tensor's share of its squares this rank counts (1/t for one that every
-        tp rank holds whole: counted once)."""
-        return grad_squares(self.grads(), groups, shares)
+    def squares(self, groups=(), shares=None):   # every replica holds the whole average; shares:
+        return grad_squares(self.grads(), groups, shares)   # of each's squares, what counts here
 
     def update(self):                   # the optimizer's step, then the layers' weights from it
         self.step_optimizer()

@@ -47,9 +47,10 @@ import torch.distributed as dist
 
 from collectives import cleanup, run_main, setup, spawn
 from collectives import exchange
-from data_parallel import (Block, DataParallel, Router, attention, attention_backward, balance,
-                           block_backward, block_forward, dp_step, head_backward, head_forward,
-                           heads, init_params, make_batch, scores, tensors_of, wide, wide_matmul)
+from data_parallel import (Block, DataParallel, MoE, Router, attention, attention_backward,
+                           balance, block_backward, block_forward, dp_step, expert_boxes,
+                           head_backward, head_forward, heads, init_params, make_batch, scores,
+                           tensors_of, wide, wide_matmul)
 
 
 def all_gather_columns(a_t, group=None):
@@ -290,7 +291,7 @@ def tp_blocks(kinds, tp_style, head_dim, group=None, vocab_size=None, sequence_p
     if cp_group is not None:
         split.attend = partial(ring_attention, group=cp_group, layout=cp_layout)
         split.attend_back = partial(ring_attention_backward, group=cp_group, layout=cp_layout)
-    routers = iter(routers or [])
+    routers = iter(routers if routers else [])
     outer = {"embedding": Block(partial(vocab_embedding_forward, group=group,
                                         vocab_size=vocab_size,
                                         sequence_parallel=sequence_parallel,
@@ -324,6 +325,10 @@ def tensor_kinds(kinds, tp_style, experts=0):
     return [by_part[part] for part in kinds]
 
 
+def split_as(kinds, kind):   # the tensors split as kind
+    return [i for i, k in enumerate(kinds) if k == kind]
+
+
 def clip_shares(kinds, tp_size):   # each tensor's share of its squares: a whole one's, 1/tp
     return [1 / tp_size if kind in ("whole", "router") else 1.0 for kind in kinds]
 
@@ -344,7 +349,9 @@ def held_boxes(shape, kind, tp_rank, tp_size, experts=None):
     box = shard_box(shape, kind, tp_rank, tp_size)
     if len(shape) < 3:
         return box
-    return expert_boxes(shape, experts or range(shape[0]), box)
+    if experts is None:
+        experts = range(shape[0])
+    return expert_boxes(shape, experts, box)
 
 
 def shard_box(shape, kind, tp_rank, tp_size):
@@ -625,10 +632,6 @@ def fused_pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, diagonal):
         offset)
 
 
-def split_as(kinds, kind):   # the tensors split as kind
-    return [i for i, k in enumerate(kinds) if k == kind]
-
-
 def tp_and_cp_groups(rank, tp_size, cp_size):
     """This rank's tp group (tp_size consecutive ranks) and cp group (one rank of each tp group,
     at its tp rank); every rank makes every group, in one order. Without cp: the world's, none."""
@@ -642,8 +645,8 @@ def tp_and_cp_groups(rank, tp_size, cp_size):
 
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import (VOCAB_SIZE, MoE, SerialCheck, check_training_args, expert_boxes,  # noqa
-                           finish_run, fused, load_checkpoint, log_step, save_checkpoint, training_parser,
+from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa
+                           fused, load_checkpoint, log_step, save_checkpoint, training_parser,
                            whole_on_rank0)
 
 

@@ -19,7 +19,8 @@ Nothing new is computed here: this file composes the blocks of steps 2-4.
 - After the last micro-batch step 2's DataParallel averages each shard's gradient over its
   DP group (with --zero, sharded over the replicas), and the optimizer steps.
 What is new is the rank map: which ranks form each group. From-scratch 3D code often
-hard-codes it for 8 ranks; rank_groups() derives it for any sizes and nesting order. And a
+hard-codes it for 8 ranks; rank_groups() derives it for any sizes and nesting order, with --cp
+beside tp and --ep inside dp (step 2's experts, each held by the replicas of its ep rank). And a
 stopped run resumes at any layout: --checkpoint has each piece written once, by the rank that
 holds it (replica 0's, or each replica's range of a ZeRO bucket; its tp box: shard_box), and
 --resume has each rank read what overlaps its own (data_parallel.py, below its fold: DCP's way).
@@ -35,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, ray_launch, run_main, setup, spawn
-from data_parallel import (Router, WithExperts, balance, dp_costs, expert_copies, init_params,
-                           make_batch, make_replica, replica_rows, spans_of)
+from data_parallel import (MoE, Router, WithExperts, balance, dp_costs, expert_copies,
+                           init_params, make_batch, make_replica, replica_rows, spans_of)
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts)
 from tensor_parallel import (all_gather_columns, clip_shares, cp_costs, cp_positions, my_columns,
@@ -394,7 +395,7 @@ from collections import Counter  # noqa: E402
 
 from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
-from data_parallel import (VOCAB_SIZE, MoE, SerialCheck, check_training_args, experts_rules,  # noqa
+from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, experts_rules,  # noqa
                            finish_run, global_loss, in_step_bytes, load_checkpoint, log_step,
                            make_buckets, save_checkpoint, tensors_of, training_parser,
                            whole_on_rank0)
