@@ -790,11 +790,11 @@ class ExpertCopies:
 
 
 def expert_copies(parts, group, replicas, zero=0, **options):
-    """ExpertCopies over DataParallel, ZeRO1 or ZeRO2: --zero 1 and 2 shard the experts'
-    optimizer and gradients over their copies; 3 as 2 (the weights stay whole)."""
-    base = [DataParallel, ZeRO1, ZeRO2][min(zero, 2)]
+    """ExpertCopies over the replica of --zero's stage, a block's experts a bucket: ZeRO shards
+    their state over their copies, as the rest's over the replicas (ZeRO-3: gathered by part())."""
+    base = [DataParallel, ZeRO1, ZeRO2, ZeRO3][zero]
     return type(f"ExpertCopies{base.__name__}", (ExpertCopies, base), {})(parts, group, replicas,
-                                                                          **options)
+                                                                          bucket_mb=0, **options)
 
 
 class WithExperts:
@@ -814,9 +814,13 @@ class WithExperts:
         return getattr(self.replica, name)
 
     def part(self, i):
-        if i in self.blocks:
-            return [*self.replica.part(i), *self.experts.part(self.blocks.index(i))]
-        return self.replica.part(i)
+        if i not in self.blocks:
+            return self.replica.part(i)
+        k = self.blocks.index(i)                # its experts: a bucket of their own
+        self.experts.gather_weights(k)          # ZeRO-3: whole for this pass, let go after it
+        experts = self.experts.part(k)
+        self.experts.release_weights(k)
+        return [*self.replica.part(i), *experts]
 
     def add_grads(self, i, terms):
         if i in self.blocks:

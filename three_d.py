@@ -317,8 +317,10 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
                       ("all-to-all", rows * args.top_k * 8, forwards),
                       ("all-to-all", args.ep * 8, 2 * forwards)]
         runs["copies"], experts = dp_costs(expert_lengths(args, stage), args.dp // args.ep,
-                                           zero=min(args.zero, 2), num_micro_batches=1,
+                                           zero=args.zero, num_micro_batches=m,
                                            optimizer=args.optimizer, bf16=args.bf16)
+        runs["copies"] = [(kind, nbytes, 1 if kind == "reduce-scatter" else times)   # once, at
+                          for kind, nbytes, times in runs["copies"]]           # the step's end
         held = {kind: (size + experts[kind][0], formula) for kind, (size, formula) in held.items()}
         if args.cp > 1:                                       # their gradients summed over cp
             runs["cp"] += [("all-reduce", 4 * n, 1) for n in expert_lengths(args, stage)]
@@ -452,13 +454,13 @@ def replica_buckets(args, stage, tp_rank):
                       args.experts, args.ep)
 
 
-def expert_lengths(args, stage):   # --ep: the experts' copies' buckets, a block's E/P W1, W2
+def expert_lengths(args, stage):   # --ep: the experts' copies' buckets: a block's E/P W1, W2
     blocks = sum(kinds.count("block") for kinds in stage_kinds(args, stage))
     if args.ep == 1 or not blocks:
         return []
     n = args.experts // args.ep * 4 * args.dim * args.dim // args.tp
     pad = args.dp // args.ep if args.zero else 1
-    return [-(-m // pad) * pad for m in make_buckets([[n, n]] * blocks, args.bucket_mb).lengths]
+    return [-(-2 * n // pad) * pad] * blocks           # a block's experts a bucket
 
 
 @functools.lru_cache(maxsize=None)

@@ -492,10 +492,12 @@ def held_worker(rank, world_size, args):
 @pytest.mark.parametrize("layout", [["--dp", "4", "--pp", "1", "--tp", "1", "--ep", "2",
                                      "--zero", "1"],
                                     ["--dp", "2", "--pp", "2", "--tp", "2", "--ep", "2", "--bf16"],
-                                    ["--dp", "2", "--pp", "1", "--tp", "2", "--zero", "2"]])
+                                    ["--dp", "2", "--pp", "1", "--tp", "2", "--zero", "2"],
+                                    ["--dp", "4", "--pp", "1", "--tp", "2", "--ep", "2",
+                                     "--zero", "3"]])
 def test_the_plan_prices_what_a_rank_holds_with_experts(tmp_path, layout):
     """--plan with --experts: the router in the replica; with --ep, each rank's E/P experts'
-    weights, gradients and AdamW state apart, sharded over their copies by ZeRO 1 and 2. Every
+    weights, gradients and AdamW state apart, sharded over their copies by ZeRO 1 to 3. Every
     rank holds what the plan prices for its stage, to the byte. And the plan's parameters are
     the model's: total, and active (K experts of E a position)."""
     global RESULTS
