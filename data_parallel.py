@@ -400,8 +400,7 @@ class Dispatched(NamedTuple):   # what --ep's forward keeps of its all-to-alls, 
     expert: torch.Tensor       # [N K]: each pair's expert
     send_counts: torch.Tensor  # [P]: the pairs sent to each rank
     recv_counts: torch.Tensor  # [P]: the pairs taken from each
-    x_in: torch.Tensor         # [M, D]: the rows this rank's experts took
-    routed: list               # each expert here: its rows of x_in, z, gelu(z)
+    routed: list               # each expert here: which rows of the M it took, those, z, gelu(z)
     y_e: torch.Tensor          # [N K, D]: each pair's expert output, home
     group: object
 
@@ -422,19 +421,20 @@ def dispatched_forward(x, p, chosen, w1, w2, group, split=WHOLE):
     routed = []
     for e in range(local):
         mine = (e_in == e).nonzero()[:, 0]
-        z = x_in[mine] @ w1[e]                                # [m_e, 4D/tp]
+        x_e = x_in[mine]                                      # [m_e, D]
+        z = x_e @ w1[e]                                       # [m_e, 4D/tp]
         u = split.gather(F.gelu(z))
         y_in[mine] = u @ w2[e]
-        routed.append((mine, z, u))
+        routed.append((mine, x_e, z, u))
     y_e = all_to_all(y_in, recv_counts, send_counts, group)  # [N K, D]: home, pair by pair
     y = x.new_zeros((len(x), w2.shape[-1]), dtype=p.dtype)
     y.index_add_(0, rows, p[rows, expert, None] * wide(y_e))
-    return y, (x, p, Dispatched(rows, expert, send_counts, recv_counts, x_in, routed, y_e, group))
+    return y, (x, p, Dispatched(rows, expert, send_counts, recv_counts, routed, y_e, group))
 
 
 def dispatched_backward(dy, stash, wr, w1, w2, split=WHOLE):
     """experts_backward's, each pair's p_e dy sent to its expert and its dn sent home."""
-    x, p, (rows, expert, send_counts, recv_counts, x_in, routed, y_e, group) = stash
+    x, p, (rows, expert, send_counts, recv_counts, routed, y_e, group) = stash
     dy_rows = dy.flatten(0, -2)                               # [N, D]
     dp = torch.zeros_like(p)
     dp[rows, expert] = (wide(dy_rows[rows]) * wide(y_e)).sum(-1)    # <dy, y_e>, every chosen e
@@ -442,11 +442,12 @@ def dispatched_backward(dy, stash, wr, w1, w2, split=WHOLE):
     dy_in = all_to_all(dy_e, send_counts, recv_counts, group)   # as the dispatch
     dw1 = torch.zeros(w1.shape, dtype=p.dtype, device=x.device)
     dw2 = torch.zeros(w2.shape, dtype=p.dtype, device=x.device)
-    dx_in = torch.empty_like(x_in)
-    for e, (mine, z, u) in enumerate(routed):
-        dw2[e] = wide_matmul(u.T, dy_in[mine])
-        dz = gelu_backward(split.gather_back(split.row_back(dy_in[mine] @ w2[e].T)), z)
-        dw1[e] = wide_matmul(x_in[mine].T, dz)
+    dx_in = dy_in.new_empty((len(dy_in), w1.shape[1]))        # [M, D]
+    for e, (mine, x_e, z, u) in enumerate(routed):
+        dy_m = dy_in[mine]                                    # [m_e, D]
+        dw2[e] = wide_matmul(u.T, dy_m)
+        dz = gelu_backward(split.gather_back(split.row_back(dy_m @ w2[e].T)), z)
+        dw1[e] = wide_matmul(x_e.T, dz)
         dx_in[mine] = dz @ w1[e].T
     dx_e = all_to_all(dx_in, recv_counts, send_counts, group)   # home, as the combine
     dx = torch.zeros(x.shape, dtype=p.dtype, device=x.device)

@@ -1121,7 +1121,7 @@ def cp_race_rank(rank, world_size, steps):
 MOE_RACE = dict(positions=2048, dim=256, experts=8, top_k=2)
 
 
-def moe_race(ep_sizes=(2, 4), steps=5):
+def moe_race(ep_sizes=(2, 4), steps=15):
     """One experts layer, forward and backward, over an ep group of P ranks: ours (the
     all-to-alls and every backward by hand) against an nn.Module under autograd, dispatching
     with torch's autograd-aware all-to-all (all_to_all_autograd); the same
