@@ -386,7 +386,7 @@ def experts_backward(dy, stash, wr, w1, w2, split=WHOLE):
 #   backward  p_e dy to the experts as the dispatch went, dn of each pair home as the combine;
 #             dp_e = <dy, y_e> at home, where y_e came back: every chosen expert's, local or not
 # An expert's gradient: summed over its copies (the dp/P ranks that hold it) and divided by dp,
-# the replicas' count (ExpertCopies); the router and the rest stay data-parallel.
+# the replicas' count (WithExperts); the router and the rest stay data-parallel.
 
 def all_to_all(rows, send_counts, recv_counts, group):   # rows [M, ..] out by send_counts' splits
     out = rows.new_empty((int(recv_counts.sum()), *rows.shape[1:]))
@@ -555,14 +555,14 @@ class DataParallel:
     shards_optimizer = False            # ZeRO-1 on: each replica steps its 1/d alone
 
     def __init__(self, parts, group, optimizer="adamw", lr=1e-2, bucket_mb=25.0, bf16=False,
-                 overlap=False, chunk_starts=()):
+                 overlap=False, chunk_starts=(), replicas=None):
         weights = [w for part in parts for w in part]   # every part's tensors, in order
         self.group = group
         self.overlap = overlap
         self.device = weights[0].device
         self.dp_size = dist.get_world_size(group)
         self.dp_rank = dist.get_rank(group)
-        self.replicas = self.dp_size                  # a gradient's mean over (--ep: see below)
+        self.replicas = replicas or self.dp_size      # a gradient's mean over (--ep's: dp)
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         self.shapes = [w.shape for w in weights]
         self.layout = make_buckets([[w.numel() for w in part] for part in parts], bucket_mb,
@@ -773,35 +773,14 @@ class ZeRO3(ZeRO2):
 
 # Part 4: the experts' copies (--ep), the batch, and the worker ------------------------------------
 
-class ExpertCopies:
-    """--ep: this rank's experts of every block, a part a block, over the ranks that hold the
-    same experts (dp/P of them), as a replica of the ZeRO stage asked for (expert_copies).
-    Each expert's gradient is a sum over the positions sent to it from its ep group's replicas:
-    summed over its copies, it is the sum over all dp replicas, and so divided by dp, not by the
-    copies' dp/P (megablocks #86's bug)."""
-
-    def __init__(self, parts, group, replicas, **options):
-        super().__init__(parts, group, **options)
-        self.replicas = replicas
-
-    def average(self):                  # every bucket at once, at the step's end; then / dp
-        for b in range(len(self.buckets)):
-            self.reduce_gradients(b)
-        super().average()
-
-
-def expert_copies(parts, group, replicas, zero=0, **options):
-    """ExpertCopies over the replica of --zero's stage, a block's experts a bucket: ZeRO shards
-    their state over their copies, as the rest's over the replicas (ZeRO-3: gathered by part())."""
-    base = [DataParallel, ZeRO1, ZeRO2, ZeRO3][zero]
-    return type(f"ExpertCopies{base.__name__}", (ExpertCopies, base), {})(parts, group, replicas,
-                                                                          bucket_mb=0, **options)
-
-
 class WithExperts:
-    """A replica of all but the experts, and the experts' copies: the replica's part blocks[k], a
-    block, has its W1, W2 [E/P, ..] in the copies' part k; their gradients go apart. held: each
-    one's tensors' places in the whole, (tensors, boxes) twice, for --check and checkpoints."""
+    """--ep: a replica of all but the experts, and one of this rank's experts (a block's a part,
+    a bucket) over their copies, the ranks that hold the same (dp/P of them), of the ZeRO stage
+    asked for: the replica's part blocks[k], a block, has its W1, W2 [E/P, ..] in the copies'
+    part k. An expert's gradient is a sum over the positions sent to it from its ep group's
+    replicas: summed over its copies, it is the sum over all dp replicas, and so divided by dp,
+    not by the copies' dp/P (megablocks #86's bug): the copies' replicas=dp. held: each one's
+    tensors' places in the whole, (tensors, boxes) twice, for --check and checkpoints."""
 
     def __init__(self, replica, experts, ep_group, blocks, held, cp_group=None):
         self.replica = replica
@@ -840,10 +819,11 @@ class WithExperts:
 
     def average(self):
         self.replica.average()
-        if self.cp_group is not None:   # each expert's gradient, a part a cp rank: summed first
-            for bucket in self.experts.grad_buckets:
+        for b, bucket in enumerate(self.experts.grad_buckets):   # the experts': at the end
+            if self.cp_group is not None:   # step 5's --cp: a part a cp rank, summed first
                 dist.all_reduce(bucket, group=self.cp_group)
-        self.experts.average()
+            self.experts.reduce_gradients(b)
+        self.experts.average()              # / dp
 
     def update(self):
         self.replica.update()
@@ -901,9 +881,9 @@ def dp_worker(rank, world_size, args):
     replica = make_replica(parts, None, zero=args.zero, optimizer=args.optimizer, lr=args.lr,
                            bucket_mb=args.bucket_mb, bf16=args.bf16, overlap=args.overlap)
     if args.ep > 1:                                     # the experts' copies, apart
-        replica = WithExperts(replica, expert_copies(mine, copies, world_size, zero=args.zero,
-                                                     optimizer=args.optimizer, lr=args.lr,
-                                                     bf16=args.bf16), ep_group,
+        replica = WithExperts(replica, make_replica(mine, copies, zero=args.zero, bucket_mb=0,
+                                                    replicas=world_size, optimizer=args.optimizer,
+                                                    lr=args.lr, bf16=args.bf16), ep_group,
                               list(range(1, args.num_layers + 1)),
                               expert_places(init, r * local, local))
     rows = replica_rows(args.batch_size, rank, world_size)   # the world's ranks are the replicas

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, ray_launch, run_main, setup, spawn
-from data_parallel import (MoE, Router, WithExperts, balance, dp_costs, expert_copies,
-                           init_params, make_batch, make_replica, replica_rows, spans_of)
+from data_parallel import (MoE, Router, WithExperts, balance, dp_costs, init_params,
+                           make_batch, make_replica, replica_rows, spans_of)
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts)
 from tensor_parallel import (all_gather_columns, clip_shares, cp_costs, cp_positions, my_columns,
@@ -176,7 +176,7 @@ class ThreeDRank:
 
     def hold_experts(self, args, shards):
         """--ep: each block's W1 and W2 [E, ..] (tp shards) out of shards, and its ep rank's E/P
-        of them held apart, over the replicas that hold the same (step 2's ExpertCopies)."""
+        of them held apart, over the replicas that hold the same (step 2's WithExperts)."""
         r = dist.get_rank(self.groups["ep"])
         local = args.experts // args.ep
         spans = spans_of(self.init)
@@ -197,8 +197,8 @@ class ThreeDRank:
         self.held = [self.held[n] for n in kept]
         self.boxes = [self.boxes[n] for n in kept]
         self.kinds = [self.kinds[n] for n in kept]
-        return expert_copies(mine, self.groups["ep_copies"], args.dp, zero=args.zero,
-                             optimizer=args.optimizer, lr=args.lr, bf16=args.bf16)
+        return make_replica(mine, self.groups["ep_copies"], zero=args.zero, bucket_mb=0,
+                            replicas=args.dp, optimizer=args.optimizer, lr=args.lr, bf16=args.bf16)
 
     def take_rows(self, args, device):
         """Its replica's slice of each step's batch, by its dp coordinate, the same on every tp

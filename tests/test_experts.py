@@ -333,12 +333,11 @@ def test_expert_parallel_training_replays_in_float64(tmp_path, flags):
     assert_replays(result)
 
 
-def divided_by_copies(self):   # the defect: an expert's gradient / (dp/P), its copies' count
-    for b in range(len(self.buckets)):
-        self.reduce_gradients(b)
-    self.finish_reductions()
-    for grad in self.grads():
-        grad.div_(self.dp_size)
+def divided_by_copies(real):
+    """The defect: the experts' copies average over their own count dp/P (replicas not passed)."""
+    def make(weights, group, zero=0, replicas=None, **options):
+        return real(weights, group, zero=zero, **options)
+    return make
 
 
 def router_from_local_experts(real):
@@ -384,7 +383,7 @@ def combine_back_to_wrong_rank(real):
 @pytest.mark.parametrize("defect", ["divided_by_copies", "router_from_local_experts",
                                     "dropped_when_full", "combine_back_to_wrong_rank"])
 def test_each_defect_of_expert_parallelism_fails_the_replay(tmp_path, defect):
-    patches = {"divided_by_copies": (dp.ExpertCopies, "average", divided_by_copies),
+    patches = {"divided_by_copies": (dp, "make_replica", divided_by_copies(dp.make_replica)),
                "router_from_local_experts": (dp, "dispatched_backward",
                                              router_from_local_experts(dp.dispatched_backward)),
                "dropped_when_full": (dp, "dispatched_forward",
