@@ -924,7 +924,7 @@ def main(argv=None):
 
 # Below the fold: a GPU's fused attention; each stage's costs, the clipping norm;
 # what later steps share (training flags, --save, checkpoints, the text, --check); the memory table.
-import argparse, contextlib, functools, glob, json, math, os, shutil, sys  # noqa
+import argparse, contextlib, functools, glob, json, os, shutil, sys  # noqa
 
 
 def fused(q, head_dim):   # a GPU (meta: its stand-in) runs torch's kernels; flash's head sizes

@@ -28,6 +28,7 @@ holds it (replica 0's, or each replica's range of a ZeRO bucket; its tp box: sha
 What PyTorch gives you: a DeviceMesh of shape (dp, pp, tp) with pipelining over pp,
 ColwiseParallel over tp, and FSDP2 or DDP over dp (tests/bench.py races it against this).
 """
+import argparse
 import warnings
 from datetime import timedelta
 from functools import partial
@@ -391,7 +392,7 @@ def main(argv=None):
 
 # Below the fold: the run's end, the rank map's print, --plan (the search and the GPU figures),
 # the command line. ------------------------------------------------------------------------
-import argparse, functools, importlib.util, itertools, math  # noqa: E401, E402
+import functools, importlib.util, itertools, math  # noqa: E401, E402
 from typing import NamedTuple  # noqa: E402
 from collections import Counter  # noqa: E402
 
