@@ -4,6 +4,7 @@
     python pipeline_parallel.py --micro-batches 8 --timeline      # make pp: the picture
     python pipeline_parallel.py --world-size 2 --micro-batches 8 --check
     python pipeline_parallel.py --micro-batches 8 --num-layers 8 --schedule interleaved --timeline
+    python pipeline_parallel.py --experts 4 --check               # each block's router, its stage's
     torchrun --nproc-per-node 4 pipeline_parallel.py
 
 The lecture sends activations forward one micro-batch at a time and stops: "Backward pass: homework

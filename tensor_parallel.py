@@ -5,6 +5,7 @@ the vocabulary.
     python tensor_parallel.py --world-size 2 --check
     python tensor_parallel.py --tp-style megatron       # Megatron's column-then-row pairs
     python tensor_parallel.py --cp 4 --check            # context parallelism: ring attention
+    python tensor_parallel.py --experts 4 --check       # experts, each split as the MLP (step 2)
     torchrun --nproc-per-node 4 tensor_parallel.py
 
 The lecture's column-parallel layer: rank t of the tp ranks holds the columns W_t of a weight,
