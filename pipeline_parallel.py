@@ -43,7 +43,9 @@ import torch.distributed as dist
 
 from collectives import cleanup, log, run_main, setup, spawn
 from data_parallel import (DataParallel, MoE, Router, balance, cross_entropy, init_params,
-                           make_batch, model_blocks)
+                           make_batch, model_blocks, spans_of, tensors_of)
+from data_parallel import (SerialCheck, load_checkpoint, log_step, save_checkpoint,   # the
+                           whole_on_rank0)               # worker's --check and checkpoints
 
 SEND_ACT = "a>"    # an activation, on to the next stage
 RECV_ACT = ">a"    # ... received from the stage before
@@ -404,9 +406,8 @@ def main(argv=None):
 import argparse, os, textwrap, time  # noqa: E401, E402
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import (SerialCheck, check_training_args, finish_run,  # noqa: E402
-                           gather_on_rank0, load_checkpoint, log_step, save_checkpoint, spans_of,
-                           tensors_of, training_parser, whole_on_rank0)
+from data_parallel import (check_training_args, finish_run, gather_on_rank0,  # noqa: E402
+                           training_parser)
 from tensor_parallel import divides  # noqa: E402
 
 

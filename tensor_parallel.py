@@ -52,6 +52,8 @@ from data_parallel import (Block, DataParallel, MoE, Router, attention, attentio
                            balance, block_backward, block_forward, dp_step, expert_boxes,
                            head_backward, head_forward, heads, init_params, make_batch, scores,
                            tensors_of, wide, wide_matmul)
+from data_parallel import (SerialCheck, finish_run, load_checkpoint, log_step,   # the worker's
+                           save_checkpoint, whole_on_rank0)       # --check, end, checkpoints
 
 
 def all_gather_columns(a_t, group=None):
@@ -646,9 +648,7 @@ def tp_and_cp_groups(rank, tp_size, cp_size):
 
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, finish_run,  # noqa
-                           fused, load_checkpoint, log_step, save_checkpoint, training_parser,
-                           whole_on_rank0)
+from data_parallel import VOCAB_SIZE, check_training_args, fused, training_parser  # noqa: E402
 
 
 def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=False,

@@ -38,7 +38,9 @@ import torch.distributed as dist
 
 from collectives import cleanup, ray_launch, run_main, setup, spawn
 from data_parallel import (MoE, Router, WithExperts, balance, dp_costs, init_params,
-                           make_batch, make_replica, replica_rows, spans_of)
+                           make_batch, make_replica, replica_rows, spans_of, tensors_of)
+from data_parallel import (SerialCheck, global_loss, load_checkpoint, log_step,   # the worker's
+                           save_checkpoint, whole_on_rank0)       # --check, loss, checkpoints
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts)
 from tensor_parallel import (all_gather_columns, clip_shares, cp_costs, cp_positions, my_columns,
@@ -398,10 +400,8 @@ from collections import Counter  # noqa: E402
 
 from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
-from data_parallel import (VOCAB_SIZE, SerialCheck, check_training_args, experts_rules,  # noqa
-                           finish_run, global_loss, in_step_bytes, load_checkpoint, log_step,
-                           make_buckets, save_checkpoint, tensors_of, training_parser,
-                           whole_on_rank0)
+from data_parallel import (VOCAB_SIZE, check_training_args, experts_rules, finish_run,  # noqa
+                           in_step_bytes, make_buckets, training_parser)
 from pipeline_parallel import add_schedule_args, held_counts, schedule_rules  # noqa: E402
 from tensor_parallel import (Attention, add_context_parallel, add_sequence_parallel,  # noqa
                              block_matmuls, context_parallel_rules, describe, divides,
