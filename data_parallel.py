@@ -194,7 +194,7 @@ def gelu_backward(du, z):   # dz = du gelu'(z), gelu'(z) = Phi(z) + z phi(z) (er
 
 
 def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE, router=None):
-    """dx [b, T, D] from dout, and each weight's (x, dz), in w's order: gains' ready, (None, dg)."""
+    """dx [b, T, D] from dout, and each weight's (x, dz), dW = x^T dz, by name in w's order."""
     g1, wq, wk, wv, wo, g2 = w[:6]
     w1, w2 = w[-2:]
     if not isinstance(stash, BlockStash):     # --recompute: the forward again, from x
@@ -203,14 +203,15 @@ def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE, rou
     x, n1, r1, q, k, v, lse, o, x2, n2, r2, z, u = stash
     dy2 = split.g_back(dout)                # out = x2 + y2: y2's gradient
     if router is not None:
-        dn2, mlp = experts_backward(dy2, z, *w[6:], split)
+        dn2, terms = experts_backward(dy2, z, *w[6:], split)
         dn2 = split.f_back(dn2)
+        mlp = dict(zip(("router", "w1", "w2"), terms))
     else:
         du = split.row_back(dy2 @ w2.T)       # y2 = u W2
         du = split.gather_back(du)            # this rank's columns of u
         dz = gelu_backward(du, z)             # u = gelu(z)
         dn2 = split.f_back(dz @ w1.T)         # z = n2 W1
-        mlp = [(n2, dz), (u, dy2)]            # W1's, W2's
+        mlp = {"w1": (n2, dz), "w2": (u, dy2)}
     dx2, dg2 = rmsnorm_backward(dn2, x2, r2, g2)
     dx2 = dx2 + dout                          # the residual: the branch's and the skip's
     dy1 = split.g_back(dx2)                 # x2 = x + y1: y1's gradient
@@ -220,7 +221,9 @@ def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE, rou
     dn1 = split.f_back(dq @ wq.T + dk @ wk.T + dv @ wv.T)   # q, k, v = n1 Wq, n1 Wk, n1 Wv
     dx, dg1 = rmsnorm_backward(dn1, x, r1, g1)
     dx = dx + dx2
-    return dx, [(None, dg1), (n1, dq), (n1, dk), (n1, dv), (o, dy1), (None, dg2), *mlp]
+    terms = {"g1": (None, dg1), "wq": (n1, dq), "wk": (n1, dk), "wv": (n1, dv), "wo": (o, dy1),
+             "g2": (None, dg2), **mlp}
+    return dx, list(terms.values())
 
 
 def embedding_forward(tokens, w, recompute=False):
