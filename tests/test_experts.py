@@ -250,7 +250,7 @@ def test_experts_refuse_in_one_line(argv, words, capsys):
     ("three_d", ["--experts", "4", "--ep", "2", "--dp", "1"], "--ep 2 does not divide --dp 1"),
     ("tensor_parallel", ["--experts", "4", "--ep", "2"], "--ep 2: step 3 has no replicas"),
     ("pipeline_parallel", ["--experts", "4", "--ep", "2"], "--ep 2: step 4 has no replicas")])
-def test_the_other_steps_refuse_experts_in_one_line(script, argv, words, capsys):
+def test_ep_where_no_replicas_hold_the_experts_refuses_in_one_line(script, argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         __import__(script).parse_args(argv)
     err = capsys.readouterr().err
