@@ -48,7 +48,7 @@ def tour(rank, world_size, sections):   # this step's worker: join, run each sec
     device = setup(rank, world_size)
     for section in sections:
         section(rank, world_size, device)
-    cleanup()
+    dist.destroy_process_group()   # leave the group: cleanup(), in the later steps
 
 
 def all_reduce_is_reduce_scatter_then_all_gather(rank, world_size, device):
@@ -78,7 +78,7 @@ def all_reduce_is_reduce_scatter_then_all_gather(rank, world_size, device):
     # all-reduce, and how ZeRO and FSDP split one in two with work in between.
     assert torch.equal(gathered, summed), "all-reduce != reduce-scatter + all-gather"
     if rank == 0:
-        log(f"[rank {rank}]", "all-reduce == reduce-scatter then all-gather: yes")
+        print(f"[rank {rank}] all-reduce == reduce-scatter then all-gather: yes", flush=True)
 
 
 def one_root_and_every_rank(rank, world_size, device, root=0):
@@ -224,7 +224,7 @@ def ring_demo(rank, world_size, device):
     show(rank, "after", tensor=x)
     assert torch.equal(x, expected), "ring_all_reduce != dist.all_reduce"
     if rank == 0:
-        log(f"[rank {rank}]", "ring_all_reduce == dist.all_reduce: yes")
+        print(f"[rank {rank}] ring_all_reduce == dist.all_reduce: yes", flush=True)
 
 
 # Below the fold: the launcher (spawn, setup, cleanup and the process management behind

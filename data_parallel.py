@@ -105,8 +105,9 @@ def attention(q, k, v, head_dim):
     """Causal attention of every head of q, k, v [b, T, h dh], as FlashAttention computes it: o
     [b, T, h dh] and lse = log rowsum exp(S) [b, h, T] fp32, kept for A = exp(S - lse), never A
     (a GPU: torch's fused kernel; tests/test_transformer.py: tiles merged by running max, sum)."""
-    if fused(q, head_dim):
-        return fused_attention(q, k, v, head_dim)
+    if fused(q, head_dim):                                            # [b, h, T, dh] each
+        o, lse = fused_attention(*(heads(t, head_dim) for t in (q, k, v)))
+        return o.transpose(1, 2).flatten(-2), lse
     q, k, v = (heads(t, head_dim).contiguous() for t in (q, k, v))   # copied once, not per use
     s = scores(q, k, head_dim)                                        # [b, h, T, T], fp32
     lse = s.logsumexp(-1)                                             # [b, h, T]
@@ -122,7 +123,8 @@ def attention_backward(do, q, k, v, o, lse, head_dim):
         D_i = sum_j A_ij dA_ij = sum_j A_ij (do_i . v_j) = do_i . (sum_j A_ij v_j) = do_i . o_i
     (FlashAttention-2's eqs 13-19). --bf16's o, rounded, moves D 2^-9 |do||o|: A v again, fp32."""
     if fused(q, head_dim):
-        return fused_attention_backward(do, q, k, v, o, lse, head_dim)
+        grads = fused_attention_backward(*(heads(t, head_dim) for t in (do, q, k, v, o)), lse)
+        return [t.transpose(1, 2).flatten(-2) for t in grads]
     do, q, k, v = (heads(t, head_dim).contiguous() for t in (do, q, k, v))   # once each
     a = scores(q, k, head_dim).sub_(lse[..., None]).exp_()           # A again  [b, h, T, T]
     dv = a.to(do.dtype).transpose(-1, -2) @ do                        # [b, h, T, dh]
@@ -143,9 +145,6 @@ class Whole:   # where step 3 puts its collectives (tensor_parallel.py): each th
     attend_back = staticmethod(attention_backward)
 
 
-WHOLE = Whole()
-
-
 class BlockStash(NamedTuple):   # what a block keeps from its forward for its backward
     x: torch.Tensor        # [b, T, D], its input
     n1: torch.Tensor       # rmsnorm(x; g1), and r1 [b, T, 1]
@@ -162,7 +161,7 @@ class BlockStash(NamedTuple):   # what a block keeps from its forward for its ba
     u: torch.Tensor        # gelu(z) (--experts: None)
 
 
-def block_forward(x, w, recompute=False, head_dim=None, split=WHOLE, router=None, count=True):
+def block_forward(x, w, recompute=False, head_dim=None, split=Whole, router=None, count=True):
     """x [b, T, D] -> x + attention + MLP [b, T, D] (router: experts'), and the block's stash."""
     g1, wq, wk, wv, wo, g2 = w[:6]
     w1, w2 = w[-2:]
@@ -193,7 +192,7 @@ def gelu_backward(du, z):   # dz = du gelu'(z), gelu'(z) = Phi(z) + z phi(z) (er
     return torch.ops.aten.gelu_backward(du, z)
 
 
-def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=WHOLE, router=None):
+def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=Whole, router=None):
     """dx [b, T, D] from dout, and each weight's (x, dz), dW = x^T dz, by name in w's order."""
     g1, wq, wk, wv, wo, g2 = w[:6]
     w1, w2 = w[-2:]
@@ -238,14 +237,14 @@ def embedding_backward(dx, stash, w, need_dx=False):
     return None, [(tokens, dx), (positions, dx)]
 
 
-def head_forward(x, w, recompute=False, split=WHOLE):
+def head_forward(x, w, recompute=False, split=Whole):
     gain, h = w
     n, r = rmsnorm(x, gain)
     n = split.f(n)                        # [b, T, D]
     return n.flatten(0, 1) @ h, (x, n, r)     # logits = n H   [b T, V]: a row a position
 
 
-def head_backward(dlogits, stash, w, need_dx=True, split=WHOLE):
+def head_backward(dlogits, stash, w, need_dx=True, split=Whole):
     gain, h = w
     x, n, r = stash
     dn = split.f_back((dlogits @ h.T).view_as(n))   # [b, T, D]
@@ -267,13 +266,12 @@ def init_params(args):
     """The parts: [E, P], each block's [g1, Wq, Wk, Wv, Wo, g2, W1, W2], [g, H], drawn in that
     order from one generator: every rank draws them alike and keeps its part (at scale: a
     generator per shard, or the meta device). A matrix [n, _]: randn / sqrt(n); gains: 1."""
-    D, V, T = args.dim, args.vocab_size, args.context
+    D, V, T, E = args.dim, args.vocab_size, args.context, args.experts
     gen = torch.Generator().manual_seed(args.seed)
 
     def matrix(rows, cols):
         return torch.randn(rows, cols, generator=gen) / math.sqrt(rows)
     parts = [[torch.randn(V, D, generator=gen), torch.randn(T, D, generator=gen)]]
-    E = args.experts
     for _ in range(args.num_layers):
         attention = [torch.ones(D), matrix(D, D), matrix(D, D), matrix(D, D), matrix(D, D)]
         mlp = [matrix(D, 4 * D), matrix(4 * D, D)]
@@ -334,7 +332,7 @@ class Router:
         return chosen
 
 
-def experts_forward(n, wr, w1, w2, router, count=True, split=WHOLE):
+def experts_forward(n, wr, w1, w2, router, count=True, split=Whole):
     """y [b, T, D] from n [b, T, D] (step 3's: before g); the stash: n [N, D], p [N, E], each
     expert's positions and its z, gelu(z), y_e [n_e, ..]."""
     x = n.flatten(0, -2)                                      # [N, D]
@@ -355,7 +353,7 @@ def experts_forward(n, wr, w1, w2, router, count=True, split=WHOLE):
     return y.to(n.dtype).view(*n.shape[:-1], -1), (x, p, routed)
 
 
-def experts_backward(dy, stash, wr, w1, w2, split=WHOLE):
+def experts_backward(dy, stash, wr, w1, w2, split=Whole):
     """dn [b, T, D] (step 3's: before f's backward), and Wr's, W1's [E, D, 4D] and W2's
     [E, 4D, D] gradients, ready, fp32."""
     if isinstance(stash[2], Dispatched):                      # --ep's
@@ -408,7 +406,7 @@ class Dispatched(NamedTuple):   # what --ep's forward keeps of its all-to-alls, 
     group: object
 
 
-def dispatched_forward(x, p, chosen, w1, w2, group, split=WHOLE):
+def dispatched_forward(x, p, chosen, w1, w2, group, split=Whole):
     """y [N, D] fp32 from x [N, D]: each pair sent to its expert, computed there, sent back."""
     local = w1.shape[0]                                       # E/P experts here
     expert = chosen.flatten()                                 # [N K]: each pair's expert
@@ -435,7 +433,7 @@ def dispatched_forward(x, p, chosen, w1, w2, group, split=WHOLE):
     return y, (x, p, Dispatched(rows, expert, send_counts, recv_counts, routed, y_e, group))
 
 
-def dispatched_backward(dy, stash, wr, w1, w2, split=WHOLE):
+def dispatched_backward(dy, stash, wr, w1, w2, split=Whole):
     """experts_backward's, each pair's p_e dy sent to its expert and its dn sent home."""
     x, p, (rows, expert, send_counts, recv_counts, routed, y_e, group) = stash
     dy_rows = dy.flatten(0, -2)                               # [N, D]
@@ -475,7 +473,7 @@ def balance(routers, rate, counted=True):
     return loads
 
 
-# Part 3: data parallelism, and ZeRO ---------------------------------------------------------------
+# Part 3: data parallelism, and ZeRO-1 -------------------------------------------------------------
 
 def dp_step(replica, blocks, loss_fn, xs, ys, n, recompute=False):
     """One replica's step on micro-batches xs, ys [B/(d m), T] of tokens: its loss (n positions)."""
@@ -545,11 +543,43 @@ def make_buckets(numels, bucket_mb, chunk_starts=()):
                         [sum(flat[j] for j in tensors) for tensors in buckets], spans)
 
 
+def tensors_of(parts):         # the parts' tensors, in order
+    return [w for part in parts for w in part]
+
+
 def spans_of(parts):           # part -> the indices of its tensors among tensors_of(parts)
     firsts = [0]
     for part in parts:
         firsts.append(firsts[-1] + len(part))
     return [range(first, end) for first, end in zip(firsts, firsts[1:])]
+
+
+def make_optimizer(params, optimizer, lr):   # SGD; AdamW, fused off the CPU (one pass, not 5)
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr, fused=params[0].device.type != "cpu")
+
+
+def grad_squares(grads, groups, shares=None):
+    """The whole model's squared norm: each rank's squares summed over the groups that hold the
+    other parts: tp (shards), pp (stages), dp where ZeRO shards, ep (experts); shares: what of
+    each's squares counts here (a tensor every tp rank holds whole: 1/t of it on each)."""
+    if shares is None:
+        shares = [1.0] * len(grads)
+    squares = torch.stack([(g.float().square() * share).sum()
+                           for g, share in zip(grads, shares)]).sum()
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(squares, group=group)
+    return squares
+
+
+def scale_grads(grads, max_norm, squares):
+    """Every gradient times min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_."""
+    norm = squares.sqrt()
+    for g in grads:
+        g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm                         # on the device: reading it here would stall a GPU
 
 
 class DataParallel:
@@ -559,7 +589,7 @@ class DataParallel:
 
     def __init__(self, parts, group, optimizer="adamw", lr=1e-2, bucket_mb=25.0, bf16=False,
                  overlap=False, chunk_starts=(), replicas=None):
-        weights = [w for part in parts for w in part]   # every part's tensors, in order
+        weights = tensors_of(parts)                   # every part's tensors, in order
         self.group = group
         self.overlap = overlap
         self.device = weights[0].device
@@ -590,8 +620,10 @@ class DataParallel:
         start = self.layout.offset[i]
         return flat[start:start + self.shapes[i].numel()].view(self.shapes[i])
 
-    def begin_step(self):               # a tensor's first dW of the step overwrites its place
-        self.first_dw = set(range(len(self.shapes)))
+    def begin_step(self):               # the buckets zeroed: each dW is added to its place
+        for bucket in self.grad_buckets:
+            if bucket is not None:
+                bucket.zero_()
 
     def gather_weights(self, b, prefetch=None):   # every weight is here and stays (ZeRO-3
         pass                                      # gathers a bucket, and lets it go)
@@ -607,18 +639,16 @@ class DataParallel:
             if self.grad_buckets[b] is None:
                 self.grad_buckets[b] = torch.zeros(self.lengths[b], device=self.device)   # pad: 0
             grad = self.view(self.grad_buckets[b], i)   # fp32: its part of the bucket
-            keep = 0.0 if i in self.first_dw else 1.0   # the step's first overwrites what was there
-            self.first_dw.discard(i)
             if x is None:
-                grad.mul_(keep).add_(dz)
+                grad.add_(dz)
             elif not x.is_floating_point():             # x = onehot(ids): dE[ids] += dz's rows
-                grad.mul_(keep).index_add_(0, x.reshape(-1), dz.flatten(0, -2).float())
+                grad.index_add_(0, x.reshape(-1), dz.flatten(0, -2).float())
             elif x.dtype != grad.dtype and x.device.type != "cpu":   # --bf16 on a GPU: bf16 on
                 # the tensor cores into the fp32 gradient (Megatron's fused wgrad); fp32: 1/15
-                torch.addmm(grad, x.flatten(0, -2).T, dz.flatten(0, -2), beta=keep,
-                            out_dtype=torch.float32, out=grad)
+                torch.addmm(grad, x.flatten(0, -2).T, dz.flatten(0, -2), out_dtype=torch.float32,
+                            out=grad)
             else:         # fp32; --bf16 on the CPU casts, having no bf16 x bf16 -> fp32 kernel
-                grad.addmm_(x.flatten(0, -2).T.float(), dz.flatten(0, -2).float(), beta=keep)
+                grad.addmm_(x.flatten(0, -2).T.float(), dz.flatten(0, -2).float())
 
     def reduce_gradients(self, b):
         """Bucket b is final: summed over the replicas in place (--overlap: under the backward)."""
@@ -711,6 +741,8 @@ class ZeRO1(DataParallel):
             dist.all_gather_single(flat, shard, group=self.group)
 
 
+# Part 4: ZeRO-2 and 3, the experts' copies (--ep), the batch, and the worker ----------------------
+
 class ZeRO2(ZeRO1):
     """Stage 2 = stage 1, but a bucket is reduce-scattered into a shard of its own, the bucket
     let go at once; exchanged again in the step (ZeRO-3's), it adds to its shard."""
@@ -773,8 +805,6 @@ class ZeRO3(ZeRO2):
         for i in self.buckets[b]:
             self.weights[i] = None
 
-
-# Part 4: the experts' copies (--ep), the batch, and the worker ------------------------------------
 
 class WithExperts:
     """--ep: a replica of all but the experts, and one of this rank's experts (a block's a part,
@@ -847,6 +877,12 @@ def make_batch(args, step, text=None):
 def replica_rows(batch_size, dp_rank, dp_size):   # by its dp rank, never the global rank (3D)
     per_replica = batch_size // dp_size
     return torch.arange(batch_size)[dp_rank * per_replica:(dp_rank + 1) * per_replica]
+
+
+def global_loss(loss, group):       # the replicas' mean losses, averaged: the global mean
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=group)
+    return loss.item() / dist.get_world_size(group)
 
 
 def make_replica(weights, group, zero=0, **options):   # the ZeRO stage asked for (--zero)
@@ -925,43 +961,42 @@ def main(argv=None):
     spawn(dp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
 
 
-# Below the fold: a GPU's fused attention; each stage's costs, the clipping norm;
+# Below the fold: a GPU's fused attention; each stage's costs;
 # what later steps share (training flags, --save, checkpoints, the text, --check); the memory table.
 import argparse, contextlib, functools, glob, json, os, shutil, sys  # noqa
 
 
-def fused(q, head_dim):   # a GPU (meta: its stand-in) runs torch's kernels; flash's head sizes
+def fused(q, head_dim, flash_only=False):
+    """A GPU (meta: its stand-in) runs torch's kernels, at flash's head sizes; flash_only: bf16
+    alone, FlashAttention's (step 3's ring merges lse, which the fp32 kernel pads to 32 places)."""
+    if flash_only and q.dtype != torch.bfloat16:
+        return False
     return q.device.type != "cpu" and q.dtype != torch.float64 and head_dim % 8 == 0 and \
         head_dim <= 256
 
 
-def fused_attention(q, k, v, head_dim):
-    """The same o and lse from torch's fused kernel: FlashAttention-2 for bf16; fp32, which it
-    does not take, the memory-efficient kernel (its lse padded to 32 positions)."""
-    q, k, v = (heads(t, head_dim) for t in (q, k, v))
+def fused_attention(q, k, v, causal=True):
+    """The same o [b, h, s, dh] and lse [b, h, s] from torch's fused kernel, heads [b, h, s | t,
+    dh]: FlashAttention-2 for bf16; fp32, which it does not take, the memory-efficient kernel (its
+    lse padded to 32 positions). causal: the mask of a diagonal (step 3's ring: its pairs')."""
     if q.dtype == torch.float32:
-        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, is_causal=True)[:2]
-    else:
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True)[:2]
-    return o.transpose(1, 2).flatten(-2), lse
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, is_causal=causal)[:2]
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=causal)[:2]
 
 
-def fused_attention_backward(do, q, k, v, o, lse, head_dim):
-    """dq, dk, dv from torch's fused backward, fed q, k, v, o and lse; no dropout, so the random
-    state it takes is read by neither kernel (empty)."""
-    do, q, k, v, o = (heads(t, head_dim) for t in (do, q, k, v, o))
+def fused_attention_backward(do, q, k, v, o, lse, causal=True):
+    """dq, dk, dv [b, h, s | t, dh] from torch's fused backward, fed q, k, v, o (in q's dtype) and
+    lse: it makes D = rowsum(do o) itself, and A again from lse, as attention_backward does; no
+    dropout, so the random state it takes is read by neither kernel (empty)."""
     seed = torch.empty(2, dtype=torch.uint64, device=q.device)
     offset = torch.empty((), dtype=torch.uint64, device=q.device)
-    T = q.shape[2]
     if q.dtype == torch.float32:
-        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             do, q, k, v, None, o, lse, seed, offset, 0.0, [True, True, True, False],
-            is_causal=True)[:3]
-    else:
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, q, k, v, o, lse, None, None, T, T, 0.0, True, seed, offset)
-    return [t.transpose(1, 2).flatten(-2) for t in grads]
+            is_causal=causal)[:3]
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, o, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset)
 
 
 from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
@@ -1001,34 +1036,6 @@ def in_step_bytes(chunks, dp_size, zero=0, num_micro_batches=1):
                for c, n in enumerate(chunks))
 
 
-def grad_squares(grads, groups, shares=None):
-    """The whole model's squared norm: each rank's squares summed over the groups that hold the
-    other parts: tp (shards), pp (stages), dp where ZeRO shards, ep (experts); shares: what of
-    each's squares counts here (a tensor every tp rank holds whole: 1/t of it on each)."""
-    if shares is None:
-        shares = [1.0] * len(grads)
-    squares = torch.stack([(g.float().square() * share).sum()
-                           for g, share in zip(grads, shares)]).sum()
-    for group in groups:
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(squares, group=group)
-    return squares
-
-
-def scale_grads(grads, max_norm, squares):
-    """Every gradient times min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_."""
-    norm = squares.sqrt()
-    for g in grads:
-        g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
-    return norm                         # on the device: reading it here would stall a GPU
-
-
-def make_optimizer(params, optimizer, lr):   # SGD; AdamW, fused off the CPU (one pass, not 5)
-    if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    return torch.optim.AdamW(params, lr=lr, fused=params[0].device.type != "cpu")
-
-
 BLOCK_NAMES = ("norm1", "wq", "wk", "wv", "wo", "norm2", "w1", "w2")
 
 
@@ -1038,10 +1045,6 @@ def param_names(num_layers, experts=0):   # --save's names, each tensor's, in th
         names = (*BLOCK_NAMES[:6], "router", *BLOCK_NAMES[6:])
     blocks = [f"blocks.{layer}.{name}" for layer in range(num_layers) for name in names]
     return ["embedding", "positions", *blocks, "norm", "head"]
-
-
-def tensors_of(parts):         # the parts' tensors, in order
-    return [w for part in parts for w in part]
 
 
 def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False, record=None,
@@ -1277,12 +1280,6 @@ class MoE:
               f"(--balance-rate {self.args.balance_rate:g})", flush=True)
 
 
-def global_loss(loss, group):       # the replicas' mean losses, averaged: the global mean
-    loss = loss.detach().clone()
-    dist.all_reduce(loss, group=group)
-    return loss.item() / dist.get_world_size(group)
-
-
 def replica_drift(weights, group=None):   # largest |W - rank 0's W|: 0 while replicas agree
     drift = torch.zeros((), device=weights[0].device)
     for w in weights:
@@ -1310,7 +1307,7 @@ def training_parser(description, dp=False):
             ("--save", str, None, "torch.save the run: config, parameters, batches, losses"),
             ("--clip-grad", positive_float, None, "clip the gradient's 2-norm (clip_grad_norm_)"),
             *[("--bucket-mb", float, 25.0, "gradients a bucket holds, in MB (the first 1 MB at "
-               "most, as DDP's); 0: one layer a bucket")] * dp]:
+               "most, as DDP's); 0: one part a bucket")] * dp]:
         p.add_argument(flag, type=kind, default=default, help=help)
     p.add_argument("--checkpoint", metavar="DIR", help="write the run's state into DIR, each "
                    "rank its own pieces, after the last step")

@@ -49,9 +49,9 @@ import torch.distributed as dist
 from collectives import cleanup, run_main, setup, spawn
 from collectives import exchange
 from data_parallel import (Block, DataParallel, MoE, Router, attention, attention_backward,
-                           balance, block_backward, block_forward, dp_step, expert_boxes,
-                           head_backward, head_forward, heads, init_params, make_batch, scores,
-                           tensors_of, wide, wide_matmul)
+                           balance, block_backward, block_forward, dp_step, expert_boxes, fused,
+                           fused_attention, fused_attention_backward, head_backward, head_forward,
+                           heads, init_params, make_batch, scores, tensors_of, wide, wide_matmul)
 from data_parallel import (SerialCheck, finish_run, load_checkpoint, log_step,   # the worker's
                            save_checkpoint, whole_on_rank0)       # --check, end, checkpoints
 
@@ -418,8 +418,8 @@ def pair_scores(q, k, head_dim, diagonal):   # S of a chunk pair: causal on the 
 def pair_attention(q_i, k_j, v_j, head_dim, diagonal):
     """A pair's partial attention: o_ij [b, h, s, dh] fp32 and lse_ij [b, h, s] (a GPU: the
     fused kernel's, causal on the diagonal, the same two)."""
-    if fused_pair(q_i, head_dim):
-        return fused_pair_attention(q_i, k_j, v_j, diagonal)
+    if fused(q_i, head_dim, flash_only=True):     # a GPU's bf16: flash's kernel (fp32: as below)
+        return fused_attention(q_i, k_j, v_j, causal=diagonal)
     s_ij = pair_scores(q_i, k_j, head_dim, diagonal)
     lse_ij = s_ij.logsumexp(-1)
     return (s_ij - lse_ij[..., None]).exp() @ wide(v_j), lse_ij
@@ -428,8 +428,9 @@ def pair_attention(q_i, k_j, v_j, head_dim, diagonal):
 def pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, d_i, head_dim, diagonal):
     """The pair's share of dq_i, dk_j, dv_j, from the merged o_i, lse_i and D_i = rowsum(do o):
     A = exp(S_ij - lse_i), dv = A^T do, dS = A (dA - D_i), dq = dS k / sqrt(dh), dk = dS^T q."""
-    if fused_pair(q_i, head_dim):
-        return fused_pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, diagonal)
+    if fused(q_i, head_dim, flash_only=True):
+        return fused_attention_backward(do_i, q_i, k_j, v_j, o_i.to(q_i.dtype), lse_i,
+                                        causal=diagonal)
     a = pair_scores(q_i, k_j, head_dim, diagonal).sub_(lse_i[..., None]).exp_()
     dv = a.transpose(-1, -2) @ wide(do_i)
     ds = a * (wide_matmul(do_i, v_j.transpose(-1, -2)) - d_i)
@@ -529,6 +530,18 @@ def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="z
     return [t.to(q.dtype).transpose(1, 2).flatten(-2) for t in grads]
 
 
+def tp_and_cp_groups(rank, tp_size, cp_size):
+    """This rank's tp group (tp_size consecutive ranks) and cp group (one rank of each tp group,
+    at its tp rank); every rank makes every group, in one order. Without cp: the world's, none."""
+    if cp_size == 1:
+        return dist.group.WORLD, None
+    world = tp_size * cp_size
+    tp_groups = [dist.new_group(list(range(c * tp_size, (c + 1) * tp_size)))
+                 for c in range(cp_size)]
+    cp_groups = [dist.new_group(list(range(t, world, tp_size))) for t in range(tp_size)]
+    return tp_groups[rank // tp_size], cp_groups[rank % tp_size]
+
+
 def tp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     tp_size = world_size // args.cp
@@ -614,41 +627,8 @@ def main(argv=None):
 # Below the fold: its costs, the command line and its rules, and what the run says it ran. -------
 
 
-def fused_pair(q, head_dim):   # a GPU's bf16 pair: FlashAttention's kernel (fp32 written out)
-    return fused(q, head_dim) and q.dtype == torch.bfloat16
-
-
-def fused_pair_attention(q_i, k_j, v_j, diagonal):   # [b, h, s, dh]: o_ij (bf16, merged in fp32)
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q_i, k_j, v_j,
-                                                                is_causal=diagonal)[:2]
-    return o, lse
-
-
-def fused_pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, diagonal):
-    """The flash backward fed the merged o_i and lse_i: it takes D = rowsum(do o) itself, and A
-    again from lse_i, as the written-out pair does; no dropout (empty random state)."""
-    seed = torch.empty(2, dtype=torch.uint64, device=q_i.device)
-    offset = torch.empty((), dtype=torch.uint64, device=q_i.device)
-    s, t = q_i.shape[2], k_j.shape[2]
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        do_i, q_i, k_j, v_j, o_i.to(q_i.dtype), lse_i, None, None, s, t, 0.0, diagonal, seed,
-        offset)
-
-
-def tp_and_cp_groups(rank, tp_size, cp_size):
-    """This rank's tp group (tp_size consecutive ranks) and cp group (one rank of each tp group,
-    at its tp rank); every rank makes every group, in one order. Without cp: the world's, none."""
-    if cp_size == 1:
-        return dist.group.WORLD, None
-    world = tp_size * cp_size
-    tp_groups = [dist.new_group(list(range(c * tp_size, (c + 1) * tp_size)))
-                 for c in range(cp_size)]
-    cp_groups = [dist.new_group(list(range(t, world, tp_size))) for t in range(tp_size)]
-    return tp_groups[rank // tp_size], cp_groups[rank % tp_size]
-
-
 from collectives import positive_int  # noqa: E402
-from data_parallel import VOCAB_SIZE, check_training_args, fused, training_parser  # noqa: E402
+from data_parallel import VOCAB_SIZE, check_training_args, training_parser  # noqa: E402
 
 
 def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=False,
@@ -752,7 +732,7 @@ def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", con
     def linear(n_in, n_out, m=rows):
         return (Matmul(m, n_in, n_out, size, size, accumulate=False),      # z = x W
                 Matmul(m, n_out, n_in, size, size, accumulate=False),      # dx = dz W^T
-                Matmul(n_in, m, n_out, size, 4, accumulate=False))         # dW = x^T dz
+                Matmul(n_in, m, n_out, size, 4, accumulate=True))          # dW += x^T dz
     if kind == "head":
         return [[m] for m in linear(D, classes)]
     row = tp_style == "megatron"

@@ -288,61 +288,6 @@ class ThreeDRank:
         self.replica.average()                                   # waits for the exchanges
 
 
-def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
-    """A rank of this stage's costs a step, from steps 2-4's: its collectives {"tp", "pp", "dp":
-    [(kind, bytes, times)]}; what its replica holds at the end {kind: (bytes, formula)}; its
-    largest stash, bytes; its bubble (ZB-H1's for times (T_F, T_B, T_W)). tp_rank: whose classes."""
-    v, m, tp = args.virtual_stages, args.micro_batches, args.tp
-    kinds = [kind for chunk in stage_kinds(args, stage) for kind in chunk]   # the ends' too
-    rows = args.batch_size // (args.dp * m) * args.context // args.cp       # its positions, b T/C
-    act = rows * args.dim * (2 if args.bf16 else 4)                         # [b, T, D]
-    gains = 2 * kinds.count("block") + kinds.count("head")
-    replicated = [4 * args.dim] * gains + [4 * args.context * args.dim] * ("embedding" in kinds)
-    tp_runs = tp_costs(kinds, act, rows, args.tp_style, num_micro_batches=m,
-                       recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                       replicated=replicated * (m if args.zero == 3 else 1))   # before each dp
-    sent = act // tp if args.p2p_shard or args.sequence_parallel else act   # 1/tp crosses
-    kept, waiting = stash_bytes(args)
-    bubble, stash, pp_runs = pipeline_costs(args.schedule, args.pp, stage, m, v, act_bytes=sent,
-                                            kept_bytes=kept, waiting_bytes=waiting, times=times)
-    if args.p2p_shard and not args.sequence_parallel:           # and is all-gathered on arrival
-        tp_runs += [("all-gather", act, count) for _, _, count in pp_runs]
-    lengths = replica_lengths(args, stage, tp_rank)
-    dp_runs, held = dp_costs(lengths, args.dp, zero=args.zero, num_micro_batches=m,
-                             optimizer=args.optimizer, bf16=args.bf16)
-    cp_runs = cp_costs(kinds.count("block"), rows, args.dim, tp, args.cp, args.bf16, m,
-                       args.recompute, [4 * n for n in lengths], m if args.zero == 3 else 1)
-    runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs, "cp": cp_runs}
-    if args.ep > 1:   # each block's four all-to-alls of rows K pairs (balanced), the ids and
-        calls = kinds.count("block") * m                      # counts; the experts' copies'
-        forwards = calls * (1 + args.recompute)               # exchange at the step's end
-        runs["ep"] = [("all-to-all", act * args.top_k, 2 * forwards + 2 * calls),
-                      ("all-to-all", rows * args.top_k * 8, forwards),
-                      ("all-to-all", args.ep * 8, 2 * forwards)]
-        runs["copies"], experts = dp_costs(expert_lengths(args, stage), args.dp // args.ep,
-                                           zero=args.zero, num_micro_batches=m,
-                                           optimizer=args.optimizer, bf16=args.bf16)
-        runs["copies"] = [(kind, nbytes, 1 if kind == "reduce-scatter" else times)   # once, at
-                          for kind, nbytes, times in runs["copies"]]           # the step's end
-        held = {kind: (size + experts[kind][0], formula) for kind, (size, formula) in held.items()}
-        if args.cp > 1:                                       # their gradients summed over cp
-            runs["cp"] += [("all-reduce", 4 * n, 1) for n in expert_lengths(args, stage)]
-    if args.clip_grad:    # the norm's squares, one float, summed over tp, pp (and dp, if ZeRO)
-        for group in ("tp", "pp", "dp")[:2 + (args.zero > 0)]:
-            runs[group].append(("all-reduce", 4, 1))
-    return runs, held, stash, bubble
-
-
-def stash_bytes(args):
-    """A micro-batch's stash in a chunk from its F to its B, and from its B to its W: each of its
-    blocks' (step 4's block_stash, on this rank's shards); the ends' stashes aside (the token
-    ids, the head's input), as the stash table counts."""
-    blocks = args.num_layers // (args.pp * args.virtual_stages)
-    mine = argparse.Namespace(**{**vars(args), "context": args.context // args.cp})   # its T/C
-    kept, waiting = block_stash(mine, args.batch_size // (args.dp * args.micro_batches), args.tp)
-    return blocks * kept, blocks * waiting
-
-
 def three_d_worker(rank, world_size, args):
     device = setup(rank, world_size)
     me = ThreeDRank(rank, args, device)
@@ -392,8 +337,8 @@ def main(argv=None):
               timeout_s=args.timeout_s)
 
 
-# Below the fold: the run's end, the rank map's print, --plan (the search and the GPU figures),
-# the command line. ------------------------------------------------------------------------
+# Below the fold: the run's end, the rank map's print, --plan (a rank's costs, the search and
+# the GPU figures), the command line. --------------------------------------------------------------
 import functools, importlib.util, itertools, math  # noqa: E401, E402
 from typing import NamedTuple  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -507,6 +452,61 @@ def show_rank_map(dp, pp, tp, order, args=None, chunks=1, cp=1, ep=1):
         print(f"each stage{' chunk' * (chunks > 1)}: {describe(args, tp)} over tp={tp}", flush=True)
 
 
+def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
+    """A rank of this stage's costs a step, from steps 2-4's: its collectives {"tp", "pp", "dp":
+    [(kind, bytes, times)]}; what its replica holds at the end {kind: (bytes, formula)}; its
+    largest stash, bytes; its bubble (ZB-H1's for times (T_F, T_B, T_W)). tp_rank: whose classes."""
+    v, m, tp = args.virtual_stages, args.micro_batches, args.tp
+    kinds = [kind for chunk in stage_kinds(args, stage) for kind in chunk]   # the ends' too
+    rows = args.batch_size // (args.dp * m) * args.context // args.cp       # its positions, b T/C
+    act = rows * args.dim * (2 if args.bf16 else 4)                         # [b, T, D]
+    gains = 2 * kinds.count("block") + kinds.count("head")
+    replicated = [4 * args.dim] * gains + [4 * args.context * args.dim] * ("embedding" in kinds)
+    tp_runs = tp_costs(kinds, act, rows, args.tp_style, num_micro_batches=m,
+                       recompute=args.recompute, sequence_parallel=args.sequence_parallel,
+                       replicated=replicated * (m if args.zero == 3 else 1))   # before each dp
+    sent = act // tp if args.p2p_shard or args.sequence_parallel else act   # 1/tp crosses
+    kept, waiting = stash_bytes(args)
+    bubble, stash, pp_runs = pipeline_costs(args.schedule, args.pp, stage, m, v, act_bytes=sent,
+                                            kept_bytes=kept, waiting_bytes=waiting, times=times)
+    if args.p2p_shard and not args.sequence_parallel:           # and is all-gathered on arrival
+        tp_runs += [("all-gather", act, count) for _, _, count in pp_runs]
+    lengths = replica_lengths(args, stage, tp_rank)
+    dp_runs, held = dp_costs(lengths, args.dp, zero=args.zero, num_micro_batches=m,
+                             optimizer=args.optimizer, bf16=args.bf16)
+    cp_runs = cp_costs(kinds.count("block"), rows, args.dim, tp, args.cp, args.bf16, m,
+                       args.recompute, [4 * n for n in lengths], m if args.zero == 3 else 1)
+    runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs, "cp": cp_runs}
+    if args.ep > 1:   # each block's four all-to-alls of rows K pairs (balanced), the ids and
+        calls = kinds.count("block") * m                      # counts; the experts' copies'
+        forwards = calls * (1 + args.recompute)               # exchange at the step's end
+        runs["ep"] = [("all-to-all", act * args.top_k, 2 * forwards + 2 * calls),
+                      ("all-to-all", rows * args.top_k * 8, forwards),
+                      ("all-to-all", args.ep * 8, 2 * forwards)]
+        runs["copies"], experts = dp_costs(expert_lengths(args, stage), args.dp // args.ep,
+                                           zero=args.zero, num_micro_batches=m,
+                                           optimizer=args.optimizer, bf16=args.bf16)
+        runs["copies"] = [(kind, nbytes, 1 if kind == "reduce-scatter" else times)   # once, at
+                          for kind, nbytes, times in runs["copies"]]           # the step's end
+        held = {kind: (size + experts[kind][0], formula) for kind, (size, formula) in held.items()}
+        if args.cp > 1:                                       # their gradients summed over cp
+            runs["cp"] += [("all-reduce", 4 * n, 1) for n in expert_lengths(args, stage)]
+    if args.clip_grad:    # the norm's squares, one float, summed over tp, pp (and dp, if ZeRO)
+        for group in ("tp", "pp", "dp")[:2 + (args.zero > 0)]:
+            runs[group].append(("all-reduce", 4, 1))
+    return runs, held, stash, bubble
+
+
+def stash_bytes(args):
+    """A micro-batch's stash in a chunk from its F to its B, and from its B to its W: each of its
+    blocks' (step 4's block_stash, on this rank's shards); the ends' stashes aside (the token
+    ids, the head's input), as the stash table counts."""
+    blocks = args.num_layers // (args.pp * args.virtual_stages)
+    mine = argparse.Namespace(**{**vars(args), "context": args.context // args.cp})   # its T/C
+    kept, waiting = block_stash(mine, args.batch_size // (args.dp * args.micro_batches), args.tp)
+    return blocks * kept, blocks * waiting
+
+
 # --plan: which layout? Each layout of --world-size GPUs priced as the code runs it: each
 # part's matmuls by step 3's block_matmuls() (tests/gpu_path.py records a rank's on the meta
 # device), its collectives, sends and memory by three_d_costs(), on a GPU's published figures.
@@ -539,8 +539,9 @@ GPUS = {
                  inter_gbps=24, inter_latency_us=30),   # HDR 200 Gb/s: 96% (nccl-tests#119)
 }
 # A parameter's bytes of the update: g / d (8), fused AdamW's pass over p, g, m, v (28) or SGD's
-# over p, g (12); --bf16's copy of the new master into the layers' weight (6).
-UPDATE_BYTES = {"adamw": 36, "sgd": 20}
+# over p, g (12), g zeroed for the next step (4); --bf16's copy of the new master into the layers'
+# weight (6).
+UPDATE_BYTES = {"adamw": 40, "sgd": 24}
 REFRESH_BYTES = 6
 # A block's memory-bound passes on a GPU, in [b, T, D]s read and written: forward, the two fused
 # norms (x in, y out: 2 each), the two residual adds (3 each), gelu over [b, T, 4D] (8); back,
@@ -581,10 +582,9 @@ class Machine:
             share = self.efficiency(mm.m, mm.k, mm.n)
         return max(mm.flops() / (peak * share), mm.bytes_moved() / self.hbm)
 
-    def layer_s(self, kind, rows, args, tp, micro_batches, classes=0):   # args: a Shape
-        """(F, B, W) of a tp rank's part, a micro-batch of rows positions (W: the step's mean):
-        its matmuls and fused attention (block_matmuls); a block's memory-bound passes (PASSES);
-        the head's loss fp32
+    def layer_s(self, kind, rows, args, tp, classes=0):   # args: a Shape
+        """(F, B, W) of a tp rank's part, a micro-batch of rows positions: its matmuls and fused
+        attention (block_matmuls); a block's memory-bound passes (PASSES); the head's loss fp32
         passes over [b T, classes] (6 forward, 4 back); the embedding's rows moved, no matmul."""
         size = 2 if args.bf16 else 4
         dim = args.dim
@@ -597,8 +597,7 @@ class Machine:
                                            args.cp_layout, args.experts, args.top_k, args.ep)
         f = sum(map(self.matmul_s, forwards))
         b = sum(map(self.matmul_s, dxs))
-        w = sum(self.matmul_s(dw) + (micro_batches - 1) * self.matmul_s(
-            dw._replace(accumulate=True)) for dw in dws) / micro_batches
+        w = sum(map(self.matmul_s, dws))     # each adds into the gradient, zeroed as a step begins
         if kind == "head":
             loss = rows * classes * 4 / self.hbm
             return f + 6 * loss, b + 4 * loss, w
@@ -681,10 +680,9 @@ class Shape(NamedTuple):   # what a part's price reads of the run's flags (a cac
 
 
 @functools.lru_cache(maxsize=None)   # many layouts share one
-def chunk_s(machine, kinds, rows, shape, tp, micro_batches, classes):
+def chunk_s(machine, kinds, rows, shape, tp, classes):
     """(F, B, W) of a chunk's parts, a micro-batch; --recompute repeats a block's forward only."""
-    times = [machine.layer_s(kind, rows, shape, tp, micro_batches=micro_batches, classes=classes)
-             for kind in kinds]
+    times = [machine.layer_s(kind, rows, shape, tp, classes=classes) for kind in kinds]
     return tuple(sum(column) for column in zip(*times))
 
 
@@ -711,7 +709,7 @@ def predict(args, machine):
     for s in chosen.values():
         shape = Shape(args.dim, args.heads, args.context, args.tp_style, args.bf16, args.recompute,
                       cp, args.cp_layout, args.experts, args.top_k, args.ep)
-        chunks = [chunk_s(machine, kinds, rows, shape, tp, m, classes)
+        chunks = [chunk_s(machine, kinds, rows, shape, tp, classes)
                   for kinds in stage_kinds(args, s)]
         runs, held, _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
         comm = {group: sum(times * machine.collective_s(kind, nbytes, sizes[group],

@@ -114,7 +114,7 @@ def matmuls_of(kinds, rows, tp, classes, dim, bf16, micro_batches, recompute, tp
                heads, cp=1, cp_layout="zigzag"):
     """A tp rank's {Matmul: calls} a step over parts of these kinds, as --plan prices them from
     tensor_parallel.block_matmuls: the forwards (a block's twice with --recompute), the dxs,
-    and each dW into the fp32 gradient (the first of the step, then m - 1 adding into it)."""
+    and each dW added into the fp32 gradient, zeroed as the step begins."""
     m = micro_batches
     calls = collections.Counter()
     for kind in kinds:
@@ -127,8 +127,7 @@ def matmuls_of(kinds, rows, tp, classes, dim, bf16, micro_batches, recompute, tp
         for mm in dxs:
             calls[mm] += m
         for dw in dws:
-            calls[dw] += 1
-            calls[dw._replace(accumulate=True)] += m - 1
+            calls[dw] += m
     return +calls
 
 

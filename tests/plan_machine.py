@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import RANK_BYTES, cleanup, collective_cost, setup, spawn
-from data_parallel import (WHOLE, block_backward, block_forward, cross_entropy, embedding_forward,
+from data_parallel import (Whole, block_backward, block_forward, cross_entropy, embedding_forward,
                            head_backward, head_forward)
 from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, build_schedule
 from tensor_parallel import shard, tensor_kinds
@@ -73,9 +73,10 @@ class ThisMachine(Machine):
         self.per_param = {}
         for name, optimizer in (("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)):
             step = optimizer([grads], lr=1e-3).step
-            self.per_param[name] = timed(lambda: (grads.grad.div_(2), step())) / grads.numel()
+            self.per_param[name] = timed(lambda: (grads.grad.div_(2), step(), grads.grad.zero_())
+                                         ) / grads.numel()
 
-    def layer_s(self, kind, rows, args, tp, micro_batches, classes=0):
+    def layer_s(self, kind, rows, args, tp, classes=0):
         key = (kind, rows, args._replace(recompute=False), tp, classes)   # args: three_d's Shape
         if key not in self.timed:
             self.timed[key] = self.time_part(kind, rows, args, tp, classes)
@@ -157,9 +158,9 @@ class LocalSplit:
 
     g = gather
     g_back = gather_back
-    f = f_back = row_back = staticmethod(WHOLE.f)
-    attend = staticmethod(WHOLE.attend)
-    attend_back = staticmethod(WHOLE.attend_back)
+    f = f_back = row_back = staticmethod(Whole.f)
+    attend = staticmethod(Whole.attend)
+    attend_back = staticmethod(Whole.attend_back)
 
 
 def timed(fn, at_least_s=0.03):

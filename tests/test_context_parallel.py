@@ -53,7 +53,7 @@ def masked_by_local_position(q, k, head_dim, diagonal):   # every pair as if on 
 
 
 def on_cpu_kernels(glue):
-    """A GPU's pair glue (tensor_parallel's fused_pair_attention or its backward), run with
+    """A GPU's pair glue (step 2's fused_attention or its backward, as step 3 calls it), run with
     torch's CPU flash kernel in place of each CUDA op, as the op's schema names its arguments."""
     def run(*args, **kwargs):
         with mock.patch.object(torch, "ops", types.SimpleNamespace(aten=FUSED_ON_CPU)):
@@ -63,8 +63,8 @@ def on_cpu_kernels(glue):
 
 def fused_pairs():   # the GPU's path through every pair: the glue, on the CPU's kernels
     stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(tp, "fused_pair", lambda q, head_dim: True))
-    for name in ("fused_pair_attention", "fused_pair_attention_backward"):
+    stack.enter_context(mock.patch.object(tp, "fused", lambda q, head_dim, flash_only: True))
+    for name in ("fused_attention", "fused_attention_backward"):
         stack.enter_context(mock.patch.object(tp, name, on_cpu_kernels(getattr(tp, name))))
     return stack
 

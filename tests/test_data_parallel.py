@@ -192,8 +192,8 @@ def test_head_forward_and_backward_match_autograd(rows, dim, classes):
 
 
 def test_the_replica_sums_the_embeddings_gradient_with_index_add(tmp_path):
-    """add_grads with token ids for x: dE = onehot(tokens)^T g, the step's first overwriting
-    what the bucket held, the next adding; the one-hot matmul itself gives the same."""
+    """add_grads with token ids for x: dE = onehot(tokens)^T g, each micro-batch's added into a
+    bucket that begin_step zeroed (it held the step before's); the one-hot matmul gives the same."""
     gen = torch.Generator().manual_seed(5)
     table = torch.randn(V, 4, generator=gen)
     positions = torch.randn(2, 4, generator=gen)
@@ -202,8 +202,8 @@ def test_the_replica_sums_the_embeddings_gradient_with_index_add(tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         replica = dp.DataParallel([[table.clone(), positions.clone()]], None, optimizer="sgd")
-        replica.begin_step()
         replica.grad_buckets[0] = torch.full((table.numel() + positions.numel(),), 123.0)   # old
+        replica.begin_step()
         for _ in range(2):
             replica.add_grads(0, dp.embedding_backward(g, (tokens,), [table, positions])[1])
     finally:

@@ -171,17 +171,19 @@ def test_flash_attentions_tiles_merged_by_running_max_and_sum_are_the_written_ou
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])   # flash's glue; efficient's
 def test_the_fused_kernels_glue_gives_the_written_out_attention_and_its_backward(dtype):
-    """fused_attention() and its backward, the GPU's, with torch's CPU kernel in place of each
-    CUDA one (called as its schema names its arguments): o, lse, dq, dk, dv equal the written-out
-    lines' (float64: flash's call; float32: the memory-efficient kernel's)."""
+    """attention() and its backward as a GPU runs them (fused_attention() and its backward), with
+    torch's CPU kernel in place of each CUDA one (called as its schema names its arguments): o,
+    lse, dq, dk, dv equal the written-out lines' (float64: flash's call; float32: the
+    memory-efficient kernel's)."""
     b, T, heads, head_dim = 2, 9, 2, 8
     q, k, v, do = (torch.randn(b, T, heads * head_dim, dtype=dtype) for _ in range(4))
     o, lse = dp.attention(q, k, v, head_dim)
     want = dp.attention_backward(do, q, k, v, o, lse, head_dim)
     real = torch.ops
-    with mock.patch.object(dp.torch, "ops", types.SimpleNamespace(aten=FUSED_ON_CPU)):
-        fused_o, fused_lse = dp.fused_attention(q, k, v, head_dim)
-        got = dp.fused_attention_backward(do, q, k, v, fused_o, fused_lse, head_dim)
+    with mock.patch.object(dp.torch, "ops", types.SimpleNamespace(aten=FUSED_ON_CPU)), \
+            mock.patch.object(dp, "fused", lambda q, head_dim: True):
+        fused_o, fused_lse = dp.attention(q, k, v, head_dim)
+        got = dp.attention_backward(do, q, k, v, fused_o, fused_lse, head_dim)
     assert dp.torch.ops is real
     tolerance = {} if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_o, o, **tolerance)
