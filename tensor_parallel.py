@@ -55,6 +55,7 @@ from data_parallel import (Block, DataParallel, MoE, Router, attention, attentio
 from data_parallel import (SerialCheck, finish_run, load_checkpoint, log_step,   # the worker's
                            save_checkpoint, whole_on_rank0)       # --check, end, checkpoints
 
+# Part 1: heads over tp, in two styles, and sequence parallelism -----------------------------------
 
 def all_gather_columns(a_t, group=None):
     """[..., n] on each of tp ranks -> [..., tp n] on all: the pieces side by side, rank order."""
@@ -189,7 +190,7 @@ class SequenceSplit(MegatronSplit):
         return scatter_along_T(dx, self.group)
 
 
-# Part 2: the vocabulary ------------------------------------------------------------------------
+# Part 2: the vocabulary ---------------------------------------------------------------------------
 #
 # The vocabulary over the tp ranks: rank t holds the classes [v_t, v_t+1), vocab_range's.
 #
@@ -374,7 +375,7 @@ def shard_box(shape, kind, tp_rank, tp_size):
     return 0, rows, 0, cols
 
 
-# Part 3: context parallelism ---------------------------------------------------------------------
+# Part 3: context parallelism ----------------------------------------------------------------------
 #
 # --cp C: each sequence's T positions split over the C ranks of a cp group. A rank embeds its own
 # positions (E's rows, P's at their global places) and runs the norms, the matmuls, the head and

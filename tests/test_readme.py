@@ -1,5 +1,8 @@
 """The README's claims that a command prints, held to what runs (the make 3d sample: .ci/run
 holds it to a whole run with tests/readme_sample.py; here, that checker itself)."""
+import re
+from pathlib import Path
+
 import readme_sample
 
 
@@ -28,3 +31,14 @@ def test_the_make_3d_sample_passes_as_printed_and_fails_with_a_line_dropped_unsa
     at = next(k for k, line in enumerate(printed) if line.startswith("validation loss")) + 1
     extra = printed[:at] + ["a line the README does not show"] + printed[at:]
     assert readme_sample.mismatch(sample, extra) is not None
+
+
+def test_the_readme_names_each_lectures_parts_as_its_headings_do():
+    """"How the steps read" lists step 2's and step 3's parts: each file's `# Part` headings, in
+    order, word for word."""
+    root = Path(__file__).resolve().parent.parent
+    text = " ".join((root / "README.md").read_text().split())
+    for step, script in (("2", "data_parallel.py"), ("3", "tensor_parallel.py")):
+        listed = re.search(rf"Step {step}: (.*?)\. ", text).group(1).split("; ")
+        headings = re.findall(r"^# Part \d+: (.*?) -+$", (root / script).read_text(), re.M)
+        assert len(headings) >= 3 and listed == headings, (listed, headings)
