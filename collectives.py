@@ -11,6 +11,7 @@ be checked by eye; rank r's numbers start at 10 r, so the tens digit names their
     reduce-scatter  rank r ends with piece r of the sum            [n] -> [n/ranks]
     all-gather      every rank ends with every rank's piece        [n/ranks] -> [n]
     broadcast, scatter, gather, reduce: one root and every rank; send/recv: two ranks
+    all-to-all      rank r's piece s goes to rank s: uneven pieces, their counts sent first
 
 The gaps in the lecture that this step fills:
 - The lecture says NCCL runs an all-reduce as a ring, but never shows one.
@@ -41,6 +42,7 @@ def main(argv=None):
         one_root_and_every_rank,                        # broadcast, scatter, gather, reduce
         point_to_point,                                 # send/recv, isend/irecv
         ring_demo,                                      # all-reduce from send/recv, around a ring
+        all_to_all_demo,                                # each rank's piece to each: uneven
     ], backend=args.backend, timeout_s=args.timeout_s)
 
 
@@ -198,6 +200,35 @@ def exchange(to_send, to_recv, right, left, group, wait=True):
         return works
     for work in works:
         work.wait()
+
+
+def all_to_all(rows, send_counts=None, recv_counts=None, group=None):
+    """Each rank's rows [M, ..] dealt out in order, send_counts[s] of them to rank s, and its own
+    taken in, recv_counts[s] from rank s, in rank order: [sum recv_counts, ..]. The counts may
+    differ on every rank (expert parallelism sends each position to its expert's rank), so a
+    rank learns its recv_counts first, by an all-to-all of the counts: no counts, an even split,
+    M/n rows to each rank and from each."""
+    if send_counts is None:
+        out = torch.empty_like(rows)
+        dist.all_to_all_single(out, rows.contiguous(), group=group)
+        return out
+    out = rows.new_empty((int(recv_counts.sum()), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv_counts.tolist(),
+                           input_split_sizes=send_counts.tolist(), group=group)
+    return out
+
+
+def all_to_all_demo(rank, world_size, device):
+    """Every rank sends every rank its own piece: a transpose of who holds what."""
+    heading(rank, "all-to-all: rank r sends r + 1 rows to each rank, the counts sent first")
+    send_counts = torch.full((world_size,), rank + 1, device=device)        # [n]: to each rank
+    recv_counts = all_to_all(send_counts)                                   # [n]: s + 1 from s
+    rows = (torch.arange(world_size, device=device) + 10 * rank).repeat_interleave(rank + 1)
+    show(rank, "before", rows=rows.float(), send_counts=send_counts)        # 10 r + s: for s
+    got = all_to_all(rows.float(), send_counts, recv_counts)
+    show(rank, "after", rows=got, recv_counts=recv_counts)   # the tens: the sender, units: mine
+    sent_here = (10 * torch.arange(world_size, device=device) + rank).repeat_interleave(recv_counts)
+    assert torch.equal(got, sent_here.float()), "a row reached the wrong rank"
 
 
 def collective_cost(kind, nbytes, n, alpha=0.0, beta=1.0):

@@ -3,35 +3,44 @@
     python data_parallel.py                          # 4 replicas on the CPU
     python data_parallel.py --world-size 2 --micro-batches 4 --overlap --check
     python data_parallel.py --zero 3 --check         # ZeRO-3: each replica keeps 1/4 of all
+    python data_parallel.py --kv-heads 1 --qk-norm --check   # one kv head (MQA), Qwen3's norm
     torchrun --nproc-per-node 4 data_parallel.py
 
-The model: a character-level transformer (decoder-only, pre-norm, no biases, as GPT-2 and Llama
-build it) of CPython's own help text: T characters in, the next one's V logits at every position
-out. Its backward is derived by hand here, once; every later step splits these lines:
+The model: a character-level transformer of CPython's own help text, Llama 3's block (decoder-only,
+pre-norm, no biases; grouped-query attention, rotary positions, SwiGLU; Qwen3's QK-norm optional):
+T characters in, the next one's V logits at every position out. Its backward is derived by hand
+here, once; every later step splits these lines:
 
-    embed      x = E[tokens] + P                   tokens [b, T], E [V, D], P [T, D], x [b, T, D]
+    embed      x = E[tokens]                       tokens [b, T], E [V, D], x [b, T, D]
     block      n = rmsnorm(x; g1)               rmsnorm(x; g) = x r g, r = (mean_D x^2 + eps)^-1/2
-               q, k, v = n Wq, n Wk, n Wv          [b, T, D]; head j: columns j dh .. (j+1) dh
-               A_j = softmax(q_j k_j^T / sqrt(dh) + mask)     [b, T, T]; -inf above the diagonal
-               o = [A_1 v_1 | .. | A_h v_h]        [b, T, D]
-               x' = x + o Wo                       the residual; then the MLP, with its own:
-               out = x' + gelu(rmsnorm(x'; g2) W1) W2          W1 [D, 4D], W2 [4D, D]; L blocks
+               q = n Wq  [b, T, h dh];  k, v = n Wk, n Wv  [b, T, G dh]: G kv heads, dh = D/h
+               (--qk-norm: q, k = rmsnorm(q_j; gq), rmsnorm(k_c; gk), each head over its dh)
+               q, k = rope(q), rope(k)          each head's pair (2i, 2i+1) at position m turned
+                                                by m theta_i, theta_i = theta^(-2i/dh)
+               A_j = softmax(q_j k_c^T / sqrt(dh) + mask)  [b, T, T]; query head j reads kv head
+               o = [A_1 v_c(1) | .. | A_h v_c(h)]          c(j) = j // (h/G); -inf above the diagonal
+               x' = x + o Wo                       the residual; then the MLP, SwiGLU, with its own:
+               out = x' + (silu(n' W1) * n' W3) W2, n' = rmsnorm(x'; g2)   W1, W3 [D, F], W2 [F, D]
     head       logits = rmsnorm(x; g) H            H [D, V]: at each of the b T positions
     loss       sum over positions -log softmax(logits)[y] / n            y [b, T], n = B T
     backward   dlogits = (softmax(logits) - onehot(y)) / n
-      matmul   z = x W:  dW = x^T dz (over every position), dx = dz W^T;  gelu: dz = du gelu'(z)
+      matmul   z = x W:  dW = x^T dz (over every position), dx = dz W^T
       residual x' = x + f(x):  dx = dx' + the branch's dx: the two, summed
       rmsnorm  s = g dy:  dx = r s - x r^3 mean_D(s x)          dg = sum over positions of dy x r
+      swiglu   m = silu(a) u:  du = dm silu(a),  da = dm u silu'(a),  silu'(a) = s (1 + a (1 - s)),
+               s = sigmoid(a)
+      rope     a rotation R: dx = R^T dy, the rotation by -angle
       attention, a head (S = q k^T / sqrt(dh), A = softmax(S) = exp(S - lse), o = A v), where
                lse = log rowsum exp(S) [b, h, T] is kept and A made again (FlashAttention's way):
                dv = A^T do    dA = do v^T    dS = A * (dA - D),  D = rowsum(dA * A) = rowsum(do * o)
                dq = dS k / sqrt(dh)     dk = dS^T q / sqrt(dh)    (masked: A = 0, so dS = 0)
-      embed    dP = dx summed over the batch   dE[tokens] += dx  (index_add_)
+               a kv head's dk and dv: the sums of these over its group's h/G query heads
+      embed    dE[tokens] += dx  (index_add_)
 
-Each part is a Block, a forward and its backward, over its weights: the embedding [E, P], each
-block's eight, the head [g, H]. A backward returns each weight's (x, dz), dW = x^T dz, which the
-replica sums into its bucket: a gain's gradient comes ready (x None), E's and P's as rows to add (x
-the ids). A block's stash: 16 [b, T, D] and lse; --recompute's: x, the forward run again.
+Each part is a Block, a forward and its backward, over its weights: the embedding [E], each
+block's (BLOCK_NAMES), the head [g, H]. A backward returns each weight's (x, dz), dW = x^T dz,
+which the replica sums into its bucket: a gain's gradient comes ready (x None), E's as rows to add
+(x the ids). --recompute's stash: x, the forward run again.
 
 Data parallelism: d replicas, each on its slice of the batch, sum their gradients (all-reduce)
 and divide by d. dp_step() reads so: forward; backward part by part, each dW into its bucket,
@@ -48,9 +57,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives import cleanup, log, run_main, setup, spawn
+from collectives import all_to_all, cleanup, log, run_main, setup, spawn
 
-# Part 1: the model, and its backward by hand ------------------------------------------------------
+# Part 1: the model's pieces, and their backward by hand ------------------------------------------
 
 EPS = 1e-5                                    # rmsnorm's, as nn.RMSNorm(D, eps=1e-5)
 
@@ -60,7 +69,7 @@ def wide(t):   # fp32 at least: where bf16 would round too much (float64 stays, 
 
 
 def rmsnorm(x, g):
-    """x r g, r = (mean_D x^2 + eps)^-1/2 [b, T, 1], in fp32; and r, for the backward."""
+    """x r g, r = (mean_D x^2 + eps)^-1/2 [.., 1], in fp32, over x's last dim; and r."""
     if x.device.type != "cpu":                # a GPU: torch's kernel, the same in one pass
         return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], g, EPS)
     x32 = wide(x)
@@ -69,7 +78,7 @@ def rmsnorm(x, g):
 
 
 def rmsnorm_backward(dy, x, r, g):
-    """dx = r s - x r^3 mean_D(s x), s = g dy  [b, T, D]; dg = sum over positions of dy x r  [D]."""
+    """dx = r s - x r^3 mean_D(s x), s = g dy  [.., D]; dg = sum over rows of dy x r  [D]."""
     if x.device.type != "cpu":                # its fused backward: dg summed in fp32
         dx, dg = torch.ops.aten._fused_rms_norm_backward(dy, x, [x.shape[-1]], r, g, [True, True])
         return dx, wide(dg)
@@ -90,53 +99,143 @@ def wide_matmul(a, b):   # [.., m, k] @ [.., k, n] summed into fp32, as FlashAtt
     return out.unflatten(0, a.shape[:-2])
 
 
-def heads(t, head_dim):   # [b, T, h dh] -> [b, h, T, dh]: head j's columns j dh .. (j+1) dh
+class Rope(NamedTuple):   # RoPE's angles m theta_i at a rank's positions m: cos, sin [T, dh/2]
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def rope_table(positions, head_dim, theta):
+    """cos and sin of m theta_i, theta_i = theta^(-2i/dh), i < dh/2, for each place m in its
+    sequence (positions [T]: step 3's --cp gives each rank its own): float64, rounded once."""
+    i = torch.arange(head_dim // 2, dtype=torch.float64, device=positions.device)
+    angles = positions.double()[:, None] * theta ** (-2 * i / head_dim)     # [T, dh/2]
+    return Rope(angles.cos(), angles.sin())
+
+
+def rotate(x, rope, head_dim, back=False):
+    """RoPE on every head of x [b, T, n dh], in fp32 at least: the pair (x[2i], x[2i+1]) turned
+    by its angle, x'[2i] = x[2i] cos - x[2i+1] sin, x'[2i+1] = x[2i] sin + x[2i+1] cos. A
+    rotation R's backward is R^T: back, the same pairs turned by -angle (sin's sign flipped)."""
+    pairs = wide(x).unflatten(-1, (-1, head_dim // 2, 2))            # [b, T, n, dh/2, 2]
+    even = pairs[..., 0]
+    odd = pairs[..., 1]
+    cos = rope.cos.to(even.dtype)[:, None]                           # [T, 1, dh/2]: every head
+    sin = rope.sin.to(even.dtype)[:, None]
+    if back:
+        sin = -sin
+    turned = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+    return turned.flatten(-3).to(x.dtype)
+
+
+def heads(t, head_dim):   # [b, T, n dh] -> [b, n, T, dh]: head j's columns j dh .. (j+1) dh
     return t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
 
 
-def scores(q, k, head_dim):
-    """S = q k^T / sqrt(dh) [b, h, T, T] in fp32 (bf16's S of 500 is off by 1, A by e), causal."""
+def query_heads(q, kv_heads, head_dim):   # [b, T, h dh] -> [b, G, h/G, T, dh]: each kv head's group
+    return heads(q, head_dim).unflatten(1, (kv_heads, -1)).contiguous()   # (j // (h/G) = c)
+
+
+def kv_head(t, head_dim):   # [b, T, G dh] -> [b, G, 1, T, dh]: read by its group, never repeated
+    return heads(t, head_dim)[:, :, None].contiguous()
+
+
+def columns(t):   # [b, G, h/G, T, dh] -> [b, T, h dh]: the heads side by side again
+    return t.flatten(1, 2).transpose(1, 2).flatten(-2)
+
+
+def scores(q, k, head_dim, causal=True):
+    """S = q k^T / sqrt(dh) [.., s, t] in fp32 (bf16's S of 500 is off by 1, A by e); causal:
+    row i sees keys 0 .. i (its own block of keys: step 3's ring pairs it with others too)."""
     s = wide_matmul(q / math.sqrt(head_dim), k.transpose(-1, -2))
-    future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-    return s.masked_fill_(future, float("-inf"))
+    if causal:
+        future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s.masked_fill_(future, float("-inf"))
+    return s
+
+
+def attend(q, k, v, head_dim, causal=True):
+    """Grouped heads, q [.., G, h/G, s, dh] over k, v [.., G, 1, t, dh]: o [.., G, h/G, s, dh] in
+    fp32 and lse = log rowsum exp(S) [.., G, h/G, s], kept for A = exp(S - lse), never A."""
+    s = scores(q, k, head_dim, causal)                                # [.., s, t], fp32
+    lse = s.logsumexp(-1)
+    a = s.sub_(lse[..., None]).exp_()                                 # A, in S's memory
+    return a @ wide(v), lse
+
+
+def attend_backward(do, q, k, v, o, lse, head_dim, causal=True):
+    """dq [.., G, h/G, s, dh], and dk, dv [.., G, 1, t, dh]: each kv head's, the sum over the h/G
+    query heads that read it. A made again from q, k and lse. Per head:
+       dv = A^T do   dA = do v^T   dS = A * (dA - delta)   dq = dS k / sqrt(dh)   dk = dS^T q / sqrt(dh)
+    delta = rowsum(dA * A) [.., s, 1], the softmax's, needs no [s, t] pass: for row i
+        delta_i = sum_j A_ij dA_ij = sum_j A_ij (do_i . v_j) = do_i . (sum_j A_ij v_j) = do_i . o_i
+    (FlashAttention-2's eqs 13-19). o None: A v again, in fp32 (--bf16's o, rounded, moves delta)."""
+    a = scores(q, k, head_dim, causal).sub_(lse[..., None]).exp_()   # A again  [.., s, t]
+    if o is None:
+        o = a @ wide(v)
+    do = wide(do)
+    dv = (a.transpose(-1, -2) @ do).sum(-3, keepdim=True)            # summed over the group
+    da = do @ wide(v).transpose(-1, -2)                               # [.., s, t], fp32
+    delta = (do * wide(o)).sum(-1, keepdim=True)                      # rowsum(do * o)
+    ds = da.sub_(delta).mul_(a)                                       # in dA's memory
+    dq = ds @ wide(k) / math.sqrt(head_dim)
+    dk = (ds.transpose(-1, -2) @ wide(q)).sum(-3, keepdim=True) / math.sqrt(head_dim)
+    return dq, dk, dv
 
 
 def attention(q, k, v, head_dim):
-    """Causal attention of every head of q, k, v [b, T, h dh], as FlashAttention computes it: o
-    [b, T, h dh] and lse = log rowsum exp(S) [b, h, T] fp32, kept for A = exp(S - lse), never A
-    (a GPU: torch's fused kernel; tests/test_transformer.py: tiles merged by running max, sum)."""
-    if fused(q, head_dim):                                            # [b, h, T, dh] each
-        o, lse = fused_attention(*(heads(t, head_dim) for t in (q, k, v)))
-        return o.transpose(1, 2).flatten(-2), lse
-    q, k, v = (heads(t, head_dim).contiguous() for t in (q, k, v))   # copied once, not per use
-    s = scores(q, k, head_dim)                                        # [b, h, T, T], fp32
-    lse = s.logsumexp(-1)                                             # [b, h, T]
-    a = s.sub_(lse[..., None]).exp_()                                 # A, in S's memory
-    o = a.to(v.dtype) @ v                                             # [b, h, T, dh]
-    return o.transpose(1, 2).flatten(-2), lse
+    """Causal attention of every head of q [b, T, h dh] over its kv head's k, v [b, T, G dh]: o
+    [b, T, h dh] and lse [b, h, T] fp32, as FlashAttention computes them (a GPU: torch's fused
+    kernel; tests/test_transformer.py: tiles merged by running max and sum)."""
+    q = query_heads(q, k.shape[-1] // head_dim, head_dim)             # [b, G, h/G, T, dh]
+    k = kv_head(k, head_dim)                                          # [b, G, 1, T, dh]
+    v = kv_head(v, head_dim)
+    if fused(q, head_dim):
+        o, lse = fused_attention(q, k, v)
+    else:
+        o, lse = attend(q, k, v, head_dim)
+    return columns(o).to(v.dtype), lse.flatten(1, 2)
 
 
 def attention_backward(do, q, k, v, o, lse, head_dim):
-    """dq, dk, dv [b, T, h dh] from do, A made again from q, k and lse. Per head:
-       dv = A^T do   dA = do v^T   dS = A * (dA - D)   dq = dS k / sqrt(dh)   dk = dS^T q / sqrt(dh)
-    D = rowsum(dA * A) [b, h, T, 1], the softmax's, needs no [T, T] pass: for row i
-        D_i = sum_j A_ij dA_ij = sum_j A_ij (do_i . v_j) = do_i . (sum_j A_ij v_j) = do_i . o_i
-    (FlashAttention-2's eqs 13-19). --bf16's o, rounded, moves D 2^-9 |do||o|: A v again, fp32."""
+    """dq [b, T, h dh], dk, dv [b, T, G dh] from do, by attend_backward (a GPU: the fused one)."""
+    kv_heads = k.shape[-1] // head_dim
+    do, q, o = (query_heads(t, kv_heads, head_dim) for t in (do, q, o))   # [b, G, h/G, T, dh]
+    k = kv_head(k, head_dim)
+    v = kv_head(v, head_dim)
+    lse = lse.unflatten(1, q.shape[1:3])                              # [b, G, h/G, T]
     if fused(q, head_dim):
-        grads = fused_attention_backward(*(heads(t, head_dim) for t in (do, q, k, v, o)), lse)
-        return [t.transpose(1, 2).flatten(-2) for t in grads]
-    do, q, k, v = (heads(t, head_dim).contiguous() for t in (do, q, k, v))   # once each
-    a = scores(q, k, head_dim).sub_(lse[..., None]).exp_()           # A again  [b, h, T, T]
-    dv = a.to(do.dtype).transpose(-1, -2) @ do                        # [b, h, T, dh]
-    da = wide_matmul(do, v.transpose(-1, -2))                         # [b, h, T, T], fp32
-    o = heads(o, head_dim)
-    if o.dtype != a.dtype:                                            # --bf16's, rounded:
-        o = wide_matmul(a, v)                                         # A v again, in fp32
-    d = (wide(do) * o).sum(-1, keepdim=True)                          # D = rowsum(do * o)
-    ds = da.sub_(d).mul_(a).to(q.dtype)                               # in dA's memory
-    dq = ds @ k / math.sqrt(head_dim)
-    dk = ds.transpose(-1, -2) @ q / math.sqrt(head_dim)
-    return [t.transpose(1, 2).flatten(-2) for t in (dq, dk, dv)]
+        grads = fused_attention_backward(do, q, k, v, o, lse)
+    elif o.dtype == torch.bfloat16:                                   # --bf16's o, rounded:
+        grads = attend_backward(do, q, k, v, None, lse, head_dim)     # A v again, in fp32
+    else:
+        grads = attend_backward(do, q, k, v, o, lse, head_dim)
+    return [columns(t).to(q.dtype) for t in grads]
+
+
+def swiglu(n, w1, w3, w2, split):
+    """SwiGLU: y = (silu(n W1) * n W3) W2 [.., D] (step 3's: before g), and its stash."""
+    a = n @ w1                                # [.., F/tp]: the gate
+    up = n @ w3                               # [.., F/tp]: the same columns of W3
+    u = split.gather(F.silu(a) * up)          # silu(a) = a sigmoid(a)
+    return u @ w2, MLPStash(n, a, up, u)
+
+
+class MLPStash(NamedTuple):   # what the MLP keeps for its backward
+    n: torch.Tensor           # its input [.., D]
+    a: torch.Tensor           # n W1 [.., F/tp]
+    up: torch.Tensor          # n W3
+    u: torch.Tensor           # silu(a) * up (gathered, where step 3 gathers it)
+
+
+def swiglu_backward(dy, stash, w1, w3, w2, split):
+    """dn [.., D] (step 3's: before f's backward), and the (x, dz) of W1, W3, W2."""
+    n, a, up, u = stash
+    du = split.gather_back(split.row_back(dy @ w2.T))        # y = u W2
+    s = torch.sigmoid(wide(a))
+    dup = (wide(du) * a * s).to(du.dtype)                    # u = silu(a) up, silu(a) = a s
+    da = (wide(du) * up * s * (1 + a * (1 - s))).to(du.dtype)   # silu'(a) = s (1 + a (1 - s))
+    dn = da @ w1.T + dup @ w3.T                              # a = n W1, up = n W3
+    return dn, [(n, da), (n, dup), (u, dy)]
 
 
 class Whole:   # where step 3 puts its collectives (tensor_parallel.py): each the identity here
@@ -145,96 +244,141 @@ class Whole:   # where step 3 puts its collectives (tensor_parallel.py): each th
     attend_back = staticmethod(attention_backward)
 
 
+# Part 2: the block, and the model -----------------------------------------------------------------
+
+class BlockWeights(NamedTuple):   # a block's tensors by --save's names, in the init order
+    norm1: torch.Tensor = None    # g1 [D]
+    wq: torch.Tensor = None       # [D, h dh]
+    wk: torch.Tensor = None       # [D, G dh]
+    wv: torch.Tensor = None       # [D, G dh]
+    norm_q: torch.Tensor = None   # --qk-norm: gq, gk [dh], every head's
+    norm_k: torch.Tensor = None
+    wo: torch.Tensor = None       # [h dh, D]
+    norm2: torch.Tensor = None    # g2 [D]
+    router: torch.Tensor = None   # --experts: Wr [D, E]
+    w1: torch.Tensor = None       # [D, F] (--experts: [E, D, F])
+    w3: torch.Tensor = None       # [D, F]
+    w2: torch.Tensor = None       # [F, D]
+
+
+def block_names(qk_norm=False, experts=False):   # a block's tensors, in the init order
+    return [name for name in BlockWeights._fields
+            if (qk_norm or name not in ("norm_q", "norm_k")) and (experts or name != "router")]
+
+
 class BlockStash(NamedTuple):   # what a block keeps from its forward for its backward
     x: torch.Tensor        # [b, T, D], its input
     n1: torch.Tensor       # rmsnorm(x; g1), and r1 [b, T, 1]
     r1: torch.Tensor
-    q: torch.Tensor        # [b, T, D/tp] each: this rank's heads
-    k: torch.Tensor
+    q: torch.Tensor        # [b, T, h/tp dh]: this rank's query heads, turned (RoPE)
+    k: torch.Tensor        # [b, T, G/tp dh]: the kv heads they read (G < tp: one), turned
     v: torch.Tensor
+    qk: object             # --qk-norm: q and k before their norms, and r (QKStash); else None
     lse: torch.Tensor      # [b, h/tp, T], fp32: A made again from it
     o: torch.Tensor        # the heads' output (gathered, where step 3 gathers it)
-    x2: torch.Tensor       # x + y1, the residual
-    n2: torch.Tensor       # rmsnorm(x2; g2), and r2
+    x2: torch.Tensor       # x + y1, the residual, and rmsnorm(x2; g2)'s r2
     r2: torch.Tensor
-    z: object              # n2 W1 [b, T, 4D/tp] (--experts: the experts' stash)
-    u: torch.Tensor        # gelu(z) (--experts: None)
+    mlp: object            # the MLP's (MLPStash; --experts: ExpertsStash)
 
 
-def block_forward(x, w, recompute=False, head_dim=None, split=Whole, router=None, count=True):
+class QKStash(NamedTuple):   # --qk-norm's: q, k [b, T, n dh] before their norms, r [b, T, n, 1]
+    q: torch.Tensor
+    r_q: torch.Tensor
+    k: torch.Tensor
+    r_k: torch.Tensor
+
+
+def head_norm(t, g, head_dim):   # Qwen3's QK-norm: each head of t [b, T, n dh] over its dh
+    normed, r = rmsnorm(t.unflatten(-1, (-1, head_dim)), g)          # one gain for every head
+    return normed.flatten(-2), r
+
+
+def head_norm_backward(dy, t, r, g, head_dim):   # dt, and dg summed over positions and heads
+    dt, dg = rmsnorm_backward(dy.unflatten(-1, (-1, head_dim)), t.unflatten(-1, (-1, head_dim)),
+                              r, g)
+    return dt.flatten(-2), dg
+
+
+def block_forward(x, weights, recompute=False, head_dim=None, rope=None, qk_norm=False,
+                  split=Whole, router=None, count=True):
     """x [b, T, D] -> x + attention + MLP [b, T, D] (router: experts'), and the block's stash."""
-    g1, wq, wk, wv, wo, g2 = w[:6]
-    w1, w2 = w[-2:]
-    n1, r1 = rmsnorm(x, g1)
-    n1 = split.f(n1)                      # [b, T, D]
-    q, k, v = (n1 @ w for w in (wq, wk, wv))  # [b, T, D/tp]: whole heads, this rank's
-    o, lse = split.attend(q, k, v, head_dim)  # [b, T, D/tp], lse [b, h/tp, T]: no A kept
+    w = BlockWeights(**dict(zip(block_names(qk_norm, router is not None), weights)))
+    n1, r1 = rmsnorm(x, w.norm1)
+    n1 = split.f(n1)                          # [b, T, D]
+    q = n1 @ w.wq                             # [b, T, h/tp dh]: whole heads, this rank's
+    k = n1 @ w.wk                             # [b, T, G/tp dh]: the kv heads they read
+    v = n1 @ w.wv
+    qk = None
+    if qk_norm:                               # each head of q and of k normed, before RoPE
+        q_normed, r_q = head_norm(q, w.norm_q, head_dim)
+        k_normed, r_k = head_norm(k, w.norm_k, head_dim)
+        qk = QKStash(q, r_q, k, r_k)
+        q = q_normed
+        k = k_normed
+    q = rotate(q, rope, head_dim)             # each row at its place in the sequence
+    k = rotate(k, rope, head_dim)
+    o, lse = split.attend(q, k, v, head_dim)  # [b, T, h/tp dh], lse [b, h/tp, T]: no A kept
     o = split.gather(o)
-    y1 = split.g(o @ wo)                      # [b, T, D]
+    y1 = split.g(o @ w.wo)                    # [b, T, D]
     x2 = x + y1                               # the residual
-    n2, r2 = rmsnorm(x2, g2)
+    n2, r2 = rmsnorm(x2, w.norm2)
     n2 = split.f(n2)
-    if router is not None:                    # z: the experts' stash
-        y2, z = experts_forward(n2, *w[6:], router, count, split)
-        y2 = split.g(y2)
-        u = None
+    if router is not None:
+        y2, mlp = experts_forward(n2, w.router, w.w1, w.w3, w.w2, router, count, split)
     else:
-        z = n2 @ w1                           # [b, T, 4D/tp]
-        u = split.gather(F.gelu(z))
-        y2 = split.g(u @ w2)
-    out = x2 + y2
+        y2, mlp = swiglu(n2, w.w1, w.w3, w.w2, split)
+    out = x2 + split.g(y2)
     if recompute:
         return out, (x,)
-    return out, BlockStash(x, n1, r1, q, k, v, lse, o, x2, n2, r2, z, u)
+    return out, BlockStash(x, n1, r1, q, k, v, qk, lse, o, x2, r2, mlp)
 
 
-def gelu_backward(du, z):   # dz = du gelu'(z), gelu'(z) = Phi(z) + z phi(z) (erf's), one pass
-    return torch.ops.aten.gelu_backward(du, z)
-
-
-def block_backward(dout, stash, w, need_dx=True, head_dim=None, split=Whole, router=None):
-    """dx [b, T, D] from dout, and each weight's (x, dz), dW = x^T dz, by name in w's order."""
-    g1, wq, wk, wv, wo, g2 = w[:6]
-    w1, w2 = w[-2:]
+def block_backward(dout, stash, weights, need_dx=True, head_dim=None, rope=None, qk_norm=False,
+                   split=Whole, router=None):
+    """dx [b, T, D] from dout, and each weight's (x, dz), dW = x^T dz, in the weights' order."""
+    names = block_names(qk_norm, router is not None)
+    w = BlockWeights(**dict(zip(names, weights)))
     if not isinstance(stash, BlockStash):     # --recompute: the forward again, from x
-        stash = block_forward(stash[0], w, head_dim=head_dim, split=split, router=router,
-                              count=False)[1]
-    x, n1, r1, q, k, v, lse, o, x2, n2, r2, z, u = stash
-    dy2 = split.g_back(dout)                # out = x2 + y2: y2's gradient
+        stash = block_forward(stash[0], weights, head_dim=head_dim, rope=rope, qk_norm=qk_norm,
+                              split=split, router=router, count=False)[1]
+    x, n1, r1, q, k, v, qk, lse, o, x2, r2, mlp = stash
+    dy2 = split.g_back(dout)                  # out = x2 + y2: y2's gradient
     if router is not None:
-        dn2, terms = experts_backward(dy2, z, *w[6:], split)
-        dn2 = split.f_back(dn2)
-        mlp = dict(zip(("router", "w1", "w2"), terms))
+        dn2, mlp_terms = experts_backward(dy2, mlp, w.router, w.w1, w.w3, w.w2, split)
     else:
-        du = split.row_back(dy2 @ w2.T)       # y2 = u W2
-        du = split.gather_back(du)            # this rank's columns of u
-        dz = gelu_backward(du, z)             # u = gelu(z)
-        dn2 = split.f_back(dz @ w1.T)         # z = n2 W1
-        mlp = {"w1": (n2, dz), "w2": (u, dy2)}
-    dx2, dg2 = rmsnorm_backward(dn2, x2, r2, g2)
+        dn2, mlp_terms = swiglu_backward(dy2, mlp, w.w1, w.w3, w.w2, split)
+    dn2 = split.f_back(dn2)
+    dx2, dg2 = rmsnorm_backward(dn2, x2, r2, w.norm2)
     dx2 = dx2 + dout                          # the residual: the branch's and the skip's
-    dy1 = split.g_back(dx2)                 # x2 = x + y1: y1's gradient
-    do = split.row_back(dy1 @ wo.T)           # y1 = o Wo
+    dy1 = split.g_back(dx2)                   # x2 = x + y1: y1's gradient
+    do = split.row_back(dy1 @ w.wo.T)         # y1 = o Wo
     do = split.gather_back(do)
     dq, dk, dv = split.attend_back(do, q, k, v, split.gather_back(o), lse, head_dim)
-    dn1 = split.f_back(dq @ wq.T + dk @ wk.T + dv @ wv.T)   # q, k, v = n1 Wq, n1 Wk, n1 Wv
-    dx, dg1 = rmsnorm_backward(dn1, x, r1, g1)
+    dq = rotate(dq, rope, head_dim, back=True)   # q = R q': dq' = R^T dq
+    dk = rotate(dk, rope, head_dim, back=True)
+    terms = {}
+    if qk_norm:
+        dq, terms["norm_q"] = head_norm_backward(dq, qk.q, qk.r_q, w.norm_q, head_dim)
+        dk, terms["norm_k"] = head_norm_backward(dk, qk.k, qk.r_k, w.norm_k, head_dim)
+        terms = {name: (None, dg) for name, dg in terms.items()}   # ready: summed over heads
+    dn1 = split.f_back(dq @ w.wq.T + dk @ w.wk.T + dv @ w.wv.T)   # q, k, v = n1 Wq, n1 Wk, n1 Wv
+    dx, dg1 = rmsnorm_backward(dn1, x, r1, w.norm1)
     dx = dx + dx2
-    terms = {"g1": (None, dg1), "wq": (n1, dq), "wk": (n1, dk), "wv": (n1, dv), "wo": (o, dy1),
-             "g2": (None, dg2), **mlp}
-    return dx, list(terms.values())
+    terms.update(norm1=(None, dg1), wq=(n1, dq), wk=(n1, dk), wv=(n1, dv), wo=(o, dy1),
+                 norm2=(None, dg2))
+    terms.update(zip(names[-len(mlp_terms):], mlp_terms))         # (router,) w1, w3, w2
+    return dx, [terms[name] for name in names]
 
 
 def embedding_forward(tokens, w, recompute=False):
-    e, p = w
-    return e[tokens] + p, (tokens,)           # [b, T, D]: each token's row, and its position's
+    e, = w
+    return e[tokens], (tokens,)               # [b, T, D]: each token's row; RoPE is in the blocks
 
 
 def embedding_backward(dx, stash, w, need_dx=False):
-    """dE[tokens] += dx, dP[t] += dx[:, t]: each as (ids, rows) for the replica's index_add_."""
+    """dE[tokens] += dx, as (ids, rows) for the replica's index_add_."""
     tokens, = stash
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    return None, [(tokens, dx), (positions, dx)]
+    return None, [(tokens, dx)]
 
 
 def head_forward(x, w, recompute=False, split=Whole):
@@ -263,22 +407,30 @@ def cross_entropy(logits, y, n):
 
 
 def init_params(args):
-    """The parts: [E, P], each block's [g1, Wq, Wk, Wv, Wo, g2, W1, W2], [g, H], drawn in that
-    order from one generator: every rank draws them alike and keeps its part (at scale: a
-    generator per shard, or the meta device). A matrix [n, _]: randn / sqrt(n); gains: 1."""
-    D, V, T, E = args.dim, args.vocab_size, args.context, args.experts
+    """The parts: [E], each block's tensors (block_names), [g, H], drawn in that order from one
+    generator: every rank draws them alike and keeps its part (at scale: a generator per shard, or
+    the meta device). A matrix: randn / sqrt(D), but each branch's last, Wo and W2, randn / sqrt(2
+    L D) and / sqrt(2 L F) (GPT-2's scaled residuals); an expert tensor [E, ..]: each in turn."""
+    D, V, L, F, E = args.dim, args.vocab_size, args.num_layers, args.ffn_dim, args.experts
+    kv_columns = args.kv_heads * D // args.heads                      # G dh
     gen = torch.Generator().manual_seed(args.seed)
 
-    def matrix(rows, cols):
-        return torch.randn(rows, cols, generator=gen) / math.sqrt(rows)
-    parts = [[torch.randn(V, D, generator=gen), torch.randn(T, D, generator=gen)]]
-    for _ in range(args.num_layers):
-        attention = [torch.ones(D), matrix(D, D), matrix(D, D), matrix(D, D), matrix(D, D)]
-        mlp = [matrix(D, 4 * D), matrix(4 * D, D)]
-        if E:   # Wr [D, E], W1 [E, D, 4D], W2 [E, 4D, D]: each expert's drawn in turn
-            experts = [matrix(D, 4 * D) for _ in range(E)], [matrix(4 * D, D) for _ in range(E)]
-            mlp = [matrix(D, E), torch.stack(experts[0]), torch.stack(experts[1])]
-        parts.append([*attention, torch.ones(D), *mlp])
+    def matrix(rows, cols, fan=D):
+        return torch.randn(rows, cols, generator=gen) / math.sqrt(fan)
+
+    def experts(rows, cols, fan=D):   # [E, rows, cols]
+        return torch.stack([matrix(rows, cols, fan) for _ in range(E)])
+    parts = [[torch.randn(V, D, generator=gen)]]
+    for _ in range(L):
+        block = [torch.ones(D), matrix(D, D), matrix(D, kv_columns), matrix(D, kv_columns)]
+        if args.qk_norm:
+            block += [torch.ones(D // args.heads), torch.ones(D // args.heads)]
+        block += [matrix(D, D, 2 * L * D), torch.ones(D)]
+        if E:
+            block += [matrix(D, E), experts(D, F), experts(D, F), experts(F, D, 2 * L * F)]
+        else:
+            block += [matrix(D, F), matrix(D, F), matrix(F, D, 2 * L * F)]
+        parts.append(block)
     parts.append([torch.ones(D), matrix(D, V)])
     return parts
 
@@ -288,31 +440,37 @@ class Block(NamedTuple):   # a part's pair, as every step runs one: step 2's, an
     backward: Callable        # (dy, stash, w, need_dx) -> (dx, [(x, dz) a weight]): dW = x^T dz
 
 
-def model_blocks(num_layers, head_dim, routers=None):   # the parts, each a Block: [E, P],
-    blocks = [Block(partial(block_forward, head_dim=head_dim, router=router),    # blocks, [g, H]
-                    partial(block_backward, head_dim=head_dim, router=router))
-              for router in routers or [None] * num_layers]
+def model_blocks(args, routers=None, device=None):
+    """The parts, each a Block: [E], the blocks (RoPE at places 0 .. T-1), [g, H]."""
+    head_dim = args.dim // args.heads
+    rope = rope_table(torch.arange(args.context, device=device), head_dim, args.rope_theta)
+    shape = dict(head_dim=head_dim, rope=rope, qk_norm=args.qk_norm)
+    blocks = [Block(partial(block_forward, router=router, **shape),
+                    partial(block_backward, router=router, **shape))
+              for router in routers or [None] * args.num_layers]
     return [Block(embedding_forward, embedding_backward), *blocks,
             Block(head_forward, head_backward)]
 
 
-# Part 2: experts ----------------------------------------------------------------------------------
+# Part 3: experts ----------------------------------------------------------------------------------
 
 # Experts (--experts E, --top-k K): the MLP as E experts and a router (DeepSeek-V3's balance).
-#   forward   p = softmax(n Wr) [N, E] in fp32, N = b T positions; each takes the K largest of
-#             p + bias (ties: the lower index); y = sum over its K experts e of
-#             p_e gelu(n W1[e]) W2[e]
-#   backward  an expert's as the MLP's over its own positions, dy scaled by p_e. The router's
-#             through p alone: dp_e = <dy, y_e> for a chosen e, 0 for the rest; then softmax's,
-#             ds = p (dp - sum_e dp_e p_e), dWr = n^T ds, dn += ds Wr^T. The choice is a step of
-#             p: flat almost everywhere, it passes no gradient; an expert no position chose
-#             is in no output, and its gradient is 0.
-#   balance   bias [E] steers the choice, never the output: after a step bias_e += g sign(mean
+#   forward   gate = softmax(n Wr) [N, E] in fp32, N = b T positions; each takes the K largest
+#             of gate + bias (ties: the lower index); y = sum over its K experts e of
+#             gate_e y_e, y_e = swiglu(n; W1[e], W3[e], W2[e]), each expert the dense MLP
+#   backward  an expert's as the MLP's over its own positions, dy scaled by gate_e. The router's
+#             through gate alone: dgate_e = <dy, y_e> for a chosen e, 0 for the rest; then
+#             softmax's, ds = gate (dgate - sum_e dgate_e gate_e), dWr = n^T ds, dn += ds Wr^T.
+#             The choice is a step of gate: flat almost everywhere, it passes no gradient; an
+#             expert no position chose is in no output, and its gradient is 0.
+#   balance   bias [E] steers the choice, never the output: after a step bias_e += rate sign(mean
 #             load - load_e), the loads (positions x K an expert took) over the global batch.
-#   tp        (step 3) each expert's W1 and W2 split as the MLP's, the router whole on every rank.
-#             y_e is then a sum over tp (or its columns), so each rank's dp_e = <dy, y_e> is its
-#             part: so are ds, dWr (summed over tp, as sequence parallelism's gains) and ds Wr^T
-#             (summed by f's backward with the experts' dn).
+#   tp        (step 3) each expert's W1, W3, W2 split as the MLP's, the router whole on every
+#             rank. y_e is then a sum over tp (or its columns), so each rank's dgate_e = <dy, y_e>
+#             is its part: so are ds, dWr (summed over tp, as sequence parallelism's gains) and
+#             ds Wr^T (summed by f's backward with the experts' dn).
+# Each position's K choices are K pairs (position, expert), sorted by expert; the experts run on
+# the pairs' rows: here, or, with --ep, on the rank that holds them (dispatched below).
 
 class Router:
     """A block's bias [E], this step's loads [E] and choices (each micro-batch's [N, K])."""
@@ -324,139 +482,125 @@ class Router:
         self.routes = []
         self.group = group            # --ep: the ranks that hold the experts between them
 
-    def choose(self, p, count=True):   # [N, K]: the K largest of p + bias, lower index on a tie
-        chosen = (p + self.bias).sort(dim=-1, descending=True, stable=True).indices[:, :self.top_k]
+    def choose(self, gate, count=True):   # [N, K]: the K largest of gate + bias, lower index first
+        chosen = (gate + self.bias).sort(dim=-1, descending=True, stable=True).indices
+        chosen = chosen[:, :self.top_k]
         if count:                     # the forward's; --recompute's again counts nothing
             self.loads += torch.bincount(chosen.flatten(), minlength=len(self.loads))
             self.routes.append(chosen)
         return chosen
 
 
-def experts_forward(n, wr, w1, w2, router, count=True, split=Whole):
-    """y [b, T, D] from n [b, T, D] (step 3's: before g); the stash: n [N, D], p [N, E], each
-    expert's positions and its z, gelu(z), y_e [n_e, ..]."""
+class ExpertsStash(NamedTuple):   # what the experts keep for their backward
+    x: torch.Tensor        # n [N, D]
+    gate: torch.Tensor     # [N, E], fp32
+    rows: torch.Tensor     # [N K]: each pair's position, the pairs sorted by expert
+    expert: torch.Tensor   # [N K]: each pair's expert
+    y_e: torch.Tensor      # [N K, D]: each pair's expert output (home, with --ep)
+    routed: list           # each expert's (which of the rows it ran, its MLPStash), where it ran
+    sent: object           # --ep's all-to-alls (Sent); None: the experts ran here
+
+
+def experts_forward(n, wr, w1, w3, w2, router, count=True, split=Whole):
+    """y [b, T, D] from n [b, T, D] (step 3's: before g), and the experts' stash."""
     x = n.flatten(0, -2)                                      # [N, D]
-    p = (wide(x) @ wide(wr)).softmax(-1)                      # [N, E], fp32
-    chosen = router.choose(p, count)                          # [N, K]
-    if router.group is not None:                              # --ep: to the experts' ranks
-        y, stash = dispatched_forward(x, p, chosen, w1, w2, router.group, split)
-        return y.to(n.dtype).view(*n.shape[:-1], -1), stash
-    y = x.new_zeros((len(x), w2.shape[-1]), dtype=p.dtype)   # the K outputs summed, fp32
+    gate = (wide(x) @ wide(wr)).softmax(-1)                   # [N, E], fp32
+    chosen = router.choose(gate, count)                       # [N, K]
+    expert = chosen.flatten()                                 # [N K]: each pair's expert
+    order = expert.argsort(stable=True)                       # the pairs, by expert
+    rows = torch.arange(len(x), device=x.device).repeat_interleave(chosen.shape[1])[order]
+    expert = expert[order]
+    if router.group is None:
+        y_e, routed = run_experts(x[rows], expert, w1, w3, w2, split)   # [N K, D]
+        sent = None
+    else:                                                     # --ep: on the experts' ranks
+        y_e, routed, sent = dispatched(x[rows], expert, w1, w3, w2, router.group, split)
+    y = x.new_zeros((len(x), w2.shape[-1]), dtype=gate.dtype)   # the K outputs summed, fp32
+    y.index_add_(0, rows, gate[rows, expert, None] * wide(y_e))
+    return y.to(n.dtype).view(*n.shape[:-1], -1), ExpertsStash(x, gate, rows, expert, y_e, routed,
+                                                               sent)
+
+
+def run_experts(x, expert, w1, w3, w2, split=Whole):
+    """Each pair's row of x [M, D] through its expert (one of w1's E' here, by expert [M]): y_e
+    [M, D], and each expert's rows and MLPStash."""
+    y_e = x.new_empty((len(x), w2.shape[-1]))
     routed = []
-    for e in range(wr.shape[1]):
-        rows = (chosen == e).any(-1).nonzero()[:, 0]          # the positions that chose e
-        z = x[rows] @ w1[e]                                   # [n_e, 4D/tp]
-        u = split.gather(F.gelu(z))
-        y_e = u @ w2[e]                                       # [n_e, D]
-        y.index_add_(0, rows, p[rows, e, None] * wide(y_e))
-        routed.append((rows, z, u, y_e))
-    return y.to(n.dtype).view(*n.shape[:-1], -1), (x, p, routed)
+    for e in range(w1.shape[0]):
+        mine = (expert == e).nonzero()[:, 0]                  # the pairs that chose e
+        y_e[mine], stash = swiglu(x[mine], w1[e], w3[e], w2[e], split)   # [m_e, D]
+        routed.append((mine, stash))
+    return y_e, routed
 
 
-def experts_backward(dy, stash, wr, w1, w2, split=Whole):
-    """dn [b, T, D] (step 3's: before f's backward), and Wr's, W1's [E, D, 4D] and W2's
-    [E, 4D, D] gradients, ready, fp32."""
-    if isinstance(stash[2], Dispatched):                      # --ep's
-        return dispatched_backward(dy, stash, wr, w1, w2, split)
-    x, p, routed = stash
-    dy_rows = dy.flatten(0, -2)                               # [N, D]
-    dp = torch.zeros_like(p)                                  # dL/dp [N, E]: 0 where not chosen
-    dx = torch.zeros(x.shape, dtype=p.dtype, device=x.device)
-    dw1 = torch.zeros(w1.shape, dtype=p.dtype, device=x.device)
-    dw2 = torch.zeros(w2.shape, dtype=p.dtype, device=x.device)
-    for e, (rows, z, u, y_e) in enumerate(routed):
-        dp[rows, e] = (wide(dy_rows[rows]) * wide(y_e)).sum(-1)     # <dy, y_e>: tp's part
-        dy_e = (p[rows, e, None] * wide(dy_rows[rows])).to(dy.dtype)   # y_e's: scaled by p_e
-        dw2[e] = wide_matmul(u.T, dy_e)
-        du = split.gather_back(split.row_back(dy_e @ w2[e].T))   # y_e = u W2[e]
-        dz = gelu_backward(du, z)                             # [n_e, 4D/tp]
-        dw1[e] = wide_matmul(x[rows].T, dz)
-        dx.index_add_(0, rows, wide(dz @ w1[e].T))
-    ds = p * (dp - (dp * p).sum(-1, keepdim=True))            # softmax's backward [N, E]
-    dx += ds @ wide(wr).T
-    return dx.to(dy.dtype).view(*dy.shape[:-1], -1), [(None, wide(x).T @ ds), (None, dw1),
-                                                      (None, dw2)]
+def run_experts_backward(dy_e, routed, w1, w3, w2, split=Whole):
+    """dx [M, D] of each pair's row, and W1's, W3's, W2's gradients [E', ..], ready, fp32."""
+    ready = torch.promote_types(dy_e.dtype, torch.float32)   # fp32 at least
+    grads = [torch.zeros(w.shape, dtype=ready, device=dy_e.device) for w in (w1, w3, w2)]
+    dx = dy_e.new_empty((len(dy_e), w1.shape[1]))             # [M, D]
+    for e, (mine, stash) in enumerate(routed):
+        dx[mine], terms = swiglu_backward(dy_e[mine], stash, w1[e], w3[e], w2[e], split)
+        for grad, (x, dz) in zip(grads, terms):               # dW[e] = x^T dz
+            grad[e] = wide_matmul(x.T, dz)
+    return dx, grads
+
+
+def experts_backward(dy, stash, wr, w1, w3, w2, split=Whole):
+    """dn [b, T, D] (step 3's: before f's backward), and Wr's, W1's, W3's, W2's gradients,
+    ready, fp32."""
+    x, gate, rows, expert, y_e, routed, sent = stash
+    dy_rows = wide(dy.flatten(0, -2))[rows]                   # [N K, D]: each pair's dy
+    dgate = torch.zeros_like(gate)                            # dL/dgate [N, E]: 0 unchosen
+    dgate[rows, expert] = (dy_rows * wide(y_e)).sum(-1)       # <dy, y_e>: tp's part
+    dy_e = (gate[rows, expert, None] * dy_rows).to(dy.dtype)  # y_e's: scaled by gate_e
+    if sent is None:
+        dx_e, grads = run_experts_backward(dy_e, routed, w1, w3, w2, split)
+    else:                                                     # --ep: there and back again
+        dx_e, grads = dispatched_backward(dy_e, routed, w1, w3, w2, sent, split)
+    dx = torch.zeros(x.shape, dtype=gate.dtype, device=x.device)
+    dx.index_add_(0, rows, wide(dx_e))                        # each pair's dn, home
+    ds = gate * (dgate - (dgate * gate).sum(-1, keepdim=True))   # softmax's backward [N, E]
+    dx += ds @ wide(wr).T                                     # gate = softmax(n Wr)
+    return dx.to(dy.dtype).view(*dy.shape[:-1], -1), [(None, wide(x).T @ ds),
+                                                      *[(None, grad) for grad in grads]]
 
 
 # Expert parallelism (--ep P): the P ranks of an ep group hold E/P experts each (rank r: experts
 # r E/P .. (r+1) E/P - 1). ZeRO-3 brings the weights to the data; EP brings the data to the weights:
-#   dispatch  each (position, chosen expert) pair's row of n to its expert's rank: one all-to-all,
-#             the counts exchanged first, so that no position is dropped   [N K, D] -> [M, D]
-#   combine   each expert's output back to the position's rank: the all-to-all in reverse,
-#             y = sum over the pairs of p_e y_e, as before
-#   backward  p_e dy to the experts as the dispatch went, dn of each pair home as the combine;
-#             dp_e = <dy, y_e> at home, where y_e came back: every chosen expert's, local or not
+#   dispatch  each pair's row of n to its expert's rank: one all-to-all, the counts exchanged
+#             first, so that no position is dropped   [N K, D] -> [M, D]
+#   combine   each expert's output back to the pair's rank: the all-to-all in reverse; then
+#             y = sum over the pairs of gate_e y_e, as before
+#   backward  gate_e dy to the experts as the dispatch went, the same experts' backward, dn of
+#             each pair home as the combine; dgate_e = <dy, y_e> at home, where y_e came back
 # An expert's gradient: summed over its copies (the dp/P ranks that hold it) and divided by dp,
 # the replicas' count (WithExperts); the router and the rest stay data-parallel.
 
-def all_to_all(rows, send_counts, recv_counts, group):   # rows [M, ..] out by send_counts' splits
-    out = rows.new_empty((int(recv_counts.sum()), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), recv_counts.tolist(), send_counts.tolist(),
-                           group=group)
-    return out
-
-
-class Dispatched(NamedTuple):   # what --ep's forward keeps of its all-to-alls, for the backward
-    rows: torch.Tensor         # [N K]: each pair's position, sorted by its expert
-    expert: torch.Tensor       # [N K]: each pair's expert
+class Sent(NamedTuple):   # --ep's all-to-alls, as the forward made them, for the backward
     send_counts: torch.Tensor  # [P]: the pairs sent to each rank
     recv_counts: torch.Tensor  # [P]: the pairs taken from each
-    routed: list               # each expert here: which rows of the M it took, those, z, gelu(z)
-    y_e: torch.Tensor          # [N K, D]: each pair's expert output, home
     group: object
 
 
-def dispatched_forward(x, p, chosen, w1, w2, group, split=Whole):
-    """y [N, D] fp32 from x [N, D]: each pair sent to its expert, computed there, sent back."""
+def dispatched(x, expert, w1, w3, w2, group, split=Whole):
+    """run_experts' y_e [N K, D] of the pairs' rows x [N K, D] (sorted by expert: by its rank),
+    each sent to its expert's rank, run there, and sent back; and what the backward needs."""
     local = w1.shape[0]                                       # E/P experts here
-    expert = chosen.flatten()                                 # [N K]: each pair's expert
-    order = expert.argsort(stable=True)                       # by expert: by its rank
-    rows = torch.arange(len(x), device=x.device).repeat_interleave(chosen.shape[1])[order]
-    expert = expert[order]
     send_counts = torch.bincount(expert // local, minlength=dist.get_world_size(group))
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)   # each rank's, from each
-    x_in = all_to_all(x[rows], send_counts, recv_counts, group)     # [M, D]: rows for my experts
+    recv_counts = all_to_all(send_counts, group=group)        # each rank's, from each
+    sent = Sent(send_counts, recv_counts, group)
+    x_in = all_to_all(x, send_counts, recv_counts, group)     # [M, D]: rows for my experts
     e_in = all_to_all(expert % local, send_counts, recv_counts, group)   # which of mine
-    y_in = x_in.new_empty((len(x_in), w2.shape[-1]))
-    routed = []
-    for e in range(local):
-        mine = (e_in == e).nonzero()[:, 0]
-        x_e = x_in[mine]                                      # [m_e, D]
-        z = x_e @ w1[e]                                       # [m_e, 4D/tp]
-        u = split.gather(F.gelu(z))
-        y_in[mine] = u @ w2[e]
-        routed.append((mine, x_e, z, u))
-    y_e = all_to_all(y_in, recv_counts, send_counts, group)  # [N K, D]: home, pair by pair
-    y = x.new_zeros((len(x), w2.shape[-1]), dtype=p.dtype)
-    y.index_add_(0, rows, p[rows, expert, None] * wide(y_e))
-    return y, (x, p, Dispatched(rows, expert, send_counts, recv_counts, routed, y_e, group))
+    y_in, routed = run_experts(x_in, e_in, w1, w3, w2, split)
+    return all_to_all(y_in, recv_counts, send_counts, group), routed, sent   # home, in order
 
 
-def dispatched_backward(dy, stash, wr, w1, w2, split=Whole):
-    """experts_backward's, each pair's p_e dy sent to its expert and its dn sent home."""
-    x, p, (rows, expert, send_counts, recv_counts, routed, y_e, group) = stash
-    dy_rows = dy.flatten(0, -2)                               # [N, D]
-    dp = torch.zeros_like(p)
-    dp[rows, expert] = (wide(dy_rows[rows]) * wide(y_e)).sum(-1)    # <dy, y_e>, every chosen e
-    dy_e = (p[rows, expert, None] * wide(dy_rows[rows])).to(dy.dtype)
-    dy_in = all_to_all(dy_e, send_counts, recv_counts, group)   # as the dispatch
-    dw1 = torch.zeros(w1.shape, dtype=p.dtype, device=x.device)
-    dw2 = torch.zeros(w2.shape, dtype=p.dtype, device=x.device)
-    dx_in = dy_in.new_empty((len(dy_in), w1.shape[1]))        # [M, D]
-    for e, (mine, x_e, z, u) in enumerate(routed):
-        dy_m = dy_in[mine]                                    # [m_e, D]
-        dw2[e] = wide_matmul(u.T, dy_m)
-        dz = gelu_backward(split.gather_back(split.row_back(dy_m @ w2[e].T)), z)
-        dw1[e] = wide_matmul(x_e.T, dz)
-        dx_in[mine] = dz @ w1[e].T
-    dx_e = all_to_all(dx_in, recv_counts, send_counts, group)   # home, as the combine
-    dx = torch.zeros(x.shape, dtype=p.dtype, device=x.device)
-    dx.index_add_(0, rows, wide(dx_e))
-    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-    dx += ds @ wide(wr).T
-    return dx.to(dy.dtype).view(*dy.shape[:-1], -1), [(None, wide(x).T @ ds), (None, dw1),
-                                                      (None, dw2)]
+def dispatched_backward(dy_e, routed, w1, w3, w2, sent, split=Whole):
+    """run_experts_backward's, each pair's dy sent to its expert as the dispatch, dx home."""
+    send_counts, recv_counts, group = sent
+    dy_in = all_to_all(dy_e, send_counts, recv_counts, group)
+    dx_in, grads = run_experts_backward(dy_in, routed, w1, w3, w2, split)
+    return all_to_all(dx_in, recv_counts, send_counts, group), grads
 
 
 def balance(routers, rate, counted=True):
@@ -473,7 +617,7 @@ def balance(routers, rate, counted=True):
     return loads
 
 
-# Part 3: data parallelism, and ZeRO-1 -------------------------------------------------------------
+# Part 4: data parallelism, and ZeRO-1 -------------------------------------------------------------
 
 def dp_step(replica, blocks, loss_fn, xs, ys, n, recompute=False):
     """One replica's step on micro-batches xs, ys [B/(d m), T] of tokens: its loss (n positions)."""
@@ -741,7 +885,7 @@ class ZeRO1(DataParallel):
             dist.all_gather_single(flat, shard, group=self.group)
 
 
-# Part 4: ZeRO-2 and 3, the experts' copies (--ep), the batch, and the worker ----------------------
+# Part 5: ZeRO-2 and 3, the experts' copies (--ep), the batch, and the worker ----------------------
 
 class ZeRO2(ZeRO1):
     """Stage 2 = stage 1, but a bucket is reduce-scattered into a shard of its own, the bucket
@@ -809,7 +953,7 @@ class ZeRO3(ZeRO2):
 class WithExperts:
     """--ep: a replica of all but the experts, and one of this rank's experts (a block's a part,
     a bucket) over their copies, the ranks that hold the same (dp/P of them), of the ZeRO stage
-    asked for: the replica's part blocks[k], a block, has its W1, W2 [E/P, ..] in the copies'
+    asked for: the replica's part blocks[k], a block, has its W1, W3, W2 [E/P, ..] in the copies'
     part k. An expert's gradient is a sum over the positions sent to it from its ep group's
     replicas: summed over its copies, it is the sum over all dp replicas, and so divided by dp,
     not by the copies' dp/P (megablocks #86's bug): the copies' replicas=dp. held: each one's
@@ -837,8 +981,8 @@ class WithExperts:
 
     def add_grads(self, i, terms):
         if i in self.blocks:
-            self.experts.add_grads(self.blocks.index(i), terms[-2:])
-            terms = terms[:-2]
+            self.experts.add_grads(self.blocks.index(i), terms[-3:])   # W1, W3, W2
+            terms = terms[:-3]
         self.replica.add_grads(i, terms)
 
     def clip(self, max_norm, groups=(), shares=None):   # each expert once: on one rank of ep's
@@ -910,10 +1054,10 @@ def dp_worker(rank, world_size, args):
     init = init_params(args)                            # [E, P], the blocks, [g, H]
     parts = [[w.to(device, copy=True) for w in part] for part in init]
     ep_group = None
-    if args.ep > 1:                                     # each block's W1, W2: this rank's E/P
+    if args.ep > 1:                                     # each block's W1, W3, W2: its E/P
         ep_group, copies = ep_groups(rank, world_size, args.ep)
-        experts = [part[-2:] for part in parts[1:-1]]
-        parts[1:-1] = [part[:-2] for part in parts[1:-1]]
+        experts = [part[-3:] for part in parts[1:-1]]
+        parts[1:-1] = [part[:-3] for part in parts[1:-1]]
         r = dist.get_rank(ep_group)
         local = args.experts // args.ep
         mine = [[w[r * local:(r + 1) * local].clone() for w in part] for part in experts]
@@ -935,10 +1079,10 @@ def dp_worker(rank, world_size, args):
         routers = [Router(args.experts, args.top_k, device, ep_group)
                    for _ in range(args.num_layers)]
     moe = MoE(args, routers)
+    blocks = model_blocks(args, routers, device)
     for step in range(args.start_step, args.steps):
         inputs, targets = (t[rows].to(device) for t in make_batch(args, step))   # the text's
-        loss = dp_step(replica, model_blocks(args.num_layers, args.dim // args.heads, routers),
-                       cross_entropy, inputs.chunk(m), targets.chunk(m), len(rows) * args.context,
+        loss = dp_step(replica, blocks, cross_entropy, inputs.chunk(m), targets.chunk(m), len(rows) * args.context,
                        recompute=args.recompute)      # n: its positions
         moe.gather_routes(rows)                        # --save, --check: every replica's choice
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
@@ -976,27 +1120,41 @@ def fused(q, head_dim, flash_only=False):
 
 
 def fused_attention(q, k, v, causal=True):
-    """The same o [b, h, s, dh] and lse [b, h, s] from torch's fused kernel, heads [b, h, s | t,
-    dh]: FlashAttention-2 for bf16; fp32, which it does not take, the memory-efficient kernel (its
-    lse padded to 32 positions). causal: the mask of a diagonal (step 3's ring: its pairs')."""
+    """attend()'s o [b, G, h/G, s, dh] and lse [b, G, h/G, s] from torch's fused kernel, fed heads
+    [b, h | G, s | t, dh]: FlashAttention-2 for bf16, which reads each kv head for its group
+    itself; fp32, which it does not take, the memory-efficient kernel, each kv head repeated for
+    its group (its lse padded to 32 positions). causal: the mask of a diagonal (step 3's pairs)."""
+    group = q.shape[1:3]
+    q, k, v = (t.flatten(1, 2) for t in (q, k, v))
     if q.dtype == torch.float32:
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
+        k, v = (t.repeat_interleave(group[1], dim=1) for t in (k, v))
+        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, is_causal=causal)[:2]
-    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=causal)[:2]
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=causal)[:2]
+    return o.unflatten(1, group), lse.unflatten(1, group)
 
 
 def fused_attention_backward(do, q, k, v, o, lse, causal=True):
-    """dq, dk, dv [b, h, s | t, dh] from torch's fused backward, fed q, k, v, o (in q's dtype) and
-    lse: it makes D = rowsum(do o) itself, and A again from lse, as attention_backward does; no
-    dropout, so the random state it takes is read by neither kernel (empty)."""
+    """attend_backward()'s dq, dk, dv from torch's fused backward, fed q, k, v, o (in q's dtype)
+    and lse, the kv heads as the forward fed them, a repeated head's dk, dv summed over its group:
+    it makes delta = rowsum(do o) itself, and A again from lse; no dropout, so the random state
+    it takes is read by neither kernel (empty)."""
+    group = q.shape[1:3]
+    do, q, k, v, o = (t.flatten(1, 2).to(q.dtype) for t in (do, q, k, v, o))
+    lse = lse.flatten(1, 2)
     seed = torch.empty(2, dtype=torch.uint64, device=q.device)
     offset = torch.empty((), dtype=torch.uint64, device=q.device)
     if q.dtype == torch.float32:
-        return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        k, v = (t.repeat_interleave(group[1], dim=1) for t in (k, v))
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             do, q, k, v, None, o, lse, seed, offset, 0.0, [True, True, True, False],
             is_causal=causal)[:3]
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        do, q, k, v, o, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset)
+        dk, dv = (t.unflatten(1, group).sum(2) for t in (dk, dv))
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, o, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset)
+    return dq.unflatten(1, group), dk[:, :, None], dv[:, :, None]
 
 
 from collectives import Parser, Stop, check_launch_args, positive_float, positive_int  # noqa
@@ -1036,28 +1194,31 @@ def in_step_bytes(chunks, dp_size, zero=0, num_micro_batches=1):
                for c, n in enumerate(chunks))
 
 
-BLOCK_NAMES = ("norm1", "wq", "wk", "wv", "wo", "norm2", "w1", "w2")
+def param_names(args):   # --save's names, each tensor's, in the init order
+    names = block_names(args.qk_norm, args.experts)
+    blocks = [f"blocks.{layer}.{name}" for layer in range(args.num_layers) for name in names]
+    return ["embedding", *blocks, "norm", "head"]
 
 
-def param_names(num_layers, experts=0):   # --save's names, each tensor's, in the init order
-    names = BLOCK_NAMES
-    if experts:   # the router between norm2 and W1, W2 [E, ..] (each expert's, stacked)
-        names = (*BLOCK_NAMES[:6], "router", *BLOCK_NAMES[6:])
-    blocks = [f"blocks.{layer}.{name}" for layer in range(num_layers) for name in names]
-    return ["embedding", "positions", *blocks, "norm", "head"]
-
-
-def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False, record=None,
+def serial_loss(params, tokens, targets, config, bf16=False, halves=False, record=None,
                 moe=None):
     """The loss with autograd, and its logits [b T, V], from torch's own layers (embedding,
-    rms_norm, scaled_dot_product_attention); params: every tensor, in order. bf16: the parallel
-    runs' casts (bf16 matmuls on fp32 masters; norms, softmax and loss in fp32). halves: each
-    matmul sums the halves of its terms apart, as two tp ranks do: the same maths in another
-    order, which moves only what rounding moves. record: a list that gets each tensor's (input,
-    output), in order: (tokens, E's rows), (None, x0 = those + P), a gain's (x r, x r g), a
-    matrix's (x, x W). moe: --experts' (K, each layer's bias [L, E], routes [L, b, T, K] or None:
-    its own choice), every expert computed at every position, weighted by p_e where chosen."""
+    rms_norm, scaled_dot_product_attention with enable_gqa, silu) and RoPE as Meta's Llama writes
+    it (each pair a complex number, times e^(i m theta_i)); params: every tensor, in order; config:
+    the model's flags. bf16: the parallel runs' casts (bf16 matmuls on fp32 masters; norms, RoPE,
+    softmax and loss in fp32). halves: each matmul sums the halves of its terms apart, as two tp
+    ranks do: the same maths in another order, which moves only what rounding moves. record: a
+    list that gets each tensor's (input, output), in order: (tokens, E's rows), a gain's (x r, x r
+    g), a matrix's (x, x W). moe: --experts' (K, each layer's bias [L, E], routes [L, b, T, K] or
+    None: its own choice), every expert computed at every position, weighted by gate_e where
+    chosen."""
     dtype = torch.bfloat16 if bf16 else params[0].dtype
+    head_dim = config.dim // config.heads
+    w = dict(zip(param_names(config), params))
+    T = tokens.shape[1]
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * config.rope_theta ** (
+        -2 * torch.arange(head_dim // 2, dtype=torch.float64) / head_dim)   # [T, dh/2]
+    turn = torch.polar(torch.ones_like(angles), angles)       # e^(i m theta_i)
 
     def note(x, out):   # only when asked: the notes hold every activation of the pass
         if record is not None:
@@ -1065,8 +1226,8 @@ def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False, rec
 
     def matmul(x, w):
         w = w.to(dtype)
-        h = w.shape[0] // 2
-        z = x[..., :h] @ w[:h] + x[..., h:] @ w[h:] if halves else x @ w
+        h = w.shape[-2] // 2
+        z = x[..., :h] @ w[..., :h, :] + x[..., h:] @ w[..., h:, :] if halves else x @ w
         note(x, z)
         return z
 
@@ -1076,45 +1237,49 @@ def serial_loss(params, tokens, targets, head_dim, bf16=False, halves=False, rec
         note(normed, y)
         return y.to(dtype)
 
-    def split_heads(t):   # [b, T, D] -> [b, h, T, dh]
-        return t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
+    def split_heads(t):   # [b, T, n dh] -> [b, T, n, dh]
+        return t.unflatten(-1, (-1, head_dim))
 
-    def experts(n, wr, w1, w2, layer):   # n [b, T, D]; every expert everywhere, weighted
+    def rope(t):          # [b, T, n, dh]: the pairs (2i, 2i+1) as complex numbers, turned
+        pairs = torch.view_as_complex(wide(t).unflatten(-1, (-1, 2)).contiguous())
+        return torch.view_as_real(pairs * turn[:, None].to(pairs.dtype)).flatten(-2).to(t.dtype)
+
+    def swiglu(n, w1, w3, w2):
+        return matmul(F.silu(matmul(n, w1)) * matmul(n, w3), w2)
+
+    def experts(n, wr, w1, w3, w2, layer):   # n [b, T, D]; every expert everywhere, weighted
         logits = wide(n) @ wide(wr.to(dtype))                 # [b, T, E], fp32
         note(n, logits)
-        p = logits.softmax(-1)
+        gate = logits.softmax(-1)
         top_k, biases, routes = moe
         if routes is None:
-            order = (p + biases[layer]).sort(dim=-1, descending=True, stable=True).indices
+            order = (gate + biases[layer]).sort(dim=-1, descending=True, stable=True).indices
             chosen = order[..., :top_k]
         else:
             chosen = routes[layer]
-        weight = torch.zeros_like(p).scatter(-1, chosen, 1.0) * p   # p_e where chosen, else 0
+        weight = torch.zeros_like(gate).scatter(-1, chosen, 1.0) * gate   # gate_e where chosen
         ns = n.expand(w1.shape[0], *n.shape)                  # [E, b, T, D]
-        z = ns @ w1.to(dtype)[:, None]                        # [E, b, T, 4D]
-        note(ns, z)
-        u = F.gelu(z)
-        y = u @ w2.to(dtype)[:, None]                         # [E, b, T, D]
-        note(u, y)
+        y = swiglu(ns, *(t.to(dtype)[:, None] for t in (w1, w3, w2)))   # [E, b, T, D]
         return (wide(y) * weight.movedim(-1, 0)[..., None]).sum(0).to(dtype)
-    embedding, positions, *blocks, gain, head = params
-    rows = F.embedding(tokens, embedding).to(dtype)
-    x = rows + positions.to(dtype)
+    rows = F.embedding(tokens, w["embedding"]).to(dtype)
     note(tokens, rows)
-    note(None, x)
-    size = 9 if moe else 8                                    # a block's tensors
-    for layer in range(len(blocks) // size):
-        g1, wq, wk, wv, wo, g2 = blocks[size * layer:size * layer + 6]
-        w1, w2 = blocks[size * layer + size - 2:size * layer + size]
-        n = norm(x, g1)
-        q, k, v = (split_heads(matmul(n, w)) for w in (wq, wk, wv))
-        o = F.scaled_dot_product_attention(wide(q), wide(k), wide(v), is_causal=True)
-        x = x + matmul(o.to(dtype).transpose(1, 2).flatten(-2), wo)
+    x = rows
+    for layer in range(config.num_layers):
+        b = {name: w[f"blocks.{layer}.{name}"] for name in block_names(config.qk_norm, moe)}
+        n = norm(x, b["norm1"])
+        q, k, v = (split_heads(matmul(n, b[name])) for name in ("wq", "wk", "wv"))
+        if config.qk_norm:
+            q = norm(q, b["norm_q"])
+            k = norm(k, b["norm_k"])
+        q, k, v = (wide(t).transpose(1, 2) for t in (rope(q), rope(k), v))   # [b, n, T, dh]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + matmul(o.to(dtype).transpose(1, 2).flatten(-2), b["wo"])
+        n = norm(x, b["norm2"])
         if moe:
-            x = x + experts(norm(x, g2), blocks[size * layer + 6], w1, w2, layer)
+            x = x + experts(n, b["router"], b["w1"], b["w3"], b["w2"], layer)
         else:
-            x = x + matmul(F.gelu(matmul(norm(x, g2), w1)), w2)
-    logits = wide(matmul(norm(x, gain), head).flatten(0, 1))
+            x = x + swiglu(n, b["w1"], b["w3"], b["w2"])
+    logits = wide(matmul(norm(x, w["norm"]), w["head"]).flatten(0, 1))
     return F.cross_entropy(logits, targets.reshape(-1)), logits
 
 
@@ -1122,16 +1287,14 @@ def gradient_terms(record, logits, targets, params):
     """Each tensor's scale for its gradient's rounding: the largest sum of |terms| one of its
     elements sums, dz coming down from (p + onehot(y)) / n (near convergence, or far off it, a
     small sum of larger terms): the gradient of logsumexp(logits) + logits[y]. A matrix's
-    |x|^T |dz|; a gain's |x| |dz| over positions; E's rows of |dz|; P's |dz| over the batch.
+    |x|^T |dz|; a gain's |x| |dz| over positions (and heads); E's rows of |dz|.
     record: serial_loss's; its graph is kept."""
     magnitude = (logits.logsumexp(dim=1) + logits.gather(1, targets.reshape(-1, 1))[:, 0]).mean()
     dzs = torch.autograd.grad(magnitude, [out for _, out in record], retain_graph=True)
     terms = []
     for (x, _), dz, w in zip(record, dzs, params):
         dz = wide(dz).abs()
-        if x is None:                                   # P: dz [b, T, D] over the batch
-            term = dz.sum(0)
-        elif not x.is_floating_point():                 # E: the rows its tokens picked
+        if not x.is_floating_point():                 # E: the rows its tokens picked
             term = torch.zeros_like(w).index_add_(0, x.reshape(-1), dz.flatten(0, -2))
         elif w.dim() == 1:                              # a gain: over the positions
             term = (wide(x).abs() * dz).flatten(0, -2).sum(0)
@@ -1157,7 +1320,7 @@ def whole(replica, grads=False):
     return [replica.view(flats[replica.layout.bucket_of[i]], i) for i in range(len(replica.shapes))]
 
 
-def whole_with_experts(replica, grads=False):   # each block's W1, W2 after its router
+def whole_with_experts(replica, grads=False):   # each block's W1, W3, W2 after its router
     rest = whole(replica.replica, grads)
     mine = whole(replica.experts, grads)             # [E/P, ..] each
     size = dist.get_world_size(replica.ep_group)
@@ -1166,9 +1329,12 @@ def whole_with_experts(replica, grads=False):   # each block's W1, W2 after its 
         every = [torch.empty_like(tensor) for _ in range(size)]
         dist.all_gather(every, tensor.contiguous(), group=replica.ep_group)
         experts.append(torch.cat(every))              # [E, ..], in the experts' order
-    out = rest[:2]
-    for layer in range(len(experts) // 2):
-        out += [*rest[2 + 7 * layer:2 + 7 * layer + 7], *experts[2 * layer:2 * layer + 2]]
+    layers = len(experts) // 3
+    per_block = (len(rest) - 3) // layers            # E; a block's all but the experts'; g, H
+    out = rest[:1]
+    for layer in range(layers):
+        out += [*rest[1 + per_block * layer:1 + per_block * (layer + 1)],
+                *experts[3 * layer:3 * layer + 3]]
     return out + rest[-2:]
 
 
@@ -1297,6 +1463,11 @@ def training_parser(description, dp=False):
             ("--num-layers", positive_int, 4, "transformer blocks L"),
             ("--dim", positive_int, 64, "width D: the residual stream's"),
             ("--heads", positive_int, 4, "attention heads h; divides --dim"),
+            ("--kv-heads", positive_int, None, "key and value heads G, each read by h/G query "
+             "heads; divides --heads (default h/2, h if odd; h: multi-head attention)"),
+            ("--ffn-dim", positive_int, None, "the MLP's width F (default 8D/3 rounded up to a "
+             "multiple of 48)"),
+            ("--rope-theta", positive_float, 10000.0, "RoPE's base (Llama 3's: 500000)"),
             ("--context", positive_int, 32, "characters T a sequence holds"),
             ("--batch-size", positive_int, 64, "global batch B: windows of the text a step"),
             ("--micro-batches", positive_int, 2, "micro-batches m"),
@@ -1323,6 +1494,8 @@ def training_parser(description, dp=False):
                    "alone, and run the forward again in its backward")
     p.add_argument("--bf16", action="store_true", help="compute in bf16 on fp32 master weights, "
                    "gradients and optimizer")
+    p.add_argument("--qk-norm", action="store_true", help="Qwen3's RMSNorm on each head of q and "
+                   "of k, before RoPE")
     p.add_argument("--experts", type=int, default=0, help="E experts a block's MLP, and a router "
                    "(0: the dense MLP)")
     p.add_argument("--top-k", type=positive_int, default=1, help="experts K a position takes")
@@ -1343,6 +1516,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
     """The rules every training script shares, and the memory its ranks need: the model (P),
     its state (dp_costs), the logits (2 B T V), every block's stash. Reads the text."""
     args.vocab_size = VOCAB_SIZE              # the text's: printable ASCII, newline, the rest
+    model_defaults(args)
     L, D, B, m, V = args.num_layers, args.dim, args.batch_size, args.micro_batches, VOCAB_SIZE
     by, rows = f"{replicas_flag} x " if replicas_flag else "", B // replicas
     bucket_mb = getattr(args, "bucket_mb", 0)
@@ -1359,8 +1533,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
         (smaller <= args.context, f"--context {args.context}: a window is {args.context + 1} "
          f"characters, and {source} has {len(ids)} (its smaller part, {smaller})"),
         (not 0 <= args.seed < 2**32, f"--seed {args.seed}: expected 0 to {2**32 - 1}"),
-        (D % args.heads, f"--dim {D} is not divisible by --heads {args.heads}: each head "
-                         f"has D/h columns"),
+        *model_rules(args),
         (args.lr > 3.4e38, f"--lr {args.lr:g}: more than a float32 holds (3.4e38)"),
         (torch.tensor(args.lr).item() == 0, f"--lr {args.lr:g}: 0 in float32, which trains "
                                             f"nothing (the smallest is 1.4e-45)"),
@@ -1379,12 +1552,31 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
          f"--checkpoint {args.checkpoint!r}: cannot make or write a folder there"),
         *resume_rules(args, args.marker), *experts_rules(args, replicas, replicas_flag)])
     T = args.context
-    P = L * (12 * D * D + 2 * D) + (V + T) * D + D + D * V
+    F = args.ffn_dim * max(1, args.experts)
+    P = L * (4 * D * D + 3 * D * F) + 2 * V * D
     held = dp_costs([P], replicas, zero=getattr(args, "zero", 0))[1]
     state = sum(size for size, _ in held.values())
-    stash = L * B * T * (16 * D + 2 + args.heads * T)   # a block's (block_stash's), fp32
+    stash = L * B * T * (10 * D + 3 * F + 2 + args.heads * T)   # a block's, fp32: at most
     check_launch_args(parser, args, world_size, ranks_flag, 4 * (P + 2 * B * T * V + stash) + state,
                       f"--num-layers {L} --dim {D} --batch-size {B}")
+
+
+def model_defaults(args):   # --kv-heads and --ffn-dim, where not given
+    if args.kv_heads is None:
+        args.kv_heads = args.heads
+        if args.heads % 2 == 0:
+            args.kv_heads = args.heads // 2
+    if args.ffn_dim is None:                  # 8D/3, up to a multiple of 48 (so tp 1-4, 6, 8)
+        args.ffn_dim = -(-8 * args.dim // (3 * 48)) * 48
+
+
+def model_rules(args):   # what the block cannot be built with, each in one line
+    D, h = args.dim, args.heads
+    return [(D % h, f"--dim {D} is not divisible by --heads {h}: each head has D/h columns"),
+            (h % args.kv_heads, f"--kv-heads {args.kv_heads} does not divide --heads {h}: each "
+                                f"kv head is read by h/G query heads"),
+            (D % h == 0 and D // h % 2, f"--dim {D} / --heads {h} = {D // h} columns a head: "
+                                        f"RoPE turns them in pairs, so it must be even")]
 
 
 def experts_rules(args, replicas, replicas_flag):   # --experts, --top-k, --balance-rate, --ep
@@ -1447,7 +1639,7 @@ def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=N
         init = [w.float().cpu() for w in init]
         final = [w.detach().float().cpu() for w in final]
         try:
-            names = param_names(args.num_layers, args.experts)
+            names = param_names(args)
             torch.save({"config": vars(args), "init_params": dict(zip(names, init)),
                         "final_params": dict(zip(names, final)),
                         "inputs": torch.stack([inputs for inputs, _ in batches]),
@@ -1593,11 +1785,11 @@ def rank_pieces(replica, tensors=None, boxes=None, copies=(), grads=False):   # 
 
 
 def expert_places(init, first, count):
-    """Step 2's --ep: (tensors, boxes) of the replica (all but W1, W2, whole) and of the experts'
-    copies (W1, W2 of each block: experts first .. first + count, each a box)."""
+    """Step 2's --ep: (tensors, boxes) of the replica (all but W1, W3, W2, whole) and of the experts'
+    copies (W1, W3, W2 of each block: experts first .. first + count, each a box)."""
     spans = spans_of(init)
     shapes = [w.shape for w in tensors_of(init)]
-    experts = [i for part in spans[1:-1] for i in part[-2:]]
+    experts = [i for part in spans[1:-1] for i in part[-3:]]
     rest = [i for i in range(len(shapes)) if i not in experts]
     return ((rest, None),
             (experts, [expert_boxes(shapes[i], range(first, first + count)) for i in experts]))
@@ -1838,8 +2030,8 @@ def checkpoints(folder):   # the complete checkpoints in folder (step-N, its mar
     return sorted(os.path.dirname(marker) for marker in markers)
 
 
-CHECKPOINT_MODEL = ("num_layers", "dim", "heads", "context", "vocab_size", "optimizer", "seed",
-                    "experts")
+CHECKPOINT_MODEL = ("num_layers", "dim", "heads", "kv_heads", "ffn_dim", "rope_theta", "qk_norm",
+                    "context", "vocab_size", "optimizer", "seed", "experts")
 
 
 def resume_rules(args, marker):
@@ -1941,15 +2133,14 @@ def show_language_model(params, args, rows=256, moe=None):
     continues PROMPT (--sample characters), drawn from --seed, each from the T before it."""
     val_args = argparse.Namespace(**{**vars(args), "batch_size": rows})
     inputs, targets = make_batch(val_args, step=0, text=text_part("validation"))
-    head_dim = args.dim // args.heads
     T = args.context
     with torch.no_grad():
-        loss = serial_loss(params, inputs, targets, head_dim, moe=moe)[0].item()
+        loss = serial_loss(params, inputs, targets, args, moe=moe)[0].item()
         context = encode((" " * T + PROMPT)[-T:]).tolist()
         gen = torch.Generator().manual_seed(args.seed)
         for _ in range(args.sample):
             logits = serial_loss(params, torch.tensor([context[-T:]]), torch.zeros(1, T,
-                                 dtype=torch.int64), head_dim, moe=moe)[1]
+                                 dtype=torch.int64), args, moe=moe)[1]
             context.append(torch.multinomial(logits[-1].softmax(dim=0), 1, generator=gen).item())
     uniform, unigram, bigram = baselines()
     print(f"validation loss {loss:.3f} nats a character, on {rows} windows of {T} of "
@@ -1984,8 +2175,7 @@ class SerialCheck:
         self.resumed = resumed
         if self.on:
             self.params = [w.requires_grad_() for w in tensors_of(init_params(args))]
-            self.names = param_names(args.num_layers, args.experts)
-            self.head_dim = args.dim // args.heads
+            self.names = param_names(args)
             self.optimizer = make_optimizer(self.params, args.optimizer, args.lr)
             if args.resume:
                 self.resume()
@@ -2014,7 +2204,7 @@ class SerialCheck:
         batch = make_batch(self.args, self.args.start_step + len(self.losses))
         self.optimizer.zero_grad()
         record = []
-        loss, logits = serial_loss(self.params, *batch, self.head_dim, self.args.bf16,
+        loss, logits = serial_loss(self.params, *batch, self.args, self.args.bf16,
                                    record=record, moe=moe)
         terms = gradient_terms(record, logits, batch[1], self.params)
         loss.backward()
@@ -2024,7 +2214,7 @@ class SerialCheck:
         spreads = [torch.zeros(()) for _ in want]   # fp32's other orders: ~1e-7, inside 1e-4
         if self.args.bf16:           # bf16's: the same step, summed in another order
             self.optimizer.zero_grad()
-            serial_loss(self.params, *batch, self.head_dim, bf16=True, halves=True,
+            serial_loss(self.params, *batch, self.args, bf16=True, halves=True,
                         moe=moe)[0].backward()
             spreads = [(w.grad - g).abs().max() / scale.clamp_min(1e-30)
                        for w, g, scale in zip(self.params, want, scales)]
@@ -2064,7 +2254,7 @@ class SerialCheck:
         tp_size = config.get("tp") or (config["world_size"] if "tp_style" in config else 1)
         if figure == "losses" or part is None:
             return bf16_tolerance(tp_size, layers_above=L + 1)
-        block = (part - 2) // (len(BLOCK_NAMES) + (self.args.experts > 0)) + 1   # 0: E, P
+        block = (part - 1) // len(block_names(self.args.qk_norm, self.args.experts)) + 1   # 0: E
         return bf16_tolerance(tp_size, layers_above=L + 1 - min(max(block, 0), L + 1))
 
     def finish(self, final, losses, norms):

@@ -20,18 +20,27 @@ derived by hand, for a column layer z_t = x W_t followed by the all-gather:
                dW_t = x^T g_t        this rank's columns of dW, no communication
                dx = sum_t g_t W_t^T  each rank holds one term: all-reduce  [b, T, D]
 
-In a block, heads are the unit: Wq, Wk and Wv are cut at head boundaries, so rank t holds h/tp
-whole heads, q, k and v [b, T, D/tp], and runs their attention with no collective at all. Two
-styles then differ in what follows (GatherSplit and MegatronSplit below; step 2's block takes
-either). The norms' gains and P are whole on every rank: each rank's x is the whole residual
-stream, the same on all, and the dn its norm's backward reads comes after f's all-reduce, the
-same on all too, so every rank computes the same dg and dP with no collective.
+In a block, heads are the unit: Wq is cut at head boundaries, so rank t holds h/tp whole query
+heads, q [b, T, h/tp dh], and with them the kv heads they read (query head j reads kv head j //
+(h/G)), so it runs their attention with no collective at all:
+    G >= tp (tp divides G): the G/tp kv heads of its query heads: Wk, Wv cut at kv heads too
+    G < tp (G divides tp): one kv head, read by the query heads of tp/G ranks: each of them holds
+      its Wk, Wv columns whole and computes its k and v. Each holder's dWk = n^T dk_t is a part:
+      dk_t is its own query heads' share of dk, the sum over the group (step 2). Summed over the
+      tp/G holders (sum_partial_grads), as every replicated weight's partial gradient here.
+SwiGLU's W1 and W3 are cut at the same F/tp columns: silu(a_t) * up_t is then this rank's columns
+of the product, with no collective. Two styles then differ in what follows (GatherSplit and
+MegatronSplit below; step 2's block takes either). The norms' gains are whole on every rank: each
+rank's x is the whole residual stream, the same on all, and the dn its norm's backward reads comes
+after f's all-reduce, the same on all too, so every rank computes the same dg with no collective.
+QK-norm's gains are whole too, but each rank norms its own heads: its dg is its heads' part,
+summed over tp (Megatron #816); so is a router's (step 2's experts).
 
-Bytes each rank sends per block and micro-batch, A for one activation [b, T, D]: the all-gather
-style 7(tp-1)/tp A forward (o, its Wo, the MLP's 4D, its W2) and 2 x 7(tp-1)/tp A backward;
-Megatron's pairs (Megatron-LM, torchtitan) 2 x 2(tp-1)/tp A each way: 8(tp-1)/tp A, where the
-all-gather style sends 21(tp-1)/tp A. The vocabulary's ends split its rows of E and columns of H,
-and take the softmax in pieces (Megatron's vocab-parallel embedding and cross-entropy).
+Bytes each rank sends per block and micro-batch, A for one activation [b, T, D], F the MLP's
+width: the all-gather style (3 + F/D)(tp-1)/tp A forward (o, its Wo, the MLP's F, its W2) and 2
+x that backward; Megatron's pairs (Megatron-LM, torchtitan) 2 x 2(tp-1)/tp A each way: 8(tp-1)/tp
+A. The vocabulary's ends split its rows of E and columns of H, and take the softmax in pieces
+(Megatron's vocab-parallel embedding and cross-entropy).
 
 --recompute keeps each block's input alone, as in step 2: the forward again in the backward, its
 collectives too (tp_costs).
@@ -48,10 +57,11 @@ import torch.distributed as dist
 
 from collectives import cleanup, run_main, setup, spawn
 from collectives import exchange
-from data_parallel import (Block, DataParallel, MoE, Router, attention, attention_backward,
-                           balance, block_backward, block_forward, dp_step, expert_boxes, fused,
-                           fused_attention, fused_attention_backward, head_backward, head_forward,
-                           heads, init_params, make_batch, scores, tensors_of, wide, wide_matmul)
+from data_parallel import (Block, DataParallel, MoE, Router, attend, attend_backward, attention,
+                           attention_backward, balance, block_backward, block_forward, columns,
+                           dp_step, expert_boxes, fused, fused_attention, fused_attention_backward,
+                           head_backward, head_forward, init_params, kv_head, make_batch,
+                           query_heads, rope_table, tensors_of)
 from data_parallel import (SerialCheck, finish_run, load_checkpoint, log_step,   # the worker's
                            save_checkpoint, whole_on_rank0)       # --check, end, checkpoints
 
@@ -67,7 +77,7 @@ def all_gather_columns(a_t, group=None):
     return stacked.view(size, *a_t.shape).movedim(0, -2).flatten(-2)
 
 
-def my_rows(x, group=None):   # rank t's T/tp rows of x [T, ..]: its positions' P
+def my_rows(x, group=None):   # rank t's T/tp rows of x [T, ..]
     rows = x.shape[0] // dist.get_world_size(group)
     t = dist.get_rank(group)
     return x[t * rows:(t + 1) * rows]
@@ -98,19 +108,20 @@ def reduce_over(tensor, group, op=dist.ReduceOp.SUM):   # an all-reduce, where t
 
 
 class MegatronSplit:
-    """Megatron's pairs: Wq, Wk, Wv and W1 are column layers (rank t holds W[:, cols_t]) whose
-    outputs stay sharded: attention runs on this rank's heads, GELU on its columns. Wo and W2 are
-    row layers (rank t holds W[rows_t, :]) that take the shard as it is: o Wo = sum_t o_t Wo_t.
+    """Megatron's pairs: Wq, Wk, Wv, W1 and W3 are column layers (rank t holds W[:, cols_t])
+    whose outputs stay sharded: attention runs on this rank's heads, silu(a) * up on its columns.
+    Wo and W2 are row layers (rank t holds W[rows_t, :]) that take the shard as it is: o Wo =
+    sum_t o_t Wo_t.
 
       forward   n, the same on every rank                  f: the identity
-                q_t, k_t, v_t = n Wq_t ..; o_t = attention of this rank's heads   [b, T, D/tp]
+                q_t, k_t, v_t = n Wq_t ..; o_t = attention of this rank's heads   [b, T, h/tp dh]
                 y = sum_t o_t Wo_t                         g: all-reduce   [b, T, D]
       backward  dy, the same on every rank                 g: the identity
                 dWo_t = o_t^T dy     do_t = dy Wo_t^T      this rank's own: no communication
                 dq_t, dk_t, dv_t from do_t; dWq_t = n^T dq_t ..
                 dn = sum_t dq_t Wq_t^T + dk_t Wk_t^T + dv_t Wv_t^T    f: all-reduce   [b, T, D]
 
-    and the MLP alike (W1 column, GELU on the shard, W2 row). f and g are conjugates, a
+    and the MLP alike (W1, W3 column, SwiGLU on the shard, W2 row). f and g are conjugates, a
     forward/backward pair each: f copies in forward and all-reduces in backward; g all-reduces
     in forward and copies in backward. Per block and micro-batch: two g, two f, 8(tp-1)/tp A."""
 
@@ -120,7 +131,7 @@ class MegatronSplit:
     def f(self, n):                           # f forward: the identity
         return n
 
-    def gather(self, a):                      # o_t, gelu(z)_t stay sharded
+    def gather(self, a):                      # o_t, (silu(a) up)_t stay sharded
         return a
 
     def gather_back(self, dy):
@@ -145,7 +156,7 @@ class MegatronSplit:
 class GatherSplit(MegatronSplit):
     """The lecture's style: every weight a column layer, each output all-gathered. q, k, v as
     above; o_t all-gathered [b, T, D], the input of Wo's column layer, whose output [b, T, D/tp]
-    is all-gathered; GELU(n W1_t) all-gathered [b, T, 4D]; W2's output all-gathered. Backward:
+    is all-gathered; silu(n W1_t) * n W3_t all-gathered [b, T, F]; W2's output all-gathered. Backward:
     each all-gather a slice, each column layer's dx an all-reduce (f): Wo's, W2's too."""
 
     def gather(self, a):                      # [b, T, n/tp] -> [b, T, n]   (tp-1)/tp of it
@@ -154,7 +165,7 @@ class GatherSplit(MegatronSplit):
     def gather_back(self, dy):                # the slice: this rank's columns, its own
         return my_columns(dy, self.group).contiguous()   # (a view would hold all of dy)
 
-    def g(self, y):                           # Wo's, W2's outputs gathered, as gelu's
+    def g(self, y):                           # Wo's, W2's outputs gathered, as SwiGLU's
         return self.gather(y)
 
     def g_back(self, dy):
@@ -168,9 +179,9 @@ class SequenceSplit(MegatronSplit):
     """Sequence parallelism (Korthikanti et al. 2022) on Megatron's pairs: from a row layer to
     the next column layer each rank holds rows_t of T, [b, T/tp, D], and runs the residual adds
     and the norms on them. f becomes an all-gather along T, g a reduce-scatter: an all-reduce's
-    bytes, and x, x' and r held by 1/tp. A gain sees T/tp positions, P its rows_t: dg and dP
-    are partial sums, summed over tp after the backward (tp_worker's sum_partial_grads; an
-    average would give 1/tp of the gradient).
+    bytes, and x, x' and r held by 1/tp. A gain sees T/tp positions: dg is a partial sum, summed
+    over tp after the backward (tp_worker's sum_partial_grads; an average would give 1/tp of the
+    gradient). RoPE's places are the whole T's: q and k are made after f.
 
       forward   n = [n_0; n_1; ..], n_t = rmsnorm(x_t)   f: all-gather along T   [b, T, D]
                 y_t = (sum_r o_r Wo_r)[rows_t]           g: reduce-scatter along T
@@ -195,7 +206,7 @@ class SequenceSplit(MegatronSplit):
 # The vocabulary over the tp ranks: rank t holds the classes [v_t, v_t+1), vocab_range's.
 #
 #   embedding  E_t = E[v_t:v_t+1] [V_t, D]: each rank looks up the tokens it holds, zeros for the
-#              rest, and an all-reduce adds the pieces (each token has one owner); P after it.
+#              rest, and an all-reduce adds the pieces (each token has one owner).
 #              Backward: g is the same on every rank; each adds into its own rows: no collective.
 #   head       n = rmsnorm(x; g), whole on every rank; H_t = H[:, v_t:v_t+1]: logits_t = n H_t
 #              [b T, V_t], never gathered. f between: dn = sum_t dlogits_t H_t^T, all-reduced.
@@ -218,39 +229,27 @@ def vocab_range(vocab_size, tp_rank, tp_size):
 
 
 def vocab_embedding_forward(tokens, w, recompute=False, group=None, vocab_size=None,
-                            sequence_parallel=False, positions=None):
-    """The tokens [b, T] this rank holds, looked up, zeros for the rest, summed; + P: [b, T, D]
-    (sequence parallel: reduce-scattered along T instead, + P's rows of this rank's T/tp).
-    positions: --cp's, this rank's places in T [T/C], P's rows at them."""
-    e_t, p = w
-    if positions is not None:
-        p = p[positions]
+                            sequence_parallel=False):
+    """The tokens [b, T] this rank holds, looked up, zeros for the rest, summed: [b, T, D]
+    (sequence parallel: reduce-scattered along T instead, [b, T/tp, D])."""
+    e_t, = w
     start, end = vocab_range(vocab_size, dist.get_rank(group), dist.get_world_size(group))
     outside = (tokens < start) | (tokens >= end)                       # [b, T]
     local = (tokens - start).masked_fill(outside, 0)                   # any row: masked below
     x = e_t[local].masked_fill(outside[..., None], 0.0)                # [b, T, D]
     if sequence_parallel:
-        return scatter_along_T(x, group) + my_rows(p, group), (local, outside)
+        return scatter_along_T(x, group), (local, outside)
     reduce_over(x, group)                     # x = sum_t its tokens' rows   2(tp-1)/tp A
-    return x + p, (local, outside)
+    return x, (local, outside)
 
 
-def vocab_embedding_backward(g, stash, w, need_dx=False, group=None, sequence_parallel=False,
-                             positions=None):
-    """g [b, T, D], the same on every rank: each keeps its own tokens' rows, for dE_t[local];
-    dP from the whole g, step 2's. Sequence parallel: g [b, T/tp, D], all-gathered along T for
-    dE_t; dP from g alone, P's rows of this rank's T/tp (partial: summed over tp). --cp: dP's
-    rows at this rank's places in T."""
+def vocab_embedding_backward(g, stash, w, need_dx=False, group=None, sequence_parallel=False):
+    """g [b, T, D], the same on every rank: each keeps its own tokens' rows, for dE_t[local].
+    Sequence parallel: g [b, T/tp, D], all-gathered along T first."""
     local, outside = stash
-    places = torch.arange(local.shape[1], device=local.device)        # [T]: P's rows, in order
-    if positions is not None:                                         # --cp: its places in T
-        places = positions
-    g_all = g
     if sequence_parallel:
-        places = my_rows(places, group)                               # its T/tp rows' places
-        g_all = gather_along_T(g, group)
-    places = places.expand(g.shape[0], -1)                            # [b, T(/tp)]: a row each
-    return None, [(local, g_all.masked_fill(outside[..., None], 0.0)), (places, g)]
+        g = gather_along_T(g, group)
+    return None, [(local, g.masked_fill(outside[..., None], 0.0))]
 
 
 def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
@@ -275,39 +274,40 @@ def vocab_parallel_cross_entropy(logits_t, y, n, vocab_size=None, group=None):
     return (sum_exps.log() - target).sum() / n, dlogits_t.div_(n).to(dtype)
 
 
-def sum_partial_grads(grads, whole, group):   # sequence parallel: dg, dP summed (not averaged)
-    for i in whole:
+def sum_partial_grads(grads, partial, group):   # each a part of the gradient: summed, never
+    for i in partial:                              # averaged (a mean: 1/tp of it)
         reduce_over(grads[i], group)
 
 
-def tp_blocks(kinds, tp_style, head_dim, group=None, vocab_size=None, sequence_parallel=False,
-              cp_group=None, cp_layout="zigzag", positions=None, routers=None):
+def tp_blocks(kinds, args, group=None, cp_group=None, positions=None, routers=None):
     """Each part's forward and backward over group, by kind ("embedding", "block", "head"): what
-    tp_worker runs, and 3D's stages. A block is step 2's, handed this style's split. The head's
+    tp_worker runs, and 3D's stages. A block is step 2's, handed this style's split (args'
+    --tp-style, --sequence-parallel) and RoPE at positions, this rank's places in T. The head's
     own split gathers along T before H under sequence parallelism: the vocab-parallel loss takes
-    whole rows of logits, each position's every class. cp_group: attention over its ring, P's
-    rows at this rank's positions. routers: the blocks' in order (--experts)."""
-    split = GatherSplit(group) if tp_style == "all-gather" else MegatronSplit(group)
+    whole rows of logits, each position's every class. cp_group: attention over its ring
+    (--cp-layout). routers: the blocks' in order (--experts)."""
+    split = GatherSplit(group) if args.tp_style == "all-gather" else MegatronSplit(group)
     ends = MegatronSplit(group)
-    if sequence_parallel:
+    if args.sequence_parallel:
         split = SequenceSplit(group)
         ends = split
     if cp_group is not None:
-        split.attend = partial(ring_attention, group=cp_group, layout=cp_layout)
-        split.attend_back = partial(ring_attention_backward, group=cp_group, layout=cp_layout)
+        split.attend = partial(ring_attention, group=cp_group, layout=args.cp_layout)
+        split.attend_back = partial(ring_attention_backward, group=cp_group, layout=args.cp_layout)
+    head_dim = args.dim // args.heads
+    rope = rope_table(positions, head_dim, args.rope_theta)
     routers = iter(routers if routers else [])
     outer = {"embedding": Block(partial(vocab_embedding_forward, group=group,
-                                        vocab_size=vocab_size,
-                                        sequence_parallel=sequence_parallel,
-                                        positions=positions),
+                                        vocab_size=args.vocab_size,
+                                        sequence_parallel=args.sequence_parallel),
                                 partial(vocab_embedding_backward, group=group,
-                                        sequence_parallel=sequence_parallel,
-                                        positions=positions)),
+                                        sequence_parallel=args.sequence_parallel)),
              "head": Block(partial(head_forward, split=ends), partial(head_backward, split=ends))}
     blocks = []
     for kind in kinds:
         if kind == "block":
-            block = dict(head_dim=head_dim, split=split, router=next(routers, None))
+            block = dict(head_dim=head_dim, rope=rope, qk_norm=args.qk_norm, split=split,
+                         router=next(routers, None))
             blocks.append(Block(partial(block_forward, **block), partial(block_backward, **block)))
         else:
             blocks.append(outer[kind])
@@ -318,14 +318,17 @@ def part_kinds(num_layers):   # the model's parts, in order
     return ["embedding", *["block"] * num_layers, "head"]
 
 
-def tensor_kinds(kinds, tp_style, experts=0):
-    """How each part's tensors are split: "embedding" (E's rows by class), "head" (H's
-    columns by class), "column", "row", "whole" (a gain, P): the same on every rank, or
-    "router" (whole, its gradient a sum over tp). An expert's W1, W2 [E, ..] as the MLP's."""
-    mlp_out = "column" if tp_style == "all-gather" else "row"          # Wo, W2
-    mlp = ["router", "column", mlp_out] if experts else ["column", mlp_out]
-    by_part = {"embedding": ["embedding", "whole"], "head": ["whole", "head"],
-               "block": ["whole", "column", "column", "column", mlp_out, "whole", *mlp]}
+def tensor_kinds(kinds, args, tp_size):
+    """How each part's tensors are split: "embedding" (E's rows by class), "head" (H's columns by
+    class), "column", "row", "whole" (a gain: the same on every rank), "partial" (whole, but each
+    rank's gradient a part, summed over tp: QK-norm's gains, a router), "kv" (G < tp: a kv head's
+    Wk, Wv columns whole on the tp/G ranks that read it, its gradient summed over them). An
+    expert's W1, W3, W2 [E, ..] as the MLP's."""
+    out = "column" if args.tp_style == "all-gather" else "row"          # Wo, W2
+    kv = "kv" if args.kv_heads < tp_size else "column"
+    block = ["whole", "column", kv, kv, *["partial"] * 2 * args.qk_norm, out, "whole",
+             *["partial"] * (args.experts > 0), "column", "column", out]
+    by_part = {"embedding": ["embedding"], "head": ["whole", "head"], "block": block}
     return [by_part[part] for part in kinds]
 
 
@@ -333,24 +336,25 @@ def split_as(kinds, kind):   # the tensors split as kind
     return [i for i, k in enumerate(kinds) if k == kind]
 
 
-def clip_shares(kinds, tp_size):   # each tensor's share of its squares: a whole one's, 1/tp
-    return [1 / tp_size if kind in ("whole", "router") else 1.0 for kind in kinds]
+def clip_shares(kinds, tp_size, kv_heads):   # each tensor's share of its squares: once in all
+    shares = {"whole": 1 / tp_size, "partial": 1 / tp_size, "kv": kv_heads / tp_size}
+    return [shares.get(kind, 1.0) for kind in kinds]
 
 
-def shard(w, kind, tp_rank, tp_size):
+def shard(w, kind, tp_rank, tp_size, kv_heads=1):
     """Rank t's part of a whole tensor, as a copy even when tp = 1 (where a slice would be W
     itself): the optimizer updates the shard in place, and the whole must stay the initial one."""
-    row_start, row_end, col_start, col_end = shard_box(w.shape, kind, tp_rank, tp_size)
+    row_start, row_end, col_start, col_end = shard_box(w.shape, kind, tp_rank, tp_size, kv_heads)
     if w.dim() == 1:                      # a gain: whole
         return w.clone()
     return w[..., row_start:row_end, col_start:col_end].clone(   # an expert's [E, ..]: each's
         memory_format=torch.contiguous_format)
 
 
-def held_boxes(shape, kind, tp_rank, tp_size, experts=None):
+def held_boxes(shape, kind, tp_rank, tp_size, experts=None, kv_heads=1):
     """shard_box's; an expert tensor [E, R, C]'s: a list, each held expert's box (experts: their
     indices, all if None) in the whole seen as [E R, C] (step 2's expert_boxes)."""
-    box = shard_box(shape, kind, tp_rank, tp_size)
+    box = shard_box(shape, kind, tp_rank, tp_size, kv_heads)
     if len(shape) < 3:
         return box
     if experts is None:
@@ -358,12 +362,16 @@ def held_boxes(shape, kind, tp_rank, tp_size, experts=None):
     return expert_boxes(shape, experts, box)
 
 
-def shard_box(shape, kind, tp_rank, tp_size):
+def shard_box(shape, kind, tp_rank, tp_size, kv_heads=1):
     """Rank t's rows and columns of a whole tensor, (row_start, row_end, col_start, col_end): its
     rows W[t D/tp : (t+1) D/tp, :] for a row layer, its classes' rows of E or columns of H, its
-    columns of a column layer, else all (a gain [D]: one row). (Where its piece sits in the
-    whole: shard's, and a checkpoint's.)"""
+    columns of a column layer, the columns of the kv head its query heads read ("kv": head t //
+    (tp/G) of G), else all (a gain [D]: one row). (Where its piece sits in the whole: shard's,
+    and a checkpoint's.)"""
     rows, cols = (1, *shape)[-2:]
+    if kind == "kv":
+        head = tp_rank * kv_heads // tp_size
+        return 0, rows, head * cols // kv_heads, (head + 1) * cols // kv_heads
     if kind == "row":
         return tp_rank * rows // tp_size, (tp_rank + 1) * rows // tp_size, 0, cols
     if kind == "embedding":
@@ -378,8 +386,9 @@ def shard_box(shape, kind, tp_rank, tp_size):
 # Part 3: context parallelism ----------------------------------------------------------------------
 #
 # --cp C: each sequence's T positions split over the C ranks of a cp group. A rank embeds its own
-# positions (E's rows, P's at their global places) and runs the norms, the matmuls, the head and
-# the loss on them alone; only attention needs the others'. Ring attention: the keys and values
+# positions and runs the norms, the matmuls (RoPE at their places in T: rope_table(positions)),
+# the head and the loss on them alone; only attention needs the others'. Ring attention: the
+# keys and values of the rank's kv heads (G/tp of them, never repeated to its h/tp query heads)
 # travel the ring, C steps, and each rank attends its queries to the block it holds, masked by
 # global position, merging the partial results by their lse. The weights are replicated over cp,
 # and each one's gradient is a partial sum over this rank's positions: summed.
@@ -394,9 +403,11 @@ def shard_box(shape, kind, tp_rank, tp_size):
 #   lse = log(e^lse_a + e^lse_b) = m + log(e^(lse_a - m) + e^(lse_b - m)),  m = max(lse_a, lse_b)
 #   o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b        (the weights: each set's share of the sum)
 # m keeps each exponent <= 0: e^lse overflows fp32 once a row's scores pass 88.
-# Backward, per pair, with the merged lse_i and D_i = rowsum(do_i o_i) (step 2's identity: D needs
-# no other rank's keys): A = exp(S_ij - lse_i), dv_j += A^T do_i, dS = A (dA - D_i), dq_i += dS k_j,
-# dk_j += dS^T q_i. dq stays; dk and dv travel the ring with their block, C hops: back at its owner.
+# A pair is step 2's attend() over the grouped heads, causal on the diagonal alone; its backward
+# step 2's attend_backward() with the merged o_i and lse_i (delta_i = rowsum(do_i o_i) needs no
+# other rank's keys): A = exp(S_ij - lse_i), dv_j += A^T do_i, dS = A (dA - delta_i), dq_i += dS
+# k_j, dk_j += dS^T q_i, each kv head's summed over its group. dq stays; dk and dv travel the ring
+# with their block, C hops: back at its owner.
 
 def cp_chunks(cp_rank, cp_size, layout):   # the chunks of T this rank holds, in order
     if layout == "zigzag":
@@ -405,37 +416,26 @@ def cp_chunks(cp_rank, cp_size, layout):   # the chunks of T this rank holds, in
 
 
 def cp_positions(context, cp_rank, cp_size, layout):   # [T/C]: its positions' places in T
+    if cp_size == 1:                                    # all of them, in order, any T
+        return torch.arange(context)
     chunks = cp_chunks(cp_rank, cp_size, layout)
     size = context // (len(chunks) * cp_size)
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
 
 
-def pair_scores(q, k, head_dim, diagonal):   # S of a chunk pair: causal on the diagonal alone
-    if diagonal:
-        return scores(q, k, head_dim)
-    return wide_matmul(q / head_dim ** 0.5, k.transpose(-1, -2))
-
-
 def pair_attention(q_i, k_j, v_j, head_dim, diagonal):
-    """A pair's partial attention: o_ij [b, h, s, dh] fp32 and lse_ij [b, h, s] (a GPU: the
-    fused kernel's, causal on the diagonal, the same two)."""
-    if fused(q_i, head_dim, flash_only=True):     # a GPU's bf16: flash's kernel (fp32: as below)
-        return fused_attention(q_i, k_j, v_j, causal=diagonal)
-    s_ij = pair_scores(q_i, k_j, head_dim, diagonal)
-    lse_ij = s_ij.logsumexp(-1)
-    return (s_ij - lse_ij[..., None]).exp() @ wide(v_j), lse_ij
-
-
-def pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, d_i, head_dim, diagonal):
-    """The pair's share of dq_i, dk_j, dv_j, from the merged o_i, lse_i and D_i = rowsum(do o):
-    A = exp(S_ij - lse_i), dv = A^T do, dS = A (dA - D_i), dq = dS k / sqrt(dh), dk = dS^T q."""
+    """A pair's partial attention, step 2's attend(): o_ij [b, G, h/G, s, dh] fp32 and lse_ij
+    [b, G, h/G, s] (a GPU's bf16: FlashAttention's kernel, the same two)."""
     if fused(q_i, head_dim, flash_only=True):
-        return fused_attention_backward(do_i, q_i, k_j, v_j, o_i.to(q_i.dtype), lse_i,
-                                        causal=diagonal)
-    a = pair_scores(q_i, k_j, head_dim, diagonal).sub_(lse_i[..., None]).exp_()
-    dv = a.transpose(-1, -2) @ wide(do_i)
-    ds = a * (wide_matmul(do_i, v_j.transpose(-1, -2)) - d_i)
-    return ds @ wide(k_j) / head_dim ** 0.5, ds.transpose(-1, -2) @ wide(q_i) / head_dim ** 0.5, dv
+        return fused_attention(q_i, k_j, v_j, causal=diagonal)
+    return attend(q_i, k_j, v_j, head_dim, causal=diagonal)
+
+
+def pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, head_dim, diagonal):
+    """The pair's share of dq_i, dk_j, dv_j from the merged o_i and lse_i: attend_backward()."""
+    if fused(q_i, head_dim, flash_only=True):
+        return fused_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, causal=diagonal)
+    return attend_backward(do_i, q_i, k_j, v_j, o_i, lse_i, head_dim, causal=diagonal)
 
 
 def merge(o_a, lse_a, o_b, lse_b):
@@ -458,24 +458,24 @@ def ring_neighbours(group):   # the global ranks this rank sends to and receives
 
 def ring_attention(q, k, v, head_dim, group=None, layout="zigzag"):
     """Causal attention of this rank's positions over all of T: o [b, n, h dh] (n = T/C) and lse
-    [b, h, n]. Step t holds the keys and values of cp rank r - t, the next block coming in (and
-    this one leaving) under the pairs' computation."""
+    [b, h, n], q [b, n, h dh], k, v [b, n, G dh]. Step t holds the keys and values of cp rank r -
+    t, the next block coming in (and this one leaving) under the pairs' computation."""
     size = dist.get_world_size(group)
     r = dist.get_rank(group)
     right, left = ring_neighbours(group)
-    q, k, v = (heads(t, head_dim).contiguous() for t in (q, k, v))   # [b, h, n, dh]
+    q = query_heads(q, k.shape[-1] // head_dim, head_dim)            # [b, G, h/G, n, dh]
+    kv = torch.stack([kv_head(k, head_dim), kv_head(v, head_dim)])   # [2, b, G, 1, n, dh]
     mine = cp_chunks(r, size, layout)
-    s = q.shape[2] // len(mine)
+    s = q.shape[-2] // len(mine)
     outs = [None] * len(mine)
     lses = [None] * len(mine)
-    kv = torch.stack([k, v])                                          # [2, b, h, n, dh]
     for step in range(size):
         if step < size - 1:
             incoming = torch.empty_like(kv)
             works = exchange(kv, incoming, right, left, group, wait=False)
-        for a, (i, q_i) in enumerate(zip(mine, q.split(s, 2))):
-            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(s, 2),
-                       kv[1].split(s, 2))
+        for a, (i, q_i) in enumerate(zip(mine, q.split(s, -2))):
+            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(s, -2),
+                       kv[1].split(s, -2))
             for j, k_j, v_j in held:
                 if j > i:
                     continue
@@ -485,37 +485,38 @@ def ring_attention(q, k, v, head_dim, group=None, layout="zigzag"):
             for work in works:
                 work.wait()
             kv = incoming
-    o = torch.cat(outs, 2).to(v.dtype)
-    return o.transpose(1, 2).flatten(-2), torch.cat(lses, 2)
+    o = torch.cat(outs, -2).to(v.dtype)
+    return columns(o), torch.cat(lses, -1).flatten(1, 2)
 
 
 def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="zigzag"):
-    """dq, dk, dv [b, n, h dh]: each pair's A made again from the merged lse; dk and dv summed
-    into a buffer that travels with its block (fp32), home after C hops."""
+    """dq [b, n, h dh], dk, dv [b, n, G dh]: each pair's A made again from the merged lse; dk and
+    dv summed into a buffer that travels with its block (fp32), home after C hops."""
     size = dist.get_world_size(group)
     r = dist.get_rank(group)
     right, left = ring_neighbours(group)
-    do, q, k, v, o = (heads(t, head_dim).contiguous() for t in (do, q, k, v, o))
-    d = (wide(do) * wide(o)).sum(-1, keepdim=True)                    # D = rowsum(do * o)
+    kv_heads = k.shape[-1] // head_dim
+    do, q, o = (query_heads(t, kv_heads, head_dim) for t in (do, q, o))   # [b, G, h/G, n, dh]
+    lse = lse.unflatten(1, q.shape[1:3])                              # [b, G, h/G, n]
+    kv = torch.stack([kv_head(k, head_dim), kv_head(v, head_dim)])   # [2, b, G, 1, n, dh]
     mine = cp_chunks(r, size, layout)
-    s = q.shape[2] // len(mine)
-    dq = torch.zeros_like(q, dtype=wide(q).dtype)
-    kv = torch.stack([k, v])
-    dkv = torch.zeros_like(kv, dtype=dq.dtype)                        # this block's dk, dv
+    s = q.shape[-2] // len(mine)
+    dq = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)     # this block's dk, dv
     for step in range(size):
         if step < size - 1:
             incoming = torch.empty_like(kv)
             works = exchange(kv, incoming, right, left, group, wait=False)
-        rows = zip(mine, q.split(s, 2), do.split(s, 2), o.split(s, 2), d.split(s, 2),
-                   lse.split(s, 2), dq.split(s, 2))
-        for i, q_i, do_i, o_i, d_i, lse_i, dq_i in rows:
-            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(s, 2),
-                       kv[1].split(s, 2), dkv[0].split(s, 2), dkv[1].split(s, 2))
+        rows = zip(mine, q.split(s, -2), do.split(s, -2), o.split(s, -2), lse.split(s, -1),
+                   dq.split(s, -2))
+        for i, q_i, do_i, o_i, lse_i, dq_i in rows:
+            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(s, -2),
+                       kv[1].split(s, -2), dkv[0].split(s, -2), dkv[1].split(s, -2))
             for j, k_j, v_j, dk_j, dv_j in held:
                 if j > i:
                     continue
                 dq_ij, dk_ij, dv_ij = pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i,
-                                                              d_i, head_dim, diagonal=i == j)
+                                                              head_dim, diagonal=i == j)
                 dq_i += dq_ij
                 dk_j += dk_ij
                 dv_j += dv_ij
@@ -527,8 +528,7 @@ def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="z
             for work in works:
                 work.wait()
             kv = incoming
-    grads = (dq, *dkv)
-    return [t.to(q.dtype).transpose(1, 2).flatten(-2) for t in grads]
+    return [columns(t).to(q.dtype) for t in (dq, *dkv)]
 
 
 def tp_and_cp_groups(rank, tp_size, cp_size):
@@ -543,28 +543,44 @@ def tp_and_cp_groups(rank, tp_size, cp_size):
     return tp_groups[rank // tp_size], cp_groups[rank % tp_size]
 
 
+def kv_group(kv_heads, tp_size):
+    """G < tp: this rank's kv group, the tp/G ranks of its tp group (tp innermost: consecutive
+    ranks) that hold one kv head; every rank makes every group. G >= tp: None."""
+    if kv_heads >= tp_size:
+        return None
+    return dist.new_subgroups(tp_size // kv_heads)[0]
+
+
+def tp_copies(split, tp_rank, tp_size, kv_heads):
+    """The tensors (their indices) another tp rank holds too and writes in a checkpoint: the
+    whole and partial ones (tp rank 0 writes them), a kv head's columns (its first holder)."""
+    copies = {i for i, kind in enumerate(split) if kind in ("whole", "partial") and tp_rank > 0}
+    if kv_heads < tp_size and tp_rank % (tp_size // kv_heads):
+        copies |= set(split_as(split, "kv"))
+    return copies
+
+
 def tp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     tp_size = world_size // args.cp
     tp_rank = rank % tp_size                                           # tp innermost
     cp_rank = rank // tp_size
     tp_group, cp_group = tp_and_cp_groups(rank, tp_size, args.cp)
+    holders = kv_group(args.kv_heads, tp_size)                         # G < tp: a kv head's
     kinds = part_kinds(args.num_layers)
-    splits = tensor_kinds(kinds, args.tp_style, args.experts)          # a part's tensors'
+    splits = tensor_kinds(kinds, args, tp_size)                        # a part's tensors'
     init = init_params(args)                                           # drawn whole, then cut
-    shards = [[shard(w, k, tp_rank, tp_size).to(device) for w, k in zip(part, part_splits)]
-              for part, part_splits in zip(init, splits)]
+    shards = [[shard(w, k, tp_rank, tp_size, args.kv_heads).to(device)
+               for w, k in zip(part, part_splits)] for part, part_splits in zip(init, splits)]
     full = tensors_of(init)
     split = tensors_of(splits)
     # The shards live in step 2's replica over a dp group of one: buckets, optimizer, no exchange.
     replica = DataParallel(shards, dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
                            bf16=args.bf16)
-    boxes = [held_boxes(w.shape, k, tp_rank, tp_size) for w, k in zip(full, split)]   # where
+    boxes = [held_boxes(w.shape, k, tp_rank, tp_size, kv_heads=args.kv_heads)   # where each
+             for w, k in zip(full, split)]                                      # sits
     resumed = load_checkpoint(args, replica, range(len(full)), boxes)   # --resume: any layout's
-    whole = split_as(split, "whole")                                   # the gains and P
-    copies = set()                                                     # rank 0 writes them:
-    if tp_rank > 0:                                                    # the gains, P, routers
-        copies = {*whole, *split_as(split, "router")}
+    copies = tp_copies(split, tp_rank, tp_size, args.kv_heads)         # what others write
     if cp_rank > 0:                                                    # cp rank 0 holds the same
         copies = set(range(len(full)))
     gather = partial(whole_on_rank0, replica, full, range(len(full)), boxes, copies)   # on rank 0
@@ -573,9 +589,7 @@ def tp_worker(rank, world_size, args):
     if args.experts:                                                   # each block's, the same
         routers = [Router(args.experts, args.top_k, device) for _ in range(args.num_layers)]
     moe = MoE(args, routers)
-    blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, tp_group, args.vocab_size,
-                       args.sequence_parallel, cp_group, args.cp_layout, positions.to(device),
-                       routers)
+    blocks = tp_blocks(kinds, args, tp_group, cp_group, positions.to(device), routers)
     loss_fn = partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size, group=tp_group)
     m = args.micro_batches
     losses = []
@@ -590,10 +604,12 @@ def tp_worker(rank, world_size, args):
         inputs, targets = (t[:, positions].to(device) for t in make_batch(args, step))   # its own
         loss = dp_step(replica, blocks, loss_fn, inputs.chunk(m), targets.chunk(m),
                        args.batch_size * args.context, recompute=args.recompute)   # step 2's
-        if args.sequence_parallel:   # each gain and P saw this rank's T/tp positions alone:
-            sum_partial_grads(replica.grads(), whole, tp_group)        # summed over tp
-        if routers:                  # each router's, from its part of every dp_e: summed over tp
-            sum_partial_grads(replica.grads(), split_as(split, "router"), tp_group)
+        if args.sequence_parallel:   # each gain saw this rank's T/tp positions alone:
+            sum_partial_grads(replica.grads(), split_as(split, "whole"), tp_group)   # summed
+        # QK-norm's gains, routers: a rank's heads', its dgate's part; summed over tp
+        sum_partial_grads(replica.grads(), split_as(split, "partial"), tp_group)
+        if holders is not None:      # G < tp: a kv head's Wk, Wv, its holders' query heads' parts
+            sum_partial_grads(replica.grads(), split_as(split, "kv"), holders)
         if args.cp > 1:   # every gradient, a partial sum over this rank's positions: summed
             sum_partial_grads(replica.grads(), range(len(full)), cp_group)   # over cp
             reduce_over(loss, cp_group)                                 # so is the loss
@@ -602,7 +618,7 @@ def tp_worker(rank, world_size, args):
             check.step(gather(grads=False), gather(grads=True), moe.step())
         if args.clip_grad:     # the norm's squares summed over the shards, a whole tensor once
             norms.append(replica.clip(args.clip_grad, [tp_group],
-                                      clip_shares(split, tp_size)).item())
+                                      clip_shares(split, tp_size, args.kv_heads)).item())
         if routers:                  # the loads over every position (tp's ranks: the same ones)
             moe.loads += balance(routers, args.balance_rate, counted=tp_rank == 0).cpu()
         replica.update()
@@ -629,50 +645,60 @@ def main(argv=None):
 
 
 from collectives import positive_int  # noqa: E402
-from data_parallel import VOCAB_SIZE, check_training_args, training_parser  # noqa: E402
+from data_parallel import (VOCAB_SIZE, check_training_args, model_defaults,  # noqa: E402
+                           model_rules, training_parser)
 
 
 def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=False,
-             sequence_parallel=False, replicated=()):
+             sequence_parallel=False, summed=(), mlp_bytes=None):
     """A tp rank's collectives a step, (kind, bytes of the tensor, times), A = act_bytes for one
-    activation [b, T, D]. A block, each micro-batch: Megatron two g all-reduces forward (again
-    with --recompute) and two f backward; the all-gather style all-gathers o, Wo's output, the
-    MLP's [b, T, 4D] and W2's (again with --recompute), and all-reduces dn1, do, du (4 A), dn2.
-    The embedding all-reduces x, the head dn; the loss three [b T] of fp32. Sequence parallel:
-    each of Megatron's all-reduces a reduce-scatter and an all-gather along T, the same bytes;
-    and once a step an all-reduce of each gain's and P's gradient (replicated: their bytes)."""
+    activation [b, T, D], mlp_bytes the MLP's [b, T, F] (4 A where not given). A block, each
+    micro-batch: Megatron two g all-reduces forward (again with --recompute) and two f backward;
+    the all-gather style all-gathers o, Wo's output, the MLP's [b, T, F] and W2's (again with
+    --recompute), and all-reduces dn1, do, dm ([b, T, F]), dn2. The embedding all-reduces x, the
+    head dn; the loss three [b T] of fp32. Sequence parallel: each of Megatron's all-reduces a
+    reduce-scatter and an all-gather along T, the same bytes. summed: the bytes of each gradient
+    summed over tp (or its kv group) once a step: the partial ones (QK-norm's gains, routers, a
+    kv head's Wk, Wv where G < tp), and under sequence parallelism the gains."""
     m = num_micro_batches
+    if mlp_bytes is None:
+        mlp_bytes = 4 * act_bytes
     blocks = kinds.count("block")
     ends = ("embedding" in kinds) + ("head" in kinds)
     pairs = (blocks * (4 + 2 * recompute) + ends) * m
     if sequence_parallel:
-        runs = [("all-gather", act_bytes, pairs), ("reduce-scatter", act_bytes, pairs),
-                *[("all-reduce", nbytes, 1) for nbytes in replicated]]
+        runs = [("all-gather", act_bytes, pairs), ("reduce-scatter", act_bytes, pairs)]
     elif tp_style == "megatron":
         runs = [("all-reduce", act_bytes, pairs)]
     else:
         gathers = blocks * (1 + recompute) * m
-        runs = [("all-gather", act_bytes, 3 * gathers), ("all-gather", 4 * act_bytes, gathers),
+        runs = [("all-gather", act_bytes, 3 * gathers), ("all-gather", mlp_bytes, gathers),
                 ("all-reduce", act_bytes, (3 * blocks + ends) * m),
-                ("all-reduce", 4 * act_bytes, blocks * m)]
+                ("all-reduce", mlp_bytes, blocks * m)]
+    runs += [("all-reduce", nbytes, 1) for nbytes in summed]
     if "head" in kinds:
         runs.append(("all-reduce", 4 * rows, 3 * m))   # m, s and l_y
     return runs
 
 
-def cp_costs(blocks, rows, dim, tp, cp, bf16, num_micro_batches=1, recompute=False,
+def cp_costs(blocks, rows, kv_width, cp, bf16, num_micro_batches=1, recompute=False,
              buckets=(), reductions=1):
-    """A cp rank's exchanges a step: each block and micro-batch, K and V (stacked, [2, b, T/C,
-    D/tp], rows = b T/C) to the next rank C-1 times forward (again with --recompute) and C-1
-    back, and dK, dV in fp32 C times (home); each gradient bucket (its bytes) summed over cp as
-    often as the dp exchange takes it (reductions)."""
+    """A cp rank's exchanges a step: each block and micro-batch, K and V of its kv heads (stacked,
+    [2, b, T/C, kv_width], kv_width = G/tp dh, or dh where G < tp; rows = b T/C; never repeated to
+    its query heads) to the next rank C-1 times forward (again with --recompute) and C-1 back,
+    and dK, dV in fp32 C times (home); each gradient bucket (its bytes) summed over cp as often as
+    the dp exchange takes it (reductions)."""
     if cp == 1:
         return []
     m = num_micro_batches
-    kv = 2 * rows * dim // tp
+    kv = 2 * rows * kv_width
     return [("send", kv * (2 if bf16 else 4), (cp - 1) * (2 + recompute) * blocks * m),
             ("send", kv * 4, cp * blocks * m),
             *[("all-reduce", nbytes, reductions) for nbytes in buckets]]
+
+
+def kv_width(dim, heads, kv_heads, tp):   # a tp rank's k [.., G/tp dh] (G < tp: one head, dh)
+    return max(kv_heads // tp, 1) * (dim // heads)
 
 
 class Matmul(NamedTuple):
@@ -694,10 +720,11 @@ class Matmul(NamedTuple):
 
 
 class Attention(NamedTuple):
-    """A fused attention kernel (FlashAttention's) over `sequences` heads' [T, dh] each, its
-    forward or its backward: q, k, v, o of in_bytes an element, lse fp32. Causal, it computes the
-    tiles on and below the diagonal, half of each [T, T] (a ring's pair off the diagonal: all of
-    it), and writes none of them to memory."""
+    """A fused attention kernel (FlashAttention's) over `sequences` query heads' [T, dh] each, its
+    forward or its backward: q, o of in_bytes an element, k and v kv_share of q's (G/h: each kv
+    head read once for its group), lse fp32. Causal, it computes the tiles on and below the
+    diagonal, half of each [T, T] (a ring's pair off the diagonal: all of it), and writes none of
+    them to memory."""
     sequences: int
     context: int
     head_dim: int
@@ -705,6 +732,7 @@ class Attention(NamedTuple):
     backward: bool
     accumulate: bool = False                  # as a Matmul's: nothing is added into
     causal: bool = True
+    kv_share: float = 1.0
 
     def flops(self):   # half of 2 T T dh a product: S, A v; back: S again, dv, dA, dq and dk
         products = 5 if self.backward else 2
@@ -714,21 +742,23 @@ class Attention(NamedTuple):
         tensor = self.sequences * self.context * self.head_dim * self.in_bytes
         lse = self.sequences * self.context * 4
         if self.backward:
-            return 8 * tensor + lse
-        return 4 * tensor + lse
+            return (5 + 4 * self.kv_share) * tensor + lse
+        return (2 + 2 * self.kv_share) * tensor + lse
 
 
-def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", context=1, heads=1,
-                  cp=1, cp_layout="zigzag", experts=0, top_k=1, ep=1):
-    """A tp rank's part ("block" or "head"), a micro-batch of rows positions: its matmuls'
-    (forwards, backwards' dx, dWs into the fp32 gradient); a block's six weights, and its h/tp
-    heads' attention, one fused kernel forward and one back, as a GPU runs them (--cp: a kernel a
-    pair of chunks, the busiest rank's). What --plan prices and tests/gpu_path.py records.
-    --experts: the router's three fp32 matmuls, and each of the E/ep experts here its W1's and
-    W2's over rows K ep / E pairs (balanced: as many as the dense MLP's rows K), its dWs in the
-    backward (experts_backward's), in place of the MLP's."""
-    size = 2 if bf16 else 4
-    D = dim
+def block_matmuls(kind, rows, shape, tp, classes=0):
+    """A tp rank's part ("block" or "head"), a micro-batch of rows positions, shape the run's
+    flags (dim, heads, kv_heads, ffn_dim, context, tp_style, bf16, cp, cp_layout, experts,
+    top_k, ep): its matmuls' (forwards, backwards' dx, dWs into the fp32 gradient); a block's
+    seven weights, and its h/tp heads' attention, one fused kernel forward and one back, as a GPU
+    runs them (--cp: a kernel a pair of chunks, the busiest rank's). What --plan prices and
+    tests/gpu_path.py records. --experts: the router's three fp32 matmuls, and each of the E/ep
+    experts here its W1's, W3's and W2's over rows K ep / E pairs (balanced: as many as the dense
+    MLP's rows K), its dWs in the backward (experts_backward's), in place of the MLP's."""
+    size = 2 if shape.bf16 else 4
+    D = shape.dim
+    F = shape.ffn_dim
+    kv = kv_width(D, shape.heads, shape.kv_heads, tp)
 
     def linear(n_in, n_out, m=rows):
         return (Matmul(m, n_in, n_out, size, size, accumulate=False),      # z = x W
@@ -736,29 +766,32 @@ def block_matmuls(kind, rows, dim, tp, bf16, classes=0, tp_style="megatron", con
                 Matmul(n_in, m, n_out, size, 4, accumulate=True))          # dW += x^T dz
     if kind == "head":
         return [[m] for m in linear(D, classes)]
-    row = tp_style == "megatron"
+    row = shape.tp_style == "megatron"
     wo = linear(D // tp, D) if row else linear(D, D // tp)
-    w2 = linear(4 * D // tp, D) if row else linear(4 * D, D // tp)
-    layers = [linear(D, D // tp)] * 3 + [wo, linear(D, 4 * D // tp), w2]
-    if experts:                          # the MLP's two out: the router's and the experts' in
-        layers = layers[:4]
-    sequences = rows * cp // context * (heads // tp)   # b h/tp
-    head_dim = D // heads
+    w2 = linear(F // tp, D) if row else linear(F, D // tp)
+    layers = [linear(D, D // tp), linear(D, kv), linear(D, kv), wo]
+    if not shape.experts:
+        layers += [linear(D, F // tp), linear(D, F // tp), w2]
+    sequences = rows * shape.cp // shape.context * (shape.heads // tp)   # b h/tp
+    head_dim = D // shape.heads
     forwards, dxs, dws = (list(column) for column in zip(*layers))
-    if experts:                          # every dW in the backward (experts_backward's)
-        routed = rows * top_k * ep // experts                            # an expert's pairs
-        w1 = linear(D, 4 * D // tp, routed)
-        w2 = linear(4 * D // tp, D, routed) if row else linear(4 * D, D // tp, routed)
-        forwards += [Matmul(rows, D, experts, 4, 4, accumulate=False)]    # p = softmax(n Wr)
-        dxs += [Matmul(rows, experts, D, 4, 4, accumulate=False),         # dn = ds Wr^T
-                Matmul(D, rows, experts, 4, 4, accumulate=False)]         # dWr = n^T ds
-        for _ in range(experts // ep):
-            forwards += [w1[0], w2[0]]
-            dxs += [w1[1], w1[2], w2[1], w2[2]]
-    chunk = context // (cp * (1 + (cp > 1 and cp_layout == "zigzag")))   # s: a pair's side
-    diagonal, off = cp_pair_counts(cp, cp_layout)
-    pairs = [Attention(sequences, chunk, head_dim, size, backward=False)] * diagonal + [
-        Attention(sequences, chunk, head_dim, size, backward=False, causal=False)] * off
+    if shape.experts:                    # every dW in the backward (experts_backward's)
+        E = shape.experts
+        routed = rows * shape.top_k * shape.ep // E                      # an expert's pairs
+        w1 = linear(D, F // tp, routed)
+        w2 = linear(F // tp, D, routed) if row else linear(F, D // tp, routed)
+        forwards += [Matmul(rows, D, E, 4, 4, accumulate=False)]          # gate = softmax(n Wr)
+        dxs += [Matmul(rows, E, D, 4, 4, accumulate=False),               # dn = ds Wr^T
+                Matmul(D, rows, E, 4, 4, accumulate=False)]               # dWr = n^T ds
+        for _ in range(E // shape.ep):
+            forwards += [w1[0], w1[0], w2[0]]                             # W1, W3 alike
+            dxs += [w1[1], w1[2], w1[1], w1[2], w2[1], w2[2]]
+    cp = shape.cp
+    chunk = shape.context // (cp * (1 + (cp > 1 and shape.cp_layout == "zigzag")))   # a pair's s
+    diagonal, off = cp_pair_counts(cp, shape.cp_layout)
+    kernel = Attention(sequences, chunk, head_dim, size, backward=False,
+                       kv_share=kv / (D // tp))
+    pairs = [kernel] * diagonal + [kernel._replace(causal=False)] * off
     return forwards + pairs, dxs + [pair._replace(backward=True) for pair in pairs], dws
 
 
@@ -771,11 +804,14 @@ def cp_pair_counts(cp, layout):   # the busiest rank's pairs: (on the diagonal, 
 
 
 def describe(args, tp_size):   # what ran: "h/tp = 2 heads a rank, Megatron's pairs, ..."
-    style = {"megatron": "Megatron's pairs (Wq Wk Wv W1 column, Wo W2 row)",
+    style = {"megatron": "Megatron's pairs (Wq Wk Wv W1 W3 column, Wo W2 row)",
              "all-gather": "every weight column-parallel, each output all-gathered"}
     sequence = ", the residual stream by T/tp rows" * args.sequence_parallel
-    return (f"{args.heads // tp_size} of {args.heads} heads a rank, {style[args.tp_style]}"
-            f"{sequence}, the embedding and the head by class")
+    kv = f"{args.kv_heads // tp_size} of {args.kv_heads} kv heads"
+    if args.kv_heads < tp_size:
+        kv = f"1 of {args.kv_heads} kv heads, on {tp_size // args.kv_heads} ranks each"
+    return (f"{args.heads // tp_size} of {args.heads} query heads a rank and {kv}, "
+            f"{style[args.tp_style]}{sequence}, the embedding and the head by class")
 
 
 def add_context_parallel(parser):
@@ -790,8 +826,8 @@ def add_context_parallel(parser):
 
 def context_parallel_rules(args, tp_size):   # T in the layout's chunks; SP: a rank's T/C by tp
     chunks = args.cp * (2 if args.cp_layout == "zigzag" else 1)
-    return [(args.context % chunks, f"--cp {args.cp}: --context {args.context} is not divisible "
-                                    f"by {chunks}, the {args.cp_layout} layout's chunks"),
+    return [(args.cp > 1 and args.context % chunks, f"--cp {args.cp}: --context {args.context} is "
+             f"not divisible by {chunks}, the {args.cp_layout} layout's chunks"),
             (args.cp > 1 and args.sequence_parallel and args.context // args.cp % tp_size,
              f"--sequence-parallel with --cp {args.cp}: a rank's {args.context // args.cp} "
              f"positions do not split over the {tp_size} tp ranks")]
@@ -809,6 +845,14 @@ def sequence_parallel_rules(args, tp_size, tp_flag):   # broken with --sequence-
             (on and args.context % tp_size, f"--sequence-parallel: --context {args.context} is "
                                             f"not divisible by {tp_flag} ({tp_size}), the T/tp "
                                             f"rows a rank")]
+
+
+def tp_model_rules(args, tp_size, tp_flag):   # the block's cuts: whole kv heads, F/tp columns
+    G = args.kv_heads
+    return [(G % tp_size and tp_size % G, f"--kv-heads {G} and {tp_flag} ({tp_size}): neither "
+             f"divides the other, and a rank's query heads read whole kv heads (tp dividing G: "
+             f"G/tp a rank; G dividing tp: each held by the tp/G ranks that read it)"),
+            divides(args.ffn_dim, "--ffn-dim", tp_size, tp_flag)]
 
 
 def divides(value, flag, divisor, divisor_flag):   # a rule: broken if value % divisor
@@ -830,14 +874,17 @@ def parse_args(argv=None):
     add_sequence_parallel(parser)
     add_context_parallel(parser)
     args = parser.parse_args(argv)
+    model_defaults(args)
     tp_size = args.world_size // args.cp
-    parser.refuse([(args.world_size % args.cp, f"--cp {args.cp} does not divide --world-size "
-                                               f"{args.world_size}"),
+    parser.refuse([*model_rules(args), (args.world_size % args.cp, f"--cp {args.cp} does not "
+                                                                   f"divide --world-size "
+                                                                   f"{args.world_size}"),
                    *context_parallel_rules(args, tp_size)])
     tp_flag = "--world-size"
     if args.cp > 1:
         tp_flag = "--world-size / --cp"
     parser.refuse([divides(args.heads, "--heads", tp_size, tp_flag),
+                   *tp_model_rules(args, tp_size, tp_flag),
                    *sequence_parallel_rules(args, tp_size, tp_flag),
                    (tp_size > VOCAB_SIZE, f"--world-size {args.world_size}: more tp ranks "
                                           f"than the vocabulary's {VOCAB_SIZE} classes")])

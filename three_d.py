@@ -189,9 +189,9 @@ class ThreeDRank:
         for k, j in enumerate(self.mine):
             if self.part_kinds[j] != "block":
                 continue
-            mine.append([w[r * local:(r + 1) * local].clone() for w in shards[k][-2:]])
-            shards[k] = shards[k][:-2]
-            for i, w, kind in zip(spans[j][-2:], self.init[j][-2:], self.splits[j][-2:]):
+            mine.append([w[r * local:(r + 1) * local].clone() for w in shards[k][-3:]])
+            shards[k] = shards[k][:-3]
+            for i, w, kind in zip(spans[j][-3:], self.init[j][-3:], self.splits[j][-3:]):
                 held.append(i)
                 boxes.append(held_boxes(w.shape, kind, self.tp_rank, args.tp,
                                         range(r * local, (r + 1) * local)))
