@@ -99,32 +99,25 @@ def wide_matmul(a, b):   # [.., m, k] @ [.., k, n] summed into fp32, as FlashAtt
     return out.unflatten(0, a.shape[:-2])
 
 
-class Rope(NamedTuple):   # RoPE's angles m theta_i at a rank's positions m: cos, sin [T, dh/2]
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
 def rope_table(positions, head_dim, theta):
-    """cos and sin of m theta_i, theta_i = theta^(-2i/dh), i < dh/2, for each place m in its
-    sequence (positions [T]: step 3's --cp gives each rank its own): float64, rounded once."""
+    """e^(i m theta_i) [T, dh/2], theta_i = theta^(-2i/dh), i < dh/2, for each place m in its
+    sequence (positions [T]: step 3's --cp gives each rank its own): float64 angles, complex."""
     i = torch.arange(head_dim // 2, dtype=torch.float64, device=positions.device)
     angles = positions.double()[:, None] * theta ** (-2 * i / head_dim)     # [T, dh/2]
-    return Rope(angles.cos(), angles.sin())
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def rotate(x, rope, head_dim, back=False):
-    """RoPE on every head of x [b, T, n dh], in fp32 at least: the pair (x[2i], x[2i+1]) turned
-    by its angle, x'[2i] = x[2i] cos - x[2i+1] sin, x'[2i+1] = x[2i] sin + x[2i+1] cos. A
-    rotation R's backward is R^T: back, the same pairs turned by -angle (sin's sign flipped)."""
-    pairs = wide(x).unflatten(-1, (-1, head_dim // 2, 2))            # [b, T, n, dh/2, 2]
-    even = pairs[..., 0]
-    odd = pairs[..., 1]
-    cos = rope.cos.to(even.dtype)[:, None]                           # [T, 1, dh/2]: every head
-    sin = rope.sin.to(even.dtype)[:, None]
+def rotate(x, turn, head_dim, back=False):
+    """RoPE on every head of x [b, T, n dh], in fp32 at least: each pair (x[2i], x[2i+1]) read as
+    the complex number x[2i] + i x[2i+1] and times turn = e^(i m theta_i), which turns it by its
+    angle: x'[2i] = x[2i] cos - x[2i+1] sin, x'[2i+1] = x[2i] sin + x[2i+1] cos (Meta's Llama
+    code). A rotation R's backward is R^T, the turn by -angle: back, times e^(-i m theta_i)."""
+    pairs = wide(x).unflatten(-1, (-1, head_dim // 2, 2)).contiguous()   # [b, T, n, dh/2, 2]
+    turn = turn.to(torch.promote_types(pairs.dtype, torch.complex64))[:, None]   # every head's
     if back:
-        sin = -sin
-    turned = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-    return turned.flatten(-3).to(x.dtype)
+        turn = turn.conj()
+    turned = torch.view_as_complex(pairs) * turn                     # [b, T, n, dh/2], complex
+    return torch.view_as_real(turned).flatten(-3).to(x.dtype)
 
 
 def heads(t, head_dim):   # [b, T, n dh] -> [b, n, T, dh]: head j's columns j dh .. (j+1) dh
@@ -231,9 +224,13 @@ def swiglu_backward(dy, stash, w1, w3, w2, split):
     """dn [.., D] (step 3's: before f's backward), and the (x, dz) of W1, W3, W2."""
     n, a, up, u = stash
     du = split.gather_back(split.row_back(dy @ w2.T))        # y = u W2
-    s = torch.sigmoid(wide(a))
-    dup = (wide(du) * a * s).to(du.dtype)                    # u = silu(a) up, silu(a) = a s
-    da = (wide(du) * up * s * (1 + a * (1 - s))).to(du.dtype)   # silu'(a) = s (1 + a (1 - s))
+    if a.device.type != "cpu":        # a GPU: the two lines below in torch's kernels, fused
+        dup = du * F.silu(a)
+        da = torch.ops.aten.silu_backward(du * up, a)
+    else:
+        s = torch.sigmoid(wide(a))
+        dup = (wide(du) * a * s).to(du.dtype)                # u = silu(a) up, silu(a) = a s
+        da = (wide(du) * up * s * (1 + a * (1 - s))).to(du.dtype)   # silu'(a) = s (1 + a (1 - s))
     dn = da @ w1.T + dup @ w3.T                              # a = n W1, up = n W3
     return dn, [(n, da), (n, dup), (u, dy)]
 
@@ -1203,8 +1200,8 @@ def param_names(args):   # --save's names, each tensor's, in the init order
 def serial_loss(params, tokens, targets, config, bf16=False, halves=False, record=None,
                 moe=None):
     """The loss with autograd, and its logits [b T, V], from torch's own layers (embedding,
-    rms_norm, scaled_dot_product_attention with enable_gqa, silu) and RoPE as Meta's Llama writes
-    it (each pair a complex number, times e^(i m theta_i)); params: every tensor, in order; config:
+    rms_norm, scaled_dot_product_attention with enable_gqa, silu) and RoPE written out as RoFormer
+    writes it (each pair's x cos - y sin, x sin + y cos); params: every tensor, in order; config:
     the model's flags. bf16: the parallel runs' casts (bf16 matmuls on fp32 masters; norms, RoPE,
     softmax and loss in fp32). halves: each matmul sums the halves of its terms apart, as two tp
     ranks do: the same maths in another order, which moves only what rounding moves. record: a
@@ -1218,7 +1215,6 @@ def serial_loss(params, tokens, targets, config, bf16=False, halves=False, recor
     T = tokens.shape[1]
     angles = torch.arange(T, dtype=torch.float64)[:, None] * config.rope_theta ** (
         -2 * torch.arange(head_dim // 2, dtype=torch.float64) / head_dim)   # [T, dh/2]
-    turn = torch.polar(torch.ones_like(angles), angles)       # e^(i m theta_i)
 
     def note(x, out):   # only when asked: the notes hold every activation of the pass
         if record is not None:
@@ -1240,9 +1236,13 @@ def serial_loss(params, tokens, targets, config, bf16=False, halves=False, recor
     def split_heads(t):   # [b, T, n dh] -> [b, T, n, dh]
         return t.unflatten(-1, (-1, head_dim))
 
-    def rope(t):          # [b, T, n, dh]: the pairs (2i, 2i+1) as complex numbers, turned
-        pairs = torch.view_as_complex(wide(t).unflatten(-1, (-1, 2)).contiguous())
-        return torch.view_as_real(pairs * turn[:, None].to(pairs.dtype)).flatten(-2).to(t.dtype)
+    def rope(t):          # [b, T, n, dh]: each pair (2i, 2i+1) turned by m theta_i, RoFormer's
+        even = wide(t)[..., 0::2]
+        odd = wide(t)[..., 1::2]
+        cos = angles.cos().to(even.dtype)[:, None]            # [T, 1, dh/2]
+        sin = angles.sin().to(even.dtype)[:, None]
+        turned = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+        return turned.flatten(-2).to(t.dtype)
 
     def swiglu(n, w1, w3, w2):
         return matmul(F.silu(matmul(n, w1)) * matmul(n, w3), w2)

@@ -339,7 +339,7 @@ def hold_stages(args, stage, num_stages, device, routers=None):
     block's (--experts), this stage's used."""
     p, v = num_stages, args.virtual_stages
     init = init_params(args)
-    blocks = model_blocks(args.num_layers, args.dim // args.heads, routers)
+    blocks = model_blocks(args, routers, device)
     chunks = [stage_parts(args.num_layers, p, stage, v, c) for c in range(v)]
     mine = [j for parts in chunks for j in parts]
     starts = [sum(map(len, chunks[:c])) for c in range(v)]   # where each chunk's parts begin
@@ -408,7 +408,7 @@ import argparse, os, textwrap, time  # noqa: E401, E402
 from collectives import positive_int  # noqa: E402
 from data_parallel import (check_training_args, finish_run, gather_on_rank0,  # noqa: E402
                            training_parser)
-from tensor_parallel import divides  # noqa: E402
+from tensor_parallel import divides, kv_width  # noqa: E402
 
 
 class Recorder:
@@ -534,29 +534,35 @@ def simulate(stages, times=None):
 
 
 def block_stash(args, rows, tp=1):
-    """Bytes a block keeps, a micro-batch of rows: from F to B its stash, 16 [b, T, D]-sized (x,
-    n1, q, k, v, o, x', n2; z and gelu(z) 4 D wide), r1 and r2 [b, T] and lse [b, h, T] in fp32
-    (never A), or x alone with --recompute; from B to W its (x, dz)s, 16 of them and two gains'
-    dg [D]. A tp rank holds some whole and the rest by 1/tp (Megatron: q, k, v, o, z, gelu(z) and
-    lse; sequence parallel: all but n1 and n2, r1 and r2 too; and x, the recomputed's, by 1/tp)."""
-    T, D, h = args.context, args.dim, args.heads
-    A = rows * T * D * (2 if args.bf16 else 4)
-    whole_kept, whole_waiting = (4, 4) if tp > 1 and args.tp_style == "megatron" else (9, 7)
-    norms = 2 * rows * T * 4                  # r1, r2
-    x = A
-    if args.sequence_parallel:
-        whole_kept = 2
-        norms = norms // tp
-        x = A // tp
-    if tp == 1:
-        whole_kept, whole_waiting = 16, 16
-    kept = whole_kept * A + (16 - whole_kept) * A // tp + norms + rows * h * T * 4 // tp
-    waiting = whole_waiting * A + (16 - whole_waiting) * A // tp + 2 * D * 4
-    if getattr(args, "experts", 0):   # estimated, balanced: z, gelu(z) by tp a pair and its y_e
-        K = args.top_k                # (--ep: and its x, sent), p fp32, in place of the MLP's z,
-        kept += K * (8 * A // tp + A * (1 + (args.ep > 1))) + rows * T * args.experts * 4
-        kept -= 8 * A // tp           # gelu(z); their dWs made in the backward: no (x, dz) waits
-        waiting -= 5 * A + 5 * A // tp
+    """Bytes a block keeps, a micro-batch of rows, on a tp rank: from F to B its stash (x, n1, q,
+    k, v, o, x', n2, the MLP's a, up and u, F wide; r1, r2 and lse [b, h, T] in fp32, never A;
+    --qk-norm: q, k before their norms and their r), or x alone with --recompute; from B to W its
+    (x, dz)s and the gains' dg. A the [b, T, D]; a rank's query heads A/tp, its kv heads K; the
+    MLP's M, [b, T, F/tp]. Some are whole on every tp rank, the rest split: o and u gathered in the
+    all-gather style; sequence parallel splits x, x' and their r by T/tp."""
+    T, D, h, F = args.context, args.dim, args.heads, args.ffn_dim
+    size = 2 if args.bf16 else 4
+    kv_heads = kv_width(D, h, args.kv_heads, tp) // (D // h)     # a rank's
+    A = rows * T * D * size
+    K = rows * T * kv_heads * (D // h) * size
+    M = rows * T * F // tp * size
+    gathers = tp > 1 and args.tp_style == "all-gather"
+    o = A if gathers else A // tp
+    u = M * tp if gathers else M
+    x = A // tp if args.sequence_parallel else A
+    r = rows * T * 4 // tp if args.sequence_parallel else rows * T * 4
+    lse = rows * h // tp * T * 4
+    kept = 2 * x + 2 * A + A // tp + 2 * K + o + 2 * M + u + 2 * r + lse   # x x' n1 n2 q k v o ..
+    dy = A // tp if gathers else A                     # dy1, dy2: a column layer's, its columns
+    waiting = 2 * A + A // tp + 2 * K + o + 2 * dy + 2 * M + u + 2 * D * 4
+    if args.qk_norm:                                   # q, k before their norms, r_q, r_k
+        kept += A // tp + K + lse + rows * T * kv_heads * 4
+        waiting += 2 * (D // h) * 4
+    if args.experts:   # estimated, balanced: a pair's rows and its a, up, u, y_e, its K choices,
+        E = args.experts                               # the gates fp32, in place of a, up, u;
+        pairs = args.top_k * (2 * A + 2 * M + u) + rows * T * (E * 4 + args.top_k * 16)
+        kept += pairs - 2 * M - u                      # their dWs made in the backward, ready:
+        waiting += -(A + 2 * M + u + dy) + 4 * D * E + 3 * 4 * E // args.ep * D * F // tp
     if args.recompute:
         kept = x
     return kept, waiting

@@ -43,9 +43,10 @@ from data_parallel import (SerialCheck, global_loss, load_checkpoint, log_step, 
                            save_checkpoint, whole_on_rank0)       # --check, loss, checkpoints
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts)
-from tensor_parallel import (all_gather_columns, clip_shares, cp_costs, cp_positions, my_columns,
-                             held_boxes, part_kinds, reduce_over, shard, sum_partial_grads,
-                             tensor_kinds, tp_blocks, tp_costs, vocab_parallel_cross_entropy)
+from tensor_parallel import (all_gather_columns, clip_shares, cp_costs, cp_positions, held_boxes,
+                             kv_group, kv_width, my_columns, part_kinds, reduce_over, shard,
+                             split_as, sum_partial_grads, tensor_kinds, tp_blocks, tp_copies,
+                             tp_costs, vocab_parallel_cross_entropy)
 
 AXES = ("dp", "pp", "tp")
 
@@ -124,6 +125,7 @@ class ThreeDRank:
         names = [name for name in ("tp", "pp", "dp", "cp", "ep", "ep_copies") if name in groups]
         self.groups = {name: dist.new_subgroups_by_enumeration(groups[name], timeout=timeout)[0]
                        for name in names}
+        self.groups["kv"] = kv_group(args.kv_heads, args.tp)   # G < tp: a kv head's holders
         self.dp_rank, self.stage, self.tp_rank = coordinates(rank, groups)
         self.cp_rank = 0
         if args.cp > 1:
@@ -136,28 +138,31 @@ class ThreeDRank:
     def hold_shards(self, args, device):
         """The parts of its stage (of each of its chunks, interleaved: the embedding in the first
         chunk of stage 0, the head in the last of the last stage), each tensor cut to its tp part: a
-        column layer's columns (whole heads), a row layer's rows, its classes of E and H, a gain and
-        P whole, from the whole model every rank draws. Step 2's replica holds them over dp."""
+        column layer's columns (whole heads), a row layer's rows, its classes of E and H, a gain
+        whole, a kv head's columns (G < tp), from the whole model every rank draws. Step 2's replica
+        holds them over dp."""
         self.init = init_params(args)
         v = args.virtual_stages
         self.part_kinds = part_kinds(args.num_layers)                 # by part, in order
-        self.splits = tensor_kinds(self.part_kinds, args.tp_style, args.experts)   # a part's
+        self.splits = tensor_kinds(self.part_kinds, args, args.tp)    # a part's tensors'
+        G = args.kv_heads
         self.chunks = [stage_parts(args.num_layers, args.pp, self.stage, v, c) for c in range(v)]
         self.mine = [j for parts in self.chunks for j in parts]      # its parts' indices
-        shards = [[shard(w, k, self.tp_rank, args.tp).to(device)
+        shards = [[shard(w, k, self.tp_rank, args.tp, G).to(device)
                    for w, k in zip(self.init[j], self.splits[j])] for j in self.mine]
         spans = spans_of(self.init)
         self.held = [i for j in self.mine for i in spans[j]]          # its tensors' indices
-        self.boxes = [held_boxes(w.shape, k, self.tp_rank, args.tp)   # where each sits
-                      for j in self.mine for w, k in zip(self.init[j], self.splits[j])]
-        self.copies = {i for j in self.mine for i, k in zip(spans[j], self.splits[j])
-                       if k in ("whole", "router") and self.tp_rank > 0}   # tp rank 0 writes
+        self.boxes = [held_boxes(w.shape, k, self.tp_rank, args.tp, kv_heads=G)   # where each
+                      for j in self.mine for w, k in zip(self.init[j], self.splits[j])]   # sits
+        split = tensors_of(self.splits)
+        self.copies = {i for i in tp_copies(split, self.tp_rank, args.tp, G)   # others write
+                       if i in self.held}
         if self.cp_rank > 0:                                          # cp rank 0 holds the same
             self.copies = set(self.held)
         self.kinds = [k for j in self.mine for k in self.splits[j]]   # its tensors' splits
         self.starts = [sum(map(len, self.chunks[:c])) for c in range(v)]   # a chunk's first
         experts = self.hold_experts(args, shards) if args.ep > 1 else None   # out of shards
-        self.shares = clip_shares(self.kinds, args.tp)
+        self.shares = clip_shares(self.kinds, args.tp, G)
         self.replica = make_replica(shards, self.groups["dp"], zero=args.zero,
                                     optimizer=args.optimizer, lr=args.lr, bf16=args.bf16,
                                     bucket_mb=args.bucket_mb,      # no bucket crosses a chunk
@@ -231,10 +236,7 @@ class ThreeDRank:
                            if self.part_kinds[j] == "block"]
             self.stages.append(Stage(
                 self.replica, range(self.starts[c], self.starts[c] + len(kinds)),
-                blocks=tp_blocks(kinds, args.tp_style, args.dim // args.heads, tp_group,
-                                 vocab_size=args.vocab_size,
-                                 sequence_parallel=args.sequence_parallel,
-                                 cp_group=self.groups.get("cp"), cp_layout=args.cp_layout,
+                blocks=tp_blocks(kinds, args, tp_group, cp_group=self.groups.get("cp"),
                                  positions=self.positions.to(self.device), routers=routers),
                 first=virtual == 0, last=virtual == v * p - 1,
                 num_micro_batches=args.micro_batches, mean_over=len(self.rows) * args.context,
@@ -244,15 +246,19 @@ class ThreeDRank:
                 before_exchange=self.sum_partial))
 
     def sum_partial(self, b):
-        """Sequence parallel: bucket b's gains and P saw T/tp positions a tp rank: their dg summed
-        over tp before the dp exchange (ZeRO's parts of a bucket differ by tp rank: E_t, H_t);
-        so is a router's, a part of each dp_e a tp rank (step 2's experts).
-        --cp: every gradient of the bucket saw this rank's positions alone: summed over cp."""
+        """Bucket b's partial gradients, each summed before the dp exchange (ZeRO's parts of a
+        bucket differ by tp rank: E_t, H_t): over tp, QK-norm's gains and a router's (a rank's
+        heads', its part of each dgate_e) and, under sequence parallelism, the gains (T/tp
+        positions a rank); over its kv group, a kv head's Wk, Wv (G < tp: its holders' query
+        heads'). --cp: every gradient of the bucket saw this rank's positions alone: over cp."""
         bucket = self.replica.grad_buckets[b]
-        partial_kinds = ["router", *["whole"] * self.sequence_parallel]
-        summed = [i for i in self.replica.layout.buckets[b] if self.kinds[i] in partial_kinds]
-        sum_partial_grads({i: self.replica.view(bucket, i) for i in summed}, summed,
-                          self.groups["tp"])
+        mine = self.replica.layout.buckets[b]
+        grads = {i: self.replica.view(bucket, i) for i in mine}
+        summed = [i for i in mine if self.kinds[i] == "partial" or
+                  (self.sequence_parallel and self.kinds[i] == "whole")]
+        sum_partial_grads(grads, summed, self.groups["tp"])
+        if self.groups["kv"] is not None:
+            sum_partial_grads(grads, [i for i in mine if self.kinds[i] == "kv"], self.groups["kv"])
         if "cp" in self.groups:
             reduce_over(bucket, self.groups["cp"])
 
@@ -346,11 +352,12 @@ from collections import Counter  # noqa: E402
 from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
 from data_parallel import (VOCAB_SIZE, check_training_args, experts_rules, finish_run,  # noqa
-                           in_step_bytes, make_buckets, training_parser)
+                           in_step_bytes, make_buckets, model_defaults, model_rules,
+                           training_parser)
 from pipeline_parallel import add_schedule_args, held_counts, schedule_rules  # noqa: E402
 from tensor_parallel import (Attention, add_context_parallel, add_sequence_parallel,  # noqa
                              block_matmuls, context_parallel_rules, describe, divides,
-                             refuse_unused, sequence_parallel_rules, vocab_range)
+                             refuse_unused, sequence_parallel_rules, tp_model_rules, vocab_range)
 
 
 def finish_ranks(me, args, losses, check, norms, device, resumed=None, moe=None):
@@ -395,33 +402,36 @@ def chunk_lengths(args, stage=0, tp_rank=0):     # the elements of each of its c
 
 
 def replica_buckets(args, stage, tp_rank):
-    return buckets_of(stage_kinds(args, stage), args.dim, args.context, args.vocab_size,
-                      args.tp, tp_rank, args.bucket_mb, args.dp if args.zero else 1,
-                      args.experts, args.ep)
+    return buckets_of(stage_kinds(args, stage), shape_of(args), args.vocab_size, args.tp,
+                      tp_rank, args.bucket_mb, args.dp if args.zero else 1)
 
 
-def expert_lengths(args, stage):   # --ep: the experts' copies' buckets: a block's E/P W1, W2
+def expert_lengths(args, stage):   # --ep: the experts' copies' buckets: a block's E/P W1, W3, W2
     blocks = sum(kinds.count("block") for kinds in stage_kinds(args, stage))
     if args.ep == 1 or not blocks:
         return []
-    n = args.experts // args.ep * 4 * args.dim * args.dim // args.tp
+    n = args.experts // args.ep * args.dim * args.ffn_dim // args.tp
     pad = args.dp // args.ep if args.zero else 1
-    return [-(-2 * n // pad) * pad] * blocks           # a block's experts a bucket
+    return [-(-3 * n // pad) * pad] * blocks           # a block's experts a bucket
 
 
 @functools.lru_cache(maxsize=None)
-def buckets_of(chunks, dim, context, vocab_size, tp, tp_rank, bucket_mb, pad_to, experts=0,
-               ep=1):
-    """A rank's buckets (chunk, elements): a block's 12 D^2/tp and two gains, its classes of E and
-    H with P and the final gain (ZeRO: d S). Experts: the router's D E, and W1, W2 E times the
-    MLP's, or with --ep none (the experts' copies hold them: expert_lengths)."""
+def buckets_of(chunks, shape, vocab_size, tp, tp_rank, bucket_mb, pad_to):
+    """A rank's buckets (chunk, elements): a block's Wq and Wo D^2/tp each, Wk and Wv D G dh/tp
+    (G < tp: D dh), W1, W3, W2 D F/tp each, two gains (--qk-norm: two more, dh each); its
+    classes of E and H with the final gain (ZeRO: d S). Experts: the router's D E, and W1, W3,
+    W2 E times the MLP's, or with --ep none (the experts' copies hold them: expert_lengths)."""
     start, end = vocab_range(vocab_size, tp_rank, tp)
-    D = dim
-    mlp = [4 * D * D // tp] * 2
-    if experts:
-        mlp = [D * experts, *[experts * 4 * D * D // tp] * 2 * (ep == 1)]
-    size = {"embedding": [(end - start) * D, context * D], "head": [D, D * (end - start)],
-            "block": [D, *[D * D // tp] * 4, D, *mlp]}
+    D = shape.dim
+    F = shape.ffn_dim
+    E = shape.experts
+    kv = D * kv_width(D, shape.heads, shape.kv_heads, tp)
+    mlp = [D * F // tp] * 3
+    if E:
+        mlp = [D * E, *[E * D * F // tp] * 3 * (shape.ep == 1)]
+    attention = [D, D * D // tp, kv, kv, *[D // shape.heads] * 2 * shape.qk_norm, D * D // tp, D]
+    size = {"embedding": [(end - start) * D], "head": [D, D * (end - start)],
+            "block": [*attention, *mlp]}
     numels = [size[kind] for chunk in chunks for kind in chunk]
     starts = [sum(map(len, chunks[:c])) for c in range(len(chunks))]
     layout = make_buckets(numels, bucket_mb, starts)
@@ -460,11 +470,17 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     kinds = [kind for chunk in stage_kinds(args, stage) for kind in chunk]   # the ends' too
     rows = args.batch_size // (args.dp * m) * args.context // args.cp       # its positions, b T/C
     act = rows * args.dim * (2 if args.bf16 else 4)                         # [b, T, D]
-    gains = 2 * kinds.count("block") + kinds.count("head")
-    replicated = [4 * args.dim] * gains + [4 * args.context * args.dim] * ("embedding" in kinds)
+    blocks = kinds.count("block")
+    head_dim = args.dim // args.heads
+    summed = [4 * 2 * head_dim] * blocks * args.qk_norm + [4 * args.dim * args.experts] * blocks
+    if args.kv_heads < tp:                              # a kv head's Wk, Wv over its holders
+        summed += [4 * 2 * args.dim * head_dim] * blocks
+    if args.sequence_parallel:                          # the gains
+        summed += [4 * args.dim] * (2 * blocks + kinds.count("head"))
     tp_runs = tp_costs(kinds, act, rows, args.tp_style, num_micro_batches=m,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                       replicated=replicated * (m if args.zero == 3 else 1))   # before each dp
+                       summed=summed * (m if args.zero == 3 else 1),   # before each dp exchange
+                       mlp_bytes=act * args.ffn_dim // args.dim)
     sent = act // tp if args.p2p_shard or args.sequence_parallel else act   # 1/tp crosses
     kept, waiting = stash_bytes(args)
     bubble, stash, pp_runs = pipeline_costs(args.schedule, args.pp, stage, m, v, act_bytes=sent,
@@ -474,15 +490,16 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     lengths = replica_lengths(args, stage, tp_rank)
     dp_runs, held = dp_costs(lengths, args.dp, zero=args.zero, num_micro_batches=m,
                              optimizer=args.optimizer, bf16=args.bf16)
-    cp_runs = cp_costs(kinds.count("block"), rows, args.dim, tp, args.cp, args.bf16, m,
-                       args.recompute, [4 * n for n in lengths], m if args.zero == 3 else 1)
+    cp_runs = cp_costs(blocks, rows, kv_width(args.dim, args.heads, args.kv_heads, tp), args.cp,
+                       args.bf16, m, args.recompute, [4 * n for n in lengths],
+                       m if args.zero == 3 else 1)
     runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs, "cp": cp_runs}
     if args.ep > 1:   # each block's four all-to-alls of rows K pairs (balanced), the ids and
-        calls = kinds.count("block") * m                      # counts; the experts' copies'
-        forwards = calls * (1 + args.recompute)               # exchange at the step's end
-        runs["ep"] = [("all-to-all", act * args.top_k, 2 * forwards + 2 * calls),
+        calls = blocks * m                                    # counts (once a forward); the
+        forwards = calls * (1 + args.recompute)               # experts' copies' exchange at
+        runs["ep"] = [("all-to-all", act * args.top_k, 2 * forwards + 2 * calls),   # the end
                       ("all-to-all", rows * args.top_k * 8, forwards),
-                      ("all-to-all", args.ep * 8, 2 * forwards)]
+                      ("all-to-all", args.ep * 8, forwards)]
         runs["copies"], experts = dp_costs(expert_lengths(args, stage), args.dp // args.ep,
                                            zero=args.zero, num_micro_batches=m,
                                            optimizer=args.optimizer, bf16=args.bf16)
@@ -543,14 +560,20 @@ GPUS = {
 # weight (6).
 UPDATE_BYTES = {"adamw": 40, "sgd": 24}
 REFRESH_BYTES = 6
-# A block's memory-bound passes on a GPU, in [b, T, D]s read and written: forward, the two fused
-# norms (x in, y out: 2 each), the two residual adds (3 each), gelu over [b, T, 4D] (8); back,
-# the norms' fused backward (dy, x in, dx out: 3 each), four adds (3 each), gelu's backward (12).
-PASSES = {"forward": 2 * 2 + 2 * 3 + 8, "backward": 2 * 3 + 4 * 3 + 12}
-# --experts, in [N K, D]s, a pair's (estimated, not recorded: the routing is data): forward gelu's
-# 8, the rows gathered (2), the p-weighted sum into fp32 y (3); back gelu's 12, dy's rows gathered
-# and scaled (3), dn summed in (3), <dy, y_e> (2). They replace the dense MLP's gelu passes.
-EXPERT_PASSES = {"forward": 8 + 2 + 3, "backward": 12 + 3 + 3 + 2}
+# A block's memory-bound passes on a GPU, in [b, T, D]s of bf16 read and written: forward, the
+# two fused norms (x in, y out: 2 each), the two residual adds (3 each); back, the norms' fused
+# backward (dy, x in, dx out: 3 each), four adds (3 each). Then by what else the block has, in
+# [b, T, D]s of q (k and v: G/h of one): RoPE's rotation of q and k, forward and back (fp32 in,
+# a complex product, bf16 out: 10); --qk-norm's norms (2 forward, 3 back); and in [b, T, F]s,
+# SwiGLU's silu and product (5 forward) and back (du up, silu_backward, silu, du silu: 11).
+PASSES = {"forward": 2 * 2 + 2 * 3, "backward": 2 * 3 + 4 * 3}
+ROPE = 10
+QK_NORM = {"forward": 2, "backward": 3}
+SWIGLU = {"forward": 5, "backward": 11}
+# --experts, in [N K, D]s, a pair's (estimated, not recorded: the routing is data): the rows
+# gathered (2), the gate-weighted sum into fp32 y (3); back dy's rows gathered and scaled (3), dn
+# summed in (3), <dy, y_e> (2); and SwiGLU's over each pair's [F].
+EXPERT_PASSES = {"forward": 2 + 3, "backward": 3 + 3 + 2}
 
 
 class Machine:
@@ -592,9 +615,7 @@ class Machine:
             rows_bytes = rows * dim * size
             f = (2 + 2 * (tp > 1)) * rows_bytes / self.hbm
             return f, 0.0, (rows_bytes + 2 * rows * dim * 4) / self.hbm
-        forwards, dxs, dws = block_matmuls(kind, rows, dim, tp, args.bf16, classes,
-                                           args.tp_style, args.context, args.heads, args.cp,
-                                           args.cp_layout, args.experts, args.top_k, args.ep)
+        forwards, dxs, dws = block_matmuls(kind, rows, args, tp, classes)
         f = sum(map(self.matmul_s, forwards))
         b = sum(map(self.matmul_s, dxs))
         w = sum(map(self.matmul_s, dws))     # each adds into the gradient, zeroed as a step begins
@@ -602,17 +623,19 @@ class Machine:
             loss = rows * classes * 4 / self.hbm
             return f + 6 * loss, b + 4 * loss, w
         passes = rows * dim * size / self.hbm
-        f += PASSES["forward"] * passes
-        b += PASSES["backward"] * passes
-        if args.experts:   # gelu's passes K times, over the pairs, and their gathers and sums
-            f += (EXPERT_PASSES["forward"] * args.top_k - 8) * passes
-            b += (EXPERT_PASSES["backward"] * args.top_k - 12) * passes
+        qk = 1 + args.kv_heads / args.heads                  # q's and k's, in [b, T, D]s
+        mlp = args.ffn_dim / dim * max(args.top_k * (args.experts > 0), 1)   # every pair's
+        f += (PASSES["forward"] + (ROPE + QK_NORM["forward"] * args.qk_norm) * qk +
+              SWIGLU["forward"] * mlp) * passes
+        b += (PASSES["backward"] + (ROPE + QK_NORM["backward"] * args.qk_norm) * qk +
+              SWIGLU["backward"] * mlp) * passes
+        if args.experts:   # the pairs' gathers and sums
+            f += EXPERT_PASSES["forward"] * args.top_k * passes
+            b += EXPERT_PASSES["backward"] * args.top_k * passes
         return f, b + f * args.recompute, w
 
     def attention_s(self, rows, shape, tp):   # a block's attention kernels: (forward, back)
-        forwards, dxs, _ = block_matmuls("block", rows, shape.dim, tp, shape.bf16, 0,
-                                         shape.tp_style, shape.context, shape.heads, shape.cp,
-                                         shape.cp_layout)
+        forwards, dxs, _ = block_matmuls("block", rows, shape, tp)
         return [sum(self.matmul_s(mm) for mm in kernels if isinstance(mm, Attention))
                 for kernels in (forwards, dxs)]
 
@@ -668,15 +691,22 @@ def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1, ep=1):
 class Shape(NamedTuple):   # what a part's price reads of the run's flags (a cache's key)
     dim: int
     heads: int
+    kv_heads: int
+    ffn_dim: int
+    qk_norm: bool
     context: int
     tp_style: str
     bf16: bool
     recompute: bool
     cp: int
     cp_layout: str
-    experts: int = 0
-    top_k: int = 1
-    ep: int = 1
+    experts: int
+    top_k: int
+    ep: int
+
+
+def shape_of(args):   # the run's flags that price a part
+    return Shape(*(vars(args)[name] for name in Shape._fields))
 
 
 @functools.lru_cache(maxsize=None)   # many layouts share one
@@ -707,8 +737,7 @@ def predict(args, machine):
     rows = args.batch_size // (dp * m) * args.context // cp   # a micro-batch's positions, a rank's
     stages = []
     for s in chosen.values():
-        shape = Shape(args.dim, args.heads, args.context, args.tp_style, args.bf16, args.recompute,
-                      cp, args.cp_layout, args.experts, args.top_k, args.ep)
+        shape = shape_of(args)
         chunks = [chunk_s(machine, kinds, rows, shape, tp, classes)
                   for kinds in stage_kinds(args, s)]
         runs, held, _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
@@ -738,8 +767,8 @@ def predict(args, machine):
     params = max(stage["params"] for stage in stages)   # the largest optimizer's, a rank's
     parts["update"] = machine.update_s(params, args.optimizer, args.bf16)
     step = sum(parts.values())
-    L, D, T = args.num_layers, args.dim, args.context   # 6 a weight a position; attention 12 T D
-    model_flops = args.batch_size * T * (6 * active_params(args) + 12 * L * T * D)
+    L, D, T = args.num_layers, args.dim, args.context   # 6 a weight a position; attention 6 T D
+    model_flops = args.batch_size * T * (6 * active_params(args) + 6 * L * T * D)
     return dict(step_s=step, parts=parts, bubble=slowest["bubble"],
                 memory_bytes=most_memory(args),
                 bytes={group: max(stage["sent"][group] for stage in stages) for group in sizes},
@@ -752,18 +781,21 @@ def predict(args, machine):
 
 def active_params(args):   # the weights a position multiplies: with experts, its K and the router
     L, D = args.num_layers, args.dim
-    mlp = 8 * D * D
+    attention = 2 * D * D + 2 * D * args.kv_heads * (D // args.heads)   # Wq, Wo; Wk, Wv
+    mlp = 3 * D * args.ffn_dim
     if args.experts:
-        mlp = args.top_k * 8 * D * D + D * args.experts
-    return L * (4 * D * D + mlp) + args.vocab_size * D
+        mlp = args.top_k * 3 * D * args.ffn_dim + D * args.experts
+    return L * (attention + mlp) + args.vocab_size * D
 
 
-def total_params(args):   # every weight: E, P, the blocks (gains, router), the final gain, H
+def total_params(args):   # every weight: E, the blocks (gains, router), the final gain, H
     L, D = args.num_layers, args.dim
-    mlp = 8 * D * D
+    gains = 2 * D + 2 * (D // args.heads) * args.qk_norm
+    mlp = 3 * D * args.ffn_dim
     if args.experts:
-        mlp = args.experts * 8 * D * D + D * args.experts
-    return L * (4 * D * D + 2 * D + mlp) + (2 * args.vocab_size + args.context + 1) * D
+        mlp = args.experts * 3 * D * args.ffn_dim + D * args.experts
+    attention = 2 * D * D + 2 * D * args.kv_heads * (D // args.heads)
+    return L * (attention + gains + mlp) + (2 * args.vocab_size + 1) * D
 
 
 def most_memory(args, stages=None):
@@ -782,25 +814,28 @@ def most_memory(args, stages=None):
 
 
 def working_bytes(args, stage):
-    """What a step holds a moment beside state and stash: a block's backward (the MLP's g, dz, dx,
-    4 D wide; fused attention holds no [T, T]; --cp: the ring's buffers; --recompute: the block's
-    stash rebuilt, less the x it kept, the chunk's (x, dz)s until W), or the last stage's loss:
-    logits [b T, V/tp], exps made dlogits in place (bf16: an fp32 copy, a cast), beside others'
-    dlogits between F and B."""
+    """What a step holds a moment beside state and stash: a block's backward (the MLP's du, da,
+    dup, silu(a), F wide; fused attention holds no [T, T]; --cp: the ring's buffers; --recompute:
+    the block's stash rebuilt, less the x it kept, the chunk's (x, dz)s until W), or the last
+    stage's loss: logits [b T, V/tp], exps made dlogits in place (bf16: an fp32 copy, a cast),
+    beside others' dlogits between F and B."""
     b = args.batch_size // (args.dp * args.micro_batches)
     act = 2 if args.bf16 else 4
     T = args.context // args.cp                                            # its positions
-    block = 3 * 4 * b * T * args.dim * act                                 # the MLP's
+    A = b * T * args.dim * act                                             # [b, T, D]
+    block = 4 * b * T * args.ffn_dim * act                                 # the MLP's
     if args.cp > 1:   # the ring's backward beside the MLP's dz and 3 more [b, T/C, D]: do, q,
-        # k, v, o in the heads' layout, K V and the incoming (9 A); fp32 dq, dK dV, the arriving
-        A = b * T * args.dim // args.tp                                    # [b, T/C, D/tp]
-        block = max(block, 7 * b * T * args.dim * act + 9 * A * act + 5 * A * 4)
-    if args.recompute:   # the stash rebuilt; its n1, o, n2, gelu(z) are its (x, dz)s' xs, counted
-        mine = argparse.Namespace(**{**vars(args), "context": T})          # with those: in the
+        # o, k, v in the heads' layout, K V and the incoming; fp32 dq, dK dV, the arriving
+        q = b * T * args.dim // args.tp                                    # [b, T/C, h/tp dh]
+        kv = b * T * kv_width(args.dim, args.heads, args.kv_heads, args.tp)
+        block = max(block, 7 * A + (3 * q + 6 * kv) * act + (q + 4 * kv) * 4)
+    if args.recompute:   # the stash rebuilt; its n1, o, n2, u are its (x, dz)s' xs, counted with
+        mine = argparse.Namespace(**{**vars(args), "context": T})          # those: in the
         whole = argparse.Namespace(**{**vars(mine), "recompute": False})   # chunk's, or zb-h1's
-        xs = 7 * b * T * args.dim * act                                    # stash (held_counts)
+        split = 1                                                          # stash (held_counts)
         if args.tp > 1 and args.tp_style == "megatron":
-            xs = (2 * args.tp + 5) * b * T * args.dim * act // args.tp     # o, gelu(z)
+            split = args.tp                                                # o, u by tp
+        xs = 2 * A + A // split + b * T * args.ffn_dim * act // split
         block += block_stash(whole, b, args.tp)[0] - xs - block_stash(mine, b, args.tp)[0]   # x
         block += stash_bytes(args)[1] * (args.schedule != "zb-h1")
     if stage < args.pp - 1:
@@ -820,7 +855,7 @@ def layouts(args, gpus_per_node):
     for dp, pp in itertools.product(divisors, repeat=2):
         tp = world // (dp * pp)
         if dp * pp * tp != world or args.heads % tp or L % pp or B % dp or tp > args.vocab_size \
-                or dp % args.ep:
+                or dp % args.ep or args.ffn_dim % tp or (args.kv_heads % tp and tp % args.kv_heads):
             continue
         orders = ["tp-pp-dp", "tp-dp-pp"][:1 + (args.world_size > gpus_per_node and dp * pp > 1)]
         schedules = [("1f1b", 1)]
@@ -873,7 +908,8 @@ def show_plan(args, machine, weighed, fits):
         small = f": a world smaller than --gpus-per-node {args.gpus_per_node}"
     print(f"plan: {args.world_size} GPUs ({nodes} node{'s' * (nodes > 1)} of "
           f"{machine.gpus_per_node}{small}), a transformer of {args.num_layers} blocks, "
-          f"D={args.dim}, h={args.heads}, V={args.vocab_size}, T={args.context}, "
+          f"D={args.dim}, h={args.heads}, G={args.kv_heads}, F={args.ffn_dim}, "
+          f"{'QK-norm, ' * args.qk_norm}V={args.vocab_size}, T={args.context}, "
           f"B={args.batch_size}, bf16 on fp32 masters, {args.optimizer}; "
           f"{machine.figures['name']}, {si(machine.memory)}B")
     if args.experts:
@@ -931,19 +967,19 @@ def add_plan_args(parser):
 
 def plan_rules(parser, args):
     """--plan takes the world, the machine and the model; it chooses the rest."""
-    used = {"plan", *PLAN_FLAGS, "num_layers", "dim", "heads", "context", "batch_size",
-            "optimizer", "bf16", "bucket_mb", "backend", "timeout_s", "cp", "cp_layout",
-            "experts", "top_k", "balance_rate", "ep"}
+    used = {"plan", *PLAN_FLAGS, "num_layers", "dim", "heads", "kv_heads", "ffn_dim",
+            "rope_theta", "qk_norm", "context", "batch_size", "optimizer", "bf16", "bucket_mb",
+            "backend", "timeout_s", "cp", "cp_layout", "experts", "top_k", "balance_rate", "ep"}
     refuse_unused(parser, args, used, "--plan, which chooses it")
     args.vocab_size = getattr(args, "vocab_size", VOCAB_SIZE)
     args.world_size = getattr(args, "world_size", 8)
     args.hardware = getattr(args, "hardware", "h100")
     args.gpus_per_node = getattr(args, "gpus_per_node", 8)
     args.bf16 = True                          # the GPUs' figures are bf16's
+    model_defaults(args)
     parser.refuse([
         (args.top < 1, f"--top {args.top}: expected 1 or more, the rows to print"),
-        (args.dim % args.heads, f"--dim {args.dim} is not divisible by --heads {args.heads}: "
-                                f"each head has D/h columns"),
+        *model_rules(args),
         (under_torchrun(), "--plan: run it as a plain command, not under torchrun"),
         (args.world_size % args.cp, f"--cp {args.cp} does not divide --world-size "
                                     f"{args.world_size}: the plan lays out the rest"),
@@ -954,7 +990,8 @@ def plan_rules(parser, args):
          f"{args.world_size}: a world larger than a node is whole nodes"),
         (next(layouts(args, args.gpus_per_node), None) is None,
          f"--world-size {args.world_size}: no layout of it divides --num-layers "
-         f"{args.num_layers}, --heads {args.heads} and --batch-size {args.batch_size}")])
+         f"{args.num_layers}, --heads {args.heads}, --kv-heads {args.kv_heads} (or is divided by "
+         f"it), --ffn-dim {args.ffn_dim} and --batch-size {args.batch_size}")])
 
 
 def parse_args(argv=None):
@@ -995,7 +1032,9 @@ def parse_args(argv=None):
         parser.refuse([(args.dp % args.ep, f"--ep {args.ep} does not divide --dp {args.dp} (the "
                                            f"replicas hold the experts)")])
         return args
-    parser.refuse([divides(args.heads, "--heads", args.tp, "--tp"),
+    model_defaults(args)
+    parser.refuse([*model_rules(args), divides(args.heads, "--heads", args.tp, "--tp"),
+                   *tp_model_rules(args, args.tp, "--tp"),
                    *sequence_parallel_rules(args, args.tp, "--tp"),
                    *context_parallel_rules(args, args.tp),
                    (args.pp > args.num_layers, f"--pp {args.pp}: more stages than --num-layers "

@@ -2,7 +2,7 @@
 alive as a rank of step 2 or 3 runs its step on the CPU, for --recompute's tests.
 
 - StashWatch wraps the layers' forwards and backwards: what each forward returns for its
-  backward (the stash: a block's 13 tensors, or x alone with --recompute) is watched by weak reference, and
+  backward (the stash: a block's tensors, or x alone with --recompute) is watched by weak reference, and
   at the start of every backward the bytes of what is still alive are summed, each tensor once
   (by where it lies). The largest sum is the stash at its largest, z made again aside: that
   lives inside one block's backward, with its gradients.
@@ -20,6 +20,7 @@ import torch
 
 import data_parallel
 import tensor_parallel
+from pipeline_parallel import opened
 from gpu_path import BUILDERS, SCRIPTS, StepRecord, fake_world
 
 CPU = torch.device("cpu")
@@ -39,10 +40,9 @@ class StashWatch:
                 self.kept = {}        # a new stash (what is still alive of the old: the batch)
                 self.backward_ran = False
             out, stash = fn(*args, **kwargs)
-            for t in stash:
-                if t is not None:
-                    where = (id(t.untyped_storage()), t.storage_offset())
-                    self.kept[where] = (weakref.ref(t), t.numel() * t.element_size())
+            for t in opened(stash):       # the records in it opened (QK-norm's, the MLP's)
+                where = (id(t.untyped_storage()), t.storage_offset())
+                self.kept[where] = (weakref.ref(t), t.numel() * t.element_size())
             return out, stash
         return watched_forward
 
