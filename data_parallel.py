@@ -1213,8 +1213,9 @@ def serial_loss(params, tokens, targets, config, bf16=False, halves=False, recor
     head_dim = config.dim // config.heads
     w = dict(zip(param_names(config), params))
     T = tokens.shape[1]
-    angles = torch.arange(T, dtype=torch.float64)[:, None] * config.rope_theta ** (
-        -2 * torch.arange(head_dim // 2, dtype=torch.float64) / head_dim)   # [T, dh/2]
+    i = torch.arange(head_dim // 2, dtype=torch.float64, device=tokens.device)
+    angles = torch.arange(T, dtype=torch.float64, device=tokens.device)[:, None] * \
+        config.rope_theta ** (-2 * i / head_dim)                      # [T, dh/2]
 
     def note(x, out):   # only when asked: the notes hold every activation of the pass
         if record is not None:

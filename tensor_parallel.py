@@ -789,8 +789,10 @@ def block_matmuls(kind, rows, shape, tp, classes=0):
     cp = shape.cp
     chunk = shape.context // (cp * (1 + (cp > 1 and shape.cp_layout == "zigzag")))   # a pair's s
     diagonal, off = cp_pair_counts(cp, shape.cp_layout)
-    kernel = Attention(sequences, chunk, head_dim, size, backward=False,
-                       kv_share=kv / (D // tp))
+    kv_share = 1.0                       # fp32's kernel: the kv heads repeated; bf16's flash
+    if shape.bf16:                       # reads each for its group
+        kv_share = kv / (D // tp)
+    kernel = Attention(sequences, chunk, head_dim, size, backward=False, kv_share=kv_share)
     pairs = [kernel] * diagonal + [kernel._replace(causal=False)] * off
     return forwards + pairs, dxs + [pair._replace(backward=True) for pair in pairs], dws
 

@@ -56,10 +56,13 @@ def serial_train(args):
     """The same training in one process, with autograd, as a whole run: what the tests
     compare every parallel run's --save with (--check compares each step instead). With
     --bf16 the same casts: bf16 matmuls and activations on fp32 master weights."""
-    from data_parallel import (VOCAB_SIZE, init_params, make_batch, make_optimizer, param_names,
-                               serial_loss, tensors_of)
+    from data_parallel import (VOCAB_SIZE, init_params, make_batch, make_optimizer, model_defaults,
+                               param_names, serial_loss, tensors_of)
     if "vocab_size" not in vars(args):
         args.vocab_size = VOCAB_SIZE
+    for name, default in MODEL_DEFAULTS.items():
+        vars(args).setdefault(name, default)
+    model_defaults(args)
     assert not vars(args).setdefault("experts", 0), "experts: tests/test_experts.py replays them"
     params = [w.requires_grad_() for w in tensors_of(init_params(args))]
     optimizer = make_optimizer(params, args.optimizer, args.lr)
@@ -67,7 +70,7 @@ def serial_train(args):
     for step in range(args.steps):
         inputs, targets = make_batch(args, step)
         optimizer.zero_grad()
-        loss, _ = serial_loss(params, inputs, targets, args.dim // args.heads, args.bf16)
+        loss, _ = serial_loss(params, inputs, targets, args, args.bf16)
         loss.backward()
         losses.append(loss.item())
         first_grads = first_grads or [w.grad.clone() for w in params]
@@ -75,7 +78,7 @@ def serial_train(args):
             norms.append(torch.nn.utils.clip_grad_norm_(params, args.clip_grad).item())
         optimizer.step()
     final = [w.detach() for w in params]
-    return {"final_params": dict(zip(param_names(args.num_layers), final)), "losses": losses, "first_grads": first_grads, "grad_norms": norms}
+    return {"final_params": dict(zip(param_names(args), final)), "losses": losses, "first_grads": first_grads, "grad_norms": norms}
 
 
 def check_report(out):
@@ -128,12 +131,18 @@ def gelu_grad(z):   # the formula that PyTorch's fused kernel (aten.gelu_backwar
         2 * math.pi)                          # Phi(z) + z phi(z)
 
 
+MODEL_DEFAULTS = dict(kv_heads=None, ffn_dim=None, rope_theta=10000.0, qk_norm=False, experts=0)
+
+
 def contract_shapes(config):
     """--save's names and shapes, in the init order (DESIGN.md's contract), from a run's config."""
-    L, D, T, V = config["num_layers"], config["dim"], config["context"], config["vocab_size"]
-    block = {"norm1": (D,), "wq": (D, D), "wk": (D, D), "wv": (D, D), "wo": (D, D),
-             "norm2": (D,), "w1": (D, 4 * D), "w2": (4 * D, D)}
-    return {"embedding": (V, D), "positions": (T, D),
+    L, D, V, F = config["num_layers"], config["dim"], config["vocab_size"], config["ffn_dim"]
+    head_dim = D // config["heads"]
+    kv = config["kv_heads"] * head_dim
+    block = {"norm1": (D,), "wq": (D, D), "wk": (D, kv), "wv": (D, kv),
+             **({"norm_q": (head_dim,), "norm_k": (head_dim,)} if config["qk_norm"] else {}),
+             "wo": (D, D), "norm2": (D,), "w1": (D, F), "w3": (D, F), "w2": (F, D)}
+    return {"embedding": (V, D),
             **{f"blocks.{l}.{name}": shape for l in range(L) for name, shape in block.items()},
             "norm": (D,), "head": (D, V)}
 
@@ -145,8 +154,9 @@ def assert_follows_the_contract(result, flags=()):
     import argparse
     import data_parallel as dp
     config = result["config"]
-    for flag in ("num_layers", "dim", "heads", "context", "vocab_size", "batch_size", "micro_batches",
-                 "steps", "lr", "optimizer", "seed", "save", "check", *flags):
+    for flag in ("num_layers", "dim", "heads", "kv_heads", "ffn_dim", "rope_theta", "qk_norm", "context",
+                 "vocab_size", "batch_size", "micro_batches", "steps", "lr", "optimizer", "seed", "save",
+                 "check", *flags):
         assert flag in config, flag
     shapes = contract_shapes(config)
     for when in ("init", "final"):
@@ -172,19 +182,23 @@ ATEN = torch.ops.aten   # the real ops, before a test puts stand-ins in their pl
 def cpu_kernels_for(op, *args, **kwargs):
     """What a GPU's fused attention op returns, computed by torch's CPU kernel of the same maths,
     its arguments read by the names the op's own schema gives them (a call that puts one in the
-    wrong place fails here as it would on a GPU)."""
+    wrong place fails here as it would on a GPU). Fewer key heads than query heads (GQA), as
+    FlashAttention-2 takes them: each read by its group (repeated for the CPU's kernel), its dk,
+    dv the group's sum."""
     names = [argument.name for argument in op.default._schema.arguments]
     given = {**dict(zip(names, args)), **kwargs}
     assert set(given) <= set(names), given.keys()
     assert given.get("dropout_p", 0.0) == 0.0 and isinstance(given["is_causal"], bool)
+    q = given["query"]
+    group = q.shape[1] // given["key"].shape[1]
+    k, v = (given[name].repeat_interleave(group, dim=1) for name in ("key", "value"))
     if "grad_out" in given or "grad_out_" in given:              # a backward
         grad = given.get("grad_out", given.get("grad_out_"))
-        q = given["query"]
         lse = given["logsumexp"][..., :q.shape[2]]                # (the efficient one's: padded)
-        return ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, given["key"], given["value"], given["out"], lse, 0.0, given["is_causal"])
-    o, lse = ATEN._scaled_dot_product_flash_attention_for_cpu(
-        given["query"], given["key"], given["value"], 0.0, given["is_causal"])
+        dq, dk, dv = ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, given["out"], lse, 0.0, given["is_causal"])
+        return dq, *(t.unflatten(1, (-1, group)).sum(2) for t in (dk, dv))
+    o, lse = ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, given["is_causal"])
     return o, lse, None, None
 
 
@@ -205,8 +219,8 @@ def replay64(result, moe_of=None):
     losses = []
     for step in range(config.steps):
         moe = moe_of(step) if moe_of else None
-        loss, _ = dp.serial_loss(params, result["inputs"][step], result["targets"][step],
-                                 config.dim // config.heads, moe=moe)
+        loss, _ = dp.serial_loss(params, result["inputs"][step], result["targets"][step], config,
+                                 moe=moe)
         loss.backward()
         losses.append(loss.item())
         if vars(config).get("clip_grad"):

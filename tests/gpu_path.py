@@ -110,8 +110,7 @@ FUSED_RMS_NORM = fused_rms_norm_on_meta()   # kept: the kernel lives with its li
 
 
 @functools.lru_cache(maxsize=None)   # many layouts alike; callers only read the Counter
-def matmuls_of(kinds, rows, tp, classes, dim, bf16, micro_batches, recompute, tp_style, context,
-               heads, cp=1, cp_layout="zigzag"):
+def matmuls_of(kinds, rows, tp, classes, shape, micro_batches):
     """A tp rank's {Matmul: calls} a step over parts of these kinds, as --plan prices them from
     tensor_parallel.block_matmuls: the forwards (a block's twice with --recompute), the dxs,
     and each dW added into the fp32 gradient, zeroed as the step begins."""
@@ -120,10 +119,9 @@ def matmuls_of(kinds, rows, tp, classes, dim, bf16, micro_batches, recompute, tp
     for kind in kinds:
         if kind == "embedding":
             continue
-        forwards, dxs, dws = tensor_parallel.block_matmuls(kind, rows, dim, tp, bf16, classes,
-                                                           tp_style, context, heads, cp, cp_layout)
+        forwards, dxs, dws = tensor_parallel.block_matmuls(kind, rows, shape, tp, classes)
         for mm in forwards:
-            calls[mm] += m * (1 + (recompute and kind != "head"))
+            calls[mm] += m * (1 + (shape.recompute and kind != "head"))
         for mm in dxs:
             calls[mm] += m
         for dw in dws:
@@ -136,9 +134,8 @@ def rank_matmuls(args, stage, tp_rank=0):
     kinds = tuple(kind for chunk in three_d.stage_kinds(args, stage) for kind in chunk)
     rows = args.batch_size // (args.dp * args.micro_batches) * args.context // args.cp   # its
     start, end = tensor_parallel.vocab_range(args.vocab_size, tp_rank, args.tp)   # positions
-    return matmuls_of(kinds, rows, args.tp, end - start, args.dim, args.bf16, args.micro_batches,
-                      args.recompute, args.tp_style, args.context, args.heads, args.cp,
-                      args.cp_layout)
+    return matmuls_of(kinds, rows, args.tp, end - start, three_d.shape_of(args),
+                      args.micro_batches)
 
 
 def tensors_in(value):   # an op's tensors, among its arguments or outputs (pytree's, faster)
@@ -234,7 +231,8 @@ class StepRecord(TorchDispatchMode):
         sequences = q.shape[0] * q.shape[1]
         self.matmuls[tensor_parallel.Attention(sequences, q.shape[2], q.shape[3],
                                                q.element_size(), backward,
-                                               causal=given["is_causal"])] += 1
+                                               causal=given["is_causal"],
+                                               kv_share=given["key"].shape[1] / q.shape[1])] += 1
 
     def note_found(self, storage):
         key = id(storage)
@@ -372,7 +370,7 @@ def build_data_parallel(args, rank, world_size, device=META):
     inputs, targets = (t[rows] for t in first_batch(args))
     xs = inputs.to(device).chunk(m)
     ys = targets.to(device).chunk(m)
-    blocks = data_parallel.model_blocks(args.num_layers, args.dim // args.heads)
+    blocks = data_parallel.model_blocks(args, device=device)
 
     def step():
         data_parallel.dp_step(replica, blocks, data_parallel.cross_entropy, xs, ys,
@@ -387,26 +385,31 @@ def build_tensor_parallel(args, rank, world_size, device=META):
     """tp_worker's shards, replica and step (step 3)."""
     m = args.micro_batches
     kinds = tensor_parallel.part_kinds(args.num_layers)
-    splits = tensor_parallel.tensor_kinds(kinds, args.tp_style)
+    splits = tensor_parallel.tensor_kinds(kinds, args, world_size)
     init = data_parallel.init_params(args)
-    shards = [[tensor_parallel.shard(w, k, rank, world_size).to(device) for w, k in zip(part, ks)]
-              for part, ks in zip(init, splits)]
+    shards = [[tensor_parallel.shard(w, k, rank, world_size, args.kv_heads).to(device)
+               for w, k in zip(part, ks)] for part, ks in zip(init, splits)]
     replica = data_parallel.DataParallel(shards, dist.new_subgroups(1)[0],
                                          optimizer=args.optimizer, lr=args.lr, bf16=args.bf16)
+    holders = tensor_parallel.kv_group(args.kv_heads, world_size)
     inputs, targets = (t.to(device) for t in first_batch(args))
-    blocks = tensor_parallel.tp_blocks(kinds, args.tp_style, args.dim // args.heads,
-                                       vocab_size=args.vocab_size,
-                                       sequence_parallel=args.sequence_parallel)
+    blocks = tensor_parallel.tp_blocks(kinds, args, positions=torch.arange(args.context,
+                                                                           device=device))
     loss_fn = functools.partial(tensor_parallel.vocab_parallel_cross_entropy,
                                 vocab_size=args.vocab_size)
-    shares = tensor_parallel.clip_shares([k for ks in splits for k in ks], world_size)
-    whole = [i for i, k in enumerate(k for ks in splits for k in ks) if k == "whole"]
+    split = [k for ks in splits for k in ks]
+    shares = tensor_parallel.clip_shares(split, world_size, args.kv_heads)
 
     def step():
         data_parallel.dp_step(replica, blocks, loss_fn, inputs.chunk(m), targets.chunk(m),
                               args.batch_size * args.context, recompute=args.recompute)
+        summed = tensor_parallel.split_as(split, "partial")
         if args.sequence_parallel:
-            tensor_parallel.sum_partial_grads(replica.grads(), whole, dist.group.WORLD)
+            summed += tensor_parallel.split_as(split, "whole")
+        tensor_parallel.sum_partial_grads(replica.grads(), summed, dist.group.WORLD)
+        if holders is not None:
+            tensor_parallel.sum_partial_grads(replica.grads(),
+                                              tensor_parallel.split_as(split, "kv"), holders)
         if args.clip_grad:
             replica.clip(args.clip_grad, [dist.group.WORLD], shares)
         replica.update()

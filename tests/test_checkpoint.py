@@ -154,7 +154,7 @@ def replay(result):
     for step in range(config.start_step, config.steps):
         inputs, targets = dp.make_batch(config, step)
         optimizer.zero_grad()
-        loss, _ = dp.serial_loss(params, inputs, targets, config.dim // config.heads)
+        loss, _ = dp.serial_loss(params, inputs, targets, config)
         loss.backward()
         losses.append(loss.item())
         optimizer.step()

@@ -1,12 +1,14 @@
 """Context parallelism (tensor_parallel.py --cp): ring attention against serial causal attention in
 float64, the defects it must catch, and training with --cp against serial training.
 
-- Ring attention over C = 1 to 4 ranks, both layouts, 3 heads: each rank's o, lse, dq, dk, dv for
-  its positions equal step 2's attention over the whole sequence, to float64 rounding.
+- Ring attention over C = 1 to 4 ranks, both layouts, 4 query heads on 2 kv heads: each rank's
+  o, lse, dq, dk, dv for its positions equal step 2's attention over the whole sequence, to
+  float64 rounding; the ring carries the kv heads alone (its bytes counted).
 - Each defect, put in by hand, fails that comparison: dk and dv left where they were computed;
   the mask taken by local position (every pair masked as a diagonal one); the merge without its
   max subtracted (float32, scores reaching 100: e^lse overflows); the backward reading the keys of
-  the step before; and, in training, the gradients averaged over cp instead of summed.
+  the step before; and, in training, the gradients averaged over cp instead of summed, and RoPE
+  at a rank's local places (Megatron PR #5243's [0, 3, 0, 3]) instead of its global ones.
 - tensor_parallel.py --cp C trains what serial training does: its --save replays in float64
   within 1e-5 (SGD) at cp 2, 3 and 4 in both layouts, with tp 2 in both styles, with sequence
   parallelism, with --recompute; a checkpoint written at cp 4 resumes at cp 1 and 2, --check OK.
@@ -48,8 +50,13 @@ def merge_without_max(o_a, lse_a, o_b, lse_b):   # the defect: log(e^lse_a + e^l
     return (lse_a - lse).exp()[..., None] * o_a + (lse_b - lse).exp()[..., None] * o_b, lse
 
 
-def masked_by_local_position(q, k, head_dim, diagonal):   # every pair as if on the diagonal
-    return dp.scores(q, k, head_dim)
+def masked_by_local_position():   # every pair as if on the diagonal
+    stack = contextlib.ExitStack()
+    for name in ("pair_attention", "pair_attention_backward"):
+        real = getattr(tp, name)
+        stack.enter_context(mock.patch.object(
+            tp, name, lambda *args, real=real, **kwargs: real(*args, **{**kwargs, "diagonal": True})))
+    return stack
 
 
 def on_cpu_kernels(glue):
@@ -73,18 +80,19 @@ def ring_worker(rank, world_size, layout, defect, dtype, scale):
     """This rank's ring attention, forward and backward, against step 2's over the whole T."""
     setup(rank, world_size)
     gen = torch.Generator().manual_seed(0)
-    b, T, heads, head_dim = 2, 8 * world_size, 3, 4
-    q, k, v, do = (torch.randn(b, T, heads * head_dim, generator=gen, dtype=dtype)
-                   for _ in range(4))
+    b, T, heads, kv_heads, head_dim = 2, 8 * world_size, 4, 2, 4
+    q, do = (torch.randn(b, T, heads * head_dim, generator=gen, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(b, T, kv_heads * head_dim, generator=gen, dtype=dtype) for _ in range(2))
     q = q * scale                                             # scores of about scale x 2
     mine = tp.cp_positions(T, rank, world_size, layout)
     forward = [q[:, mine], k[:, mine], v[:, mine], head_dim]
     patches = {"left_where_computed": ("exchange", left_where_computed),
-               "merge_without_max": ("merge", merge_without_max),
-               "masked_by_local_position": ("pair_scores", masked_by_local_position)}
+               "merge_without_max": ("merge", merge_without_max)}
     put_in = mock.MagicMock()
     if defect in patches:
         put_in = mock.patch.object(tp, *patches[defect])
+    if defect == "masked_by_local_position":
+        put_in = masked_by_local_position()
     if defect == "fused_pairs":
         put_in = fused_pairs()
     with put_in:
@@ -171,7 +179,7 @@ def test_the_merge_needs_its_max_subtracted_where_scores_reach_100(tmp_path):
     assert not all(all(rank) for rank in wrong)
 
 
-def bytes_worker(rank, world_size, dtype):
+def bytes_worker(rank, world_size, dtype, kv_heads):
     """The bytes this rank's ring sends in one attention's forward, then its backward."""
     setup(rank, world_size)
     sent = []
@@ -180,7 +188,8 @@ def bytes_worker(rank, world_size, dtype):
         sent[-1] += to_send.numel() * to_send.element_size()
         return exchange(to_send, *args, **kwargs)
     b, n, heads, head_dim = 2, 8, 4, 4
-    q, k, v, do = (torch.randn(b, n, heads * head_dim, dtype=dtype) for _ in range(4))
+    q, do = (torch.randn(b, n, heads * head_dim, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(b, n, kv_heads * head_dim, dtype=dtype) for _ in range(2))
     with mock.patch.object(tp, "exchange", counted):
         sent.append(0)
         o, lse = tp.ring_attention(q, k, v, head_dim)
@@ -191,17 +200,22 @@ def bytes_worker(rank, world_size, dtype):
 
 
 @pytest.mark.deadline(60)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kv_heads", [(torch.float32, 4), (torch.bfloat16, 1),
+                                            (torch.float32, 2)])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_the_ring_sends_the_bytes_of_the_formula(tmp_path, world_size, dtype):
-    """A layer's attention, A = a rank's [b, T/C, D] of its dtype: forward, K and V to the next
-    rank C-1 times, 2 (C-1) A; backward, K and V again, 2 (C-1) A, and dK and dV (fp32) C times."""
+def test_the_ring_sends_the_bytes_of_the_formula(tmp_path, world_size, dtype, kv_heads):
+    """A layer's attention, A = a rank's [b, T/C, G dh] of its dtype, its kv heads' alone (G/h of
+    its query heads': repeated to h, K and V would send h/G times the bytes, torchtitan #1283):
+    forward, K and V to the next rank C-1 times, 2 (C-1) A; backward, K and V again, 2 (C-1) A,
+    and dK and dV (fp32) C times. tp_costs' cp_costs says the same."""
     global RESULTS
     RESULTS = tmp_path
-    spawn(bytes_worker, world_size, dtype, timeout_s=30)
-    A = 2 * 8 * 16 * dtype.itemsize
-    A32 = 2 * 8 * 16 * 4
+    spawn(bytes_worker, world_size, dtype, kv_heads, timeout_s=30)
+    A = 2 * 8 * kv_heads * 4 * dtype.itemsize
+    A32 = 2 * 8 * kv_heads * 4 * 4
     C = world_size
+    priced = tp.cp_costs(1, 2 * 8, tp.kv_width(16, 4, kv_heads, 1), C, dtype == torch.bfloat16)
+    assert [nbytes * times for _, nbytes, times in priced] == [2 * (C - 1) * A * 2, 2 * C * A32]
     for r in range(C):
         assert torch.load(tmp_path / f"bytes-{r}.pt") == [2 * (C - 1) * A,
                                                           2 * (C - 1) * A + 2 * C * A32]
@@ -227,6 +241,7 @@ def train(tmp_path, flags):
       for cp in (2, 3, 4) for layout in ("zigzag", "contiguous")],
     ["--world-size", "4", "--cp", "2"], ["--world-size", "4", "--cp", "2", "--tp-style", "megatron"],
     ["--world-size", "4", "--cp", "2", "--tp-style", "megatron", "--sequence-parallel"],
+    ["--world-size", "4", "--cp", "2", "--kv-heads", "1", "--qk-norm"],   # tp 2, G 1, zigzag
     ["--world-size", "2", "--cp", "2", "--recompute", "--micro-batches", "2"]])
 def test_training_with_cp_replays_in_float64(tmp_path, flags):
     result = train(tmp_path, flags)
@@ -245,9 +260,20 @@ def averaged_over_cp(grads, indices, group):   # the defect: the partial sums av
         grads[i] /= torch.distributed.get_world_size(group)
 
 
+def rope_at_local_places(positions, head_dim, theta):   # the defect: 0 .. T/C-1 on every rank
+    return REAL_ROPE(torch.arange(len(positions), device=positions.device), head_dim, theta)
+
+
+REAL_ROPE = tp.rope_table
+
+
 @pytest.mark.deadline(60)
-def test_gradients_averaged_over_cp_fail_the_check(tmp_path, monkeypatch, capfd):
-    monkeypatch.setattr(tp, "sum_partial_grads", averaged_over_cp)
+@pytest.mark.parametrize("name,defect", [("sum_partial_grads", averaged_over_cp),
+                                         ("rope_table", rope_at_local_places)])
+def test_each_defect_of_cp_training_fails_the_check(tmp_path, monkeypatch, capfd, name, defect):
+    """Each rank's gradients averaged over cp, not summed (Megatron #673, #906); RoPE at a rank's
+    local places, zigzag's chunks 0 and 3 of 4 turned as if they were 0 and 1 (Megatron PR #5243)."""
+    monkeypatch.setattr(tp, name, defect)
     with pytest.raises(RankFailed):
         tp.main([*SMALL, "--world-size", "2", "--cp", "2", "--check", "--timeout-s", "20"])
     figures, verdict = check_report(capfd.readouterr().out)
@@ -278,7 +304,7 @@ def test_zigzag_balances_what_contiguous_does_not(cp_size):
     (["--world-size", "4", "--cp", "3"], "--cp 3 does not divide --world-size 4"),
     (["--world-size", "2", "--cp", "2", "--context", "6"],
      "--cp 2: --context 6 is not divisible by 4, the zigzag layout's chunks"),
-    (["--world-size", "4", "--cp", "2", "--heads", "3"],
+    (["--world-size", "4", "--cp", "2", "--heads", "3", "--dim", "48"],
      "--heads 3 is not divisible by --world-size / --cp (2)"),
     (["--world-size", "4", "--cp", "2", "--tp-style", "megatron", "--sequence-parallel",
       "--cp-layout", "contiguous", "--context", "6"],
@@ -340,3 +366,15 @@ def test_three_d_with_cp_replays_in_float64(tmp_path, flags):
     result = torch.load(save)
     assert result["config"]["cp"] == 2
     assert_replays(result)
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("script,argv", [(tp, ["--world-size", "2", "--context", "33"]),
+                                         (three_d, ["--dp", "1", "--pp", "2", "--tp", "2",
+                                                    "--context", "7"])])
+def test_a_context_no_layout_divides_trains_without_cp(capfd, script, argv):
+    """T must divide into the layout's chunks only under --cp; without it every rank holds all of
+    T (a door once refused --context 7 at --cp 1, and its positions dropped T's last place)."""
+    script.main([*argv, "--steps", "2", "--check", "--num-layers", "2", "--batch-size", "4",
+                 *NO_SAMPLE])
+    assert check_report(capfd.readouterr().out)[1] == "OK"

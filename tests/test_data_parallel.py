@@ -148,26 +148,22 @@ def test_cross_entropy_pieces_sum_to_whole_batch_mean(sizes):
 
 @pytest.mark.parametrize("rows,context,width", [(1, 1, 3), (6, 4, 5), (32, 8, 8)])
 def test_embedding_forward_and_backward_match_autograd(rows, context, width):
-    """x = E[tokens] + P, and dE and dP summed from g by the replica's index_add_ (a repeated
-    token adds up; P's rows at each position, over the batch): against nn.Embedding."""
+    """x = E[tokens], and dE summed from g by the replica's index_add_ (a repeated token adds
+    up): against nn.Embedding. (Positions are RoPE's, in the blocks: no P.)"""
     gen = torch.Generator().manual_seed(3)
     table = torch.randn(V, width, generator=gen, dtype=torch.float64)
-    positions = torch.randn(context, width, generator=gen, dtype=torch.float64)
     tokens = torch.randint(V, (rows, context), generator=gen)
     tokens[0, :] = 7                                        # one token many times over
-    x, stash = dp.embedding_forward(tokens, [table, positions])
+    x, stash = dp.embedding_forward(tokens, [table])
     g = torch.randn(rows, context, width, generator=gen, dtype=torch.float64)
-    dx, terms = dp.embedding_backward(g, stash, [table, positions])
-    d_table, d_positions = (torch.zeros_like(w).index_add_(0, ids.reshape(-1), dz.flatten(0, 1))
-                            for w, (ids, dz) in zip((table, positions), terms))
+    dx, [(ids, dz)] = dp.embedding_backward(g, stash, [table])
+    d_table = torch.zeros_like(table).index_add_(0, ids.reshape(-1), dz.flatten(0, 1))
     ref = nn.Embedding.from_pretrained(table.clone(), freeze=False)
-    ref_positions = positions.clone().requires_grad_()
-    out = ref(tokens) + ref_positions
+    out = ref(tokens)
     out.backward(g)
     assert dx is None and x.shape == (rows, context, width)
     torch.testing.assert_close(x, out.detach())
     torch.testing.assert_close(d_table, ref.weight.grad, atol=1e-12, rtol=1e-10)
-    torch.testing.assert_close(d_positions, ref_positions.grad, atol=1e-12, rtol=1e-10)
     unused = sorted(set(range(V)) - set(tokens.reshape(-1).tolist()))
     assert (d_table[unused] == 0).all()                     # rows nobody used get no gradient
 
@@ -196,21 +192,19 @@ def test_the_replica_sums_the_embeddings_gradient_with_index_add(tmp_path):
     bucket that begin_step zeroed (it held the step before's); the one-hot matmul gives the same."""
     gen = torch.Generator().manual_seed(5)
     table = torch.randn(V, 4, generator=gen)
-    positions = torch.randn(2, 4, generator=gen)
     tokens = torch.randint(V, (6, 2), generator=gen)
     g = torch.randn(6, 2, 4, generator=gen)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        replica = dp.DataParallel([[table.clone(), positions.clone()]], None, optimizer="sgd")
-        replica.grad_buckets[0] = torch.full((table.numel() + positions.numel(),), 123.0)   # old
+        replica = dp.DataParallel([[table.clone()]], None, optimizer="sgd")
+        replica.grad_buckets[0] = torch.full((table.numel(),), 123.0)   # the step before's
         replica.begin_step()
         for _ in range(2):
-            replica.add_grads(0, dp.embedding_backward(g, (tokens,), [table, positions])[1])
+            replica.add_grads(0, dp.embedding_backward(g, (tokens,), [table])[1])
     finally:
         dist.destroy_process_group()
     onehot = F.one_hot(tokens.reshape(-1), V).float()       # [b T, V]
     torch.testing.assert_close(replica.grads()[0], 2 * onehot.T @ g.flatten(0, 1), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(replica.grads()[1], 2 * g.sum(0), atol=1e-6, rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------------
@@ -228,35 +222,39 @@ def test_a_pass_asked_for_no_notes_lets_each_blocks_activations_go():
         params = [w.to("meta") for w in dp.tensors_of(dp.init_params(args))]
         tokens = torch.zeros(64, 32, dtype=torch.int64, device="meta")
         with torch.no_grad(), StepRecord() as record:
-            dp.serial_loss(params, tokens, tokens, head_dim=16)
+            dp.serial_loss(params, tokens, tokens, args)
         peaks.append(record.peak)
     assert peaks[1] == peaks[0] > 0
 
 
 def test_init_params_is_one_generator_in_order():
-    """E [V, D], P [T, D], each block's gains (1) and matrices, the final gain and H [D, V],
-    drawn in that order from one generator: randn, a matrix [n, _] over sqrt(n)."""
-    args = _args(num_layers=3, dim=24, context=3, seed=7)
-    L, D, T = 3, 24, 3
+    """E [V, D], each block's gains (1) and matrices, the final gain and H [D, V], drawn in that
+    order from one generator: randn over sqrt(D), but Wo's over sqrt(2 L D) and W2's over
+    sqrt(2 L F), each residual branch's last; --qk-norm's gains 1, --kv-heads' Wk, Wv G dh wide."""
+    args = _args(num_layers=3, dim=24, heads=4, kv_heads=2, ffn_dim=48, context=3, seed=7,
+                 qk_norm=True)
+    L, D, F, dh = 3, 24, 48, 6
     parts = dp.init_params(args)
     gen = torch.Generator().manual_seed(7)   # the reference: one generator, drawn in order
 
-    def matrix(rows, cols):
-        return torch.randn(rows, cols, generator=gen) / math.sqrt(rows)
-    ref = [torch.randn(V, D, generator=gen), torch.randn(T, D, generator=gen)]
+    def matrix(rows, cols, fan=D):
+        return torch.randn(rows, cols, generator=gen) / math.sqrt(fan)
+    ref = [torch.randn(V, D, generator=gen)]
     for _ in range(L):
-        ref += [torch.ones(D), matrix(D, D), matrix(D, D), matrix(D, D), matrix(D, D), torch.ones(D),
-                matrix(D, 4 * D), matrix(4 * D, D)]
+        ref += [torch.ones(D), matrix(D, D), matrix(D, 2 * dh), matrix(D, 2 * dh), torch.ones(dh),
+                torch.ones(dh), matrix(D, D, 2 * L * D), torch.ones(D), matrix(D, F), matrix(D, F),
+                matrix(F, D, 2 * L * F)]
     ref += [torch.ones(D), matrix(D, V)]
     params = dp.tensors_of(parts)
-    assert [len(part) for part in parts] == [2, *[8] * L, 2]
+    assert [len(part) for part in parts] == [1, *[11] * L, 2]
     assert all(w.dtype == torch.float32 and torch.equal(w, r) for w, r in zip(params, ref))
-    assert len(params) == len(ref) == len(dp.param_names(L))
+    assert len(params) == len(ref) == len(dp.param_names(args))
     wq = [parts[1 + layer][1] for layer in range(L)]   # never reseeded: every block differs
     assert all((wq[i] - wq[j]).abs().max() > 0.1 for i in range(L) for j in range(i + 1, L))
     # same seed -> bitwise the same, on every rank that calls it; another seed -> different
     assert all(torch.equal(a, b) for a, b in zip(params, dp.tensors_of(dp.init_params(args))))
-    other = dp.tensors_of(dp.init_params(_args(num_layers=3, dim=24, context=3, seed=8)))
+    vars(args).update(seed=8)
+    other = dp.tensors_of(dp.init_params(args))
     assert all((a - b).abs().max() > 0.1 for a, b in zip(params, other) if a.dim() == 2)
 
 
@@ -274,14 +272,27 @@ def test_init_params_shards_are_slices_of_one_matrix():
 
 
 def test_init_params_scale_is_one_over_sqrt_fan_in():
-    D = 512
-    parts = dp.init_params(_args(num_layers=2, dim=D, context=8, seed=0))
-    for fan_in, matrices in ((D, [w for part in parts[1:-1] for w in part[1:5]]),
-                             (4 * D, [part[7] for part in parts[1:-1]])):
-        w = torch.cat([x.reshape(-1) for x in matrices])
-        assert abs(w.std().item() * math.sqrt(fan_in) - 1) < 0.01   # the std's own spread ~0.1 %
-        assert abs(w.mean().item()) < 5 / math.sqrt(fan_in * w.numel())
-    assert all(torch.equal(part[0], torch.ones(D)) for part in parts[1:])   # gains start at 1
+    """Wq, Wk, Wv, W1, W3: std D^-1/2; Wo (2 L D)^-1/2, W2 (2 L F)^-1/2; gains 1."""
+    D, L = 512, 2
+    args = _args(num_layers=L, dim=D, heads=8, context=8, seed=0)
+    F = args.ffn_dim
+    parts = [dict(zip(dp.block_names(), part)) for part in dp.init_params(args)[1:-1]]
+    for fan, names in ((D, ("wq", "wk", "wv", "w1", "w3")), (2 * L * D, ("wo",)),
+                       (2 * L * F, ("w2",))):
+        w = torch.cat([part[name].reshape(-1) for part in parts for name in names])
+        assert abs(w.std().item() * math.sqrt(fan) - 1) < 0.01   # the std's own spread ~0.1 %
+        assert abs(w.mean().item()) < 5 / math.sqrt(fan * w.numel())
+    assert all(torch.equal(part[name], torch.ones(D)) for part in parts
+               for name in ("norm1", "norm2"))   # gains start at 1
+
+
+def test_the_block_defaults_are_llamas_proportions():
+    """--kv-heads h/2 (h odd: h); --ffn-dim 8D/3 up to a multiple of 48, so that it splits
+    over tp 1, 2, 3, 4, 6 and 8; both recorded in --save's config."""
+    for dim, heads, kv_heads, ffn_dim in ((64, 4, 2, 192), (256, 4, 2, 720), (48, 3, 3, 144)):
+        args = _args(dim=dim, heads=heads)
+        assert (args.kv_heads, args.ffn_dim) == (kv_heads, ffn_dim)
+        assert all(args.ffn_dim % tp == 0 for tp in (1, 2, 3, 4, 6, 8))
 
 
 def test_the_text_is_cpythons_help_in_97_classes():
@@ -368,33 +379,47 @@ def _args(**overrides):
     cfg = {**SMALL, "batch_size": 8, "micro_batches": 1, "optimizer": "sgd", **overrides}
     argv = []
     for key, value in cfg.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
+        if value is True:                 # a switch
+            argv += [f"--{key.replace('_', '-')}"]
+        else:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
     args = dp.training_parser("t").parse_args(argv)
     args.vocab_size = V
+    dp.model_defaults(args)
     return args
 
 
 class TorchBlock(nn.Module):
-    """A pre-norm block in torch.nn: nn.RMSNorm, nn.Linear(bias=False), causal attention."""
+    """A pre-norm Llama block in torch.nn: nn.RMSNorm, nn.Linear(bias=False), RoPE by complex
+    numbers (Meta's Llama code), causal attention with grouped kv heads (enable_gqa), SwiGLU."""
 
-    def __init__(self, weights, heads):
+    def __init__(self, weights, heads, rope_theta):
         super().__init__()
-        g1, wq, wk, wv, wo, g2, w1, w2 = weights
-        self.heads = heads
+        g1, wq, wk, wv, wo, g2, w1, w3, w2 = weights
+        self.heads, self.head_dim, self.theta = heads, wq.shape[1] // heads, rope_theta
         self.norm1, self.norm2 = _norm(g1), _norm(g2)
-        self.wq, self.wk, self.wv, self.wo, self.w1, self.w2 = map(_linear, (wq, wk, wv, wo, w1, w2))
+        self.wq, self.wk, self.wv, self.wo = map(_linear, (wq, wk, wv, wo))
+        self.w1, self.w3, self.w2 = map(_linear, (w1, w3, w2))
+
+    def rope(self, t):   # [b, T, n, dh]: each pair times e^(i m theta_i)
+        T, dh = t.shape[1], self.head_dim
+        angles = torch.outer(torch.arange(T).double(), self.theta ** (-torch.arange(0, dh, 2).double() / dh))
+        turn = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)[:, None]
+        return torch.view_as_real(torch.view_as_complex(t.unflatten(-1, (-1, 2))) * turn).flatten(-2)
 
     def forward(self, x):
         b, T, D = x.shape
         n = self.norm1(x)
-        q, k, v = (layer(n).view(b, T, self.heads, -1).transpose(1, 2) for layer in (self.wq, self.wk, self.wv))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, T, D)
-        x = x + self.wo(o)
-        return x + self.w2(F.gelu(self.w1(self.norm2(x))))
+        q, k, v = (layer(n).view(b, T, -1, self.head_dim) for layer in (self.wq, self.wk, self.wv))
+        q, k, v = (t.transpose(1, 2) for t in (self.rope(q), self.rope(k), v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.wo(o.transpose(1, 2).reshape(b, T, D))
+        n = self.norm2(x)
+        return x + self.w2(F.silu(self.w1(n)) * self.w3(n))
 
     def params(self):
         return [self.norm1.weight, *[layer.weight.T for layer in (self.wq, self.wk, self.wv, self.wo)],
-                self.norm2.weight, self.w1.weight.T, self.w2.weight.T]
+                self.norm2.weight, *[layer.weight.T for layer in (self.w1, self.w3, self.w2)]]
 
 
 def _norm(gain):
@@ -405,26 +430,25 @@ def _norm(gain):
 
 
 class TorchModel(nn.Module):
-    """The same language model in torch.nn: nn.Embedding and the positions, the blocks, the
-    final nn.RMSNorm and an nn.Linear head, under F.cross_entropy at every position."""
+    """The same language model in torch.nn: nn.Embedding, the blocks, the final nn.RMSNorm and
+    an nn.Linear head, under F.cross_entropy at every position."""
 
-    def __init__(self, parts, heads):
+    def __init__(self, parts, heads, rope_theta):
         super().__init__()
-        (embedding, positions), *blocks, (gain, head) = parts
+        (embedding,), *blocks, (gain, head) = parts
         self.embedding = nn.Embedding.from_pretrained(embedding.clone(), freeze=False)
-        self.positions = nn.Parameter(positions.clone())
-        self.blocks = nn.ModuleList(TorchBlock(block, heads) for block in blocks)
+        self.blocks = nn.ModuleList(TorchBlock(block, heads, rope_theta) for block in blocks)
         self.norm = _norm(gain)
         self.head = _linear(head)
 
     def forward(self, tokens):
-        x = self.embedding(tokens) + self.positions
+        x = self.embedding(tokens)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x)).flatten(0, 1)
 
     def params(self):   # in our order and orientation
-        params = [self.embedding.weight, self.positions]
+        params = [self.embedding.weight]
         for block in self.blocks:
             params += block.params()
         return [w.detach() for w in [*params, self.norm.weight, self.head.weight.T]]
@@ -433,7 +457,7 @@ class TorchModel(nn.Module):
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_serial_train_matches_torch_nn(optimizer):
     args = _args(optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 0.01)
-    model = TorchModel(dp.init_params(args), args.heads)
+    model = TorchModel(dp.init_params(args), args.heads, args.rope_theta)
     opt_cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
     opt = opt_cls(model.parameters(), lr=args.lr)
     losses = []
@@ -500,6 +524,7 @@ def serial_for(config):
     args = dp.training_parser("t").parse_args([])
     for key, value in config.items():
         setattr(args, key, value)
+    dp.model_defaults(args)
     return serial_train(args)
 
 
@@ -866,7 +891,9 @@ def test_a_blocks_stash_keeps_lse_not_a_at_t_512():
     stash, _ = stash_and_peak("data_parallel", argv)
     b = B // d
     A = b * T * D * 4
-    kept = 16 * A + 2 * b * T * 4 + b * h * T * 4       # x n1 q k v o x' n2, z, gelu(z); r1 r2; lse
+    K = A // 2                                           # k, v: G = h/2 kv heads
+    M = 3 * A                                            # a, up, u: F = 48 = 3 D
+    kept = 6 * A + 2 * K + 3 * M + 2 * b * T * 4 + b * h * T * 4   # x n1 q o x' n2; r1 r2; lse
     ends = 2 * A + b * T * 4 + b * T * 8                 # the head's x, n and r; the tokens
     assert kept == pipeline_parallel.block_stash(dp.parse_args(argv), b)[0]
     assert stash == L * kept + ends
@@ -874,8 +901,8 @@ def test_a_blocks_stash_keeps_lse_not_a_at_t_512():
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_recompute_keeps_each_blocks_input_and_the_peak_falls_by_the_formula(zero):
-    """--recompute keeps each block's x, not its 13 tensors: a micro-batch's stash at its largest
-    is L [b, T, D], not L times 16 [b, T, D]-sized and r1, r2, lse, beside the ends' (the
+    """--recompute keeps each block's x, not its 14 tensors: a micro-batch's stash at its largest
+    is L [b, T, D], not L times its x n1 q k v o x' n2 a up u and r1, r2, lse, beside the ends' (the
     embedding's int64 tokens, the head's x, n and r), counted from the tensors alive
     (tests/stash_check.py); the step's peak falls by the difference but for one block's: the
     block whose backward runs remakes its stash, beside the others' x. With ZeRO's every stage."""
@@ -887,7 +914,9 @@ def test_recompute_keeps_each_blocks_input_and_the_peak_falls_by_the_formula(zer
     recompute = stash_and_peak("data_parallel", [*argv, "--recompute"])
     b = B // (d * m)
     A = b * T * D * 4                                    # [b, T, D]
-    kept = 16 * A + 2 * b * T * 4 + b * h * T * 4       # a block's stash: pipeline's block_stash
+    K = A // 2                                           # k, v: G = h/2 kv heads
+    M = 3 * A                                            # a, up, u: F = 48 = 3 D
+    kept = 6 * A + 2 * K + 3 * M + 2 * b * T * 4 + b * h * T * 4   # pipeline's block_stash
     ends = 2 * A + b * T * 4 + b * T * 8                 # the head's x, n and r; the tokens
     assert plain[0] == L * kept + ends and recompute[0] == L * A + ends
     assert (L - 1) * (kept - A) <= plain[1] - recompute[1] <= L * (kept - A)

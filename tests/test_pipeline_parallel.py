@@ -513,7 +513,7 @@ def autograd_grads(num_layers, batch_size):
     args = direct_args(num_layers, batch_size)
     params = [w.requires_grad_() for w in dp.tensors_of(dp.init_params(args))]
     inputs, targets = dp.make_batch(args, step=0)
-    loss = dp.serial_loss(params, inputs, targets, args.dim // args.heads)[0]
+    loss = dp.serial_loss(params, inputs, targets, args)[0]
     loss.backward()
     return loss.item(), [w.grad for w in params]
 
@@ -748,8 +748,10 @@ def test_recompute_is_bitwise_the_same_and_its_stash_is_counted(tmp_path, capfd,
     (without, with_recompute) = tables
     b, T, D, h = 2, 4, 16, 4                             # a micro-batch's rows, --context, --dim, --heads
     A = b * T * D * 4                                    # [b, T, D] of floats
-    kept = 16 * A + 2 * b * T * 4 + b * h * T * 4        # x n1 q k v o x' n2, z and gelu(z) 4 D; r1, r2; lse
-    waiting = 16 * A + 2 * D * 4                         # (x, dz) of its six matmuls; two gains' dg
+    K = A // 2                                           # k, v: G = h/2 kv heads
+    M = 3 * A                                            # a, up, u: F = 48 = 3 D
+    kept = 6 * A + 2 * K + 3 * M + 2 * b * T * 4 + b * h * T * 4   # x n1 q o x' n2, k v, a up u; r1 r2; lse
+    waiting = 6 * A + 2 * K + 3 * M + 2 * D * 4          # n1 dq o dy1 n2 dy2, dk dv, da dup u; two gains' dg
     blocks = 2 // (1 + bool(flags))                      # a stage's (interleaved: a chunk's)
     for s in range(4):
         assert without[s][2] == (without[s][0] * kept + without[s][1] * waiting) * blocks
