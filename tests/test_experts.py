@@ -41,85 +41,87 @@ SMALL = ["--num-layers", "2", "--dim", "16", "--heads", "4", "--context", "8", "
 
 def weights(E, D, gen):
     wr = torch.randn(D, E, generator=gen, dtype=torch.float64)
-    w1 = torch.randn(E, D, 4 * D, generator=gen, dtype=torch.float64) / math.sqrt(D)
-    w2 = torch.randn(E, 4 * D, D, generator=gen, dtype=torch.float64) / math.sqrt(4 * D)
-    return wr, w1, w2
+    w1 = torch.randn(E, D, 3 * D, generator=gen, dtype=torch.float64) / math.sqrt(D)
+    w3 = torch.randn(E, D, 3 * D, generator=gen, dtype=torch.float64) / math.sqrt(D)
+    w2 = torch.randn(E, 3 * D, D, generator=gen, dtype=torch.float64) / math.sqrt(3 * D)
+    return wr, w1, w3, w2
 
 
-def autograd_experts(n, wr, w1, w2, chosen):
-    """The same layer under autograd: every expert at every position, weighted by p_e where
+def every_expert(x, w1, w3, w2):   # SwiGLU of each expert at every row: [E, .., D]
+    return (F.silu(x @ w1[:, None]) * (x @ w3[:, None])) @ w2[:, None]
+
+
+def autograd_experts(n, wr, w1, w3, w2, chosen):
+    """The same layer under autograd: every expert at every position, weighted by gate_e where
     chosen (the choice given: it is not differentiable)."""
-    p = (n @ wr).softmax(-1)                                          # [b, T, E]
-    weight = torch.zeros_like(p).scatter(-1, chosen.view(*n.shape[:-1], -1), 1.0) * p
-    y = F.gelu(n @ w1[:, None]) @ w2[:, None]                         # [E, b, T, D]
+    gate = (n @ wr).softmax(-1)                                       # [b, T, E]
+    weight = torch.zeros_like(gate).scatter(-1, chosen.view(*n.shape[:-1], -1), 1.0) * gate
+    y = every_expert(n, w1, w3, w2)                                   # [E, b, T, D]
     return (y * weight.movedim(-1, 0)[..., None]).sum(0)
 
 
-def router_terms(dy, routed, p, every=None):
-    """dp [N, E]: <dy, y_e> where e was chosen (every: for each expert, its outputs [E, N, D])."""
+def dgate_of(dy, stash, every=None):
+    """dL/dgate [N, E]: <dy, y_e> where e was chosen (every: for each expert, [E, N, D])."""
     g = dy.flatten(0, -2)
     if every is not None:
         return (g * every).sum(-1).T
-    dpe = torch.zeros_like(p)
-    for e, (rows, z, u, y_e) in enumerate(routed):
-        dpe[rows, e] = (g[rows] * y_e).sum(-1)
-    return dpe
+    dgate = torch.zeros_like(stash.gate)
+    dgate[stash.rows, stash.expert] = (g[stash.rows] * stash.y_e).sum(-1)
+    return dgate
 
 
-def with_router(dy, stash, wr, w1, w2, ds):
+def with_router(dy, stash, wr, w1, w3, w2, ds):
     """experts_backward's, its router's part (dWr, and ds Wr^T in dn) made from ds instead."""
-    x, p, routed = stash
-    dn, terms = dp.experts_backward(dy, stash, wr, w1, w2)
-    dpe = router_terms(dy, routed, p)
-    right = p * (dpe - (dpe * p).sum(-1, keepdim=True))
-    return dn + ((ds - right) @ wr.T).view_as(dn), [(None, x.T @ ds), *terms[1:]]
+    dn, terms = dp.experts_backward(dy, stash, wr, w1, w3, w2)
+    dgate = dgate_of(dy, stash)
+    right = stash.gate * (dgate - (dgate * stash.gate).sum(-1, keepdim=True))
+    return dn + ((ds - right) @ wr.T).view_as(dn), [(None, stash.x.T @ ds), *terms[1:]]
 
 
-def without_softmax_sum(dy, stash, wr, w1, w2):   # the defect: ds = p dp
-    x, p, routed = stash
-    return with_router(dy, stash, wr, w1, w2, p * router_terms(dy, routed, p))
+def without_softmax_sum(dy, stash, wr, w1, w3, w2):   # the defect: ds = gate dgate
+    return with_router(dy, stash, wr, w1, w3, w2, stash.gate * dgate_of(dy, stash))
 
 
-def dp_for_every_expert(dy, stash, wr, w1, w2):   # the defect: the unchosen's <dy, y_e> too
-    x, p, routed = stash
-    dpe = router_terms(dy, routed, p, every=F.gelu(x @ w1) @ w2)
-    return with_router(dy, stash, wr, w1, w2, p * (dpe - (dpe * p).sum(-1, keepdim=True)))
+def dgate_for_every_expert(dy, stash, wr, w1, w3, w2):   # the defect: the unchosen's too
+    dgate = dgate_of(dy, stash, every=every_expert(stash.x[None], w1, w3, w2)[:, 0])   # [E, N, D]
+    ds = stash.gate * (dgate - (dgate * stash.gate).sum(-1, keepdim=True))
+    return with_router(dy, stash, wr, w1, w3, w2, ds)
 
 
-def unscaled_expert_dy(dy, stash, wr, w1, w2):   # the defect: an expert's dy not times p_e
-    x, p, routed = stash
-    dn, terms = dp.experts_backward(dy, (x, torch.ones_like(p), routed), wr, w1, w2)
-    right_terms = dp.experts_backward(dy, stash, wr, w1, w2)[1]
+def unscaled_expert_dy(dy, stash, wr, w1, w3, w2):   # the defect: an expert's dy not times gate_e
+    dn, terms = dp.experts_backward(dy, stash._replace(gate=torch.ones_like(stash.gate)), wr, w1,
+                                    w3, w2)
+    right_terms = dp.experts_backward(dy, stash, wr, w1, w3, w2)[1]
     return dn, [right_terms[0], *terms[1:]]
 
 
 @pytest.mark.parametrize("backward,agrees", [(dp.experts_backward, True),
                                              (without_softmax_sum, False),
-                                             (dp_for_every_expert, False),
+                                             (dgate_for_every_expert, False),
                                              (unscaled_expert_dy, False)])
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_experts_backward_is_autograds_for_the_same_choice(backward, agrees, top_k):
     gen = torch.Generator().manual_seed(top_k)
     E, D = 5, 8
-    wr, w1, w2 = weights(E, D, gen)
+    wr, w1, w3, w2 = weights(E, D, gen)
     n = torch.randn(3, 7, D, generator=gen, dtype=torch.float64)
     dy = torch.randn(3, 7, D, generator=gen, dtype=torch.float64)
     router = dp.Router(E, top_k)
     router.bias = torch.tensor([0.0, 0.0, 0.0, 0.0, -10.0], dtype=torch.float64)   # e 4: never
-    y, stash = dp.experts_forward(n, wr, w1, w2, router)
+    y, stash = dp.experts_forward(n, wr, w1, w3, w2, router)
     chosen = router.routes[0]
     assert chosen.shape == (21, top_k) and not (chosen == 4).any()
-    leaves = [t.clone().requires_grad_() for t in (n, wr, w1, w2)]
+    leaves = [t.clone().requires_grad_() for t in (n, wr, w1, w3, w2)]
     want = autograd_experts(*leaves, chosen)
     want.backward(dy)
     torch.testing.assert_close(y, want.detach(), rtol=1e-12, atol=1e-12)
-    dn, terms = backward(dy, stash, wr, w1, w2)
+    dn, terms = backward(dy, stash, wr, w1, w3, w2)
     grads = [dn, *(dz for _, dz in terms)]
     close = [torch.allclose(got, leaf.grad, rtol=1e-10, atol=1e-10)
              for got, leaf in zip(grads, leaves)]
     assert all(close) == agrees, close
     if agrees:
-        assert terms[1][1][4].abs().max() == 0 and terms[2][1][4].abs().max() == 0   # unchosen
+        assert all(terms[i][1][4].abs().max() == 0 for i in (1, 2, 3))   # unchosen
 
 
 def test_the_choice_is_the_k_largest_of_p_plus_bias_the_lower_index_on_a_tie():
@@ -133,14 +135,14 @@ def test_the_choice_is_the_k_largest_of_p_plus_bias_the_lower_index_on_a_tie():
 
 def test_the_bias_steers_the_choice_never_the_output():
     gen = torch.Generator().manual_seed(0)
-    wr, w1, w2 = weights(3, 8, gen)
+    wr, w1, w3, w2 = weights(3, 8, gen)
     n = torch.randn(1, 4, 8, generator=gen, dtype=torch.float64)
     router = dp.Router(3, 1)
-    y, (_, p, _) = dp.experts_forward(n, wr, w1, w2, router)
+    y, stash = dp.experts_forward(n, wr, w1, w3, w2, router)
     router.bias = torch.tensor([5.0, 0.0, 0.0], dtype=torch.float64)   # every position: e 0
-    y0, _ = dp.experts_forward(n, wr, w1, w2, router)
-    expert0 = F.gelu(n @ w1[0]) @ w2[0]
-    torch.testing.assert_close(y0, p[:, 0].view(1, 4, 1) * expert0)  # weighted by p_0, not bias
+    y0, _ = dp.experts_forward(n, wr, w1, w3, w2, router)
+    expert0 = every_expert(n, w1, w3, w2)[0]
+    torch.testing.assert_close(y0, stash.gate[:, 0].view(1, 4, 1) * expert0)   # by gate_0
 
 
 def replay64_with_bias(result):
@@ -187,11 +189,12 @@ def test_training_with_experts_replays_in_float64(tmp_path, flags):
     config = result["config"]
     assert (config["experts"], config["top_k"]) == (int(flags[3]), int(flags[5]))
     names = list(result["final_params"])
-    assert names[2:11] == [f"blocks.0.{name}" for name in
-                           ("norm1", "wq", "wk", "wv", "wo", "norm2", "router", "w1", "w2")]
-    E, D = config["experts"], config["dim"]
-    assert result["final_params"]["blocks.1.w1"].shape == (E, D, 4 * D)
-    assert result["final_params"]["blocks.1.w2"].shape == (E, 4 * D, D)
+    assert names[1:11] == [f"blocks.0.{name}" for name in
+                           ("norm1", "wq", "wk", "wv", "wo", "norm2", "router", "w1", "w3", "w2")]
+    E, D, F = config["experts"], config["dim"], config["ffn_dim"]
+    assert result["final_params"]["blocks.1.w1"].shape == (E, D, F)
+    assert result["final_params"]["blocks.1.w3"].shape == (E, D, F)
+    assert result["final_params"]["blocks.1.w2"].shape == (E, F, D)
     assert result["routes"].shape == (3, 2, 8, 8, config["top_k"])   # steps, L, B, T, K
     assert result["init_bias"].shape == result["final_bias"].shape == (2, E)
     assert_replays(result)
@@ -290,13 +293,13 @@ THREE_D_FLAGS = {
                                           *[(three_d, flags) for flags in THREE_D_FLAGS.values()]],
                          ids=[*TP_FLAGS, *PP_FLAGS, *THREE_D_FLAGS])
 def test_steps_3_to_5_train_experts_as_serial_training(tmp_path, script, flags):
-    """Step 3: each expert's W1, W2 split over tp as the MLP's, the router whole; with --cp the
+    """Step 3: each expert's W1, W3, W2 split over tp as the MLP's, the router whole; with --cp the
     routes gathered by position. Step 4: each block's router on its stage, every schedule's
     order. Step 5: those with --ep inside dp, ZeRO (the experts' copies sharded by 1 and 2),
     --clip-grad (each expert once), --cp (each expert's gradient summed over cp). The same replay: losses, every weight, the final bias."""
     result = train(tmp_path, flags, script=script)
     E = result["config"]["experts"]
-    assert result["final_params"]["blocks.0.w2"].shape == (E, 64, 16)
+    assert result["final_params"]["blocks.0.w2"].shape == (E, 48, 16)
     assert_replays(result)
 
 
@@ -341,24 +344,23 @@ def divided_by_copies(real):
 
 
 def router_from_local_experts(real):
-    """The defect: dp_e = <dy, y_e> for the experts on this rank alone (the others' y_e as 0)."""
-    def backward(dy, stash, *rest):
-        x, p, sent = stash
-        mine = sent.expert // rest[1].shape[0] == dist.get_rank(sent.group)   # w1 [E/P, ..]
-        return real(dy, (x, p, sent._replace(y_e=sent.y_e * mine[:, None])), *rest)
+    """The defect: dgate_e = <dy, y_e> for the experts on this rank alone (the others' y_e as 0)."""
+    def backward(dy, stash, wr, w1, *rest):
+        mine = stash.expert // w1.shape[0] == dist.get_rank(stash.sent.group)   # w1 [E/P, ..]
+        return real(dy, stash._replace(y_e=stash.y_e * mine[:, None]), wr, w1, *rest)
     return backward
 
 
 def dropped_when_full(real):
-    """The defect: capacity 1 (N K / E pairs an expert): a position past it at a full expert
-    gets nothing from that expert (its p_e taken as 0)."""
-    def forward(x, p, chosen, *rest):
-        kept = p.clone()
-        capacity = chosen.numel() // p.shape[1]
-        for e in range(p.shape[1]):
-            rows = (chosen == e).any(-1).nonzero()[:, 0]
-            kept[rows[capacity:], e] = 0.0
-        return real(x, kept, chosen, *rest)
+    """The defect: capacity N K / E pairs an expert: a pair past it at a full expert gets
+    nothing from that expert (its y_e taken as 0)."""
+    def forward(x, expert, w1, *rest):
+        y_e, routed, sent = real(x, expert, w1, *rest)
+        capacity = len(expert) // (w1.shape[0] * dist.get_world_size(sent.group))
+        for e in expert.unique():
+            pairs = (expert == e).nonzero()[:, 0]
+            y_e[pairs[capacity:]] = 0.0
+        return y_e, routed, sent
     return forward
 
 
@@ -384,10 +386,9 @@ def combine_back_to_wrong_rank(real):
                                     "dropped_when_full", "combine_back_to_wrong_rank"])
 def test_each_defect_of_expert_parallelism_fails_the_replay(tmp_path, defect):
     patches = {"divided_by_copies": (dp, "make_replica", divided_by_copies(dp.make_replica)),
-               "router_from_local_experts": (dp, "dispatched_backward",
-                                             router_from_local_experts(dp.dispatched_backward)),
-               "dropped_when_full": (dp, "dispatched_forward",
-                                     dropped_when_full(dp.dispatched_forward)),
+               "router_from_local_experts": (dp, "experts_backward",
+                                             router_from_local_experts(dp.experts_backward)),
+               "dropped_when_full": (dp, "dispatched", dropped_when_full(dp.dispatched)),
                "combine_back_to_wrong_rank": (dp, "dispatched_backward",
                                               combine_back_to_wrong_rank(
                                                   dp.dispatched_backward))}
@@ -407,9 +408,9 @@ def all_to_all_worker(rank, world_size):
     setup(rank, world_size)
     gen = torch.Generator().manual_seed(rank)
     E, D, K = 4, 8, 2
-    wr, w1, w2 = (w.float() for w in weights(E, D, torch.Generator().manual_seed(9)))
+    wr, w1, w3, w2 = (w.float() for w in weights(E, D, torch.Generator().manual_seed(9)))
     local = E // world_size
-    mine = [w[rank * local:(rank + 1) * local] for w in (w1, w2)]
+    mine = [w[rank * local:(rank + 1) * local] for w in (w1, w3, w2)]
     n = torch.randn(2, 5, D, generator=gen)
     router = dp.Router(E, K, group=dist.group.WORLD)
     sent = []
@@ -422,7 +423,7 @@ def all_to_all_worker(rank, world_size):
         y, stash = dp.experts_forward(n, wr, *mine, router)
         forward = sum(sent)
         dp.experts_backward(torch.randn(2, 5, D, generator=gen), stash, wr, *mine)
-    received = int(stash[2].recv_counts.sum())            # M: the pairs for this rank's experts
+    received = int(stash.sent.recv_counts.sum())          # M: the pairs for this rank's experts
     torch.save((forward, sum(sent) - forward, received), f"{RESULTS}/a2a-{rank}.pt")
     cleanup()
 
@@ -432,7 +433,7 @@ def all_to_all_worker(rank, world_size):
 def test_the_all_to_alls_send_the_bytes_of_the_formula(tmp_path, world_size):
     """N = 10 positions, K = 2, D = 8, float32, P ranks: forward, the counts (P int64), the N K
     pairs' rows and expert ids out, and the M rows this rank's experts made back; backward, the
-    N K rows of p_e dy out and the M rows of dn back: 8 P + N K (4 D + 8) + 4 M D, then
+    N K rows of gate_e dy out and the M rows of dn back: 8 P + N K (4 D + 8) + 4 M D, then
     4 D (N K + M)."""
     global RESULTS
     RESULTS = tmp_path
@@ -509,5 +510,6 @@ def test_the_plan_prices_what_a_rank_holds_with_experts(tmp_path, layout):
         held, planned = torch.load(tmp_path / f"held-{rank}.pt")
         assert held == planned, (rank, held, planned)
     assert three_d.total_params(args) == sum(w.numel() for w in dp.tensors_of(dp.init_params(args)))
-    D, L, V = args.dim, args.num_layers, args.vocab_size
-    assert three_d.active_params(args) == L * (4 * D * D + 2 * 8 * D * D + 4 * D) + V * D
+    D, L, V, F, G = args.dim, args.num_layers, args.vocab_size, args.ffn_dim, args.kv_heads
+    attention = 2 * D * D + 2 * D * G * (D // args.heads)          # Wq, Wo; Wk, Wv
+    assert three_d.active_params(args) == L * (attention + 2 * 3 * D * F + 4 * D) + V * D   # K 2, E 4
