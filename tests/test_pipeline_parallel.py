@@ -463,14 +463,14 @@ class TracedStage(pp.Stage):
             self.trace.append((op, b_mb, b_before, self.holding()))
 
 
-DIRECT = {"dim": 12, "heads": 4, "context": 3, "rows": 3, "layers_per_stage": 2, "seed": 5}
+DIRECT = {"dim": 16, "heads": 4, "context": 3, "rows": 3, "layers_per_stage": 2, "seed": 5}
 DIRECT_CASES = [(schedule, m) for schedule in SCHEDULES[:3] for m in (1, 3, 6)]   # p = 4: m < p, m > p
 
 
 def direct_args(num_layers, batch_size):
     return argparse.Namespace(num_layers=num_layers, dim=DIRECT["dim"], heads=DIRECT["heads"], context=DIRECT["context"],
                               batch_size=batch_size, seed=DIRECT["seed"], vocab_size=dp.VOCAB_SIZE,
-                              experts=0)
+                              experts=0, kv_heads=2, ffn_dim=24, rope_theta=10000.0, qk_norm=True)
 
 
 def direct_worker(rank, world_size, out_dir):
@@ -479,7 +479,7 @@ def direct_worker(rank, world_size, out_dir):
     L = DIRECT["layers_per_stage"] * world_size
     init = dp.init_params(direct_args(L, 1))
     parts = pp.stage_parts(L, world_size, rank)
-    blocks = dp.model_blocks(L, DIRECT["dim"] // DIRECT["heads"])
+    blocks = dp.model_blocks(direct_args(L, 1))
     replica = dp.DataParallel([init[j] for j in parts], dist.new_subgroups(1)[0], optimizer="sgd", lr=0.1)
     first, last = rank == 0, rank == world_size - 1
     results = {}
@@ -695,7 +695,7 @@ def test_check_passes_a_correct_adamw_run_whose_gradient_is_near_eps(tmp_path, c
     gradient element is below 1e-7, near AdamW's eps, and summing 7 micro-batches in another
     order moves its AdamW step by up to lr. Checked a step at a time from the run's own
     weights, the optimizer steps on the same numbers, and every figure is a rounding's."""
-    pp.main(["--world-size", "1", "--num-layers", "8", "--dim", "20", "--context", "4", "--batch-size", "14",
+    pp.main(["--world-size", "1", "--num-layers", "8", "--dim", "24", "--context", "4", "--batch-size", "14",
              "--micro-batches", "7", "--optimizer", "adamw", "--lr", "0.01", "--steps", "4", "--seed", "2594",
              "--check", *TIMEOUT])
     figures, verdict = check_report(capfd.readouterr().out)
