@@ -201,6 +201,28 @@ def test_resumed_at_another_layout(sources, tmp_path, monkeypatch, capfd, optimi
             torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.deadline(120)
+def test_a_checkpoint_at_tp_4_with_2_kv_heads_resumes_at_tp_1_and_2(tmp_path, capfd):
+    """G 2 at tp 4: each kv head's Wk, Wv held by two ranks and written by its first; W1 and W3
+    each at its own F/tp columns. Resumed at tp 1 (every tensor whole) and at tp 2 (a kv head a
+    rank, W1 and W3 resharded apart), each passes --check and ends as the run that went on."""
+    flags = ["--kv-heads", "2", "--qk-norm"]
+    went_on = run("tensor_parallel", [*flags, "--world-size", "4", "--steps", "4"], "sgd",
+                  save=tmp_path / "on.pt")
+    run("tensor_parallel", [*flags, "--world-size", "4", "--steps", "2"], "sgd",
+        folder=tmp_path / "ck")
+    assert newest(tmp_path / "ck")["kv_heads"] == 2
+    for script, layout in (("tensor_parallel", ["--world-size", "1"]),
+                           ("three_d", ["--dp", "1", "--pp", "2", "--tp", "2"])):
+        resumed = run(script, [*flags, *layout, "--steps", "4", "--check"], "sgd",
+                      resume=tmp_path / "ck", save=tmp_path / "resumed.pt")
+        assert check_report(capfd.readouterr().out)[1] == "OK"
+        torch.testing.assert_close(torch.tensor(resumed["losses"]),
+                                   torch.tensor(went_on["losses"][2:]), atol=ATOL, rtol=RTOL)
+        for a, b in zip(final_params(resumed), final_params(went_on)):
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
 RUN = [*SOURCE, "--steps", "6", "--checkpoint-every", "2"]
 
 
