@@ -1576,8 +1576,9 @@ def model_rules(args):   # what the block cannot be built with, each in one line
     return [(D % h, f"--dim {D} is not divisible by --heads {h}: each head has D/h columns"),
             (h % args.kv_heads, f"--kv-heads {args.kv_heads} does not divide --heads {h}: each "
                                 f"kv head is read by h/G query heads"),
-            (D % h == 0 and D // h % 2, f"--dim {D} / --heads {h} = {D // h} columns a head: "
-                                        f"RoPE turns them in pairs, so it must be even")]
+            (D % h == 0 and D // h % 2, f"--dim {D} / --heads {h} = {D // h} column"
+                                        f"{'s' * (D // h > 1)} a head: RoPE turns them in pairs, "
+                                        f"so it must be even")]
 
 
 def experts_rules(args, replicas, replicas_flag):   # --experts, --top-k, --balance-rate, --ep

@@ -125,7 +125,9 @@ class ThreeDRank:
         names = [name for name in ("tp", "pp", "dp", "cp", "ep", "ep_copies") if name in groups]
         self.groups = {name: dist.new_subgroups_by_enumeration(groups[name], timeout=timeout)[0]
                        for name in names}
-        self.groups["kv"] = kv_group(args.kv_heads, args.tp)   # G < tp: a kv head's holders
+        holders = kv_group(args.kv_heads, args.tp)           # G < tp: a kv head's holders
+        if holders is not None:
+            self.groups["kv"] = holders
         self.dp_rank, self.stage, self.tp_rank = coordinates(rank, groups)
         self.cp_rank = 0
         if args.cp > 1:
@@ -257,7 +259,7 @@ class ThreeDRank:
         summed = [i for i in mine if self.kinds[i] == "partial" or
                   (self.sequence_parallel and self.kinds[i] == "whole")]
         sum_partial_grads(grads, summed, self.groups["tp"])
-        if self.groups["kv"] is not None:
+        if "kv" in self.groups:
             sum_partial_grads(grads, [i for i in mine if self.kinds[i] == "kv"], self.groups["kv"])
         if "cp" in self.groups:
             reduce_over(bucket, self.groups["cp"])
@@ -473,8 +475,6 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     blocks = kinds.count("block")
     head_dim = args.dim // args.heads
     summed = [4 * 2 * head_dim] * blocks * args.qk_norm + [4 * args.dim * args.experts] * blocks
-    if args.kv_heads < tp:                              # a kv head's Wk, Wv over its holders
-        summed += [4 * 2 * args.dim * head_dim] * blocks
     if args.sequence_parallel:                          # the gains
         summed += [4 * args.dim] * (2 * blocks + kinds.count("head"))
     tp_runs = tp_costs(kinds, act, rows, args.tp_style, num_micro_batches=m,
@@ -494,6 +494,9 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
                        args.bf16, m, args.recompute, [4 * n for n in lengths],
                        m if args.zero == 3 else 1)
     runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs, "cp": cp_runs}
+    if args.kv_heads < tp:   # each kv head's Wk, Wv gradient summed over its tp/G holders
+        runs["kv"] = [("all-reduce", 4 * args.dim * head_dim, 2 * blocks * (m if args.zero == 3
+                                                                           else 1))]
     if args.ep > 1:   # each block's four all-to-alls of rows K pairs (balanced), the ids and
         calls = blocks * m                                    # counts (once a forward); the
         forwards = calls * (1 + args.recompute)               # experts' copies' exchange at
@@ -732,6 +735,9 @@ def predict(args, machine):
     sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
     if args.ep > 1:                                  # --ep's all-to-alls; the experts' copies
         sizes.update(ep=args.ep, copies=dp // args.ep)
+    if args.kv_heads < tp:                           # a kv head's holders, inside a tp group
+        sizes.update(kv=tp // args.kv_heads)
+        per_node = [{**stage, "kv": min(stage["tp"], sizes["kv"])} for stage in per_node]
     classes = -(-args.vocab_size // tp)              # tp rank 0's
     chosen = {(s == 0, s == pp - 1, tuple(per_node[s].items())): s for s in reversed(range(pp))}
     rows = args.batch_size // (dp * m) * args.context // cp   # a micro-batch's positions, a rank's
@@ -753,7 +759,7 @@ def predict(args, machine):
             comm["cp"] -= min(ring, pairs)
         compute = m * sum(sum(chunk) for chunk in chunks)
         inside = (compute + comm["tp"] + comm["pp"] + comm["cp"] + comm.get("ep", 0) +
-                  comm["dp"] * (args.zero == 3))
+                  comm.get("kv", 0) + comm["dp"] * (args.zero == 3))
         sent = {group: sum(times * ring_bytes(kind, nbytes, sizes[group])
                            for kind, nbytes, times in runs[group]) for group in runs}
         stages.append(dict(stage=s, chunks=chunks, comm=comm, compute=compute, inside=inside,

@@ -140,32 +140,35 @@ def three_d_formula(args, stage, tp_rank=0):
             for key, value in formula(group, group_runs, sizes[group]).items()}
 
 
-def style_bytes(num_layers, tp_style, act_bytes, num_micro_batches, tp_size):
+def style_bytes(num_layers, tp_style, act_bytes, num_micro_batches, tp_size, mlp_bytes):
     """A TP rank's bytes per step over the model's blocks, in one style (tp_costs)."""
-    runs = tp_costs(["block"] * num_layers, act_bytes, 0, tp_style, num_micro_batches=num_micro_batches)
+    runs = tp_costs(["block"] * num_layers, act_bytes, 0, tp_style, num_micro_batches=num_micro_batches,
+                    mlp_bytes=mlp_bytes)
     return sum(sent for sent, _ in formula("tp", runs, tp_size).values())
 
 
-def megatron_comparison(num_layers, act_bytes, num_micro_batches, tp_size):
+def megatron_comparison(num_layers, act_bytes, num_micro_batches, tp_size, ffn_ratio):
     """One paragraph: the two TP styles' bytes over the layers, for this run's sizes.
 
-    Per block and micro-batch, with A the bytes of one activation [b, T, D]:
-      all-gather style: all-gathers of o, Wo's output, the MLP's 4 A and W2's output (forward),
-                        all-reduces of dn1, do, the MLP's 4 A and dn2 (backward)
-                        = 7 (t-1)/t A + 14 (t-1)/t A = 21 (t-1)/t A
+    Per block and micro-batch, with A the bytes of one activation [b, T, D] and F/D the MLP's:
+      all-gather style: all-gathers of o, Wo's output, the MLP's F/D A and W2's output (forward),
+                        all-reduces of dn1, do, the MLP's F/D A and dn2 (backward)
+                        = (3 + F/D) (t-1)/t A + 2 (3 + F/D) (t-1)/t A = 3 (3 + F/D) (t-1)/t A
       Megatron:         two g all-reduces (forward) + two f all-reduces (backward)
-                        = 8 (t-1)/t A: 8/21 of it
+                        = 8 (t-1)/t A: 8 / (3 (3 + F/D)) of it
     The ends are the same in both styles: the embedding's all-reduce, the head's, the loss's.
     """
     L, A, m, t = num_layers, act_bytes, num_micro_batches, tp_size
     if t == 1:
         return "Megatron comparison: with --tp 1 neither style sends anything."
-    gather, megatron = (style_bytes(L, style, A, m, t) for style in ("all-gather", "megatron"))
+    gather, megatron = (style_bytes(L, style, A, m, t, int(A * ffn_ratio))
+                        for style in ("all-gather", "megatron"))
+    units = Fraction(3 * (3 * ffn_ratio.denominator + ffn_ratio.numerator), ffn_ratio.denominator)
     return (f"TP bytes per rank and step over the model's {L} blocks (t={t}, m={m}, A={A} bytes), by the "
             f"formulas above: the all-gather style {float(gather):.0f}, Megatron's pairs {float(megatron):.0f}, "
             f"{float(megatron / gather):.3f} of it. Per block and micro-batch Megatron sends 8(t-1)/t A "
-            f"where the all-gather style sends 21(t-1)/t A: 8/21. The embedding, the head and the loss "
-            f"send the same in both.")
+            f"where the all-gather style sends 3(3 + F/D)(t-1)/t A = {float(units):g}(t-1)/t A. The "
+            f"embedding, the head and the loss send the same in both.")
 
 
 # ---- one counted step of each script -------------------------------------------------
@@ -187,19 +190,28 @@ def count_worker(rank, world_size, script, args):
                         optimizer=args.optimizer, bf16=args.bf16)[0]
         want = formula("dp", runs, world_size)
     elif script == "tensor_parallel":
-        replicated = [4 * args.dim] * (2 * args.num_layers + 1) + [4 * args.context * args.dim]
-        runs = tp_costs(part_kinds(args.num_layers), act_bytes, args.batch_size // m * args.context,
+        L, head_dim = args.num_layers, args.dim // args.heads
+        summed = [4 * 2 * head_dim] * L * args.qk_norm + [4 * args.dim * args.experts] * L
+        if args.sequence_parallel:                                   # the gains, summed
+            summed += [4 * args.dim] * (2 * L + 1)
+        runs = tp_costs(part_kinds(L), act_bytes, args.batch_size // m * args.context,
                         args.tp_style, num_micro_batches=m, recompute=args.recompute,
-                        sequence_parallel=args.sequence_parallel, replicated=replicated)
+                        sequence_parallel=args.sequence_parallel, summed=summed,
+                        mlp_bytes=act_bytes * args.ffn_dim // args.dim)
         want = formula("tp", runs, world_size)
-        notes = megatron_comparison(args.num_layers, act_bytes, m, world_size)
+        if args.kv_heads < world_size:                               # Wk, Wv over their holders
+            want.update(formula("kv", [("all-reduce", 4 * args.dim * head_dim, 2 * L)],
+                                world_size // args.kv_heads))
+        notes = megatron_comparison(args.num_layers, act_bytes, m, world_size,
+                                    Fraction(args.ffn_dim, args.dim))
     elif script == "pipeline_parallel":
         runs = pipeline_costs(args.schedule, world_size, stage, m, args.virtual_stages, act_bytes=act_bytes)[2]
         want = formula("pp", runs, world_size)
     else:
         want = three_d_formula(args, stage, dist.get_rank(groups["tp"]))
         act_bytes = (args.batch_size // (args.dp * m)) * args.context * args.dim * (2 if args.bf16 else 4)
-        notes = megatron_comparison(args.num_layers, act_bytes, m, args.tp)
+        notes = megatron_comparison(args.num_layers, act_bytes, m, args.tp,
+                                    Fraction(args.ffn_dim, args.dim))
     report(counter, want, notes)
     cleanup()
 

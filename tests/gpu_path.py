@@ -413,7 +413,10 @@ def build_tensor_parallel(args, rank, world_size, device=META):
         if args.clip_grad:
             replica.clip(args.clip_grad, [dist.group.WORLD], shares)
         replica.update()
-    return step, replica, {"tp": None}, 0
+    groups = {"tp": None}
+    if holders is not None:
+        groups["kv"] = holders
+    return step, replica, groups, 0
 
 
 def build_pipeline_parallel(args, rank, world_size, device=META):

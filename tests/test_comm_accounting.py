@@ -64,24 +64,27 @@ def all_gather(n, nbytes):
     return value
 
 
-COMMON = ["--steps", "1", "--optimizer", "sgd", "--context", "4", "--heads", "4", *TIMEOUT]
+COMMON = ["--steps", "1", "--optimizer", "sgd", "--context", "4", "--heads", "4", "--kv-heads", "4",
+          "--ffn-dim", "24", *TIMEOUT]
 V = 97                             # the text's classes
 T = 4                              # --context
+F = 24                             # --ffn-dim: 3 D at D 8
 
 
 def model_parts(L, D, tp=1, t=0):
-    """The elements of tp rank t's parts: [E's rows of its classes [V_t, D], P [T, D]], each
-    block's two gains [D] and 12 D^2 / tp of its six matrices, [the gain, H's columns of its
-    classes [D, V_t]]; V_t = 49 or 48 classes of 97 at tp = 2."""
+    """The elements of tp rank t's parts: [E's rows of its classes [V_t, D]], each block's two
+    gains [D], Wq, Wk, Wv, Wo D^2 / tp each (G = h: kv heads as many as query heads) and W1, W3,
+    W2 D F / tp each, [the gain, H's columns of its classes [D, V_t]]; V_t = 49 or 48 classes of 97
+    at tp = 2."""
     classes = V // tp + (t < V % tp)
-    return [classes * D + T * D, *[2 * D + 12 * D * D // tp] * L, D + D * classes]
+    return [classes * D, *[2 * D + 4 * D * D // tp + 3 * D * F // tp] * L, D + D * classes]
 
 
 def block_collectives(style, t, act, m, blocks, recompute=False):
     """A tp rank's collectives for its blocks, {kind: (calls, bytes sent)}: Megatron's two g
     all-reduces forward (again with --recompute) and two f backward, of A each; the all-gather
-    style's all-gathers of o, Wo's output, the MLP's 4 A and W2's (again with --recompute), and
-    all-reduces of dn1, do, du (4 A) and dn2."""
+    style's all-gathers of o, Wo's output, the MLP's F/D A and W2's (again with --recompute), and
+    all-reduces of dn1, do, du (F/D A) and dn2."""
     if t == 1:
         return {}
     if style == "megatron":
@@ -89,8 +92,9 @@ def block_collectives(style, t, act, m, blocks, recompute=False):
         return {"all-reduce": (calls, calls * all_reduce(t, act))}
     gathers = blocks * m * (1 + recompute)
     reduces = blocks * m
-    return {"all-gather": (4 * gathers, gathers * (3 * all_gather(t, act) + all_gather(t, 4 * act))),
-            "all-reduce": (4 * reduces, reduces * (3 * all_reduce(t, act) + all_reduce(t, 4 * act)))}
+    mlp = act * F // 8
+    return {"all-gather": (4 * gathers, gathers * (3 * all_gather(t, act) + all_gather(t, mlp))),
+            "all-reduce": (4 * reduces, reduces * (3 * all_reduce(t, act) + all_reduce(t, mlp)))}
 
 
 def add(counts, kind, calls, sent):
@@ -135,6 +139,7 @@ def test_bf16_halves_the_pipelines_messages_and_zeros_weight_gathers(capfd):
     m, d, act = 2, 2, 8 // 2 // 2 * T * 8 * 2      # [b, T, D] in bf16
     ends, block, _, _, _, head = model_parts(4, 8)
     stages = [[ends, block, block], [block, block, head]]   # each even: no padding at d = 2
+    assert all(n % 2 == 0 for stage in stages for n in stage)
     out = capfd.readouterr().out
     assert "DIFFERENT" not in out
     rows = [(kind, int(counted)) for _, kind, calls, counted in
@@ -191,7 +196,7 @@ def test_tensor_parallel(capfd, style, L):
     add(counts, "all-reduce", 3 * m, 3 * m * all_reduce(t, B // m * T * F32))   # the loss's max, sum, l_y
     out = assert_counts(capfd, t, lambda rank: {("tp", kind): value for kind, value in counts.items()})
     assert comparison(L, m, t, act) in " ".join(out.split())
-    assert "0.381 of it" in out                  # 8 against 21 units of (t-1)/t A: 8/21
+    assert "0.444 of it" in out                  # 8 against 3 (3 + F/D) = 18 units of (t-1)/t A
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -200,7 +205,7 @@ def test_sequence_parallel_sends_megatrons_bytes_as_pairs_along_T(capfd, recompu
     along T, (t-1)/t A each: the all-reduce's 2(t-1)/t A. A block, a micro-batch: f's two
     all-gathers and g's two reduce-scatters forward (again with --recompute), their two each
     backward; the embedding's reduce-scatter and its all-gather back, the head's all-gather and
-    its reduce-scatter back. Once a step, each gain's gradient and P's, all-reduced over tp."""
+    its reduce-scatter back. Once a step, each gain's gradient, all-reduced over tp."""
     t, L, D, B, m = 4, 3, 8, 12, 3
     comm_count.count("tensor_parallel", ["--world-size", str(t), "--num-layers", str(L), "--dim", str(D),
                                          "--batch-size", str(B), "--micro-batches", str(m), "--tp-style",
@@ -211,7 +216,6 @@ def test_sequence_parallel_sends_megatrons_bytes_as_pairs_along_T(capfd, recompu
     counts = {"all-gather": (pairs, pairs * all_gather(t, act)),
               "reduce-scatter": (pairs, pairs * all_gather(t, act))}
     add(counts, "all-reduce", 2 * L + 1, (2 * L + 1) * all_reduce(t, D * F32))   # the gains'
-    add(counts, "all-reduce", 1, all_reduce(t, T * D * F32))                     # P's
     add(counts, "all-reduce", 3 * m, 3 * m * all_reduce(t, B // m * T * F32))    # the loss's
     megatron = 2 * pairs * all_gather(t, act)
     assert megatron == pairs * all_reduce(t, act)        # the same bytes as Megatron's all-reduces
@@ -268,7 +272,29 @@ def test_three_d(capfd, schedule, shard, style):
 
 def test_sizes_of_one_send_nothing(capfd):
     """dp = tp = 1: the groups of one are never called, and their formulas are zero."""
-    comm_count.count("three_d", ["--dp", "1", "--pp", "2", "--tp", "1", "--num-layers", "2", "--dim", "4",
+    comm_count.count("three_d", ["--dp", "1", "--pp", "2", "--tp", "1", "--num-layers", "2", "--dim", "8",
                                  "--batch-size", "4", "--micro-batches", "2", *COMMON])
-    act = 2 * T * 4 * F32
+    act = 2 * T * 8 * F32
     assert_counts(capfd, 2, lambda rank: {("pp", "send"): (2, 2 * act)})
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_kv_heads_fewer_than_tp_sum_their_gradients_over_their_holders(capfd, qk_norm):
+    """G 2 at tp 4: each kv head's Wk and Wv on the 2 ranks that read it, their gradients (D dh
+    each, a block) all-reduced over those 2 once a step, in a group of their own; --qk-norm's two
+    gains [dh] all-reduced over tp. Nothing else changes: the rest is Megatron's four all-reduces."""
+    t, L, D, B, m, G = 4, 3, 8, 12, 3, 2
+    comm_count.count("tensor_parallel", ["--world-size", str(t), "--num-layers", str(L), "--dim", str(D),
+                                         "--batch-size", str(B), "--micro-batches", str(m), "--tp-style",
+                                         "megatron", *COMMON, "--kv-heads", str(G),
+                                         *(["--qk-norm"] if qk_norm else [])])
+    act = B // m * T * D * F32
+    head_dim = D // 4
+    counts = block_collectives("megatron", t, act, m, L)
+    add(counts, "all-reduce", 2 * m, 2 * m * all_reduce(t, act))          # the embedding's x, the head's dn
+    add(counts, "all-reduce", 3 * m, 3 * m * all_reduce(t, B // m * T * F32))   # the loss's
+    if qk_norm:
+        add(counts, "all-reduce", 2 * L, 2 * L * all_reduce(t, head_dim * F32))   # QK-norm's gains
+    holders = t // G
+    kv = {("kv", "all-reduce"): (2 * L, 2 * L * all_reduce(holders, D * head_dim * F32))}
+    assert_counts(capfd, t, lambda rank: {**{("tp", kind): value for kind, value in counts.items()}, **kv})
