@@ -95,27 +95,37 @@ def wide_matmul(a, b):   # [.., m, k] @ [.., k, n] summed into fp32, as FlashAtt
         return wide(a) @ wide(b)                              # kernel: cast (fp32 stays as it is)
     if a.dim() == 2:                                          # an expert's dW
         return torch.mm(a, b, out_dtype=torch.float32)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])   # (a kv head: its group's)
+    a = a.expand(*batch, *a.shape[-2:])
+    b = b.expand(*batch, *b.shape[-2:])
     out = torch.bmm(a.flatten(0, -3), b.flatten(0, -3), out_dtype=torch.float32)   # bf16 inputs
-    return out.unflatten(0, a.shape[:-2])
+    return out.unflatten(0, batch)
+
+
+class Rope(NamedTuple):   # RoPE's turns at a rank's places m, [T, dh/2] complex each
+    turn: torch.Tensor      # e^(i m theta_i): the forward's
+    back: torch.Tensor      # e^(-i m theta_i), its conjugate: the backward's
 
 
 def rope_table(positions, head_dim, theta):
-    """e^(i m theta_i) [T, dh/2], theta_i = theta^(-2i/dh), i < dh/2, for each place m in its
-    sequence (positions [T]: step 3's --cp gives each rank its own): float64 angles, complex."""
+    """The turns by m theta_i, theta_i = theta^(-2i/dh), i < dh/2, for each place m in its
+    sequence (positions [T]: step 3's --cp gives each rank its own), from float64 angles."""
     i = torch.arange(head_dim // 2, dtype=torch.float64, device=positions.device)
     angles = positions.double()[:, None] * theta ** (-2 * i / head_dim)     # [T, dh/2]
-    return torch.polar(torch.ones_like(angles), angles)
+    return Rope(torch.polar(torch.ones_like(angles), angles),
+                torch.polar(torch.ones_like(angles), -angles))
 
 
-def rotate(x, turn, head_dim, back=False):
+def rotate(x, rope, head_dim, back=False):
     """RoPE on every head of x [b, T, n dh], in fp32 at least: each pair (x[2i], x[2i+1]) read as
-    the complex number x[2i] + i x[2i+1] and times turn = e^(i m theta_i), which turns it by its
-    angle: x'[2i] = x[2i] cos - x[2i+1] sin, x'[2i+1] = x[2i] sin + x[2i+1] cos (Meta's Llama
-    code). A rotation R's backward is R^T, the turn by -angle: back, times e^(-i m theta_i)."""
+    the complex number x[2i] + i x[2i+1] and times e^(i m theta_i), which turns it by its angle:
+    x'[2i] = x[2i] cos - x[2i+1] sin, x'[2i+1] = x[2i] sin + x[2i+1] cos (Meta's Llama code). A
+    rotation R's backward is R^T, the turn by -angle: back, times e^(-i m theta_i)."""
     pairs = wide(x).unflatten(-1, (-1, head_dim // 2, 2)).contiguous()   # [b, T, n, dh/2, 2]
-    turn = turn.to(torch.promote_types(pairs.dtype, torch.complex64))[:, None]   # every head's
+    turn = rope.turn
     if back:
-        turn = turn.conj()
+        turn = rope.back
+    turn = turn.to(torch.promote_types(pairs.dtype, torch.complex64))[:, None]   # every head's
     turned = torch.view_as_complex(pairs) * turn                     # [b, T, n, dh/2], complex
     return torch.view_as_real(turned).flatten(-3).to(x.dtype)
 
@@ -124,12 +134,12 @@ def heads(t, head_dim):   # [b, T, n dh] -> [b, n, T, dh]: head j's columns j dh
     return t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
 
 
-def query_heads(q, kv_heads, head_dim):   # [b, T, h dh] -> [b, G, h/G, T, dh]: each kv head's group
-    return heads(q, head_dim).unflatten(1, (kv_heads, -1)).contiguous()   # (j // (h/G) = c)
+def query_heads(q, kv_heads, head_dim):   # [b, T, h dh] -> [b, G, h/G, T, dh]: kv head c's group,
+    return heads(q, head_dim).unflatten(1, (kv_heads, -1))   # the query heads j // (h/G) = c
 
 
 def kv_head(t, head_dim):   # [b, T, G dh] -> [b, G, 1, T, dh]: read by its group, never repeated
-    return heads(t, head_dim)[:, :, None].contiguous()
+    return heads(t, head_dim)[:, :, None]
 
 
 def columns(t):   # [b, G, h/G, T, dh] -> [b, T, h dh]: the heads side by side again

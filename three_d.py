@@ -474,7 +474,8 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     act = rows * args.dim * (2 if args.bf16 else 4)                         # [b, T, D]
     blocks = kinds.count("block")
     head_dim = args.dim // args.heads
-    summed = [4 * 2 * head_dim] * blocks * args.qk_norm + [4 * args.dim * args.experts] * blocks
+    summed = [4 * head_dim] * 2 * blocks * args.qk_norm                  # QK-norm's gains, routers
+    summed += [4 * args.dim * args.experts] * blocks * (args.experts > 0)   # over tp, once a step
     if args.sequence_parallel:                          # the gains
         summed += [4 * args.dim] * (2 * blocks + kinds.count("head"))
     tp_runs = tp_costs(kinds, act, rows, args.tp_style, num_micro_batches=m,
@@ -563,14 +564,15 @@ GPUS = {
 # weight (6).
 UPDATE_BYTES = {"adamw": 40, "sgd": 24}
 REFRESH_BYTES = 6
-# A block's memory-bound passes on a GPU, in [b, T, D]s of bf16 read and written: forward, the
-# two fused norms (x in, y out: 2 each), the two residual adds (3 each); back, the norms' fused
-# backward (dy, x in, dx out: 3 each), four adds (3 each). Then by what else the block has, in
-# [b, T, D]s of q (k and v: G/h of one): RoPE's rotation of q and k, forward and back (fp32 in,
-# a complex product, bf16 out: 10); --qk-norm's norms (2 forward, 3 back); and in [b, T, F]s,
-# SwiGLU's silu and product (5 forward) and back (du up, silu_backward, silu, du silu: 11).
-PASSES = {"forward": 2 * 2 + 2 * 3, "backward": 2 * 3 + 4 * 3}
-ROPE = 10
+# A block's memory-bound passes on a GPU, in [b, T, D]s read and written: forward, the two fused
+# norms (x in, y out: 2 each), the two residual adds (3 each); back, the norms' fused backward
+# (dy, x in, dx out: 3 each), five adds (3 each: the residuals' two, dn1's two, dn2's). Then by
+# what else the block has, in [b, T, D]s of q (k and v: G/h of one): RoPE's rotation of q and
+# k, forward and back (bf16: fp32 in, a complex product, bf16 out, 10; fp32: the product, 2);
+# --qk-norm's norms (2 forward, 3 back); and in [b, T, F]s, SwiGLU's silu and product (5
+# forward) and back (du up, silu_backward, silu, du silu: 11).
+PASSES = {"forward": 2 * 2 + 2 * 3, "backward": 2 * 3 + 5 * 3}
+ROPE = {"bf16": 10, "fp32": 2}
 QK_NORM = {"forward": 2, "backward": 3}
 SWIGLU = {"forward": 5, "backward": 11}
 # --experts, in [N K, D]s, a pair's (estimated, not recorded: the routing is data): the rows
@@ -628,9 +630,10 @@ class Machine:
         passes = rows * dim * size / self.hbm
         qk = 1 + args.kv_heads / args.heads                  # q's and k's, in [b, T, D]s
         mlp = args.ffn_dim / dim * max(args.top_k * (args.experts > 0), 1)   # every pair's
-        f += (PASSES["forward"] + (ROPE + QK_NORM["forward"] * args.qk_norm) * qk +
+        rope = ROPE["bf16" if args.bf16 else "fp32"]
+        f += (PASSES["forward"] + (rope + QK_NORM["forward"] * args.qk_norm) * qk +
               SWIGLU["forward"] * mlp) * passes
-        b += (PASSES["backward"] + (ROPE + QK_NORM["backward"] * args.qk_norm) * qk +
+        b += (PASSES["backward"] + (rope + QK_NORM["backward"] * args.qk_norm) * qk +
               SWIGLU["backward"] * mlp) * passes
         if args.experts:   # the pairs' gathers and sums
             f += EXPERT_PASSES["forward"] * args.top_k * passes

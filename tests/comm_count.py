@@ -191,7 +191,7 @@ def count_worker(rank, world_size, script, args):
         want = formula("dp", runs, world_size)
     elif script == "tensor_parallel":
         L, head_dim = args.num_layers, args.dim // args.heads
-        summed = [4 * 2 * head_dim] * L * args.qk_norm + [4 * args.dim * args.experts] * L
+        summed = [4 * head_dim] * 2 * L * args.qk_norm + [4 * args.dim * args.experts] * L * (args.experts > 0)
         if args.sequence_parallel:                                   # the gains, summed
             summed += [4 * args.dim] * (2 * L + 1)
         runs = tp_costs(part_kinds(L), act_bytes, args.batch_size // m * args.context,

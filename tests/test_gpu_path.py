@@ -41,7 +41,9 @@ FAMILIES = {
         ["--bucket-mb", "0", "--zero", "3"]],
     "tensor_parallel": [[], ["--tp-style", "megatron"], ["--recompute"],
                         ["--tp-style", "megatron", "--recompute", "--bf16"], ["--bf16"],
-                        ["--clip-grad", "0.5"], ["--tp-style", "megatron", "--sequence-parallel", "--bf16"]],
+                        ["--clip-grad", "0.5"], ["--tp-style", "megatron", "--sequence-parallel", "--bf16"],
+                        ["--kv-heads", "8", "--qk-norm", "--bf16"],
+                        ["--kv-heads", "1", "--qk-norm", "--tp-style", "megatron", "--bf16"]],
     "pipeline_parallel": [["--schedule", schedule] for schedule in ("gpipe", "1f1b", "zb-h1")] + [
         ["--schedule", "interleaved", "--virtual-stages", "2", "--num-layers", "16"], ["--recompute"],
         ["--schedule", "zb-h1", "--recompute", "--bf16"], ["--bf16"], ["--clip-grad", "0.5"]],
@@ -51,7 +53,8 @@ FAMILIES = {
         ["--bf16"], ["--clip-grad", "0.5"], ["--order", "tp-dp-pp", "--zero", "3"],
         ["--zero", "3", "--tp-style", "megatron", "--p2p-shard", "--recompute", "--bf16",
          "--schedule", "interleaved", "--virtual-stages", "2", "--clip-grad", "0.5"],
-        ["--tp-style", "megatron", "--sequence-parallel", "--zero", "2", "--recompute", "--bf16"]],
+        ["--tp-style", "megatron", "--sequence-parallel", "--zero", "2", "--recompute", "--bf16"],
+        ["--kv-heads", "1", "--qk-norm", "--zero", "1", "--bf16"]],
 }
 WORLD = {"data_parallel": ["--world-size", "8"], "tensor_parallel": ["--world-size", "8"],
          "pipeline_parallel": ["--world-size", "8"], "three_d": ["--dp", "2", "--pp", "2", "--tp", "2"]}
@@ -82,7 +85,8 @@ def planned(layout, stage, tp_rank):
     collectives {(group, kind, bytes): calls} on groups of more than one rank, and its memory at
     the end."""
     runs, held, _, _ = three_d.three_d_costs(layout, stage, tp_rank=tp_rank)
-    sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp}
+    sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp,
+             "kv": layout.tp // layout.kv_heads}
     comms = collections.Counter()
     for group, group_runs in runs.items():
         for kind, nbytes, calls in group_runs:
@@ -104,7 +108,9 @@ def assert_as_planned(ran):
     flops = ran.record.flops()
     b = layout.batch_size // (layout.dp * layout.micro_batches)          # a micro-batch's rows
     T, D, m, tp, cp = layout.context, layout.dim, layout.micro_batches, layout.tp, layout.cp
-    weights = 2 * b * T // cp * 12 * D * D // tp * m   # a block's six matmuls, 12 D^2 a position
+    kv = max(layout.kv_heads // tp, 1) * D // layout.heads   # a rank's k, v columns
+    matrices = 2 * D * D // tp + 2 * D * kv + 3 * D * layout.ffn_dim // tp   # Wq Wo, Wk Wv, W1 W3 W2
+    weights = 2 * b * T // cp * matrices * m             # a block's seven matmuls, a position's
     share = (2 * cp - 1, cp * cp)   # of attention's causal FLOPs: contiguous, cp rank C-1's
     if layout.cp_layout == "zigzag":
         share = (1, cp)             # each rank's (2 diagonal pairs of T/2C and 2C-1 whole ones)
@@ -133,8 +139,8 @@ def test_a_rank_of_8_gpus_runs_as_planned(script, flags):
 def test_a_gpu_step_runs_fused_attention_and_makes_no_t_by_t_tensor(script, flags, kernel):
     """A block's attention on a GPU is torch's fused kernel, forward and backward, once a block and
     micro-batch each (the forward twice with --recompute); no op of the step makes a [.., T, T]
-    tensor, so none is held from the forward to the backward either (T 96; D 64, 4D 256)."""
-    T = 96
+    tensor, so none is held from the forward to the backward either (T 80; D 64, F 192)."""
+    T = 80
     argv = [*WORLD[script], *SMALL[script], "--context", str(T), *flags]
     ran = run_step(script, argv, 0)
     blocks = ran.args.num_layers // (ran.args.pp if script == "three_d" else 1)
@@ -164,22 +170,29 @@ def test_fused_attention_moves_no_t_by_t_pass_through_memory():
 @pytest.mark.parametrize("bf16", [[], ["--bf16"]])
 def test_a_blocks_memory_bound_passes_are_the_plans_norms_fused_no_dtype_copies(bf16):
     """What two more blocks move outside the matmuls and attention (L 4 against L 2, the same
-    step otherwise): exactly the plan's PASSES [b, T, D]s each, forward and back, the norms in
-    torch's fused kernels, and no copy of an activation to another dtype (fp32 norms written
-    out: eight passes each way, and a cast of x and dy; each other op grows by the gains' bytes)."""
+    step otherwise): exactly the plan's PASSES [b, T, D]s each, forward and back, with RoPE's and
+    SwiGLU's (F = 720 at D 256), the norms in torch's fused kernels, and no copy of an activation
+    to another dtype but RoPE's fp32 (fp32 norms written out: eight passes each way, and a cast of
+    x and dy; each other op grows by the gains' bytes). fp32's attention, the memory-efficient
+    kernel, repeats the kv heads and sums their dk, dv (clone, sum): not in a bf16 plan."""
     def moved(layers):
         argv = ["--world-size", "1", "--num-layers", str(layers), "--dim", "256", "--heads", "4",
                 "--context", "128", "--batch-size", "8", "--micro-batches", "1", *bf16]
         return run_step("data_parallel", argv, 0).record
     small, large = moved(2), moved(4)
     activation = 8 * 128 * 256 * (2 if bf16 else 4)           # one [b, T, D]
-    kinds = ("_fused_rms_norm", "_fused_rms_norm_backward", "add", "gelu", "gelu_backward")
+    kinds = ("_fused_rms_norm", "_fused_rms_norm_backward", "add", "silu", "silu_backward", "mul",
+             "_to_copy")
     per_block = sum(large.moved[kind] - small.moved[kind] for kind in kinds) / 2
-    planned = (three_d.PASSES["forward"] + three_d.PASSES["backward"]) * activation
+    rope = three_d.ROPE["bf16" if bf16 else "fp32"] * 2 * (1 + 2 / 4)    # q and k (G 2 of h 4)
+    swiglu = (three_d.SWIGLU["forward"] + three_d.SWIGLU["backward"]) * 720 / 256
+    planned = (three_d.PASSES["forward"] + three_d.PASSES["backward"] + rope + swiglu) * activation
     assert planned <= per_block <= 1.01 * planned             # and the norms' r [b, T, 1], g, dg
     assert large.ops["_fused_rms_norm"] - small.ops["_fused_rms_norm"] == 2 * 2
     assert large.ops["_fused_rms_norm_backward"] - small.ops["_fused_rms_norm_backward"] == 2 * 2
     update = ("_fused_adamw_", "copy_", "div_", "zero_")     # the update's passes, not these
+    if not bf16:                                             # fp32's kernel: kv heads repeated
+        update += ("clone", "sum")
     grown = {kind: large.moved[kind] - small.moved[kind] for kind in large.moved
              if kind not in kinds and kind not in update}
     assert max(grown.values()) < activation / 16, grown        # gains' bytes: no [b, T, D]
@@ -188,9 +201,10 @@ def test_a_blocks_memory_bound_passes_are_the_plans_norms_fused_no_dtype_copies(
 @pytest.mark.parametrize("flags", [["--bf16"], ["--tp-style", "megatron", "--sequence-parallel",
                                               "--recompute", "--zero", "3", "--dp", "2", "--bf16"]])
 def test_a_cp_step_on_the_gpu_path_keeps_to_its_device_and_rings_its_cp_group(flags):
-    """three_d --cp on meta: no tensor on the CPU (its positions, P's rows, the ring's buffers),
-    and the ring's sends on the cp group: 2 (C-1) blocks of K and V forward, as many back, and C
-    of dK and dV, a block and micro-batch (plus --recompute's forward again)."""
+    """three_d --cp on meta: no tensor on the CPU (its positions, RoPE's turns, the ring's
+    buffers), and the ring's sends on the cp group: 2 (C-1) blocks of K and V (the rank's kv
+    heads alone) forward, as many back, and C of dK and dV, a block and micro-batch (plus
+    --recompute's forward again)."""
     argv = ["--dp", "1", "--pp", "2", "--tp", "2", "--cp", "2", "--num-layers", "4", "--dim", "64",
             "--batch-size", "8", "--micro-batches", "2", "--context", "16", *flags]
     ran = run_step("three_d", argv, 5)
@@ -199,7 +213,8 @@ def test_a_cp_step_on_the_gpu_path_keeps_to_its_device_and_rings_its_cp_group(fl
              if kind == "send" and group == "cp"}
     runs = args.num_layers // args.pp * args.micro_batches           # a block and micro-batch
     rows = args.batch_size // (args.dp * args.micro_batches)
-    block = 2 * rows * (args.context // 2) * args.dim // 2           # K and V: [b, T/C, D/tp]
+    kv = tensor_parallel.kv_width(args.dim, args.heads, args.kv_heads, args.tp)   # G/tp dh: 16
+    block = 2 * rows * (args.context // 2) * kv                      # K and V: [b, T/C, G/tp dh]
     pairs = 2 + 3                                                      # zigzag C 2: 2 diagonal
     assert ran.record.ops["_scaled_dot_product_flash_attention"] == runs * pairs * (
         1 + args.recompute)                                           # FlashAttention's, a pair
@@ -254,9 +269,9 @@ def test_a_rank_of_1024_gpus_runs_as_planned(rank):
     ran = run_step("three_d", LARGE, rank)
     assert ran.stage == {0: 0, 229: 4, 1023: 7}[rank]
     assert_as_planned(ran)
-    # 8 micro-batches through 2 chunks of 4 blocks: 6 weights' F, dx and dW, attention's fused
+    # 8 micro-batches through 2 chunks of 4 blocks: 7 weights' F, dx and dW, attention's fused
     # kernel F and back each; the head's F, dx and dW, last
-    assert sum(ran.matmuls.values()) == 8 * 8 * (6 * 3 + 2) + 8 * 3 * (ran.stage == 7)
+    assert sum(ran.matmuls.values()) == 8 * 8 * (7 * 3 + 2) + 8 * 3 * (ran.stage == 7)
 
 
 @pytest.mark.deadline(120)
@@ -267,7 +282,7 @@ def test_a_cp_rank_of_1024_gpus_runs_as_planned():
     ran = run_step("three_d", large, 229)
     assert (ran.stage, ran.tp_rank) == (6, 5)
     assert_as_planned(ran)
-    assert sum(ran.matmuls.values()) == 8 * 8 * (6 * 3 + 2 * 5)
+    assert sum(ran.matmuls.values()) == 8 * 8 * (7 * 3 + 2 * 5)
 
 
 ON_THE_CPU = torch.ones(97)      # made outside the step, as a CPU tensor left in a script
@@ -342,9 +357,9 @@ def test_the_harness_from_the_shell_prints_its_record_and_nothing_on_stderr():
                                os.path.abspath(__file__))), capture_output=True, text=True,
                           timeout=50)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-    # 4 blocks x 2 micro-batches x (6 forward + 6 backward) + 24 dW, twice; the head's 6; and
-    # attention's fused kernel, forward and back, a block and micro-batch
-    assert proc.stdout.startswith("rank 0 (stage 0) of 2: 150 matmuls and 16 fused attention kernels")
+    # 4 blocks x 2 micro-batches x (7 forward + 7 backward + 7 dW); the head's 6; and attention's
+    # fused kernel, forward and back, a block and micro-batch
+    assert proc.stdout.startswith("rank 0 (stage 0) of 2: 174 matmuls and 16 fused attention kernels")
 
 
 def test_the_harness_help_lists_the_scripts_it_runs(capsys):

@@ -105,8 +105,8 @@ def test_the_gpus_fused_rmsnorm_op_is_the_written_out_norm(dtype):
                                atol=0)
 
 
-def rotated_forward_again(x, turn, head_dim, back=False):   # the defect: back turns by +angle
-    return dp.rotate(x, turn, head_dim)
+def rotated_forward_again(x, rope, head_dim, back=False):   # the defect: back turns by +angle
+    return dp.rotate(x, rope, head_dim)
 
 
 @pytest.mark.parametrize("rotate,agrees", [(dp.rotate, True), (rotated_forward_again, False)])
