@@ -1475,9 +1475,9 @@ def training_parser(description, dp=False):
             ("--dim", positive_int, 64, "width D: the residual stream's"),
             ("--heads", positive_int, 4, "attention heads h; divides --dim"),
             ("--kv-heads", positive_int, None, "key and value heads G, each read by h/G query "
-             "heads; divides --heads (default h/2, h if odd; h: multi-head attention)"),
-            ("--ffn-dim", positive_int, None, "the MLP's width F (default 8D/3 rounded up to a "
-             "multiple of 48)"),
+             "heads; divides --heads; None: h/2, or h where h is odd (h: multi-head attention)"),
+            ("--ffn-dim", positive_int, None, "the MLP's width F; None: 8D/3 rounded up to a "
+             "multiple of 48"),
             ("--rope-theta", positive_float, 10000.0, "RoPE's base (Llama 3's: 500000)"),
             ("--context", positive_int, 32, "characters T a sequence holds"),
             ("--batch-size", positive_int, 64, "global batch B: windows of the text a step"),

@@ -233,7 +233,7 @@ def ddp_race(rank, world_size, args):
     def ours(zero=0, overlap=False):
         parts = [[w.to(device, copy=True) for w in part] for part in init]
         return dp_side(parts, None, args, xs, ys, n, zero, overlap)
-    model = as_module(init, device, heads=args.heads)
+    model = as_module(init, device, args)
     if args.zero:
         sides = {f"ours --zero {args.zero}": ours(args.zero), f"ours --zero {args.zero} --overlap": ours(args.zero, True),
                  TORCH_ZERO[args.zero]: zero_side(args.zero, model, xs, ys, n * args.context, args.lr, device)}
@@ -315,7 +315,7 @@ def memory_worker(rank, world_size, args):
                                          zero=args.zero, **replica_options(args))
     inputs, targets = (t.to(device) for t in first_batch(args))
     rows, m = replica_rows(args.batch_size, rank, world_size), args.micro_batches
-    blocks = model_blocks(args.num_layers, args.dim // args.heads)
+    blocks = model_blocks(args, device=device)
     largest = []
     for step in range(2):   # AdamW's state is made in the first step: the second holds it throughout
         if step == 1 and args.zero == 3:
@@ -375,21 +375,22 @@ def colwise_race(rank, world_size, args):
     xs, ys = inputs.chunk(m), targets.chunk(m)                   # the whole batch on every rank
     init = init_params(args)
     kinds = part_kinds(args.num_layers)
-    splits = tensor_kinds(kinds, args.tp_style)
-    shards = [[shard(w, k, rank, world_size).to(device) for w, k in zip(part, ks)]
+    splits = tensor_kinds(kinds, args, world_size)
+    shards = [[shard(w, k, rank, world_size, args.kv_heads).to(device) for w, k in zip(part, ks)]
               for part, ks in zip(init, splits)]
     replica = data_parallel.DataParallel(shards, dist.new_subgroups(1)[0], **replica_options(sgd(args)))
-    blocks = tp_blocks(kinds, args.tp_style, args.dim // args.heads, vocab_size=args.vocab_size,
-                       sequence_parallel=args.sequence_parallel)
+    blocks = tp_blocks(kinds, args, positions=torch.arange(args.context, device=device))
     loss_fn = functools.partial(tensor_parallel.vocab_parallel_cross_entropy, vocab_size=args.vocab_size)
-    whole = [i for i, k in enumerate(k for ks in splits for k in ks) if k == "whole"]
+    split = [k for ks in splits for k in ks]
+    summed = tensor_parallel.split_as(split, "partial")          # QK-norm's gains
+    if args.sequence_parallel:
+        summed += tensor_parallel.split_as(split, "whole")
 
     def step():                       # as tp_worker's
         data_parallel.dp_step(replica, blocks, loss_fn, xs, ys, n)
-        if args.sequence_parallel:
-            tensor_parallel.sum_partial_grads(replica.grads(), whole, dist.group.WORLD)
+        tensor_parallel.sum_partial_grads(replica.grads(), summed, dist.group.WORLD)
         replica.update()
-    model = as_module(init, device, heads=args.heads)
+    model = as_module(init, device, args)
     sides = {"ours": (step, lambda: (replica.params, replica.grads())),
              torch_tp_name(args): colwise_side(model, xs, ys, n, args),
              "serial: our step, whole batch, 1 rank": serial_side(args, device)}
@@ -401,25 +402,26 @@ def colwise_race(rank, world_size, args):
 def torch_tp_plan(model, style, head_logits, sequence=False):
     """parallelize_module's plan for a TorchLM over tp: the embedding RowwiseParallel (each rank
     its classes' rows, the lookups all-reduced); Wq, Wk, Wv ColwiseParallel, at head
-    boundaries; Megatron: W1 too, Wo and W2 RowwiseParallel; the all-gather style: Wo, W1, W2
-    ColwiseParallel, the heads' outputs and GELU's all-gathered into Wo and W2, their outputs
-    all-gathered (Replicate); the head ColwiseParallel, its logits as head_logits says.
-    sequence: torchtitan's sequence parallelism on Megatron's: each block's input cut along T
-    (PrepareModuleInput; the embedding's output is whole, P added after it), the norms
-    SequenceParallel, Wq, Wk, Wv and W1 gathering along T, Wo and W2 reduce-scattering to it.
-    (Its q, k and v each gather n: no module holds the three together.)"""
+    boundaries (kv heads as many as tp or more: torch has no replicated kv head); Megatron: W1
+    and W3 too, Wo and W2 RowwiseParallel; the all-gather style: Wo, W1, W3, W2 ColwiseParallel,
+    the heads' outputs and SwiGLU's all-gathered into Wo and W2, their outputs all-gathered
+    (Replicate); the head ColwiseParallel, its logits as head_logits says. sequence:
+    torchtitan's sequence parallelism on Megatron's: each block's input cut along T
+    (PrepareModuleInput; the embedding's output is whole), the norms SequenceParallel, Wq, Wk,
+    Wv, W1 and W3 gathering along T, Wo and W2 reduce-scattering to it. (Its q, k and v each
+    gather n: no module holds the three together.)"""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
     gathered = ColwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())
     block = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "w1": ColwiseParallel(),
-             "wo": RowwiseParallel() if style == "megatron" else gathered,
+             "w3": ColwiseParallel(), "wo": RowwiseParallel() if style == "megatron" else gathered,
              "w2": RowwiseParallel() if style == "megatron" else gathered}
     if sequence:
         column = ColwiseParallel(input_layouts=Shard(1))
         row = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
         block = {"norm1": SequenceParallel(), "norm2": SequenceParallel(), "wq": column, "wk": column,
-                 "wv": column, "w1": column, "wo": row, "w2": row}
+                 "wv": column, "w1": column, "w3": column, "wo": row, "w2": row}
     plan = {}
     first_block = True
     for i, kind in enumerate(model.kinds):
@@ -442,7 +444,7 @@ def torch_tp_plan(model, style, head_logits, sequence=False):
 def colwise_side(model, xs, ys, n, args):
     """PyTorch's TP step with SGD, as (step, state): torch_tp_plan, the head's logits left
     sharded by class, and the loss under loss_parallel(): the vocab-parallel cross-entropy.
-    A block runs its rank's h/t heads (torchtitan's way). nn.Linear holds W^T, so a weight's
+    A block runs its rank's h/t heads and G/t kv heads (torchtitan's way). nn.Linear holds W^T, so a weight's
     local part is W_t^T. Each of its shards is ours where T divides V, and where T = 2 (torch
     cuts 97 classes 49, 48, as vocab_range does; at T = 3, 33, 33, 31)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -454,9 +456,6 @@ def colwise_side(model, xs, ys, n, args):
     if args.sequence_parallel:
         head = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, mesh, torch_tp_plan(model, args.tp_style, head, args.sequence_parallel))
-    for part in model.parts:
-        if hasattr(part, "heads"):
-            part.heads = args.heads // tp
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 
     def step():
@@ -513,7 +512,7 @@ def pipelining_race(rank, world_size, args):
         chunk_parts = [stage_parts(args.num_layers, world_size, rank, v, c) for c in range(v)]
         sides[f"ours {name}"] = pp_side(name, rank, world_size, inputs, targets, args)
         sides[f"torch {TORCH_SCHEDULES[name]}"] = pipelining_side(
-            [as_module(full, device, parts, args.heads) for parts in chunk_parts],
+            [as_module(full, device, args, parts) for parts in chunk_parts],
             getattr(pipelining, TORCH_SCHEDULES[name]), rank, world_size, inputs, targets, args)
     sides["serial: our step, whole batch, 1 rank"] = serial_side(args, device)
     result = check_and_race(sides, device, args.steps)
@@ -659,10 +658,10 @@ def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_divide_
     d, p, t = (mesh[name].get_local_rank() for name in three_d.AXES)
     first, last, m = p == 0, p == args.pp - 1, args.micro_batches
     parts = stage_parts(args.num_layers, args.pp, p)
-    model = lm = as_module(full, device, parts, args.heads // args.tp)   # its rank's heads
+    model = lm = as_module(full, device, args, parts)   # its rank's heads, once split
     parallelize_module(model, mesh["tp"], torch_tp_plan(model, args.tp_style,
                                                         ColwiseParallel(output_layouts=Replicate())))
-    splits = [k for j in parts for k in tensor_kinds(part_kinds(args.num_layers), args.tp_style)[j]]
+    splits = [k for j in parts for k in tensor_kinds(part_kinds(args.num_layers), args, args.tp)[j]]
     names = [name for name, _ in lm.named_parameters()]        # model.parameters()'s order
     where = {id(q): i for i, q in enumerate(lm.parameters())}
     ours = [where[id(w)] for w, _ in lm.weights()]             # our order, as indices into it
@@ -707,7 +706,8 @@ def torch_3d_side(args, mesh, device, dp_way, full, inputs, targets, ddp_divide_
             x = tensors[i]
             if dp_way == "FSDP2" and hasattr(x, "full_tensor"):
                 whole = x.full_tensor()
-                shards.append(tensor_parallel.shard(whole.T if flip else whole, kind, t, args.tp))
+                shards.append(tensor_parallel.shard(whole.T if flip else whole, kind, t, args.tp,
+                                                    args.kv_heads))
                 continue
             if hasattr(x, "to_local"):   # a gradient may come back laid out otherwise
                 x = x.redistribute(params[i].device_mesh, params[i].placements).to_local()
@@ -731,7 +731,7 @@ def ddp_as_composed(rank, world_size, args, path):
     theirs()
     stage = three_d.coordinates(rank, three_d.rank_groups(args.dp, args.pp, args.tp, args.order))[1]
     kinds = [k for j in stage_parts(args.num_layers, args.pp, stage)
-             for k in tensor_kinds(part_kinds(args.num_layers), args.tp_style)[j]]
+             for k in tensor_kinds(part_kinds(args.num_layers), args, args.tp)[j]]
     norms = torch.tensor([sum(g.square().sum() for g, kind in zip(state()[1], kinds) if kind != "whole").item()
                           for state in (ours_state, theirs_state)], device=device)   # the tp-split weights'
 
@@ -805,8 +805,9 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
     device = setup(rank, num_stages)
     dist.barrier()   # a collective on every rank before the first point-to-point (NCCL asks for it)
     p, stage = num_stages, rank
-    model = SimpleNamespace(num_layers=2 * p, dim=dim, heads=8, context=8, vocab_size=data_parallel.VOCAB_SIZE,
-                            seed=0, optimizer="sgd", lr=0.0, bf16=False, recompute=False, experts=0)   # two blocks a stage
+    model = SimpleNamespace(num_layers=2 * p, dim=dim, heads=4, kv_heads=2, ffn_dim=3 * dim, rope_theta=10000.0,
+                            qk_norm=False, context=8, vocab_size=data_parallel.VOCAB_SIZE, seed=0, optimizer="sgd",
+                            lr=0.0, bf16=False, recompute=False, experts=0)   # two blocks a stage
     table = []
     for m in micro_batches:
         batch = data_parallel.make_batch(SimpleNamespace(**vars(model), batch_size=m * rows), step=m)
@@ -966,7 +967,7 @@ def cp_balance(context=2048, dim=256, heads=4, cp_sizes=(2, 4, 8)):
         for layout in ("contiguous", "zigzag"):
             chunks = cp_size * (2 if layout == "zigzag" else 1)
             s = context // chunks
-            q, k, v = (torch.randn(1, heads, s, head_dim) for _ in range(3))
+            q, k, v = (torch.randn(1, heads, 1, s, head_dim) for _ in range(3))   # MHA
             counts = []
             times = []
             for r in range(cp_size):
@@ -975,9 +976,7 @@ def cp_balance(context=2048, dim=256, heads=4, cp_sizes=(2, 4, 8)):
 
                 def rank_work():
                     for i, j in pairs:
-                        scores = tensor_parallel.pair_scores(q, k, head_dim, diagonal=i == j)
-                        lse = scores.logsumexp(-1)
-                        (scores - lse[..., None]).exp() @ v
+                        data_parallel.attend(q, k, v, head_dim, causal=i == j)
                 times.append(statistics.median(race_times(rank_work)))
             print(f"  {cp_size:>2} {layout:<11} {' '.join(map(str, counts)):<28} "
                   f"{max(counts) / statistics.mean(counts):>8.2f}   "
@@ -1125,7 +1124,7 @@ def moe_race(ep_sizes=(2, 4), steps=15):
     """One experts layer, forward and backward, over an ep group of P ranks: ours (the
     all-to-alls and every backward by hand) against an nn.Module under autograd, dispatching
     with torch's autograd-aware all-to-all (all_to_all_autograd); the same
-    choice, each rank's dn, dWr, dW1, dW2 compared first."""
+    choice, each rank's dn, dWr, dW1, dW3, dW2 compared first."""
     print(f"experts, one layer forward and backward over --ep P ranks: N={MOE_RACE['positions']} "
           f"positions a rank, D={MOE_RACE['dim']}, E={MOE_RACE['experts']}, "
           f"K={MOE_RACE['top_k']}, float32")
@@ -1153,12 +1152,13 @@ class TorchExperts(torch.nn.Module):
     """The experts layer as nn.Modules: a Linear router, this rank's E/P experts as Parameters;
     the pairs dispatched and combined by autograd's all_to_all_single."""
 
-    def __init__(self, wr, w1, w2, group):
+    def __init__(self, wr, w1, w3, w2, group):
         super().__init__()
         self.router = torch.nn.Linear(*wr.shape, bias=False)
         with torch.no_grad():
             self.router.weight.copy_(wr.T)
         self.w1 = torch.nn.Parameter(w1.clone())
+        self.w3 = torch.nn.Parameter(w3.clone())
         self.w2 = torch.nn.Parameter(w2.clone())
         self.group = group
 
@@ -1179,7 +1179,8 @@ class TorchExperts(torch.nn.Module):
         y_in = torch.zeros_like(x_in)
         for e in range(local):
             mine = (e_in == e).nonzero()[:, 0]
-            y_in = y_in.index_add(0, mine, F.gelu(x_in[mine] @ self.w1[e]) @ self.w2[e])
+            swiglu = F.silu(x_in[mine] @ self.w1[e]) * (x_in[mine] @ self.w3[e])
+            y_in = y_in.index_add(0, mine, swiglu @ self.w2[e])
         y_e = all_to_all_autograd(y_in, sends.tolist(), recvs.tolist(), self.group)
         return torch.zeros_like(x).index_add(0, rows, p[rows, expert, None] * y_e)
 
@@ -1189,11 +1190,13 @@ def moe_race_rank(rank, world_size, steps):
     torch.set_num_threads(1)
     N, D, E, K = (MOE_RACE[key] for key in ("positions", "dim", "experts", "top_k"))
     gen = torch.Generator().manual_seed(0)
+    F_ = 3 * D                                                  # each expert's width
     wr = torch.randn(D, E, generator=gen) / D ** 0.5
-    w1 = torch.randn(E, D, 4 * D, generator=gen) / D ** 0.5
-    w2 = torch.randn(E, 4 * D, D, generator=gen) / (4 * D) ** 0.5
+    w1 = torch.randn(E, D, F_, generator=gen) / D ** 0.5
+    w3 = torch.randn(E, D, F_, generator=gen) / D ** 0.5
+    w2 = torch.randn(E, F_, D, generator=gen) / F_ ** 0.5
     local = E // world_size
-    mine = [w[rank * local:(rank + 1) * local] for w in (w1, w2)]
+    mine = [w[rank * local:(rank + 1) * local] for w in (w1, w3, w2)]
     mine_gen = torch.Generator().manual_seed(1 + rank)
     n = torch.randn(1, N, D, generator=mine_gen)
     dy = torch.randn(1, N, D, generator=mine_gen)
@@ -1210,7 +1213,7 @@ def moe_race_rank(rank, world_size, steps):
         chosen = router.choose((x.detach() @ wr).softmax(-1), count=False)
         module.zero_grad()
         module(x, chosen).backward(dy[0])
-        return [x.grad, module.router.weight.grad.T, module.w1.grad, module.w2.grad]
+        return [x.grad, module.router.weight.grad.T, module.w1.grad, module.w3.grad, module.w2.grad]
     diff = torch.tensor(max(((a - b).abs().max() / b.abs().max()).item()   # of the largest
                             for a, b in zip(ours(), theirs())))
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
@@ -1316,6 +1319,10 @@ def parse(argv):
             if getattr(args, flag, None):
                 refuse(f"--{flag}: not used by the bench, which checks ours against PyTorch's API "
                        f"and times both")
+        tp = getattr(args, "tp", args.world_size if what == "tensor_parallel" else 1)
+        if args.kv_heads < tp:
+            refuse(f"--kv-heads {args.kv_heads}: fewer than tp ({tp}), which PyTorch's TP plan "
+                   f"(ColwiseParallel) cannot split: a kv head would be cut")
         return lambda: print_race(versus(args))
     if what == "memory":
         args = data_parallel.parse_args(rest)

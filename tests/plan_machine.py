@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import RANK_BYTES, cleanup, collective_cost, setup, spawn
-from data_parallel import (Whole, block_backward, block_forward, cross_entropy, embedding_forward,
-                           head_backward, head_forward)
+from data_parallel import (Whole, block_backward, block_forward, block_names, cross_entropy,
+                           embedding_forward, head_backward, head_forward, rope_table)
 from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, build_schedule
 from tensor_parallel import shard, tensor_kinds
 from three_d import Machine
@@ -93,10 +93,9 @@ class ThisMachine(Machine):
         if kind == "embedding":
             table = torch.randn(classes, dim, dtype=dtype)
             tokens = torch.randint(classes, (rows // args.context, args.context))
-            positions = torch.randn(args.context, dim, dtype=dtype)
             g = torch.randn(rows, dim)
             grad = torch.zeros(classes, dim)
-            return (timed(lambda: embedding_forward(tokens, [table, positions])), 0.0,
+            return (timed(lambda: embedding_forward(tokens, [table])), 0.0,
                     timed(lambda: grad.index_add_(0, tokens.reshape(-1), g)), 0.0)
         x = torch.randn(rows // args.context, args.context, dim, dtype=dtype)
         if kind == "head":
@@ -108,17 +107,23 @@ class ThisMachine(Machine):
             backward = (lambda: head_backward(g, stash, w))
             terms = head_backward(g, stash, w)[1]
         else:
-            kinds = tensor_kinds(["block"], args.tp_style)[0]
-            shapes = [(dim,), (dim, dim), (dim, dim), (dim, dim), (dim, dim), (dim,),
-                      (dim, 4 * dim), (4 * dim, dim)]
-            w = [shard(torch.randn(*shape), k, 0, tp).to(dtype) for shape, k in zip(shapes, kinds)]
-            split = LocalSplit(args.tp_style, tp)
+            kinds = tensor_kinds(["block"], args, tp)[0]
             head_dim = dim // args.heads
-            stash = block_forward(x, w, head_dim=head_dim, split=split)[1]
+            F = args.ffn_dim
+            kv = args.kv_heads * head_dim
+            shapes = {"norm1": (dim,), "wq": (dim, dim), "wk": (dim, kv), "wv": (dim, kv),
+                      "norm_q": (head_dim,), "norm_k": (head_dim,), "wo": (dim, dim),
+                      "norm2": (dim,), "w1": (dim, F), "w3": (dim, F), "w2": (F, dim)}
+            w = [shard(torch.randn(*shapes[name]), k, 0, tp, args.kv_heads).to(dtype)
+                 for name, k in zip(block_names(args.qk_norm), kinds)]
+            shape = dict(head_dim=head_dim, rope=rope_table(torch.arange(args.context), head_dim,
+                                                            10000.0),
+                         qk_norm=args.qk_norm, split=LocalSplit(args.tp_style, tp))
+            stash = block_forward(x, w, **shape)[1]
             g = torch.randn_like(x)
-            forward = (lambda: block_forward(x, w, head_dim=head_dim, split=split))
-            backward = (lambda: block_backward(g, stash, w, head_dim=head_dim, split=split))
-            terms = block_backward(g, stash, w, head_dim=head_dim, split=split)[1]
+            forward = (lambda: block_forward(x, w, **shape))
+            backward = (lambda: block_backward(g, stash, w, **shape))
+            terms = block_backward(g, stash, w, **shape)[1]
         matmuls = [(a.flatten(0, -2).T.float(), dz.flatten(0, -2).float()) for a, dz in terms
                    if a is not None]
         dw = timed(lambda: [torch.mm(a, dz) for a, dz in matmuls])

@@ -161,20 +161,19 @@ def machine():
 # ---- pieces every step's comparison uses ---------------------------------------------
 
 class TorchEmbedding(torch.nn.Module):
-    """E as nn.Embedding, P a parameter: x = E[tokens] + P."""
+    """E as nn.Embedding: x = E[tokens] (positions are RoPE's, in the blocks)."""
 
-    def __init__(self, e, p, device):
+    def __init__(self, e, device):
         super().__init__()
         self.embedding = torch.nn.Embedding(*e.shape, device=device)
-        self.positions = torch.nn.Parameter(p.to(device, copy=True))
         with torch.no_grad():
             self.embedding.weight.copy_(e)
 
     def forward(self, tokens):
-        return self.embedding(tokens) + self.positions
+        return self.embedding(tokens)
 
     def ours(self):   # its parameters in our order, and whether each is held transposed
-        return [(self.embedding.weight, False), (self.positions, False)]
+        return [(self.embedding.weight, False)]
 
 
 def linear(w, device):   # nn.Linear computes x @ weight.T, so it holds W^T
@@ -192,28 +191,45 @@ def rms_norm(g, device):
 
 
 class TorchBlock(torch.nn.Module):
-    """A pre-norm block: nn.RMSNorm, nn.Linear(bias=False), causal scaled_dot_product_attention
-    over self.heads heads (a tp rank's own, once its Linears are split: torchtitan's way)."""
+    """A pre-norm Llama block: nn.RMSNorm, nn.Linear(bias=False), RoPE as Meta's Llama code writes
+    it (each pair a complex number, times e^(i m theta_i)), causal scaled_dot_product_attention
+    with enable_gqa over the heads its Linears give it (a tp rank's own, once they are split:
+    torchtitan's way), --qk-norm's norms, SwiGLU."""
 
-    def __init__(self, w, heads, device):
+    def __init__(self, w, args, device):
         super().__init__()
-        g1, wq, wk, wv, wo, g2, w1, w2 = w
-        self.heads = heads
-        self.norm1, self.norm2 = rms_norm(g1, device), rms_norm(g2, device)
-        self.wq, self.wk, self.wv, self.wo, self.w1, self.w2 = (
-            linear(m, device) for m in (wq, wk, wv, wo, w1, w2))
+        names = ["g1", "wq", "wk", "wv", *["gq", "gk"] * args.qk_norm, "wo", "g2", "w1", "w3", "w2"]
+        w = dict(zip(names, w))
+        self.head_dim = args.dim // args.heads
+        self.norm1, self.norm2 = rms_norm(w["g1"], device), rms_norm(w["g2"], device)
+        self.qk_norms = torch.nn.ModuleList(rms_norm(w[g], device) for g in ("gq", "gk") if g in w)
+        self.wq, self.wk, self.wv, self.wo, self.w1, self.w3, self.w2 = (
+            linear(w[name], device) for name in ("wq", "wk", "wv", "wo", "w1", "w3", "w2"))
+        i = torch.arange(self.head_dim // 2, dtype=torch.float64)
+        angles = torch.arange(args.context, dtype=torch.float64)[:, None] * args.rope_theta ** (
+            -2 * i / self.head_dim)
+        self.register_buffer("turn", torch.polar(torch.ones_like(angles), angles).to(device))
+
+    def rope(self, t):   # [b, T, n, dh], in fp32
+        pairs = torch.view_as_complex(t.float().unflatten(-1, (-1, 2)).contiguous())
+        turned = pairs * self.turn[:t.shape[1], None].to(pairs.dtype)
+        return torch.view_as_real(turned).flatten(-2).to(t.dtype)
 
     def forward(self, x):
         n = self.norm1(x)
-        q, k, v = (layer(n).unflatten(-1, (self.heads, -1)).transpose(1, 2)
-                   for layer in (self.wq, self.wk, self.wv))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(-2)
-        x = x + self.wo(o)
-        return x + self.w2(F.gelu(self.w1(self.norm2(x))))
+        q, k, v = (layer(n).unflatten(-1, (-1, self.head_dim)) for layer in (self.wq, self.wk, self.wv))
+        if self.qk_norms:
+            q, k = self.qk_norms[0](q), self.qk_norms[1](k)
+        q, k, v = (t.transpose(1, 2) for t in (self.rope(q), self.rope(k), v))   # [b, n, T, dh]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.wo(o.transpose(1, 2).flatten(-2))
+        n = self.norm2(x)
+        return x + self.w2(F.silu(self.w1(n)) * self.w3(n))
 
     def ours(self):
-        return [(self.norm1.weight, False), *[(m.weight, True) for m in (self.wq, self.wk, self.wv, self.wo)],
-                (self.norm2.weight, False), (self.w1.weight, True), (self.w2.weight, True)]
+        return [(self.norm1.weight, False), *[(m.weight, True) for m in (self.wq, self.wk, self.wv)],
+                *[(norm.weight, False) for norm in self.qk_norms], (self.wo.weight, True),
+                (self.norm2.weight, False), *[(m.weight, True) for m in (self.w1, self.w3, self.w2)]]
 
 
 class TorchHead(torch.nn.Module):
@@ -235,7 +251,7 @@ class TorchLM(torch.nn.Module):
     """Our model's parts as torch.nn, a copy: TorchEmbedding, TorchBlocks, TorchHead. A stage's
     module holds its parts alone: the embedding on the first, the head on the last."""
 
-    def __init__(self, init, parts, device, heads):
+    def __init__(self, init, parts, device, args):
         super().__init__()
         self.kinds = [part_kind(j, len(init)) for j in parts]
         modules = []
@@ -245,7 +261,7 @@ class TorchLM(torch.nn.Module):
             elif kind == "head":
                 modules.append(TorchHead(*init[j], device))
             else:
-                modules.append(TorchBlock(init[j], heads, device))
+                modules.append(TorchBlock(init[j], args, device))
         self.parts = torch.nn.ModuleList(modules)
 
     def forward(self, x):
@@ -272,9 +288,9 @@ def part_kind(j, num_parts):
     return "block"
 
 
-def as_module(init, device, parts=None, heads=1):
-    """The whole model (or these parts of it) as a TorchLM."""
-    return TorchLM(init, range(len(init)) if parts is None else parts, device, heads)
+def as_module(init, device, args, parts=None):
+    """The whole model (or these parts of it) as a TorchLM; args: the model's flags."""
+    return TorchLM(init, range(len(init)) if parts is None else parts, device, args)
 
 
 def sgd_side(weights, compute_grads, lr):
@@ -293,7 +309,7 @@ def dp_side(weights, group, args, xs, ys, n, zero=0, overlap=False):
     """Our data-parallel step (step 2's DataParallel, with SGD), as (step, state); state gives
     the full weights and gradients, gathered from the shards under ZeRO."""
     replica = make_replica(weights, group, zero=zero, overlap=overlap, **replica_options(sgd(args)))
-    blocks = model_blocks(args.num_layers, args.dim // args.heads)
+    blocks = model_blocks(args, device=weights[0][0].device)
 
     def step():
         dp_step(replica, blocks, cross_entropy, xs, ys, n * args.context)

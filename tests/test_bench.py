@@ -25,7 +25,8 @@ def no_warm_up(monkeypatch):
 
 def tiny(**sizes):
     # one timed step; lr 0.1: a step moves the weights visibly, so a wrong gradient shows in them too
-    return SimpleNamespace(**{**dict(num_layers=4, dim=8, heads=2, context=4, vocab_size=data_parallel.VOCAB_SIZE,
+    return SimpleNamespace(**{**dict(num_layers=4, dim=8, heads=2, kv_heads=2, ffn_dim=24, rope_theta=10000.0,
+                                      qk_norm=False, context=4, vocab_size=data_parallel.VOCAB_SIZE,
                                       batch_size=8, micro_batches=2, steps=1, seed=0, lr=0.1, experts=0, ep=1,
                                       recompute=False, bf16=False, clip_grad=None, bucket_mb=25.0,
                                       sequence_parallel=False, cp=1, cp_layout="zigzag",
@@ -136,9 +137,9 @@ def test_the_bench_refuses_what_it_would_ignore(argv, flag, capsys):
 
 def test_the_memory_table_holds_the_formulas_at_every_stage(capfd):
     """make bench's memory table: stages 0 to 3 in turn, each row counted from the tensors
-    equal to its formula. With 3 replicas, a part a bucket, each pads to a multiple of 3: [E, P]
-    97 x 16 + 32 x 16 = 2064 parameters (3 divides it), a block's 12 x 16^2 + 2 x 16 = 3104 to
-    3105, [g, H] 16 + 16 x 97 = 1568 to 1569. Stage 3's largest moment, in its second step, is
+    equal to its formula. With 3 replicas, a part a bucket, each pads to a multiple of 3: [E]
+    97 x 16 = 1552 parameters to 1554, a block's 2 x 16^2 + 2 x 16 x 8 + 3 x 16 x 48 + 2 x 16 =
+    3104 to 3105 (h 4, G 2, F 48), [g, H] 16 + 16 x 97 = 1568 to 1569. Stage 3's largest moment, in its second step, is
     16P/d and two gathered buckets: a block's, and the next one's, prefetched."""
     bench.main(["memory", "--world-size", "3", "--num-layers", "2", "--dim", "16", "--batch-size", "12",
                 "--bucket-mb", "0", "--timeout-s", "30"])
@@ -147,7 +148,7 @@ def test_the_memory_table_holds_the_formulas_at_every_stage(capfd):
                       out, re.MULTILINE)
     assert len(rows) == 16 and all(int(got) == int(want) for _, got, want in rows), rows
     totals = [int(got) for kind, got, _ in rows if kind == "total"]
-    whole, padded, part = 2064 + 2 * 3104 + 1568, 2064 + 2 * 3105 + 1569, 688 + 2 * 1035 + 523
+    whole, padded, part = 1552 + 2 * 3104 + 1568, 1554 + 2 * 3105 + 1569, 518 + 2 * 1035 + 523
     assert totals == [16 * whole, 8 * padded + 8 * part, 4 * padded + 12 * part, 16 * part]
     peak = re.search(r"largest at any moment of the last step: (\d+) bytes", out)
     assert int(peak[1]) == totals[3] + 4 * 2 * 3105   # two blocks' buckets whole: one runs, one prefetched

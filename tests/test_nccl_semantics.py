@@ -389,7 +389,7 @@ def single_stage_worker(rank, world_size):
     D, m = 8, 4
     args = SimpleNamespace(optimizer="sgd", lr=0.1, num_layers=2, dim=D, heads=2, context=4, vocab_size=dp.VOCAB_SIZE,
                            seed=0, bf16=False, recompute=False, virtual_stages=1, micro_batches=m, batch_size=8,
-                           experts=0)
+                           experts=0, kv_heads=1, ffn_dim=24, rope_theta=10000.0, qk_norm=False)
     _, _, replica, (stage,) = pp.hold_stages(args, 0, 1, torch.device("cpu"))   # the whole model
     x, y = dp.make_batch(args, step=0)
     syncs = []
