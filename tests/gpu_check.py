@@ -51,7 +51,8 @@ CARDS = [
     ("RTX 4090", 165, "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/"
                       "nvidia-ada-gpu-architecture.pdf", None),
 ]
-MODEL = dict(num_layers=8, dim=4096, heads=32, context=512, batch_size=16)   # D falls on smaller cards
+MODEL = dict(num_layers=8, dim=4096, heads=32, kv_heads=8, ffn_dim=14336, context=512,
+             batch_size=16)   # Llama 3 8B's block, 8 of them; D and F fall on smaller cards
 
 
 def main(argv=None):
@@ -83,8 +84,8 @@ def check_runs(gpus):
     split of this world divides (the layers over the stages, D and B over the ranks)."""
     dp, pp, tp = layout_of(gpus)
     small = ["--steps", "20", "--check", "--backend", "nccl", "--num-layers",
-             str(math.lcm(4, gpus)), "--dim", str(16 * gpus), "--heads", str(gpus), "--batch-size",
-             str(16 * gpus)]
+             str(math.lcm(4, gpus)), "--dim", str(16 * gpus), "--heads", str(gpus), "--kv-heads",
+             str(math.gcd(gpus, 2)), "--batch-size", str(16 * gpus)]   # G 2 or 1: below every tp
     world = ["--world-size", str(gpus)]
     runs = [("data_parallel.py", world), ("data_parallel.py --zero 3", [*world, "--zero", "3"]),
             ("tensor_parallel.py megatron", [*world, "--tp-style", "megatron"]),
@@ -128,13 +129,14 @@ def card_peak(name, peak_tflops=None):
 
 
 def sized_for(memory_bytes):
-    """MODEL, with D halved until the plan's memory for it at m 1 fits 60% of the card."""
+    """MODEL, with D and F halved until the plan's memory for it at m 1 fits 60% of the card."""
     flags = dict(MODEL)
     while flags["dim"] > 1024:
         row = plan_row(flags, 1, "h100")
         if row["memory_bytes"] <= 0.6 * memory_bytes:
             break
         flags["dim"] //= 2
+        flags["ffn_dim"] //= 2
     return flags
 
 
@@ -159,7 +161,8 @@ def join_alone(device, folder):
 def side(name, flags, m, device):
     """A step on the batch of step 0: ours, data_parallel.py's (DataParallel, bf16 on fp32
     masters, AdamW), or PyTorch's (TorchLM under autocast, AdamW fused off the CPU)."""
-    args = argparse.Namespace(**flags, vocab_size=data_parallel.VOCAB_SIZE, seed=0, experts=0)
+    args = argparse.Namespace(**flags, vocab_size=data_parallel.VOCAB_SIZE, seed=0, experts=0,
+                              rope_theta=10000.0, qk_norm=False)
     init = data_parallel.init_params(args)
     tokens, targets = (t.to(device) for t in data_parallel.make_batch(args, 0))
     n = tokens.numel()                    # the batch's positions
@@ -167,14 +170,14 @@ def side(name, flags, m, device):
         replica = data_parallel.make_replica([[w.to(device, copy=True) for w in part]
                                               for part in init], None,
                                              optimizer="adamw", lr=1e-4, bf16=True)
-        blocks = data_parallel.model_blocks(args.num_layers, args.dim // args.heads)
+        blocks = data_parallel.model_blocks(args, device=device)
 
         def ours():
             data_parallel.dp_step(replica, blocks, data_parallel.cross_entropy,
                                   tokens.chunk(m), targets.chunk(m), n)
             replica.update()
         return ours
-    model = as_module(init, device, heads=args.heads)
+    model = as_module(init, device, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type != "cpu")
 
     def theirs():
@@ -211,14 +214,16 @@ def time_one_gpu(args, device=None):
         else 2 * 2**30
     peak_flops, source, plan_key = card_peak(name, args.peak_tflops)
     flags = sized_for(memory) if device.type == "cuda" else dict(MODEL, num_layers=2, dim=64,
-                                                                 heads=4, context=16, batch_size=8)
+                                                                 heads=4, kv_heads=2, ffn_dim=192,
+                                                                 context=16, batch_size=8)
     folder = tempfile.mkdtemp(prefix="gpu-check-")
     join_alone(device, folder)
     try:
         L, D, T, B = flags["num_layers"], flags["dim"], flags["context"], flags["batch_size"]
-        model_flops = B * T * (6 * (12 * L * D + data_parallel.VOCAB_SIZE) * D
-                               + 12 * L * T * D)               # a step's, as --plan's
-        print(f"\n{name}: the transformer at L {L}, D {D}, h {flags['heads']}, T {T}, B {B}, "
+        model_flops = B * T * (6 * three_d.active_params(argparse.Namespace(
+            **flags, vocab_size=data_parallel.VOCAB_SIZE, experts=0)) + 6 * L * T * D)   # --plan's
+        print(f"\n{name}: the transformer at L {L}, D {D}, h {flags['heads']}, "
+              f"G {flags['kv_heads']}, F {flags['ffn_dim']}, T {T}, B {B}, "
               f"bf16 on fp32 masters, AdamW (fused on a GPU); medians of {args.steps} steps")
         peak = "unknown (--peak-tflops)"
         if peak_flops:
