@@ -548,7 +548,10 @@ def kv_group(kv_heads, tp_size):
     ranks) that hold one kv head; every rank makes every group. G >= tp: None."""
     if kv_heads >= tp_size:
         return None
-    return dist.new_subgroups(tp_size // kv_heads)[0]
+    holders = tp_size // kv_heads
+    world = dist.get_world_size()
+    return dist.new_subgroups_by_enumeration([list(range(first, first + holders))
+                                              for first in range(0, world, holders)])[0]
 
 
 def tp_copies(split, tp_rank, tp_size, kv_heads):

@@ -57,7 +57,8 @@ class Sampler(Recorder):
 def layout_flags(args):
     """The three_d.py flags that run a --plan row's layout (row["args"])."""
     flags = [f"--dp {args.dp} --pp {args.pp} --tp {args.tp} --num-layers {args.num_layers} "
-             f"--dim {args.dim} --heads {args.heads} --context {args.context} "
+             f"--dim {args.dim} --heads {args.heads} --kv-heads {args.kv_heads} --ffn-dim "
+             f"{args.ffn_dim} --context {args.context} "
              f"--batch-size {args.batch_size} --micro-batches "
              f"{args.micro_batches} --schedule {args.schedule}",
              f"--virtual-stages {args.virtual_stages}" * (args.schedule == "interleaved"),
@@ -66,7 +67,7 @@ def layout_flags(args):
              f"--zero {args.zero}" * (args.zero > 0),
              f"--tp-style {args.tp_style}" * (args.tp_style != "all-gather"),
              "--p2p-shard" * args.p2p_shard, "--sequence-parallel" * args.sequence_parallel,
-             "--recompute" * args.recompute, "--bf16" * args.bf16,
+             "--recompute" * args.recompute, "--bf16" * args.bf16, "--qk-norm" * args.qk_norm,
              f"--optimizer {args.optimizer}" * (args.optimizer != "adamw"),
              f"--bucket-mb {args.bucket_mb:g}" * (args.bucket_mb != 25)]
     return " ".join(flag for flag in flags if flag)
@@ -92,7 +93,7 @@ def rank_builder():
 
 def count_worker(rank, world_size, layouts):
     """Each layout (three_d's args) for one step. On rank 0, every rank's figures, [ranks,
-    layouts, 8]: its stage; the bytes it sent on tp, pp and dp; what its replica held at the
+    layouts, 9]: its stage; the bytes it sent on tp, pp, dp and kv; what its replica held at the
     step's end; its stash at its largest; the most its replica held beyond the end; its tp rank
     (whose classes of E and H it holds)."""
     device = setup(rank, world_size)
@@ -109,7 +110,7 @@ def count_worker(rank, world_size, layouts):
             me.train_step(*batch, recorder=sampler)
             me.replica.update()
         sent = [float(sum(count for (group, _), (_, count) in counter.counts.items()
-                          if group == name)) for name in ("tp", "pp", "dp")]
+                          if group == name)) for name in ("tp", "pp", "dp", "kv")]
         end = sum(memory_held(me.replica).values())
         most = sampler.most
         stash = max(entry[2] for entry in sampler.memory)

@@ -99,7 +99,7 @@ def stage_costs(args, stage, tp_rank=0):
     its own pieces, as predict() puts them together: {group: bytes it sends a step}, {"held",
     "stash", "in step": bytes}."""
     runs, held, stash, _ = three_d.three_d_costs(args, stage, tp_rank=tp_rank)
-    sizes = {"tp": args.tp, "pp": args.pp, "dp": args.dp, "cp": args.cp}
+    sizes = {"tp": args.tp, "pp": args.pp, "dp": args.dp, "cp": args.cp, "kv": args.tp // args.kv_heads}
     sent = {group: sum(times * three_d.ring_bytes(kind, nbytes, sizes[group])
                        for kind, nbytes, times in runs[group]) for group in runs}
     in_step = data_parallel.in_step_bytes(three_d.chunk_lengths(args, stage, tp_rank), args.dp,
@@ -148,15 +148,18 @@ def test_planned_bytes_and_memory_are_what_a_run_counts(world, dp, pp, tp):
     for j, row in enumerate(chosen):
         costs = [stage_costs(row["args"], s) for s in range(pp)]
         for rank in range(world):
-            stage, tp_sent, pp_sent, dp_sent, end, stash, in_step, tp_rank = counted[rank, j].tolist()
+            stage, tp_sent, pp_sent, dp_sent, kv_sent, end, stash, in_step, tp_rank = \
+                counted[rank, j].tolist()
             sent, memory = stage_costs(row["args"], int(stage), int(tp_rank))
-            assert {"tp": tp_sent, "pp": pp_sent, "dp": dp_sent, "cp": 0} == sent, \
+            kv = {"kv": kv_sent} if "kv" in sent else {}          # G < tp: a kv head's holders
+            assert {"tp": tp_sent, "pp": pp_sent, "dp": dp_sent, "cp": 0, **kv} == sent, \
                 (layout_flags(row["args"]), rank)
+            assert kv or kv_sent == 0
             assert (end, stash, in_step) == (memory["held"], memory["stash"],
                                              memory["in step"]), (layout_flags(row["args"]), rank)
         assert row["memory_bytes"] == max(sum(memory.values()) for _, memory in costs)
         assert row["bytes"] == {group: max(sent[group] for sent, _ in costs)
-                                for group in ("tp", "pp", "dp", "cp")}
+                                for group in costs[0][0]}
     # the families really differ: more than one schedule, ZeRO stage or style among them
     assert len({(row["args"].schedule, row["args"].zero, row["args"].tp_style,
                  row["args"].recompute) for row in chosen}) >= 3
@@ -245,8 +248,9 @@ def test_the_plan_prices_a_gpus_update_as_the_h100_measured_it():
                                          "--vocab-size", "97"], gpus_per_node=1)
                if not row["args"].recompute)
     params = sum(three_d.replica_lengths(row["args"]))
-    D = 4096
-    assert params == 97 * D + 2048 * D + 2 * (12 * D * D + 2 * D) + D + D * 97   # [E, P], blocks, [g, H]
+    D, F = 4096, 10944                       # G = 16 kv heads of dh 128; F = 8D/3 up to 48's
+    block = 2 * D * D + 2 * D * 16 * 128 + 3 * D * F + 2 * D
+    assert params == 97 * D + 2 * block + D + D * 97   # [E], blocks, [g, H]
     assert row["parts"]["update"] == pytest.approx(params * (36 + 4 + 6) / 3.35e12)   # bf16
 
 
@@ -322,7 +326,8 @@ def test_every_row_runs_as_its_flags_say():
     rows = plan_rows(["--world-size", "8", *SMALL])
     assert len(rows) > 100
     for row in rows:
-        assert set(row["bytes"]) == {"tp", "pp", "dp", "cp"} and row["bytes"]["cp"] == 0
+        kv = {"kv"} if row["args"].kv_heads < row["args"].tp else set()   # a kv head's holders
+        assert set(row["bytes"]) == {"tp", "pp", "dp", "cp", *kv} and row["bytes"]["cp"] == 0
         assert 0 <= row["bubble"] < 1 and row["memory_bytes"] <= 80e9
         assert sum(row["parts"].values()) == pytest.approx(row["step_s"], rel=1e-12)
         args = three_d.parse_args(layout_flags(row["args"]).split())   # each runs, as three_d.py reads it
