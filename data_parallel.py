@@ -234,15 +234,14 @@ def swiglu_backward(dy, stash, w1, w3, w2, split):
     """dn [.., D] (step 3's: before f's backward), and the (x, dz) of W1, W3, W2."""
     n, a, up, u = stash
     du = split.gather_back(split.row_back(dy @ w2.T))        # y = u W2
-    if a.device.type != "cpu":        # a GPU: the two lines below in torch's kernels, fused
-        dup = du * F.silu(a)
-        da = torch.ops.aten.silu_backward(du * up, a)
-    else:
-        s = torch.sigmoid(wide(a))
-        dup = (wide(du) * a * s).to(du.dtype)                # u = silu(a) up, silu(a) = a s
-        da = (wide(du) * up * s * (1 + a * (1 - s))).to(du.dtype)   # silu'(a) = s (1 + a (1 - s))
+    dup = du * F.silu(a)                                     # u = silu(a) up: dup = du silu(a)
+    da = silu_backward(du * up, a)                           # da = du up silu'(a)
     dn = da @ w1.T + dup @ w3.T                              # a = n W1, up = n W3
     return dn, [(n, da), (n, dup), (u, dy)]
+
+
+def silu_backward(g, a):   # g silu'(a), silu'(a) = s (1 + a (1 - s)), s = sigmoid(a): one pass
+    return torch.ops.aten.silu_backward(g, a)
 
 
 class Whole:   # where step 3 puts its collectives (tensor_parallel.py): each the identity here

@@ -856,13 +856,17 @@ def working_bytes(args, stage):
 
 
 def layouts(args, gpus_per_node):
-    """Every layout as parse_args() leaves it: (dp, pp, tp), order (past a node), schedule (v 2, 4
-    interleaved), micro-batches (p to 8 p), ZeRO, TP style, --p2p-shard, --recompute, and
-    --sequence-parallel where Megatron's pairs split T (its stages send T/tp rows: no p2p-shard)."""
+    """Every layout as parse_args() leaves it: (dp, pp, tp) (those of --dp, --pp, --tp given),
+    order (past a node), schedule (v 2, 4 interleaved), micro-batches (p to 8 p), ZeRO, TP style,
+    --p2p-shard, --recompute, and --sequence-parallel where Megatron's pairs split T (its stages
+    send T/tp rows: no p2p-shard)."""
     world, L, B = args.world_size // args.cp, args.num_layers, args.batch_size   # cp: as given
     divisors = [n for n in range(1, world + 1) if world % n == 0]
     for dp, pp in itertools.product(divisors, repeat=2):
         tp = world // (dp * pp)
+        sizes = {"dp": dp, "pp": pp, "tp": tp}
+        if any(sizes[axis] != size for axis, size in args.fixed.items()):
+            continue
         if dp * pp * tp != world or args.heads % tp or L % pp or B % dp or tp > args.vocab_size \
                 or dp % args.ep or args.ffn_dim % tp or (args.kv_heads % tp and tp % args.kv_heads):
             continue
@@ -978,7 +982,8 @@ def plan_rules(parser, args):
     """--plan takes the world, the machine and the model; it chooses the rest."""
     used = {"plan", *PLAN_FLAGS, "num_layers", "dim", "heads", "kv_heads", "ffn_dim",
             "rope_theta", "qk_norm", "context", "batch_size", "optimizer", "bf16", "bucket_mb",
-            "backend", "timeout_s", "cp", "cp_layout", "experts", "top_k", "balance_rate", "ep"}
+            "backend", "timeout_s", "cp", "cp_layout", "experts", "top_k", "balance_rate", "ep",
+            *AXES, "fixed"}
     refuse_unused(parser, args, used, "--plan, which chooses it")
     args.vocab_size = getattr(args, "vocab_size", VOCAB_SIZE)
     args.world_size = getattr(args, "world_size", 8)
@@ -997,19 +1002,30 @@ def plan_rules(parser, args):
         (args.world_size > args.gpus_per_node and args.world_size % args.gpus_per_node,
          f"--gpus-per-node {args.gpus_per_node} does not divide --world-size "
          f"{args.world_size}: a world larger than a node is whole nodes"),
+        (args.world_size % (math.prod(args.fixed.values()) * args.cp),
+         f"{fixed_flags(args)}: {math.prod(args.fixed.values()) * args.cp} GPUs, which do not "
+         f"divide --world-size {args.world_size}"),
         (next(layouts(args, args.gpus_per_node), None) is None,
-         f"--world-size {args.world_size}: no layout of it divides --num-layers "
-         f"{args.num_layers}, --heads {args.heads}, --kv-heads {args.kv_heads} (or is divided by "
-         f"it), --ffn-dim {args.ffn_dim} and --batch-size {args.batch_size}")])
+         f"--world-size {args.world_size}: no layout of it{' with ' * bool(args.fixed)}"
+         f"{fixed_flags(args)} divides --num-layers {args.num_layers}, --heads {args.heads}, "
+         f"--kv-heads {args.kv_heads} (or is divided by it), --ffn-dim {args.ffn_dim} and "
+         f"--batch-size {args.batch_size}")])
+
+
+def fixed_flags(args):   # --plan's axes given: "--tp 8 --pp 16" (and --cp's), or ""
+    flags = [f"--{axis} {size}" for axis, size in args.fixed.items()]
+    return " ".join([*flags, *[f"--cp {args.cp}"] * (args.cp > 1 and bool(flags))])
 
 
 def parse_args(argv=None):
     parser = training_parser("3D parallelism: data x pipeline x tensor parallel on process groups.",
                              dp=True)
-    parser.add_argument("--dp", type=positive_int, default=2, help="data-parallel replicas")
-    parser.add_argument("--pp", type=positive_int, default=2, help="stages; divides --num-layers")
-    parser.add_argument("--tp", type=positive_int, default=2,
-                        help="ranks per block; divides --heads")
+    parser.add_argument("--dp", type=positive_int, default=argparse.SUPPRESS,
+                        help="data-parallel replicas (default 2; with --plan, fixes dp)")
+    parser.add_argument("--pp", type=positive_int, default=argparse.SUPPRESS,
+                        help="stages; divides --num-layers (default 2; with --plan, fixes pp)")
+    parser.add_argument("--tp", type=positive_int, default=argparse.SUPPRESS,
+                        help="ranks per block; divides --heads (default 2; with --plan, fixes tp)")
     add_schedule_args(parser)
     parser.add_argument("--order", choices=["tp-pp-dp", "tp-dp-pp", "tp-cp-pp-dp", "tp-cp-dp-pp"],
                         default="tp-pp-dp", help="nesting of the rank map, fastest-varying axis "
@@ -1028,11 +1044,15 @@ def parse_args(argv=None):
     parser.set_defaults(num_layers=2, steps=180)
     args = parser.parse_args(argv)
     args.order = args.order.replace("cp-", "")       # cp sits next to tp in either order
+    args.fixed = {axis: vars(args)[axis] for axis in AXES if axis in vars(args)}   # --plan's
+    for axis in AXES:
+        vars(args).setdefault(axis, 2)
     plan_flags = [name for name in PLAN_FLAGS   # given: a default changed, or one suppressed
                   if getattr(args, name, None) != parser.get_default(name) and name in vars(args)]
     if args.plan:
         plan_rules(parser, args)
         return args
+    del args.fixed
     flag = next(iter(plan_flags), "").replace("_", "-")
     parser.refuse([(plan_flags, f"--{flag}: only with --plan (a run's world: --dp x --pp x --tp)")])
     if args.show_rank_map:

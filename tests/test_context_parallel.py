@@ -320,7 +320,8 @@ def test_cp_refuses_what_it_cannot_split_in_one_line(argv, words, capsys):
     (["--world-size", "8", "--cp", "3"], "--cp 3 does not divide --world-size 8"),
     (["--world-size", "8", "--cp", "2", "--context", "6"],
      "--cp 2: --context 6 is not divisible by 4, the zigzag layout's chunks"),
-    (["--world-size", "8", "--cp", "2", "--dp", "4"], "--dp: not used with --plan")])
+    (["--world-size", "8", "--cp", "2", "--dp", "8"],
+     "--dp 8 --cp 2: 16 GPUs, which do not divide --world-size 8")])
 def test_the_plan_refuses_a_cp_it_cannot_lay_out_in_one_line(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         three_d.parse_args(["--plan", *argv])

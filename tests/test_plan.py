@@ -401,7 +401,7 @@ def test_this_machine_prices_every_layout_of_2_ranks():
 
 
 @pytest.mark.parametrize("argv,flag", [
-    (["--plan", "--dp", "4"], "--dp"),
+    (["--plan", "--dp", "3"], "--dp 3: 3 GPUs, which do not divide --world-size 8"),
     (["--plan", "--schedule", "gpipe"], "--schedule"),
     (["--plan", "--gpus-per-node", "3"], "--gpus-per-node"),
     (["--plan", "--top", "-1"], "--top"),
@@ -444,3 +444,12 @@ def test_a_world_smaller_than_a_node_plans_as_one_node_of_its_size(world, capsys
     assert table and "*" not in "".join(table)
     assert {tuple(int(x) for x in re.match(r" *\d+  dp(\d+) pp(\d+) tp(\d+)", line).groups())
             for line in table} <= {(d, p, world // (d * p)) for d in (1, 2, 4) for p in (1, 2, 4)}
+
+
+def test_the_axes_given_to_the_plan_are_fixed_in_every_row(capsys):
+    """--plan --tp 8 --pp 16 (a paper's layout): every row it weighs has those, and it ranks the
+    rest of the layout (schedule, micro-batches, ZeRO, style) for them."""
+    rows = plan_rows(["--world-size", "64", "--tp", "4", "--pp", "2", "--num-layers", "4", "--dim", "64",
+                      "--heads", "8", "--batch-size", "64"])
+    assert rows and {(row["args"].tp, row["args"].pp, row["args"].dp) for row in rows} == {(4, 2, 8)}
+    assert len({(row["args"].schedule, row["args"].micro_batches, row["args"].zero) for row in rows}) > 10
