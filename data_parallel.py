@@ -1209,8 +1209,8 @@ def param_names(args):   # --save's names, each tensor's, in the init order
 def serial_loss(params, tokens, targets, config, bf16=False, halves=False, record=None,
                 moe=None):
     """The loss with autograd, and its logits [b T, V], from torch's own layers (embedding,
-    rms_norm, scaled_dot_product_attention with enable_gqa, silu) and RoPE written out as RoFormer
-    writes it (each pair's x cos - y sin, x sin + y cos); params: every tensor, in order; config:
+    rms_norm, scaled_dot_product_attention with enable_gqa, silu) and RoPE as Meta's Llama code
+    writes it (each pair a complex number, times e^(i m theta_i)); params: every tensor, in order; config:
     the model's flags. bf16: the parallel runs' casts (bf16 matmuls on fp32 masters; norms, RoPE,
     softmax and loss in fp32). halves: each matmul sums the halves of its terms apart, as two tp
     ranks do: the same maths in another order, which moves only what rounding moves. record: a
@@ -1225,6 +1225,7 @@ def serial_loss(params, tokens, targets, config, bf16=False, halves=False, recor
     i = torch.arange(head_dim // 2, dtype=torch.float64, device=tokens.device)
     angles = torch.arange(T, dtype=torch.float64, device=tokens.device)[:, None] * \
         config.rope_theta ** (-2 * i / head_dim)                      # [T, dh/2]
+    turn = torch.polar(torch.ones_like(angles), angles)[:, None]     # e^(i m theta_i) [T, 1, dh/2]
 
     def note(x, out):   # only when asked: the notes hold every activation of the pass
         if record is not None:
@@ -1246,13 +1247,9 @@ def serial_loss(params, tokens, targets, config, bf16=False, halves=False, recor
     def split_heads(t):   # [b, T, n dh] -> [b, T, n, dh]
         return t.unflatten(-1, (-1, head_dim))
 
-    def rope(t):          # [b, T, n, dh]: each pair (2i, 2i+1) turned by m theta_i, RoFormer's
-        even = wide(t)[..., 0::2]
-        odd = wide(t)[..., 1::2]
-        cos = angles.cos().to(even.dtype)[:, None]            # [T, 1, dh/2]
-        sin = angles.sin().to(even.dtype)[:, None]
-        turned = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-        return turned.flatten(-2).to(t.dtype)
+    def rope(t):          # [b, T, n, dh]: each pair a complex number, times e^(i m theta_i)
+        pairs = torch.view_as_complex(wide(t).unflatten(-1, (-1, 2)).contiguous())
+        return torch.view_as_real(pairs * turn.to(pairs.dtype)).flatten(-2).to(t.dtype)
 
     def swiglu(n, w1, w3, w2):
         return matmul(F.silu(matmul(n, w1)) * matmul(n, w3), w2)

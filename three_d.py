@@ -776,8 +776,8 @@ def predict(args, machine):
     params = max(stage["params"] for stage in stages)   # the largest optimizer's, a rank's
     parts["update"] = machine.update_s(params, args.optimizer, args.bf16)
     step = sum(parts.values())
-    L, D, T = args.num_layers, args.dim, args.context   # 6 a weight a position; attention 6 T D
-    model_flops = args.batch_size * T * (6 * active_params(args) + 6 * L * T * D)
+    L, D, T = args.num_layers, args.dim, args.context   # 6 a weight a position; attention 12 T D
+    model_flops = args.batch_size * T * (6 * active_params(args) + 12 * L * T * D)   # (PaLM's)
     return dict(step_s=step, parts=parts, bubble=slowest["bubble"],
                 memory_bytes=most_memory(args),
                 bytes={group: max(stage["sent"][group] for stage in stages) for group in sizes},

@@ -126,11 +126,6 @@ def assert_same_bits(a, b):
     assert all(torch.equal(x, y) for x, y in zip(final_params(a), final_params(b)))
 
 
-def gelu_grad(z):   # the formula that PyTorch's fused kernel (aten.gelu_backward) computes
-    return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-z * z / 2) / math.sqrt(
-        2 * math.pi)                          # Phi(z) + z phi(z)
-
-
 MODEL_DEFAULTS = dict(kv_heads=None, ffn_dim=None, rope_theta=10000.0, qk_norm=False, experts=0)
 
 

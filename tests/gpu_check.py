@@ -221,7 +221,7 @@ def time_one_gpu(args, device=None):
     try:
         L, D, T, B = flags["num_layers"], flags["dim"], flags["context"], flags["batch_size"]
         model_flops = B * T * (6 * three_d.active_params(argparse.Namespace(
-            **flags, vocab_size=data_parallel.VOCAB_SIZE, experts=0)) + 6 * L * T * D)   # --plan's
+            **flags, vocab_size=data_parallel.VOCAB_SIZE, experts=0)) + 12 * L * T * D)   # --plan's
         print(f"\n{name}: the transformer at L {L}, D {D}, h {flags['heads']}, "
               f"G {flags['kv_heads']}, F {flags['ffn_dim']}, T {T}, B {B}, "
               f"bf16 on fp32 masters, AdamW (fused on a GPU); medians of {args.steps} steps")

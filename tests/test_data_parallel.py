@@ -25,7 +25,7 @@ import pipeline_parallel
 from collectives import RankFailed
 from stash_check import stash_and_peak
 from common import (NO_SAMPLE, serial_train, assert_follows_the_contract, ATOL, RTOL, assert_check_passed, assert_clipped_some, assert_same_bits, check_report, clip_between,
-                    final_params, init_of, gelu_grad)
+                    final_params, init_of)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,22 +36,13 @@ V = dp.VOCAB_SIZE
 SHAPES = [(1, 1, 1), (3, 5, 7), (8, 16, 16), (4, 64, 32)]   # (batch, D_in, D_out)
 
 
-def tanh_gelu_grad(z):
-    """Derivative of gelu(approximate="tanh"): the formula a known from-scratch implementation wrongly pairs with the erf GELU."""
-    c = math.sqrt(2.0 / math.pi)
-    u = c * (z + 0.044715 * z ** 3)
-    t = torch.tanh(u)
-    return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * 0.044715 * z * z)
+def silu_grad(a):   # silu'(a) = s (1 + a (1 - s)), s = sigmoid(a): the formula step 2 writes
+    s = torch.sigmoid(a)
+    return s * (1 + a * (1 - s))
 
 
-def autograd_gelu_grad(z, approximate="none"):
-    z = z.detach().clone().requires_grad_()
-    F.gelu(z, approximate=approximate).sum().backward()
-    return z.grad
-
-
-def _gelu_points():
-    """The grid the gelu tests use: dense near 0 plus large |z| on both sides."""
+def _silu_points():
+    """The grid the silu tests use: dense near 0 plus large |a| on both sides."""
     return torch.cat([torch.linspace(-8, 8, 2001),
                       torch.tensor([-1e4, -300.0, -50.0, -20.0, -10.0, 10.0, 20.0, 50.0, 300.0, 1e4])])
 
@@ -61,42 +52,18 @@ def _gelu_points():
 # ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_gelu_grad_matches_autograd_of_erf_gelu(dtype):
-    z = _gelu_points().to(dtype)
-    mine, ref = gelu_grad(z), autograd_gelu_grad(z)
-    assert torch.isfinite(mine).all()
-    torch.testing.assert_close(mine, ref, atol=1e-6 if dtype == torch.float32 else 1e-12, rtol=1e-6)
-    # and against the closed form in float64, computed independently of both
-    z64 = z.double()
-    exact = 0.5 * (1 + torch.erf(z64 / math.sqrt(2))) + z64 * torch.exp(-z64 * z64 / 2) / math.sqrt(2 * math.pi)
-    torch.testing.assert_close(mine.double(), exact, atol=1e-6, rtol=1e-6)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_fused_kernel_the_step_runs_is_g_times_the_formula(dtype):
-    """layer_backward runs torch.ops.aten.gelu_backward(g, z) for dz = g * gelu'(z): the
-    same numbers as the written formula, on both tails and at zero, and not the tanh
-    GELU's (its own approximate='tanh' variant)."""
-    z = _gelu_points().to(dtype)
-    g = torch.randn(z.shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
-    fused = torch.ops.aten.gelu_backward(g, z)
+def test_silu_grad_is_autograds_and_the_fused_kernel_the_step_runs(dtype):
+    """SwiGLU's silu'(a) = s (1 + a (1 - s)), written out, is autograd's derivative of F.silu, on
+    both tails and at zero; and step 2's silu_backward(g, a), torch's one-pass kernel, is g times
+    it (the defect it must not be: sigmoid(a) alone, silu's derivative taken as s)."""
+    a = _silu_points().to(dtype)
+    g = torch.randn(a.shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    leaf = a.clone().requires_grad_()
+    F.silu(leaf).sum().backward()
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(fused, g * gelu_grad(z), **tol)
-    tanh = torch.ops.aten.gelu_backward(g, z, approximate="tanh")
-    assert (tanh - g * gelu_grad(z)).abs().max() > 1e-4
-
-
-def test_tanh_derivative_would_fail_the_gelu_test():
-    """The tanh formula is the derivative of the tanh GELU, not of the erf GELU we run:
-    the comparison above would reject it (the tanh-derivative bug)."""
-    z = _gelu_points().double()
-    tanh = tanh_gelu_grad(z)
-    # the helper is right for what it claims to be ...
-    torch.testing.assert_close(tanh, autograd_gelu_grad(z, approximate="tanh"), atol=1e-12, rtol=1e-10)
-    # ... and it is wrong for the erf GELU, by far more than the tolerance used above
-    gap = (tanh - autograd_gelu_grad(z)).abs().max().item()
-    assert gap > 5e-4                       # ~8.7e-4 near |z| = 2.2; the tolerance is 1e-6
-    assert not torch.allclose(tanh.float(), autograd_gelu_grad(z.float()), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(silu_grad(a), leaf.grad, **tol)
+    torch.testing.assert_close(dp.silu_backward(g, a), g * silu_grad(a), **tol)
+    assert (g * torch.sigmoid(a) - dp.silu_backward(g, a)).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("rows,classes", [(1, 2), (5, 7), (16, 97)])
