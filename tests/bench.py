@@ -1249,15 +1249,15 @@ def refuse(message):
 # three_d.py --plan's own time, and --recompute's memory, each a fresh process
 # ----------------------------------------------------------------------------------
 
-PLAN_MODEL = ["--num-layers", "32", "--dim", "4096", "--heads", "32", "--context", "8192",   # the README's:
-              "--batch-size", "512", "--vocab-size", "128256"]                               # Llama 3 8B's shape
+PLAN_MODEL = ["--num-layers", "32", "--dim", "4096", "--heads", "32", "--kv-heads", "8",   # the README's:
+              "--ffn-dim", "14336", "--context", "8192", "--batch-size", "512",       # Llama 3 8B's
+              "--vocab-size", "128256"]
 
 
 def plan_speed(argv):
     """Seconds that `three_d.py --plan` takes (start-up included) for 8 to 1,024 GPUs on the
     README's model, and for a world of 100,000, as a user runs it."""
-    print("three_d.py --plan, the README's model (L=32 D=4096 h=32 T=8192 V=128256 B=512), H100: seconds to "
-          "the answer")
+    print("three_d.py --plan, Llama 3 8B's shape at B=512, H100: seconds to the answer")
     for world in (8, 64, 256, 1024, 100000):
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "three_d.py", "--plan", "--world-size", str(world),
