@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import cleanup, run_main, setup, spawn
-from collectives import exchange
+from collectives import all_to_all, exchange
 from data_parallel import (Block, DataParallel, MoE, Router, attend, attend_backward, attention,
                            attention_backward, balance, block_backward, block_forward, columns,
                            dp_step, expert_boxes, fused, fused_attention, fused_attention_backward,
@@ -279,21 +279,20 @@ def sum_partial_grads(grads, partial, group):   # each a part of the gradient: s
         reduce_over(grads[i], group)
 
 
-def tp_blocks(kinds, args, group=None, cp_group=None, positions=None, routers=None):
+def tp_blocks(kinds, args, group=None, context=None, positions=None, routers=None):
     """Each part's forward and backward over group, by kind ("embedding", "block", "head"): what
     tp_worker runs, and 3D's stages. A block is step 2's, handed this style's split (args'
     --tp-style, --sequence-parallel) and RoPE at positions, this rank's places in T. The head's
     own split gathers along T before H under sequence parallelism: the vocab-parallel loss takes
-    whole rows of logits, each position's every class. cp_group: attention over its ring
-    (--cp-layout). routers: the blocks' in order (--experts)."""
+    whole rows of logits, each position's every class. context: --cp's attention and its
+    backward (context_attention's). routers: the blocks' in order (--experts)."""
     split = GatherSplit(group) if args.tp_style == "all-gather" else MegatronSplit(group)
     ends = MegatronSplit(group)
     if args.sequence_parallel:
         split = SequenceSplit(group)
         ends = split
-    if cp_group is not None:
-        split.attend = partial(ring_attention, group=cp_group, layout=args.cp_layout)
-        split.attend_back = partial(ring_attention_backward, group=cp_group, layout=args.cp_layout)
+    if context is not None:
+        split.attend, split.attend_back = context
     head_dim = args.dim // args.heads
     rope = rope_table(positions, head_dim, args.rope_theta)
     routers = iter(routers if routers else [])
@@ -531,16 +530,190 @@ def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="z
     return [columns(t).to(q.dtype) for t in (dq, *dkv)]
 
 
-def tp_and_cp_groups(rank, tp_size, cp_size):
-    """This rank's tp group (tp_size consecutive ranks) and cp group (one rank of each tp group,
-    at its tp rank); every rank makes every group, in one order. Without cp: the world's, none."""
-    if cp_size == 1:
-        return dist.group.WORLD, None
-    world = tp_size * cp_size
-    tp_groups = [dist.new_group(list(range(c * tp_size, (c + 1) * tp_size)))
-                 for c in range(cp_size)]
-    cp_groups = [dist.new_group(list(range(t, world, tp_size))) for t in range(tp_size)]
-    return tp_groups[rank // tp_size], cp_groups[rank % tp_size]
+# Part 4: context parallelism's other forms: all-gather, Ulysses, the hybrid ----------------------
+#
+# --cp-style all-gather (Llama 3's 131K stage; Megatron's cp_comm_type "all_gather"): with GQA
+# a rank's K and V are G/h of its Q, so it gathers them whole and attends its own query chunks
+# to every key, the mask by global place, the same pairs as the ring's in two kernels a chunk:
+#   forward   [K | V] [b, T/C, 2 G dh] all-gathered over cp -> [b, T, 2 G dh], put in T's order;
+#             query chunk i: the keys before it (no mask) and its own chunk (causal), merged
+#   backward  the same gather again (nothing whole is kept); dK, dV [b, T, ..] summed from the
+#             pairs in fp32; the gather's backward is a reduce-scatter: rank r gets the sum over
+#             cp of its own positions' rows, its own keys' dK and dV from every rank's queries
+#
+# --cp-style ulysses (DeepSpeed-Ulysses; Megatron's "a2a"): heads, not positions, split
+# attention. An all-to-all turns a rank's [b, T/C, H dh] (its positions, every head) into
+# [b, T, H/C dh] (every position, H/C heads); attention runs whole (step 2's); the inverse turns
+# o back. Rank c takes heads c H/C .. (c+1) H/C - 1 of q (H/C a rank: C divides H = h/tp) and the
+# kv heads they read: G' = G/tp of them, c G'/C .. (G' >= C, C divides G'), or, fewer than C (G'
+# divides C), kv head c G'/C alone, each sent to the C/G' ranks whose query heads read it:
+#   position  rank r's [b, T/C, H dh] = its chunks; piece c, its heads for rank c, goes to c
+#      ->     rank c's [b, C T/C, H/C dh]: every rank's piece, its chunks put in T's order
+#   heads     the inverse, o: rank c's rows of rank r's chunks back to r, heads side by side
+# Each all-to-all is a permutation of rows, so its backward is the other one: dq, dk, dv go back
+# as o came, do forward as q went. A kv head sent to C/G' ranks is used by each: its dK, dV is the
+# sum of theirs (the inverse adds the copies: index_add over the heads they came from).
+#
+# --cp-style hybrid --ulysses U (USP; Megatron's "a2a+p2p", hierarchical_context_parallel_sizes):
+# Ulysses over U consecutive cp ranks (a node), the ring across the C/U such groups. After the
+# all-to-all a rank holds its group's U ranks' chunks, H/U heads: zigzag's r and 2C-1-r for r in
+# the group are two runs of U chunks, so the C/U groups hold T as zigzag of C/U ranks does, and
+# the ring of Part 3 runs over the ranks at the same place in each group, unchanged.
+
+def in_order(t, held, back=False):
+    """t [b, n, ..]: the chunks held (held[c], rank c's, in rank order) one after another, put in
+    T's order (back: T's order back to the ranks')."""
+    order = torch.tensor([chunk for chunks in held for chunk in chunks]).argsort()
+    if back:
+        order = order.argsort()
+    return t.unflatten(1, (len(order), -1))[:, order.to(t.device)].flatten(1, 2)
+
+
+def gathered_attention(q, k, v, head_dim, group=None, layout="zigzag"):
+    """Ring attention's o [b, n, h dh] and lse [b, h, n] from K and V gathered whole over cp."""
+    size = dist.get_world_size(group)
+    held = [cp_chunks(r, size, layout) for r in range(size)]
+    kv = in_order(gather_along_T(torch.cat([k, v], -1), group), held)   # [b, T, 2 G dh]
+    q = query_heads(q, k.shape[-1] // head_dim, head_dim)             # [b, G, h/G, n, dh]
+    k, v = (kv_head(t, head_dim) for t in kv.chunk(2, -1))            # [b, G, 1, T, dh]
+    mine = cp_chunks(dist.get_rank(group), size, layout)
+    s = q.shape[-2] // len(mine)
+    outs = []
+    lses = []
+    for i, q_i in zip(mine, q.split(s, -2)):
+        o, lse = pair_attention(q_i, k[..., i * s:(i + 1) * s, :], v[..., i * s:(i + 1) * s, :],
+                                head_dim, diagonal=True)
+        if i > 0:                                                     # the keys before it
+            o_before, lse_before = pair_attention(q_i, k[..., :i * s, :], v[..., :i * s, :],
+                                                  head_dim, diagonal=False)
+            o, lse = merge(o, lse, o_before, lse_before)
+        outs.append(o)
+        lses.append(lse)
+    return columns(torch.cat(outs, -2).to(v.dtype)), torch.cat(lses, -1).flatten(1, 2)
+
+
+def gathered_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="zigzag"):
+    """dq [b, n, h dh] and this rank's dk, dv [b, n, G dh]: the whole dK, dV reduce-scattered."""
+    size = dist.get_world_size(group)
+    held = [cp_chunks(r, size, layout) for r in range(size)]
+    kv = in_order(gather_along_T(torch.cat([k, v], -1), group), held)
+    kv_heads = k.shape[-1] // head_dim
+    do, q, o = (query_heads(t, kv_heads, head_dim) for t in (do, q, o))   # [b, G, h/G, n, dh]
+    lse = lse.unflatten(1, q.shape[1:3])
+    k, v = (kv_head(t, head_dim) for t in kv.chunk(2, -1))            # [b, G, 1, T, dh]
+    mine = cp_chunks(dist.get_rank(group), size, layout)
+    s = q.shape[-2] // len(mine)
+    dq = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    dk = torch.zeros(k.shape, dtype=dq.dtype, device=q.device)       # every key's, from mine
+    dv = torch.zeros_like(dk)
+    for i, q_i, do_i, o_i, lse_i, dq_i in zip(mine, q.split(s, -2), do.split(s, -2),
+                                              o.split(s, -2), lse.split(s, -1), dq.split(s, -2)):
+        for keys, diagonal in ((slice(i * s, (i + 1) * s), True), (slice(0, i * s), False)):
+            if keys.stop == 0:
+                continue
+            grads = pair_attention_backward(do_i, q_i, k[..., keys, :], v[..., keys, :], o_i,
+                                            lse_i, head_dim, diagonal)
+            dq_i += grads[0]
+            dk[..., keys, :] += grads[1]
+            dv[..., keys, :] += grads[2]
+    dkv = torch.cat([columns(dk), columns(dv)], -1)                   # [b, T, 2 G dh], fp32
+    dk, dv = scatter_along_T(in_order(dkv, held, back=True), group).chunk(2, -1)   # mine, summed
+    return [t.to(q.dtype) for t in (columns(dq), dk, dv)]
+
+
+def ulysses_heads(heads, size):   # [C, H/C]: the heads rank c takes (H < C: one, C/H ranks each)
+    if heads >= size:
+        return torch.arange(heads).view(size, -1)
+    return (torch.arange(size) * heads // size)[:, None]
+
+
+def to_heads(t, head_dim, group, held):
+    """Ulysses' all-to-all: t [b, n, H dh], this rank's chunks, every head -> [b, C n, H/C dh],
+    every rank's chunks in T's order, rank c's heads (ulysses_heads)."""
+    size = dist.get_world_size(group)
+    heads = ulysses_heads(t.shape[-1] // head_dim, size).to(t.device)
+    pieces = t.unflatten(-1, (-1, head_dim))[:, :, heads]             # [b, n, C, H/C, dh]
+    came = all_to_all(pieces.movedim(2, 0).contiguous(), group=group)   # [C, b, n, H/C, dh]
+    return in_order(came.movedim(0, 1).flatten(1, 2), held).flatten(-2)   # from each, in order
+
+
+def to_positions(t, head_dim, group, held, heads):
+    """The inverse all-to-all: t [b, C n, H/C dh] -> [b, n, heads dh], this rank's chunks; a kv
+    head's copies (heads < C) added (the backward of to_heads)."""
+    size = dist.get_world_size(group)
+    pieces = in_order(t, held, back=True).unflatten(1, (size, -1))    # [b, C, n, H/C dh]
+    came = all_to_all(pieces.movedim(1, 0).contiguous(), group=group)   # [C, b, n, H/C dh]
+    came = came.movedim(0, 2).unflatten(-1, (-1, head_dim)).flatten(2, 3)   # [b, n, C H/C, dh]
+    out = came.new_zeros((*came.shape[:2], heads, head_dim),
+                         dtype=torch.promote_types(came.dtype, torch.float32))
+    out.index_add_(2, ulysses_heads(heads, size).flatten().to(t.device), came)
+    return out.flatten(-2).to(t.dtype)
+
+
+def ulysses_attention(q, k, v, head_dim, group, held, inner=attention):
+    """o [b, n, h dh] of this rank's positions; lse [b, h/C, C n] as the heads hold it. inner:
+    attention over the whole sequence (step 2's), or the hybrid's ring across the groups."""
+    heads = q.shape[-1] // head_dim
+    o, lse = inner(*(to_heads(t, head_dim, group, held) for t in (q, k, v)), head_dim)
+    return to_positions(o, head_dim, group, held, heads), lse
+
+
+def ulysses_attention_backward(do, q, k, v, o, lse, head_dim, group, held,
+                               inner=attention_backward):
+    """dq, dk, dv: do and what attention read sent again by heads (nothing split by heads is
+    kept), the inner backward, and its gradients back by positions."""
+    inputs = [to_heads(t, head_dim, group, held) for t in (do, q, k, v, o)]
+    grads = inner(*inputs, lse, head_dim)
+    return [to_positions(g, head_dim, group, held, t.shape[-1] // head_dim)
+            for g, t in zip(grads, (q, k, v))]
+
+
+def context_attention(args, groups):
+    """Step 2's block's attention and its backward for --cp-style, over this rank's groups:
+    "cp"; the hybrid's "ulysses" (U consecutive cp ranks) and "ring" (across them)."""
+    layout = args.cp_layout
+    if args.cp_style == "ring":
+        return (partial(ring_attention, group=groups["cp"], layout=layout),
+                partial(ring_attention_backward, group=groups["cp"], layout=layout))
+    if args.cp_style == "all-gather":
+        return (partial(gathered_attention, group=groups["cp"], layout=layout),
+                partial(gathered_attention_backward, group=groups["cp"], layout=layout))
+    inner = (attention, attention_backward)
+    group = groups["cp"]
+    first = 0                                              # the group's first cp rank
+    if args.cp_style == "hybrid":
+        group = groups["ulysses"]
+        first = dist.get_rank(groups["ring"]) * args.ulysses
+        inner = (partial(ring_attention, group=groups["ring"], layout=layout),
+                 partial(ring_attention_backward, group=groups["ring"], layout=layout))
+    size = dist.get_world_size(group)
+    held = [cp_chunks(first + c, args.cp, layout) for c in range(size)]
+    return (partial(ulysses_attention, group=group, held=held, inner=inner[0]),
+            partial(ulysses_attention_backward, group=group, held=held, inner=inner[1]))
+
+
+def cp_group_lists(cp_groups, args):
+    """Every cp group's ranks -> {"cp": ..} and, for the hybrid, "ulysses" (U consecutive cp
+    ranks) and "ring" (one of each such group): a partition of the ranks for each."""
+    lists = {"cp": cp_groups}
+    if args.cp_style == "hybrid":
+        U = args.ulysses
+        lists["ulysses"] = sorted(g[i:i + U] for g in cp_groups for i in range(0, len(g), U))
+        lists["ring"] = sorted(g[i::U] for g in cp_groups for i in range(U))
+    return lists
+
+
+def tp_and_cp_groups(rank, args, tp_size):
+    """This rank's tp group (tp_size consecutive ranks) and --cp's groups (a cp group: one rank of
+    each tp group, at its tp rank; the hybrid's two within it); every rank makes every group, in
+    one order. Without cp: the world's, and no others."""
+    if args.cp == 1:
+        return dist.group.WORLD, {}
+    world = tp_size * args.cp
+    tp_groups = [list(range(c * tp_size, (c + 1) * tp_size)) for c in range(args.cp)]
+    lists = cp_group_lists([list(range(t, world, tp_size)) for t in range(tp_size)], args)
+    tp_group = dist.new_subgroups_by_enumeration(tp_groups)[0]
+    return tp_group, {name: dist.new_subgroups_by_enumeration(lists[name])[0] for name in lists}
 
 
 def kv_group(kv_heads, tp_size):
@@ -568,7 +741,8 @@ def tp_worker(rank, world_size, args):
     tp_size = world_size // args.cp
     tp_rank = rank % tp_size                                           # tp innermost
     cp_rank = rank // tp_size
-    tp_group, cp_group = tp_and_cp_groups(rank, tp_size, args.cp)
+    tp_group, cp_groups = tp_and_cp_groups(rank, args, tp_size)
+    cp_group = cp_groups.get("cp")
     holders = kv_group(args.kv_heads, tp_size)                         # G < tp: a kv head's
     kinds = part_kinds(args.num_layers)
     splits = tensor_kinds(kinds, args, tp_size)                        # a part's tensors'
@@ -592,7 +766,8 @@ def tp_worker(rank, world_size, args):
     if args.experts:                                                   # each block's, the same
         routers = [Router(args.experts, args.top_k, device) for _ in range(args.num_layers)]
     moe = MoE(args, routers)
-    blocks = tp_blocks(kinds, args, tp_group, cp_group, positions.to(device), routers)
+    context = context_attention(args, cp_groups) if args.cp > 1 else None
+    blocks = tp_blocks(kinds, args, tp_group, context, positions.to(device), routers)
     loss_fn = partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size, group=tp_group)
     m = args.micro_batches
     losses = []
@@ -821,21 +996,44 @@ def describe(args, tp_size):   # what ran: "h/tp = 2 heads a rank, Megatron's pa
 
 def add_context_parallel(parser):
     parser.add_argument("--cp", type=positive_int, default=1, help="context parallelism: the ranks "
-                        "of a cp group C, each holding T/C positions of every sequence (ring "
-                        "attention)")
+                        "of a cp group C, each holding T/C positions of every sequence")
     parser.add_argument("--cp-layout", choices=["zigzag", "contiguous"], default="zigzag",
                         help="zigzag: 2C chunks of T, rank r holds r and 2C-1-r (balanced); "
                              "contiguous: rank r holds the r-th T/C (rank C-1 does C times rank "
                              "0's attention)")
+    parser.add_argument("--cp-style", choices=["ring", "all-gather", "ulysses", "hybrid"],
+                        default="ring", help="attention over cp: K, V around a ring; gathered "
+                        "whole (Llama 3's); heads split by all-to-all (Ulysses); Ulysses in "
+                        "groups of --ulysses U ranks, the ring across them")
+    parser.add_argument("--ulysses", type=positive_int, default=1,
+                        help="with --cp-style hybrid: the ranks of a Ulysses group, dividing C")
 
 
-def context_parallel_rules(args, tp_size):   # T in the layout's chunks; SP: a rank's T/C by tp
-    chunks = args.cp * (2 if args.cp_layout == "zigzag" else 1)
+def context_parallel_rules(args, tp_size):   # T in the layout's chunks; SP: a rank's T/C by tp;
+    chunks = args.cp * (2 if args.cp_layout == "zigzag" else 1)   # Ulysses' heads over its ranks
+    U = {"ulysses": args.cp, "hybrid": args.ulysses}.get(args.cp_style, 1)
+    heads = args.heads // tp_size
+    kv_heads = max(args.kv_heads // tp_size, 1)
+    style = f"--cp-style {args.cp_style}"
+    if args.cp_style == "hybrid":
+        style = f"--cp-style hybrid --ulysses {U}"
     return [(args.cp > 1 and args.context % chunks, f"--cp {args.cp}: --context {args.context} is "
              f"not divisible by {chunks}, the {args.cp_layout} layout's chunks"),
             (args.cp > 1 and args.sequence_parallel and args.context // args.cp % tp_size,
              f"--sequence-parallel with --cp {args.cp}: a rank's {args.context // args.cp} "
-             f"positions do not split over the {tp_size} tp ranks")]
+             f"positions do not split over the {tp_size} tp ranks"),
+            (args.cp == 1 and args.cp_style != "ring", f"--cp-style {args.cp_style}: only with "
+                                                       f"--cp above 1"),
+            (args.ulysses > 1 and args.cp_style != "hybrid", f"--ulysses {args.ulysses}: only "
+                                                             f"with --cp-style hybrid"),
+            (args.cp_style == "hybrid" and (not 1 < U < args.cp or args.cp % U),
+             f"--ulysses {U}: a Ulysses group is 2 or more of the --cp {args.cp} ranks, dividing "
+             f"them (--cp-style ulysses: all of them)"),
+            (args.cp > 1 and heads % U, f"{style}: the {heads} query heads a tp rank holds do not "
+                                        f"split over {U} ranks"),
+            (args.cp > 1 and kv_heads % U and U % kv_heads,
+             f"{style}: the {kv_heads} kv heads a tp rank holds neither split over {U} ranks "
+             f"nor divide them")]
 
 
 def add_sequence_parallel(parser):
@@ -873,7 +1071,7 @@ def refuse_unused(parser, args, used, mode):   # a flag this mode ignores is ref
 def parse_args(argv=None):
     parser = training_parser("Tensor parallelism: column-parallel layers with an all-gather.")
     parser.add_argument("--world-size", type=positive_int, default=4,
-                        help="ranks T; divides --heads")
+                        help="ranks (tp, times --cp); tp divides --heads")
     parser.add_argument("--tp-style", choices=["all-gather", "megatron"], default="all-gather",
                         help="every layer column-parallel with an all-gather, or Megatron's pairs")
     add_sequence_parallel(parser)

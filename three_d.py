@@ -43,8 +43,9 @@ from data_parallel import (SerialCheck, global_loss, load_checkpoint, log_step, 
                            save_checkpoint, whole_on_rank0)       # --check, loss, checkpoints
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts)
-from tensor_parallel import (all_gather_columns, clip_shares, cp_costs, cp_positions, held_boxes,
-                             kv_group, kv_width, my_columns, part_kinds, reduce_over, shard,
+from tensor_parallel import (all_gather_columns, clip_shares, context_attention, cp_costs,
+                             cp_group_lists, cp_positions, held_boxes, kv_group, kv_width,
+                             my_columns, part_kinds, reduce_over, shard,
                              split_as, sum_partial_grads, tensor_kinds, tp_blocks, tp_copies,
                              tp_costs, vocab_parallel_cross_entropy)
 
@@ -77,14 +78,15 @@ def rank_grid(dp, pp, tp, order="tp-pp-dp"):
     return grid.permute(*(slowest_first.index(a) for a in AXES))                  # [dp, pp, tp]
 
 
-def rank_groups(dp, pp, tp, order="tp-pp-dp", cp=1, ep=1):
+def rank_groups(dp, pp, tp, order="tp-pp-dp", cp=1, ep=1, args=None):
     """{"dp": [...], "pp": [...], "tp": [...]}, "cp" with --cp, "ep" and "ep_copies" with --ep:
     for each kind, a partition of all ranks into groups, each in ascending order. A group varies
     one coordinate and fixes the others. cp sits next to tp (tp-cp-pp-dp, tp-cp-dp-pp): the map
     is 3D's with tp cp ranks in tp's place, each such block cut into cp tp groups of consecutive
     ranks, and tp cp groups that take one rank of each (rank = (.. ) tp cp + c tp + t). ep sits
     inside dp: each dp group cut into ep groups of P replicas in a row; an expert's copies, the
-    dp/P replicas at one place in their ep groups, hold it (step 2's ep_groups)."""
+    dp/P replicas at one place in their ep groups, hold it (step 2's ep_groups). args: the
+    hybrid's "ulysses" and "ring" within each cp group (step 3's cp_group_lists)."""
     grid = rank_grid(dp, pp, tp * cp, order)
     groups = {}
     for axis, name in enumerate(AXES):
@@ -94,6 +96,8 @@ def rank_groups(dp, pp, tp, order="tp-pp-dp", cp=1, ep=1):
         blocks = groups["tp"]                                  # tp cp ranks each
         groups["tp"] = sorted(block[c * tp:(c + 1) * tp] for block in blocks for c in range(cp))
         groups["cp"] = sorted(block[t::tp] for block in blocks for t in range(tp))
+        if args is not None:
+            groups.update(cp_group_lists(groups["cp"], args))
     if ep > 1:
         groups["ep"] = sorted(g[i:i + ep] for g in groups["dp"] for i in range(0, dp, ep))
         groups["ep_copies"] = sorted(g[r::ep] for g in groups["dp"] for r in range(ep))
@@ -120,9 +124,10 @@ class ThreeDRank:
     def join_groups(self, rank, args):
         """Every rank creates every group, in the same order, and keeps its own. (A new group
         waits PyTorch's default 30 minutes for a peer unless told otherwise: --timeout-s.)"""
-        groups = rank_groups(args.dp, args.pp, args.tp, args.order, args.cp, args.ep)
+        groups = rank_groups(args.dp, args.pp, args.tp, args.order, args.cp, args.ep, args)
         timeout = timedelta(seconds=args.timeout_s)
-        names = [name for name in ("tp", "pp", "dp", "cp", "ep", "ep_copies") if name in groups]
+        names = [name for name in ("tp", "pp", "dp", "cp", "ulysses", "ring", "ep", "ep_copies")
+                 if name in groups]
         self.groups = {name: dist.new_subgroups_by_enumeration(groups[name], timeout=timeout)[0]
                        for name in names}
         holders = kv_group(args.kv_heads, args.tp)           # G < tp: a kv head's holders
@@ -228,6 +233,7 @@ class ThreeDRank:
         p, v = args.pp, args.virtual_stages
         tp_group = self.groups["tp"]
         self.sequence_parallel = args.sequence_parallel
+        self.context = context_attention(args, self.groups) if args.cp > 1 else None   # --cp's
         self.stages = []
         for c in range(v):                   # chunk c of stage s: virtual stage c p + s
             virtual = c * p + self.stage
@@ -238,7 +244,7 @@ class ThreeDRank:
                            if self.part_kinds[j] == "block"]
             self.stages.append(Stage(
                 self.replica, range(self.starts[c], self.starts[c] + len(kinds)),
-                blocks=tp_blocks(kinds, args, tp_group, cp_group=self.groups.get("cp"),
+                blocks=tp_blocks(kinds, args, tp_group, context=self.context,
                                  positions=self.positions.to(self.device), routers=routers),
                 first=virtual == 0, last=virtual == v * p - 1,
                 num_micro_batches=args.micro_batches, mean_over=len(self.rows) * args.context,
