@@ -61,7 +61,7 @@ from data_parallel import (Block, DataParallel, MoE, Router, attend, attend_back
                            attention_backward, balance, block_backward, block_forward, columns,
                            dp_step, expert_boxes, fused, fused_attention, fused_attention_backward,
                            head_backward, head_forward, init_params, kv_head, make_batch,
-                           query_heads, rope_table, tensors_of)
+                           query_heads, rope_table, tensors_of, wide)
 from data_parallel import (SerialCheck, finish_run, load_checkpoint, log_step,   # the worker's
                            save_checkpoint, whole_on_rank0)       # --check, end, checkpoints
 
@@ -563,10 +563,12 @@ def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="z
 def in_order(t, held, back=False):
     """t [b, n, ..]: the chunks held (held[c], rank c's, in rank order) one after another, put in
     T's order (back: T's order back to the ranks')."""
-    order = torch.tensor([chunk for chunks in held for chunk in chunks]).argsort()
+    chunks = [chunk for chunks in held for chunk in chunks]
+    order = sorted(range(len(chunks)), key=chunks.__getitem__)   # T's k-th chunk: the order[k]-th
     if back:
-        order = order.argsort()
-    return t.unflatten(1, (len(order), -1))[:, order.to(t.device)].flatten(1, 2)
+        order = sorted(range(len(chunks)), key=order.__getitem__)
+    order = torch.tensor(order, device=t.device)
+    return t.unflatten(1, (len(chunks), -1))[:, order].flatten(1, 2)
 
 
 def gathered_attention(q, k, v, head_dim, group=None, layout="zigzag"):
@@ -621,17 +623,17 @@ def gathered_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layou
     return [t.to(q.dtype) for t in (columns(dq), dk, dv)]
 
 
-def ulysses_heads(heads, size):   # [C, H/C]: the heads rank c takes (H < C: one, C/H ranks each)
+def ulysses_heads(heads, size, device):   # [C, H/C]: rank c's heads (H < C: one, C/H ranks each)
     if heads >= size:
-        return torch.arange(heads).view(size, -1)
-    return (torch.arange(size) * heads // size)[:, None]
+        return torch.arange(heads, device=device).view(size, -1)
+    return (torch.arange(size, device=device) * heads // size)[:, None]
 
 
 def to_heads(t, head_dim, group, held):
     """Ulysses' all-to-all: t [b, n, H dh], this rank's chunks, every head -> [b, C n, H/C dh],
     every rank's chunks in T's order, rank c's heads (ulysses_heads)."""
     size = dist.get_world_size(group)
-    heads = ulysses_heads(t.shape[-1] // head_dim, size).to(t.device)
+    heads = ulysses_heads(t.shape[-1] // head_dim, size, t.device)
     pieces = t.unflatten(-1, (-1, head_dim))[:, :, heads]             # [b, n, C, H/C, dh]
     came = all_to_all(pieces.movedim(2, 0).contiguous(), group=group)   # [C, b, n, H/C, dh]
     return in_order(came.movedim(0, 1).flatten(1, 2), held).flatten(-2)   # from each, in order
@@ -639,15 +641,14 @@ def to_heads(t, head_dim, group, held):
 
 def to_positions(t, head_dim, group, held, heads):
     """The inverse all-to-all: t [b, C n, H/C dh] -> [b, n, heads dh], this rank's chunks; a kv
-    head's copies (heads < C) added (the backward of to_heads)."""
+    head's copies (heads < C: on consecutive ranks) added, in fp32 (the backward of to_heads)."""
     size = dist.get_world_size(group)
     pieces = in_order(t, held, back=True).unflatten(1, (size, -1))    # [b, C, n, H/C dh]
     came = all_to_all(pieces.movedim(1, 0).contiguous(), group=group)   # [C, b, n, H/C dh]
-    came = came.movedim(0, 2).unflatten(-1, (-1, head_dim)).flatten(2, 3)   # [b, n, C H/C, dh]
-    out = came.new_zeros((*came.shape[:2], heads, head_dim),
-                         dtype=torch.promote_types(came.dtype, torch.float32))
-    out.index_add_(2, ulysses_heads(heads, size).flatten().to(t.device), came)
-    return out.flatten(-2).to(t.dtype)
+    came = came.movedim(0, 2)                                         # [b, n, C, H/C dh]
+    if heads < size:
+        came = wide(came).unflatten(2, (heads, -1)).sum(3)            # [b, n, heads, dh]
+    return came.flatten(2).to(t.dtype)
 
 
 def ulysses_attention(q, k, v, head_dim, group, held, inner=attention):
@@ -859,20 +860,44 @@ def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=Fa
     return runs
 
 
-def cp_costs(blocks, rows, kv_width, cp, bf16, num_micro_batches=1, recompute=False,
-             buckets=(), reductions=1):
-    """A cp rank's exchanges a step: each block and micro-batch, K and V of its kv heads (stacked,
-    [2, b, T/C, kv_width], kv_width = G/tp dh, or dh where G < tp; rows = b T/C; never repeated to
-    its query heads) to the next rank C-1 times forward (again with --recompute) and C-1 back,
-    and dK, dV in fp32 C times (home); each gradient bucket (its bytes) summed over cp as often as
-    the dp exchange takes it (reductions)."""
-    if cp == 1:
-        return []
+def cp_costs(blocks, rows, shape, tp, num_micro_batches=1, buckets=(), reductions=1):
+    """A cp rank's exchanges a step, {group: [(kind, bytes, times)]}, rows = b T/C, shape the
+    run's (Shape: dim, heads, kv_heads, cp, cp_style, ulysses, bf16, recompute); each block and
+    micro-batch, a forward f = 1 (2 with --recompute) times and a backward:
+      ring        K and V of its kv heads [2, b, T/C, G/tp dh] (dh where G < tp; never repeated
+                  to the query heads) to the next rank C-1 times a pass, and dK, dV in fp32 C
+                  times (home)
+      all-gather  [K | V] gathered over cp a pass; dK, dV reduce-scattered in fp32
+      ulysses     all-to-alls of [b, T/C, ..]: q, k, v and o each forward; do, q, k, v, o and dq,
+                  dk, dv back; k, v as sent, their copies too (G/tp < C)
+      hybrid      Ulysses over "ulysses" (U), then the ring over "ring" (C/U) on U T/C positions
+                  and G/tp/U kv heads
+    and "cp": each gradient bucket (its bytes) summed over cp as often as the dp exchange."""
+    if shape.cp == 1:
+        return {}
     m = num_micro_batches
-    kv = 2 * rows * kv_width
-    return [("send", kv * (2 if bf16 else 4), (cp - 1) * (2 + recompute) * blocks * m),
-            ("send", kv * 4, cp * blocks * m),
-            *[("all-reduce", nbytes, reductions) for nbytes in buckets]]
+    f = 1 + shape.recompute
+    s = 2 if shape.bf16 else 4
+    C = shape.cp
+    head_dim = shape.dim // shape.heads
+    kv_heads = max(shape.kv_heads // tp, 1)
+    runs = {"cp": []}
+    if shape.cp_style == "all-gather":
+        kv = 2 * rows * C * kv_heads * head_dim
+        runs["cp"] = [("all-gather", kv * s, (f + 1) * blocks * m),
+                      ("reduce-scatter", kv * 4, blocks * m)]
+    U = {"ulysses": C, "hybrid": shape.ulysses}.get(shape.cp_style, 1)
+    ring = C // U
+    kv = rows * U * max(kv_heads // U, 1) * head_dim   # after Ulysses: U T/C positions, a head
+    if U > 1:                                          # at least: as sent
+        q = rows * shape.dim // tp * s                 # q's [b, T/C, h/tp dh]
+        runs["cp" if ring == 1 else "ulysses"] = [("all-to-all", q, (2 * f + 4) * blocks * m),
+                                                  ("all-to-all", kv * s, (2 * f + 4) * blocks * m)]
+    if ring > 1 and shape.cp_style != "all-gather":
+        runs["cp" if U == 1 else "ring"] = [("send", 2 * kv * s, (ring - 1) * (f + 1) * blocks * m),
+                                            ("send", 2 * kv * 4, ring * blocks * m)]
+    runs["cp"] += [("all-reduce", nbytes, reductions) for nbytes in buckets]
+    return runs
 
 
 def kv_width(dim, heads, kv_heads, tp):   # a tp rank's k [.., G/tp dh] (G < tp: one head, dh)
@@ -898,11 +923,11 @@ class Matmul(NamedTuple):
 
 
 class Attention(NamedTuple):
-    """A fused attention kernel (FlashAttention's) over `sequences` query heads' [T, dh] each, its
-    forward or its backward: q, o of in_bytes an element, k and v kv_share of q's (G/h: each kv
-    head read once for its group), lse fp32. Causal, it computes the tiles on and below the
-    diagonal, half of each [T, T] (a ring's pair off the diagonal: all of it), and writes none of
-    them to memory."""
+    """A fused attention kernel (FlashAttention's) over `sequences` query heads' [context, dh]
+    each and keys [keys, dh] (0: as many), its forward or its backward: q, o of in_bytes an
+    element, k and v kv_share of q's heads (G/h: each kv head read once for its group), lse fp32.
+    Causal, it computes the tiles on and below the diagonal, half of a square (a pair off the
+    diagonal: all of it), and writes none of them to memory."""
     sequences: int
     context: int
     head_dim: int
@@ -911,25 +936,29 @@ class Attention(NamedTuple):
     accumulate: bool = False                  # as a Matmul's: nothing is added into
     causal: bool = True
     kv_share: float = 1.0
+    keys: int = 0
 
-    def flops(self):   # half of 2 T T dh a product: S, A v; back: S again, dv, dA, dq and dk
+    def flops(self):   # half of 2 s t dh a product: S, A v; back: S again, dv, dA, dq and dk
         products = 5 if self.backward else 2
-        return products * self.sequences * self.context ** 2 * self.head_dim * (2 - self.causal)
+        keys = self.keys or self.context
+        return products * self.sequences * self.context * keys * self.head_dim * (2 - self.causal)
 
     def bytes_moved(self):   # q, k, v in, o out; back: q, k, v, o, do in, dq, dk, dv out; lse
-        tensor = self.sequences * self.context * self.head_dim * self.in_bytes
+        rows = self.sequences * self.head_dim * self.in_bytes
+        queries = rows * self.context
+        keys = rows * (self.keys or self.context) * self.kv_share
         lse = self.sequences * self.context * 4
         if self.backward:
-            return (5 + 4 * self.kv_share) * tensor + lse
-        return (2 + 2 * self.kv_share) * tensor + lse
+            return 5 * queries + 4 * keys + lse
+        return 2 * queries + 2 * keys + lse
 
 
 def block_matmuls(kind, rows, shape, tp, classes=0):
     """A tp rank's part ("block" or "head"), a micro-batch of rows positions, shape the run's
-    flags (dim, heads, kv_heads, ffn_dim, context, tp_style, bf16, cp, cp_layout, experts,
-    top_k, ep): its matmuls' (forwards, backwards' dx, dWs into the fp32 gradient); a block's
-    seven weights, and its h/tp heads' attention, one fused kernel forward and one back, as a GPU
-    runs them (--cp: a kernel a pair of chunks, the busiest rank's). What --plan prices and
+    flags (dim, heads, kv_heads, ffn_dim, context, tp_style, bf16, cp, cp_layout, cp_style,
+    ulysses, experts, top_k, ep): its matmuls' (forwards, backwards' dx, dWs into the fp32
+    gradient); a block's seven weights, and its h/tp heads' attention, fused kernels forward and
+    back, as a GPU runs them (attention_kernels). What --plan prices and
     tests/gpu_path.py records. --experts: the router's three fp32 matmuls, and each of the E/ep
     experts here its W1's, W3's and W2's over rows K ep / E pairs (balanced: as many as the dense
     MLP's rows K), its dWs in the backward (experts_backward's), in place of the MLP's."""
@@ -950,8 +979,6 @@ def block_matmuls(kind, rows, shape, tp, classes=0):
     layers = [linear(D, D // tp), linear(D, kv), linear(D, kv), wo]
     if not shape.experts:
         layers += [linear(D, F // tp), linear(D, F // tp), w2]
-    sequences = rows * shape.cp // shape.context * (shape.heads // tp)   # b h/tp
-    head_dim = D // shape.heads
     forwards, dxs, dws = (list(column) for column in zip(*layers))
     if shape.experts:                    # every dW in the backward (experts_backward's)
         E = shape.experts
@@ -964,15 +991,36 @@ def block_matmuls(kind, rows, shape, tp, classes=0):
         for _ in range(E // shape.ep):
             forwards += [w1[0], w1[0], w2[0]]                             # W1, W3 alike
             dxs += [w1[1], w1[2], w1[1], w1[2], w2[1], w2[2]]
-    cp = shape.cp
-    chunk = shape.context // (cp * (1 + (cp > 1 and shape.cp_layout == "zigzag")))   # a pair's s
-    diagonal, off = cp_pair_counts(cp, shape.cp_layout)
-    kv_share = 1.0                       # fp32's kernel: the kv heads repeated; bf16's flash
-    if shape.bf16:                       # reads each for its group
-        kv_share = kv / (D // tp)
-    kernel = Attention(sequences, chunk, head_dim, size, backward=False, kv_share=kv_share)
-    pairs = [kernel] * diagonal + [kernel._replace(causal=False)] * off
-    return forwards + pairs, dxs + [pair._replace(backward=True) for pair in pairs], dws
+    kernels = attention_kernels(shape, rows * shape.cp // shape.context, tp, size)
+    return forwards + kernels, dxs + [k._replace(backward=True) for k in kernels], dws
+
+
+def attention_kernels(shape, b, tp, size):
+    """The fused kernels of a block's attention forward on the busiest cp rank (C-1: its pairs
+    the most under contiguous, the same count under zigzag), over b sequences of the h/tp heads:
+    without --cp one, causal over T; ring: each pair of chunks; all-gather: each chunk's
+    diagonal, and its keys before it in one; ulysses: one over T, on h/tp/C heads; hybrid: the
+    ring of C/U ranks on h/tp/U. bf16's flash reads each kv head for its group (kv_share: kv heads
+    over query heads); fp32's kernel takes them repeated."""
+    C = shape.cp
+    style = shape.cp_style if C > 1 else "ring"
+    U = {"ulysses": C, "hybrid": shape.ulysses}.get(style, 1)       # the heads' split
+    heads = shape.heads // tp // U
+    kv_share = 1.0
+    if shape.bf16:
+        kv_share = max(max(shape.kv_heads // tp, 1) // U, 1) / heads
+    head_dim = shape.dim // shape.heads
+    ring = C // U                                                   # the ring's ranks
+    chunk = shape.context // (ring * (1 + (ring > 1 and shape.cp_layout == "zigzag")))
+    kernel = Attention(b * heads, chunk, head_dim, size, False, kv_share=kv_share, keys=chunk)
+    if style == "all-gather":
+        mine = cp_chunks(C - 1, C, shape.cp_layout)
+        return [kernel] * len(mine) + [kernel._replace(causal=False, keys=i * chunk)
+                                       for i in mine if i > 0]
+    if style == "ulysses":
+        return [kernel._replace(context=shape.context, keys=shape.context)]
+    diagonal, off = cp_pair_counts(ring, shape.cp_layout)
+    return [kernel] * diagonal + [kernel._replace(causal=False)] * off
 
 
 def cp_pair_counts(cp, layout):   # the busiest rank's pairs: (on the diagonal, below it)

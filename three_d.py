@@ -126,7 +126,7 @@ class ThreeDRank:
         waits PyTorch's default 30 minutes for a peer unless told otherwise: --timeout-s.)"""
         groups = rank_groups(args.dp, args.pp, args.tp, args.order, args.cp, args.ep, args)
         timeout = timedelta(seconds=args.timeout_s)
-        names = [name for name in ("tp", "pp", "dp", "cp", "ulysses", "ring", "ep", "ep_copies")
+        names = [name for name in ("tp", "pp", "dp", "ulysses", "ring", "cp", "ep", "ep_copies")
                  if name in groups]
         self.groups = {name: dist.new_subgroups_by_enumeration(groups[name], timeout=timeout)[0]
                        for name in names}
@@ -497,10 +497,9 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     lengths = replica_lengths(args, stage, tp_rank)
     dp_runs, held = dp_costs(lengths, args.dp, zero=args.zero, num_micro_batches=m,
                              optimizer=args.optimizer, bf16=args.bf16)
-    cp_runs = cp_costs(blocks, rows, kv_width(args.dim, args.heads, args.kv_heads, tp), args.cp,
-                       args.bf16, m, args.recompute, [4 * n for n in lengths],
+    cp_runs = cp_costs(blocks, rows, shape_of(args), tp, m, [4 * n for n in lengths],
                        m if args.zero == 3 else 1)
-    runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs, "cp": cp_runs}
+    runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs, "cp": [], **cp_runs}
     if args.kv_heads < tp:   # each kv head's Wk, Wv gradient summed over its tp/G holders
         runs["kv"] = [("all-reduce", 4 * args.dim * head_dim, 2 * blocks * (m if args.zero == 3
                                                                            else 1))]
@@ -678,9 +677,11 @@ class Machine:
 
 
 @functools.lru_cache(maxsize=None)
-def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1, ep=1):
+def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1, ep=1,
+                     ulysses=1):
     """Each stage's {kind: fewest ranks of a group in one node}; "pp": 2 if its sends stay in;
-    "ep" and "copies" (--ep's groups, cut from dp's)."""
+    "ep" and "copies" (--ep's groups, cut from dp's); "ulysses" and "ring" (the hybrid's, cut
+    from cp's)."""
     node = (rank_grid(dp, pp, tp * cp, order) // gpus_per_node).tolist()   # [dp][pp][tp cp]
     stages = []
     for s in range(pp):
@@ -690,6 +691,10 @@ def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1, ep=1):
         peers = [(s + k) % pp for k in (-1, 1) if interleaved or 0 <= s + k < pp]
         stages.append({"tp": min(min(Counter(group).values()) for group in tp_groups),
                        "cp": min(min(Counter(group).values()) for group in cp_groups),
+                       "ulysses": min(min(Counter(group[i:i + ulysses]).values())
+                                      for group in cp_groups for i in range(0, cp, ulysses)),
+                       "ring": min(min(Counter(group[i::ulysses]).values())
+                                   for group in cp_groups for i in range(ulysses)),
                        "dp": min(min(Counter(group).values()) for group in zip(*blocks)),
                        "ep": min(min(Counter(group[i:i + ep]).values())
                                  for group in zip(*blocks) for i in range(0, dp, ep)),
@@ -712,6 +717,8 @@ class Shape(NamedTuple):   # what a part's price reads of the run's flags (a cac
     recompute: bool
     cp: int
     cp_layout: str
+    cp_style: str
+    ulysses: int
     experts: int
     top_k: int
     ep: int
@@ -740,8 +747,10 @@ def predict(args, machine):
     most classes)."""
     dp, pp, tp, cp, m = args.dp, args.pp, args.tp, args.cp, args.micro_batches
     per_node = members_per_node(dp, pp, tp, args.order, machine.gpus_per_node,
-                                args.schedule == "interleaved", cp, args.ep)
+                                args.schedule == "interleaved", cp, args.ep, args.ulysses)
     sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
+    if args.cp_style == "hybrid":                    # Ulysses' groups, and the ring across
+        sizes.update(ulysses=args.ulysses, ring=cp // args.ulysses)
     if args.ep > 1:                                  # --ep's all-to-alls; the experts' copies
         sizes.update(ep=args.ep, copies=dp // args.ep)
     if args.kv_heads < tp:                           # a kv head's holders, inside a tp group
@@ -759,16 +768,17 @@ def predict(args, machine):
         comm = {group: sum(times * machine.collective_s(kind, nbytes, sizes[group],
                                                         per_node[s][group])
                            for kind, nbytes, times in runs[group]) for group in runs}
-        if cp > 1:   # K and V travel under the pairs' kernels: only what outlasts them shows
+        ring = {"ring": "cp", "hybrid": "ring"}.get(args.cp_style)
+        if cp > 1 and ring:   # K and V travel under the pairs' kernels: what outlasts them shows
             blocks = sum(kinds.count("block") for kinds in stage_kinds(args, s))
-            kind, nbytes, times = runs["cp"][0]
-            ring = times * machine.collective_s(kind, nbytes, cp, per_node[s]["cp"])
+            kind, nbytes, times = runs[ring][0]
+            sends = times * machine.collective_s(kind, nbytes, sizes[ring], per_node[s][ring])
             forward, back = machine.attention_s(rows, shape, tp)
             pairs = blocks * m * ((1 + args.recompute) * forward + back)
-            comm["cp"] -= min(ring, pairs)
+            comm[ring] -= min(sends, pairs)
         compute = m * sum(sum(chunk) for chunk in chunks)
-        inside = (compute + comm["tp"] + comm["pp"] + comm["cp"] + comm.get("ep", 0) +
-                  comm.get("kv", 0) + comm["dp"] * (args.zero == 3))
+        inside = compute + comm["dp"] * (args.zero == 3) + sum(
+            comm.get(group, 0) for group in ("tp", "pp", "cp", "ulysses", "ring", "ep", "kv"))
         sent = {group: sum(times * ring_bytes(kind, nbytes, sizes[group])
                            for kind, nbytes, times in runs[group]) for group in runs}
         stages.append(dict(stage=s, chunks=chunks, comm=comm, compute=compute, inside=inside,
@@ -830,7 +840,8 @@ def most_memory(args, stages=None):
 
 def working_bytes(args, stage):
     """What a step holds a moment beside state and stash: a block's backward (the MLP's du, da,
-    dup, silu(a), F wide; fused attention holds no [T, T]; --cp: the ring's buffers; --recompute:
+    dup, silu(a), F wide; fused attention holds no [T, T]; --cp: the ring's buffers (all-gather:
+    the whole K, V and dK, dV); --recompute:
     the block's stash rebuilt, less the x it kept, the chunk's (x, dz)s until W), or the last
     stage's loss: logits [b T, V/tp], exps made dlogits in place (bf16: an fp32 copy, a cast),
     beside others' dlogits between F and B."""
@@ -844,6 +855,8 @@ def working_bytes(args, stage):
         q = b * T * args.dim // args.tp                                    # [b, T/C, h/tp dh]
         kv = b * T * kv_width(args.dim, args.heads, args.kv_heads, args.tp)
         block = max(block, 7 * A + (3 * q + 6 * kv) * act + (q + 4 * kv) * 4)
+        if args.cp_style == "all-gather":   # K, V whole, gathered and in order; dK, dV whole in
+            block += 2 * kv * args.cp * (2 * act + 4 * 4)   # fp32, joined, in the ranks' order, sent
     if args.recompute:   # the stash rebuilt; its n1, o, n2, u are its (x, dz)s' xs, counted with
         mine = argparse.Namespace(**{**vars(args), "context": T})          # those: in the
         whole = argparse.Namespace(**{**vars(mine), "recompute": False})   # chunk's, or zb-h1's
@@ -881,23 +894,32 @@ def layouts(args, gpus_per_node):
         if pp > 1:
             schedules = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1),
                          *[("interleaved", v) for v in (2, 4) if L % (pp * v) == 0]]
-        for order, (schedule, v), k, zero, style, p2p_shard, recompute, sequence in \
-                itertools.product(orders, schedules, range(4), range(4 if dp > 1 else 1),
+        cp_styles = [("ring", 1)]
+        if args.cp > 1:               # each style the door lets by at this tp
+            tried = [("ring", 1), ("all-gather", 1), ("ulysses", 1),
+                     *[("hybrid", u) for u in range(2, args.cp) if args.cp % u == 0]]
+            cp_styles = [(style, u) for style, u in tried if not any(
+                broken for broken, _ in context_parallel_rules(argparse.Namespace(
+                    **{**vars(args), "cp_style": style, "ulysses": u}), tp))]
+        for order, (schedule, v), k, zero, style, p2p_shard, recompute, sequence, (cp_style, u) \
+                in itertools.product(orders, schedules, range(4), range(4 if dp > 1 else 1),
                                   ["all-gather", "megatron"][:1 + (tp > 1)],
                                   [False, True][:1 + (tp > 1 and pp > 1)], [False, True],
                                   [False, True][:1 + (tp > 1 and
-                                                      args.context // args.cp % tp == 0)]):
+                                                      args.context // args.cp % tp == 0)],
+                                  cp_styles):
             m = pp * 2**k
             if B % (dp * m) or sequence and (style != "megatron" or p2p_shard):
                 continue
             yield argparse.Namespace(**{**vars(args), **dict(
                 dp=dp, pp=pp, tp=tp, order=order, schedule=schedule, virtual_stages=v,
                 micro_batches=m, zero=zero, tp_style=style, p2p_shard=p2p_shard,
-                recompute=recompute, sequence_parallel=sequence)})
+                recompute=recompute, sequence_parallel=sequence, cp_style=cp_style, ulysses=u)})
 
 
 def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 megatron ...
-    words = [f"dp{a.dp} pp{a.pp} tp{a.tp}", f"cp{a.cp} {a.cp_layout}" * (a.cp > 1),
+    style = a.cp_style + f" u{a.ulysses}" * (a.cp_style == "hybrid")
+    words = [f"dp{a.dp} pp{a.pp} tp{a.tp}", f"cp{a.cp} {a.cp_layout} {style}" * (a.cp > 1),
              a.order * (a.order != "tp-pp-dp"),
              f"{a.schedule}{f' v{a.virtual_stages}' * (a.virtual_stages > 1)}" * (a.pp > 1),
              f"m{a.micro_batches}", f"zero{a.zero}" * (a.zero > 0),
@@ -946,8 +968,13 @@ def show_plan(args, machine, weighed, fits):
           f"{'bubble':>8}{'compute':>10}{'comm':>10}{'step':>10}{'MFU':>6}")
     for k, row in enumerate(shown, 1):
         parts = row["parts"]
-        sent = "".join(f"{si(row['bytes'][group]) + 'B' + '*' * (group in row['crosses']):>10}"
-                       for group in groups)
+        sent = ""
+        for group in groups:          # the hybrid's Ulysses and ring bytes in cp's column
+            inside = [g for g in (group, "ulysses", "ring")[:1 + 2 * (group == "cp")]
+                      if g in row["bytes"]]
+            nbytes = sum(row["bytes"][g] for g in inside)
+            crosses = any(g in row["crosses"] for g in inside)
+            sent += f"{si(nbytes) + 'B' + '*' * crosses:>10}"
         comm = sum(parts[group] for group in row["bytes"])
         print(f"{k:>4}  {short_layout(row['args']):<{width}}{si(row['memory_bytes']) + 'B':>10}"
               f"{sent}{row['bubble']:>8.1%}"

@@ -16,7 +16,7 @@ figures that are not the lecture. The scripts never import this; it imports them
     python tests/bench.py recompute-memory [its sizes]   # steps 2, 3: peak memory, --recompute or not
     python tests/bench.py checkpoint [three_d's flags]   # a checkpoint's write and read beside a step
     python tests/bench.py cp-balance                     # --cp's attention pairs and time a rank
-    python tests/bench.py cp-race                        # the ring against all-gathered K, V and serial
+    python tests/bench.py cp-race                        # each --cp-style against the others, serial
     python tests/bench.py cp-memory                      # a rank's memory as --cp grows, at T 16,384
     python tests/bench.py moe-race                       # --ep's experts against an nn.Module MoE
     python tests/bench.py machine                        # one line naming this machine
@@ -985,30 +985,34 @@ def cp_balance(context=2048, dim=256, heads=4, cp_sizes=(2, 4, 8)):
     print("  contiguous: max/mean = 2C/(C+1) (rank C-1 computes C pairs, rank 0 one); zigzag: 1")
 
 
-CP_RACE = dict(context=2048, dim=256, heads=4, batch=1)
+CP_RACE = dict(context=2048, dim=256, heads=4, kv_heads=2, batch=1)
 
 
 def cp_race(cp_sizes=(2, 4), steps=5):
-    """One layer's attention, forward and backward, over C ranks three ways: our ring (K and V
-    travel, zigzag), all-gathered K and V (each rank attends its queries to the whole sequence,
-    masked by global position; dK and dV reduce-scattered home), and serial attention over the
-    whole T on one rank; each rank's o, dq, dk, dv compared with serial's first. PyTorch's
-    context_parallel is tried first: its error, where it has no CPU path."""
+    """One layer's attention, forward and backward, over C ranks in each --cp-style (zigzag):
+    the ring, all-gathered K and V (Llama 3's), Ulysses' all-to-alls, the hybrid (Ulysses in
+    pairs, the ring across; C 4), and serial attention over the whole T on one rank; each rank's
+    o, dq, dk, dv compared with serial's first. PyTorch's context_parallel is tried first: its
+    error, where it has no CPU path."""
     print(f"context parallelism, one layer's attention forward and backward: T={CP_RACE['context']} "
-          f"D={CP_RACE['dim']} h={CP_RACE['heads']}, one sequence, float32, zigzag")
+          f"D={CP_RACE['dim']} h={CP_RACE['heads']} G={CP_RACE['kv_heads']}, one sequence, "
+          f"float32, zigzag; ms, the median of {steps}")
     print(f"  PyTorch's context_parallel on the CPU: {torch_context_parallel_error()}")
-    print(f"  {'C':>2} {'ring (ms)':>10} {'all-gather K V':>15} {'serial, 1 rank':>15} "
-          f"{'ring / all-gather':>18} {'largest difference':>19}")
+    print(f"  {'C':>2}" + "".join(f"{name:>12}" for name in CP_STYLES) +
+          f"{'serial, 1 rank':>16}{'largest difference':>20}")
     worst = 0.0
     for cp_size in cp_sizes:
         times, diff = spawn_returning(cp_race_rank, cp_size, steps, timeout_s=300)
         worst = max(worst, diff)
-        print(f"  {cp_size:>2} {times['ring'] * 1e3:>10.1f} {times['all-gather'] * 1e3:>15.1f} "
-              f"{times['serial'] * 1e3:>15.1f} {times['ring'] / times['all-gather']:>17.2f}x "
-              f"{diff:>19.1e}", flush=True)
+        print(f"  {cp_size:>2}" + "".join(f"{times[name] * 1e3:>12.1f}" if name in times else
+                                          f"{'-':>12}" for name in CP_STYLES) +
+              f"{times['serial'] * 1e3:>16.1f}{diff:>20.1e}", flush=True)
     print(f"  ({os.cpu_count()} cores; the ranks share them: serial's time is one process alone)")
     if worst > 1e-4:
-        raise SystemExit("error: a side computed other attention than serial's")
+        raise SystemExit("error: a style computed other attention than serial's")
+
+
+CP_STYLES = ["ring", "all-gather", "ulysses", "hybrid u2"]
 
 
 def cp_memory(cp_sizes=(1, 2, 4, 8)):
@@ -1057,61 +1061,40 @@ def torch_cp_rank(rank, world_size, folder):
     return said
 
 
-def all_gather_attention(q, k, v, do, head_dim, group, layout="zigzag"):
-    """The other CP: every rank's K and V gathered, this rank's queries attended to all of T,
-    masked by global position; dK and dV of all of T reduce-scattered to their owners."""
-    size = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    T = q.shape[1] * size
-    owned = [tensor_parallel.cp_positions(T, r, size, layout) for r in range(size)]
-    order = torch.cat(owned)                                  # gathered row i is position order[i]
-    kv = torch.stack([k, v])
-    gathered = [torch.empty_like(kv) for _ in range(size)]
-    dist.all_gather(gathered, kv, group=group)
-    whole_k, whole_v = (torch.cat(parts, 1) for parts in zip(*gathered))   # [b, T, D], by order
-    q, do, whole_k, whole_v = (data_parallel.heads(t, head_dim) for t in (q, do, whole_k, whole_v))
-    future = order[None, :] > owned[rank][:, None]            # key after query, globally
-    s = (q @ whole_k.transpose(-1, -2) / head_dim ** 0.5).masked_fill(future, float("-inf"))
-    a = s.softmax(-1)
-    o = a @ whole_v
-    dv = a.transpose(-1, -2) @ do
-    ds = a * (do @ whole_v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
-    dq = ds @ whole_k / head_dim ** 0.5
-    dk = ds.transpose(-1, -2) @ q / head_dim ** 0.5
-    flat = [t.transpose(1, 2).flatten(-2) for t in (o, dq, dk, dv)]
-    mine = torch.empty_like(kv)
-    by_owner = torch.stack(flat[2:]).unflatten(2, (size, -1)).movedim(2, 0)   # [C, 2, b, n, D]
-    dist.reduce_scatter_single(mine, by_owner.flatten(0, 1).contiguous(), group=group)   # r's own
-    return flat[0], flat[1], mine[0], mine[1]
-
-
 def cp_race_rank(rank, world_size, steps):
     setup(rank, world_size)
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
-    T, D, heads, b = (CP_RACE[key] for key in ("context", "dim", "heads", "batch"))
+    T, D, heads, G, b = (CP_RACE[key] for key in ("context", "dim", "heads", "kv_heads", "batch"))
     head_dim = D // heads
-    q, k, v, do = (torch.randn(b, T, D, generator=gen) for _ in range(4))
+    q, do = (torch.randn(b, T, D, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, T, G * head_dim, generator=gen) for _ in range(2))
     mine = tensor_parallel.cp_positions(T, rank, world_size, "zigzag")
     local = [t[:, mine] for t in (q, k, v, do)]
+    sides = {}
+    for name in CP_STYLES:
+        style, _, u = name.partition(" u")
+        args = SimpleNamespace(cp=world_size, cp_style=style, ulysses=int(u or 1),
+                               cp_layout="zigzag")
+        if style == "hybrid" and world_size <= args.ulysses:
+            continue
+        lists = tensor_parallel.cp_group_lists([list(range(world_size))], args)
+        groups = {key: dist.new_subgroups_by_enumeration(lists[key])[0] for key in lists}
+        attend, attend_back = tensor_parallel.context_attention(args, groups)
 
-    def ring():
-        o, lse = tensor_parallel.ring_attention(*local[:3], head_dim)
-        return (o, *tensor_parallel.ring_attention_backward(local[3], *local[:3], o, lse,
-                                                            head_dim))
+        def side(attend=attend, attend_back=attend_back):
+            o, lse = attend(*local[:3], head_dim)
+            return (o, *attend_back(local[3], *local[:3], o, lse, head_dim))
+        sides[name] = side
 
     def serial():
         o, lse = data_parallel.attention(q, k, v, head_dim)
         return (o, *data_parallel.attention_backward(do, q, k, v, o, lse, head_dim))
-
-    def gathered():
-        return all_gather_attention(*local, head_dim, None)
     whole = serial()
-    diff = torch.tensor(max((a - w[:, mine]).abs().max().item() for got in (ring(), gathered())
-                            for a, w in zip(got, whole)))
+    diff = torch.tensor(max((a - w[:, mine]).abs().max().item() for side in sides.values()
+                            for a, w in zip(side(), whole)))
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)                 # every rank's, against serial's
-    times = race({"ring": ring, "all-gather": gathered,
-                  "serial": serial if rank == 0 else (lambda: None)},
+    times = race({**sides, "serial": serial if rank == 0 else (lambda: None)},
                  torch.device("cpu"), repeats=steps)
     cleanup()
     return times, diff.item()

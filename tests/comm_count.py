@@ -42,6 +42,7 @@ RING_COST = {  # dist function -> (kind, the argument that holds N, factor)
     "all_gather_into_tensor": ("all-gather", "output_tensor", 1),
     "reduce_scatter_single": ("reduce-scatter", "input", 1),
     "reduce_scatter_tensor": ("reduce-scatter", "input", 1),
+    "all_to_all_single": ("all-to-all", "input", 1),   # even pieces (Ulysses'; not --ep's)
 }
 
 
@@ -126,7 +127,7 @@ def formula(dimension, runs, n):
             how = f"{how} + " * bool(how) + f"{times} x {nbytes}"
         out[dimension, kind] = (sent + times * collective_cost(kind, nbytes, n)[0], how)
     ring = {"all-reduce": "2({n}-1)/{n} x", "send": "", "all-gather": "({n}-1)/{n} x",
-            "reduce-scatter": "({n}-1)/{n} x"}
+            "reduce-scatter": "({n}-1)/{n} x", "all-to-all": "({n}-1)/{n} x"}
     return {key: (sent, f"{ring[key[1]].format(n=n)} ({how or 0})".strip())
             for key, (sent, how) in out.items()}
 

@@ -232,7 +232,8 @@ class StepRecord(TorchDispatchMode):
         self.matmuls[tensor_parallel.Attention(sequences, q.shape[2], q.shape[3],
                                                q.element_size(), backward,
                                                causal=given["is_causal"],
-                                               kv_share=given["key"].shape[1] / q.shape[1])] += 1
+                                               kv_share=given["key"].shape[1] / q.shape[1],
+                                               keys=given["key"].shape[2])] += 1
 
     def note_found(self, storage):
         key = id(storage)

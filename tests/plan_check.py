@@ -62,7 +62,8 @@ def layout_flags(args):
              f"--batch-size {args.batch_size} --micro-batches "
              f"{args.micro_batches} --schedule {args.schedule}",
              f"--virtual-stages {args.virtual_stages}" * (args.schedule == "interleaved"),
-             f"--cp {args.cp} --cp-layout {args.cp_layout}" * (args.cp > 1),
+             f"--cp {args.cp} --cp-layout {args.cp_layout} --cp-style {args.cp_style}" *
+             (args.cp > 1), f"--ulysses {args.ulysses}" * (args.cp_style == "hybrid"),
              f"--order {args.order}" * (args.order != "tp-pp-dp"),
              f"--zero {args.zero}" * (args.zero > 0),
              f"--tp-style {args.tp_style}" * (args.tp_style != "all-gather"),

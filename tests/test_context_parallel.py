@@ -199,6 +199,109 @@ def bytes_worker(rank, world_size, dtype, kv_heads):
     cleanup()
 
 
+def ulysses_not_put_back(t, head_dim, group, held, heads):
+    """The defect for Ulysses' inverse: the chunks sent home in T's order, not put back in the
+    ranks' (the inverse is then not the inverse of to_heads)."""
+    real = tp.in_order
+    with mock.patch.object(tp, "in_order", lambda t, held, back=False: real(t, held)):
+        return REAL_TO_POSITIONS(t, head_dim, group, held, heads)
+
+
+def copies_unsummed(t, head_dim, group, held, heads):
+    """The defect for a kv head's copies (G < C): its gradient from the first copy alone."""
+    size = torch.distributed.get_world_size(group)
+    pieces = tp.in_order(t, held, back=True).unflatten(1, (size, -1))
+    came = tp.all_to_all(pieces.movedim(1, 0).contiguous(), group=group).movedim(0, 2)
+    if heads < size:
+        came = came.unflatten(2, (heads, -1))[:, :, :, 0]
+    return came.flatten(2)
+
+
+def kept_where_computed(x, group):   # the defect: all-gather's dK, dV not reduce-scattered
+    mine = x.shape[1] // torch.distributed.get_world_size(group)
+    rank = torch.distributed.get_rank(group)
+    return x[:, rank * mine:(rank + 1) * mine]
+
+
+REAL_TO_POSITIONS = tp.to_positions
+STYLE_DEFECTS = {"ulysses_not_put_back": ("to_positions", ulysses_not_put_back),
+                 "copies_unsummed": ("to_positions", copies_unsummed),
+                 "kept_where_computed": ("scatter_along_T", kept_where_computed)}
+
+
+def style_worker(rank, world_size, style, ulysses, layout, kv_heads, defect):
+    """This rank's attention of --cp-style, forward and backward, against step 2's over T: o, dq,
+    dk, dv close (and lse where it is the rank's positions': ring, all-gather)."""
+    setup(rank, world_size)
+    args = types.SimpleNamespace(cp=world_size, cp_style=style, ulysses=ulysses, cp_layout=layout)
+    lists = tp.cp_group_lists([list(range(world_size))], args)
+    groups = {name: torch.distributed.new_subgroups_by_enumeration(lists[name])[0]
+              for name in lists}
+    if defect == "ring_within_ulysses":                       # the hybrid's ring over its
+        groups["ring"] = groups["ulysses"]                    # Ulysses group, not across
+    gen = torch.Generator().manual_seed(0)
+    b, T, heads, head_dim = 2, 8 * world_size, 4, 4
+    q, do = (torch.randn(b, T, heads * head_dim, generator=gen, dtype=torch.float64)
+             for _ in range(2))
+    k, v = (torch.randn(b, T, kv_heads * head_dim, generator=gen, dtype=torch.float64)
+            for _ in range(2))
+    mine = tp.cp_positions(T, rank, world_size, layout)
+    put_in = mock.MagicMock()
+    if defect in STYLE_DEFECTS:
+        put_in = mock.patch.object(tp, *STYLE_DEFECTS[defect])
+    with put_in:
+        attend, attend_back = tp.context_attention(args, groups)
+        o, lse = attend(q[:, mine], k[:, mine], v[:, mine], head_dim)
+        grads = attend_back(do[:, mine], q[:, mine], k[:, mine], v[:, mine], o, lse, head_dim)
+    whole_o, whole_lse = dp.attention(q, k, v, head_dim)
+    whole = dp.attention_backward(do, q, k, v, whole_o, whole_lse, head_dim)
+    got = [o, *grads]
+    want = [whole_o[:, mine], *(g[:, mine] for g in whole)]
+    if style in ("ring", "all-gather"):
+        got.append(lse)
+        want.append(whole_lse[:, :, mine])
+    close = [torch.allclose(a, w, rtol=1e-12, atol=1e-12) for a, w in zip(got, want)]
+    torch.save(close, f"{RESULTS}/{style}-{rank}.pt")
+    cleanup()
+
+
+def styled(tmp_path, world_size, style, ulysses=1, layout="zigzag", kv_heads=2, defect=None):
+    """Every rank's [o, dq, dk, dv (, lse)] close to serial's, under --cp-style."""
+    global RESULTS
+    RESULTS = tmp_path
+    spawn(style_worker, world_size, style, ulysses, layout, kv_heads, defect, timeout_s=30)
+    return [torch.load(tmp_path / f"{style}-{r}.pt") for r in range(world_size)]
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("world_size,style,ulysses,layout,kv_heads", [
+    (2, "all-gather", 1, "zigzag", 2), (3, "all-gather", 1, "contiguous", 1),
+    (4, "all-gather", 1, "zigzag", 4), (2, "ulysses", 1, "zigzag", 2),
+    (4, "ulysses", 1, "contiguous", 4), (4, "ulysses", 1, "zigzag", 2),    # G 2 < C 4: copied
+    (4, "ulysses", 1, "zigzag", 1), (4, "hybrid", 2, "zigzag", 2),
+    (4, "hybrid", 2, "contiguous", 1)])
+def test_each_cp_style_is_causal_attention_over_the_whole_sequence(tmp_path, world_size, style,
+                                                                    ulysses, layout, kv_heads):
+    """Llama 3's all-gather, Ulysses (its kv heads split, or copied to the ranks that read them)
+    and the hybrid (Ulysses in pairs, the ring across), 4 query heads, to float64 rounding."""
+    results = styled(tmp_path, world_size, style, ulysses, layout, kv_heads)
+    assert all(all(rank) for rank in results), results
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("style,ulysses,kv_heads,defect,fails", [
+    ("ulysses", 1, 4, "ulysses_not_put_back", "o dq dk dv"),
+    ("ulysses", 1, 2, "copies_unsummed", "dk dv"),
+    ("all-gather", 1, 2, "kept_where_computed", "dk dv"),
+    ("hybrid", 2, 2, "ring_within_ulysses", "o dq dk dv")])
+def test_each_defect_of_the_cp_styles_fails_it(tmp_path, style, ulysses, kv_heads, defect, fails):
+    """Over 4 ranks: the figures the defect touches differ from serial's on some rank."""
+    names = ["o", "dq", "dk", "dv", "lse"]
+    results = styled(tmp_path, 4, style, ulysses, "zigzag", kv_heads, defect)
+    wrong = {name for rank in results for name, ok in zip(names, rank) if not ok}
+    assert wrong == set(fails.split())
+
+
 @pytest.mark.deadline(60)
 @pytest.mark.parametrize("dtype,kv_heads", [(torch.float32, 4), (torch.bfloat16, 1),
                                             (torch.float32, 2)])
@@ -214,8 +317,11 @@ def test_the_ring_sends_the_bytes_of_the_formula(tmp_path, world_size, dtype, kv
     A = 2 * 8 * kv_heads * 4 * dtype.itemsize
     A32 = 2 * 8 * kv_heads * 4 * 4
     C = world_size
-    priced = tp.cp_costs(1, 2 * 8, tp.kv_width(16, 4, kv_heads, 1), C, dtype == torch.bfloat16)
-    assert [nbytes * times for _, nbytes, times in priced] == [2 * (C - 1) * A * 2, 2 * C * A32]
+    shape = types.SimpleNamespace(dim=16, heads=4, kv_heads=kv_heads, cp=C, cp_style="ring",
+                                  ulysses=1, bf16=dtype == torch.bfloat16, recompute=False)
+    priced = tp.cp_costs(1, 2 * 8, shape, 1)
+    assert [nbytes * times for _, nbytes, times in priced["cp"]] == [2 * (C - 1) * A * 2,
+                                                                     2 * C * A32]
     for r in range(C):
         assert torch.load(tmp_path / f"bytes-{r}.pt") == [2 * (C - 1) * A,
                                                           2 * (C - 1) * A + 2 * C * A32]
@@ -242,7 +348,16 @@ def train(tmp_path, flags):
     ["--world-size", "4", "--cp", "2"], ["--world-size", "4", "--cp", "2", "--tp-style", "megatron"],
     ["--world-size", "4", "--cp", "2", "--tp-style", "megatron", "--sequence-parallel"],
     ["--world-size", "4", "--cp", "2", "--kv-heads", "1", "--qk-norm"],   # tp 2, G 1, zigzag
-    ["--world-size", "2", "--cp", "2", "--recompute", "--micro-batches", "2"]])
+    ["--world-size", "2", "--cp", "2", "--recompute", "--micro-batches", "2"],
+    ["--world-size", "2", "--cp", "2", "--cp-style", "all-gather", "--cp-layout", "contiguous"],
+    ["--world-size", "4", "--cp", "4", "--cp-style", "all-gather"],
+    ["--world-size", "4", "--cp", "2", "--cp-style", "all-gather", "--tp-style", "megatron",
+     "--sequence-parallel"],
+    ["--world-size", "2", "--cp", "2", "--cp-style", "ulysses"],
+    ["--world-size", "4", "--cp", "4", "--cp-style", "ulysses"],     # G 2 < C 4: kv heads copied
+    ["--world-size", "4", "--cp", "2", "--cp-style", "ulysses", "--tp-style", "megatron"],
+    ["--world-size", "4", "--cp", "4", "--cp-style", "hybrid", "--ulysses", "2", "--recompute"],
+    ["--world-size", "8", "--cp", "4", "--cp-style", "hybrid", "--ulysses", "2", "--heads", "8"]])
 def test_training_with_cp_replays_in_float64(tmp_path, flags):
     result = train(tmp_path, flags)
     assert result["config"]["cp"] == int(flags[3])
@@ -250,6 +365,10 @@ def test_training_with_cp_replays_in_float64(tmp_path, flags):
     if "--cp-layout" in flags:
         layout = flags[flags.index("--cp-layout") + 1]
     assert result["config"]["cp_layout"] == layout
+    style = "ring"
+    if "--cp-style" in flags:
+        style = flags[flags.index("--cp-style") + 1]
+    assert result["config"]["cp_style"] == style
     assert result["inputs"].shape == (3, 4, 24)                # whole, as always
     assert_replays(result)
 
@@ -291,6 +410,17 @@ def test_a_checkpoint_written_at_cp_4_resumes_at_cp_1_and_2(tmp_path, capfd):
         assert "resumed from" in out and check_report(out)[1] == "OK"
 
 
+@pytest.mark.deadline(120)
+def test_a_checkpoint_written_under_one_cp_style_resumes_under_another(tmp_path, capfd):
+    folder = tmp_path / "ckpt"
+    tp.main([*SMALL, "--world-size", "4", "--cp", "4", "--cp-style", "hybrid", "--ulysses", "2",
+             "--checkpoint", str(folder)])
+    tp.main([*SMALL, "--world-size", "2", "--cp", "2", "--cp-style", "all-gather", "--resume",
+             str(folder), "--steps", "5", "--check"])
+    out = capfd.readouterr().out
+    assert "resumed from" in out and check_report(out)[1] == "OK"
+
+
 @pytest.mark.parametrize("cp_size", [2, 4, 8])
 def test_zigzag_balances_what_contiguous_does_not(cp_size):
     contiguous = [len(cp_pairs(r, cp_size, "contiguous")) for r in range(cp_size)]
@@ -308,7 +438,18 @@ def test_zigzag_balances_what_contiguous_does_not(cp_size):
      "--heads 3 is not divisible by --world-size / --cp (2)"),
     (["--world-size", "4", "--cp", "2", "--tp-style", "megatron", "--sequence-parallel",
       "--cp-layout", "contiguous", "--context", "6"],
-     "--sequence-parallel with --cp 2: a rank's 3 positions do not split over the 2 tp ranks")])
+     "--sequence-parallel with --cp 2: a rank's 3 positions do not split over the 2 tp ranks"),
+    (["--world-size", "4", "--cp", "4", "--cp-style", "ulysses", "--heads", "2", "--dim", "16"],
+     "--cp-style ulysses: the 2 query heads a tp rank holds do not split over 4 ranks"),
+    (["--world-size", "3", "--cp", "3", "--cp-style", "ulysses", "--heads", "6", "--dim", "24",
+      "--kv-heads", "2", "--context", "36"],
+     "--cp-style ulysses: the 2 kv heads a tp rank holds neither split over 3 ranks nor divide"),
+    (["--world-size", "4", "--cp", "4", "--cp-style", "hybrid"],
+     "--ulysses 1: a Ulysses group is 2 or more of the --cp 4 ranks, dividing them"),
+    (["--world-size", "4", "--cp", "4", "--ulysses", "2"],
+     "--ulysses 2: only with --cp-style hybrid"),
+    (["--world-size", "2", "--cp-style", "all-gather"],
+     "--cp-style all-gather: only with --cp above 1")])
 def test_cp_refuses_what_it_cannot_split_in_one_line(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         tp.parse_args(argv)
@@ -357,6 +498,11 @@ def test_the_rank_map_puts_cp_next_to_tp(sizes, order):
     ["--dp", "1", "--pp", "2", "--tp", "1", "--cp", "2", "--schedule", "interleaved",
      "--virtual-stages", "2", "--num-layers", "4", "--micro-batches", "2"],
     ["--dp", "2", "--pp", "1", "--tp", "1", "--cp", "2", "--zero", "3", "--micro-batches", "2"],
+    ["--dp", "1", "--pp", "2", "--tp", "1", "--cp", "2", "--cp-style", "all-gather",
+     "--micro-batches", "2"],
+    ["--dp", "1", "--pp", "2", "--tp", "1", "--cp", "2", "--cp-style", "ulysses"],
+    ["--dp", "1", "--pp", "2", "--tp", "1", "--cp", "4", "--cp-style", "hybrid", "--ulysses", "2",
+     "--micro-batches", "2"],
     ["--dp", "1", "--pp", "2", "--tp", "2", "--cp", "2", "--tp-style", "megatron",
      "--sequence-parallel", "--recompute", "--cp-layout", "contiguous"],
     ["--dp", "2", "--pp", "2", "--tp", "1", "--cp", "2", "--schedule", "zb-h1", "--zero", "1",
@@ -365,7 +511,7 @@ def test_three_d_with_cp_replays_in_float64(tmp_path, flags):
     save = tmp_path / "run.pt"
     three_d.main([*SMALL, "--save", str(save), *flags])
     result = torch.load(save)
-    assert result["config"]["cp"] == 2
+    assert result["config"]["cp"] == int(flags[flags.index("--cp") + 1])
     assert_replays(result)
 
 

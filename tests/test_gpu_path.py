@@ -68,7 +68,7 @@ def as_three_d(script, args):
     world = args.dp * args.pp * args.tp * args.cp if script == "three_d" else args.world_size
     layout = dict(dp=1, pp=1, tp=1, order="tp-pp-dp", schedule="1f1b", virtual_stages=1,
                   tp_style="all-gather", p2p_shard=False, zero=0, bucket_mb=25.0, cp=1,
-                  cp_layout="zigzag")
+                  cp_layout="zigzag", cp_style="ring", ulysses=1)
     if script == "three_d":
         return args
     if script == "data_parallel":
@@ -86,7 +86,8 @@ def planned(layout, stage, tp_rank):
     the end."""
     runs, held, _, _ = three_d.three_d_costs(layout, stage, tp_rank=tp_rank)
     sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp,
-             "kv": layout.tp // layout.kv_heads}
+             "kv": layout.tp // layout.kv_heads, "ulysses": layout.ulysses,
+             "ring": layout.cp // layout.ulysses}
     comms = collections.Counter()
     for group, group_runs in runs.items():
         for kind, nbytes, calls in group_runs:
@@ -111,7 +112,9 @@ def assert_as_planned(ran):
     kv = max(layout.kv_heads // tp, 1) * D // layout.heads   # a rank's k, v columns
     matrices = 2 * D * D // tp + 2 * D * kv + 3 * D * layout.ffn_dim // tp   # Wq Wo, Wk Wv, W1 W3 W2
     weights = 2 * b * T // cp * matrices * m             # a block's seven matmuls, a position's
-    share = (2 * cp - 1, cp * cp)   # of attention's causal FLOPs: contiguous, cp rank C-1's
+    U = {"ulysses": cp, "hybrid": layout.ulysses}.get(layout.cp_style, 1)   # heads split by U,
+    ring = cp // U                  # positions by the ring's: of attention's causal FLOPs,
+    share = (2 * ring - 1, ring * ring * U)   # contiguous: its rank C-1's
     if layout.cp_layout == "zigzag":
         share = (1, cp)             # each rank's (2 diagonal pairs of T/2C and 2C-1 whole ones)
     product = b * T * T * D // tp * m * share[0] // share[1]   # half of S = q k^T, or of A v
@@ -247,7 +250,8 @@ def test_a_cp_plans_rows_price_what_ranks_of_8_gpus_run(layout):
     machine = three_d.Machine(three_d.GPUS["h100"], 8)
     rows = [three_d.predict(layout, machine) for layout in three_d.layouts(args, 8)]
     families = [dict(tp=2, tp_style="megatron", sequence_parallel=True), dict(zero=3),
-                dict(schedule="interleaved"), dict(recompute=True, pp=2), dict(p2p_shard=True)]
+                dict(schedule="interleaved"), dict(recompute=True, pp=2), dict(p2p_shard=True),
+                dict(cp_style="all-gather", pp=2), dict(cp_style="ulysses", tp=2)]
     for family in families:
         row = next(row for row in rows if row["args"].micro_batches > 1 and all(
             getattr(row["args"], key) == value for key, value in family.items()))
@@ -255,6 +259,22 @@ def test_a_cp_plans_rows_price_what_ranks_of_8_gpus_run(layout):
         assert a.cp == 2 and a.dp * a.pp * a.tp == 4
         ran = run_step("three_d", layout_flags(a).split(), busiest_cp_rank(a, row["stage"]))
         assert_as_planned(ran)
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("flags", [["--cp-style", "hybrid", "--ulysses", "2", "--recompute"],
+                                   ["--cp-style", "hybrid", "--ulysses", "2", "--cp-layout",
+                                    "contiguous"],
+                                   ["--cp-style", "ulysses", "--kv-heads", "2"],   # copied
+                                   ["--cp-style", "all-gather", "--cp-layout", "contiguous"]])
+def test_each_cp_style_at_cp_4_runs_as_planned(flags):
+    """Its busiest rank's kernels (all-gather: a chunk's diagonal and its keys before; Ulysses:
+    one over T on h/C heads; the hybrid: the ring of C/U on h/U), its all-gathers, all-to-alls
+    (on the Ulysses group) and sends (on the ring across) are the plan's."""
+    argv = ["--dp", "1", "--pp", "2", "--tp", "1", "--cp", "4", "--num-layers", "4", "--dim",
+            "64", "--context", "32", "--batch-size", "32", "--micro-batches", "2", "--bf16", *flags]
+    args = three_d.parse_args(argv)
+    assert_as_planned(run_step("three_d", argv, busiest_cp_rank(args, 1)))
 
 
 LARGE = ["--dp", "16", "--pp", "8", "--tp", "8", "--num-layers", "64", "--dim", "8192", "--heads", "64",

@@ -195,7 +195,10 @@ V32K = ["--vocab-size", "32000"]
     ["--cp", "2"], ["--cp", "4", "--recompute"], ["--cp", "2", "--cp-layout", "contiguous", "--bf16"],
     ["--tp", "2", "--cp", "2", "--tp-style", "megatron", "--sequence-parallel", "--bf16"],
     ["--pp", "2", "--cp", "2", "--micro-batches", "4", "--schedule", "interleaved", "--virtual-stages", "2",
-     "--recompute"]])
+     "--recompute"], ["--cp", "2", "--cp-style", "all-gather"],
+    ["--cp", "4", "--cp-style", "all-gather", "--cp-layout", "contiguous", "--bf16"],
+    ["--cp", "4", "--cp-style", "ulysses", "--bf16"], ["--cp", "4", "--cp-style", "hybrid", "--ulysses", "2",
+                                                         "--recompute"]])
 def test_the_plans_memory_is_what_a_recorded_step_holds_within_15_percent(flags):
     """A rank of each stage: what it holds at its step's end plus what the step allocates at its
     most (gpu_path's record, on meta), against the plan's memory for that stage. The plan prices
@@ -204,7 +207,7 @@ def test_the_plans_memory_is_what_a_recorded_step_holds_within_15_percent(flags)
     (3.4 GB once the loss made its softmax in place)."""
     argv = [*RECORDED, *flags]
     args = gpu_node_args("three_d", argv)
-    groups = three_d.rank_groups(args.dp, args.pp, args.tp, args.order, args.cp)
+    groups = three_d.rank_groups(args.dp, args.pp, args.tp, args.order, args.cp, args=args)
     for stage in range(args.pp):
         rank = int(groups["pp"][0][stage])   # dp, cp and tp rank 0's
         ran = run_step("three_d", argv, rank)
