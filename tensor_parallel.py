@@ -5,6 +5,7 @@ the vocabulary.
     python tensor_parallel.py --world-size 2 --check
     python tensor_parallel.py --tp-style megatron       # Megatron's column-then-row pairs
     python tensor_parallel.py --cp 4 --check            # context parallelism: ring attention
+    python tensor_parallel.py --cp 4 --cp-style ulysses # or all-gather, or hybrid --ulysses 2
     python tensor_parallel.py --experts 4 --check       # experts, each split as the MLP (step 2)
     torchrun --nproc-per-node 4 tensor_parallel.py
 
@@ -44,6 +45,11 @@ A. The vocabulary's ends split its rows of E and columns of H, and take the soft
 
 --recompute keeps each block's input alone, as in step 2: the forward again in the backward, its
 collectives too (tp_costs).
+
+Read in parts: 1, heads over tp in two styles, and sequence parallelism; 2, the vocabulary; 3,
+context parallelism (--cp): each sequence's positions over ranks, ring attention; 4, its other
+forms (--cp-style): Llama 3's all-gathered K and V, Ulysses' all-to-all, the hybrid; 5, the
+worker that trains with them.
 
 What PyTorch gives you: ColwiseParallel, RowwiseParallel and loss_parallel on a DeviceMesh
 (tests/bench.py races them against this).
@@ -156,8 +162,8 @@ class MegatronSplit:
 class GatherSplit(MegatronSplit):
     """The lecture's style: every weight a column layer, each output all-gathered. q, k, v as
     above; o_t all-gathered [b, T, D], the input of Wo's column layer, whose output [b, T, D/tp]
-    is all-gathered; silu(n W1_t) * n W3_t all-gathered [b, T, F]; W2's output all-gathered. Backward:
-    each all-gather a slice, each column layer's dx an all-reduce (f): Wo's, W2's too."""
+    is all-gathered; silu(n W1_t) * n W3_t all-gathered [b, T, F]; W2's output all-gathered.
+    Backward: each all-gather a slice, each column layer's dx an all-reduce (f): Wo's, W2's too."""
 
     def gather(self, a):                      # [b, T, n/tp] -> [b, T, n]   (tp-1)/tp of it
         return all_gather_columns(a, self.group)
@@ -550,6 +556,10 @@ def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="z
 #   position  rank r's [b, T/C, H dh] = its chunks; piece c, its heads for rank c, goes to c
 #      ->     rank c's [b, C T/C, H/C dh]: every rank's piece, its chunks put in T's order
 #   heads     the inverse, o: rank c's rows of rank r's chunks back to r, heads side by side
+# What each rank holds, C = 2, zigzag (T in chunks 0-3), H = 4 query heads (0-3), G' = 2 kv:
+#                     rank 0                          rank 1
+#   before, after     chunks 0 3, heads 0-3, kv 0-1   chunks 1 2, heads 0-3, kv 0-1
+#   attention         chunks 0-3, heads 0-1, kv 0     chunks 0-3, heads 2-3, kv 1
 # Each all-to-all is a permutation of rows, so its backward is the other one: dq, dk, dv go back
 # as o came, do forward as q went. A kv head sent to C/G' ranks is used by each: its dK, dV is the
 # sum of theirs (the inverse adds the copies: index_add over the heads they came from).
@@ -704,6 +714,8 @@ def cp_group_lists(cp_groups, args):
     return lists
 
 
+# Part 5: the worker -------------------------------------------------------------------------------
+
 def tp_and_cp_groups(rank, args, tp_size):
     """This rank's tp group (tp_size consecutive ranks) and --cp's groups (a cp group: one rank of
     each tp group, at its tp rank; the hybrid's two within it); every rank makes every group, in
@@ -777,8 +789,8 @@ def tp_worker(rank, world_size, args):
     if rank == 0:
         print(f"tensor parallel over {tp_size} ranks: {describe(args, tp_size)}", flush=True)
     if rank == 0 and args.cp > 1:
-        print(f"context parallel over {args.cp} ranks, {args.cp_layout}: rank 0 holds positions "
-              f"{positions.tolist()}", flush=True)
+        print(f"context parallel over {args.cp} ranks, {args.cp_style}, {args.cp_layout}: rank 0 "
+              f"holds positions {positions.tolist()}", flush=True)
     for step in range(args.start_step, args.steps):
         inputs, targets = (t[:, positions].to(device) for t in make_batch(args, step))   # its own
         loss = dp_step(replica, blocks, loss_fn, inputs.chunk(m), targets.chunk(m),

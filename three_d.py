@@ -855,8 +855,8 @@ def working_bytes(args, stage):
         q = b * T * args.dim // args.tp                                    # [b, T/C, h/tp dh]
         kv = b * T * kv_width(args.dim, args.heads, args.kv_heads, args.tp)
         block = max(block, 7 * A + (3 * q + 6 * kv) * act + (q + 4 * kv) * 4)
-        if args.cp_style == "all-gather":   # K, V whole, gathered and in order; dK, dV whole in
-            block += 2 * kv * args.cp * (2 * act + 4 * 4)   # fp32, joined, in the ranks' order, sent
+        if args.cp_style == "all-gather":   # K, V whole, gathered and in order; dK, dV whole
+            block += 2 * kv * args.cp * (2 * act + 4 * 4)   # in fp32, joined, reordered, sent
     if args.recompute:   # the stash rebuilt; its n1, o, n2, u are its (x, dz)s' xs, counted with
         mine = argparse.Namespace(**{**vars(args), "context": T})          # those: in the
         whole = argparse.Namespace(**{**vars(mine), "recompute": False})   # chunk's, or zb-h1's
@@ -918,8 +918,7 @@ def layouts(args, gpus_per_node):
 
 
 def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 megatron ...
-    style = a.cp_style + f" u{a.ulysses}" * (a.cp_style == "hybrid")
-    words = [f"dp{a.dp} pp{a.pp} tp{a.tp}", f"cp{a.cp} {a.cp_layout} {style}" * (a.cp > 1),
+    words = [f"dp{a.dp} pp{a.pp} tp{a.tp}", f"cp{a.cp} {a.cp_layout} {cp_style_of(a)}" * (a.cp > 1),
              a.order * (a.order != "tp-pp-dp"),
              f"{a.schedule}{f' v{a.virtual_stages}' * (a.virtual_stages > 1)}" * (a.pp > 1),
              f"m{a.micro_batches}", f"zero{a.zero}" * (a.zero > 0),
@@ -981,6 +980,20 @@ def show_plan(args, machine, weighed, fits):
               f"{seconds(parts['compute']):>10}{seconds(comm):>10}"
               f"{seconds(row['step_s']):>10}{row['mfu']:>6.0%}")
     print(imbalance(fits[0]))
+    if args.cp > 1:               # the best row of each style, its cp bytes and its comm
+        best = {}
+        for row in fits:
+            best.setdefault(cp_style_of(row["args"]), row)
+        said = []
+        for style, row in best.items():
+            on_cp = sum(row["parts"].get(group, 0) for group in ("cp", "ulysses", "ring"))
+            said.append(f"{style} {seconds(row['step_s'])} ({seconds(on_cp)} on cp), "
+                        f"{row['mfu']:.0%}")
+        print(f"each --cp-style's best: {'; '.join(said)}")
+
+
+def cp_style_of(a):   # "ring", "all-gather", "ulysses", "hybrid u8"
+    return a.cp_style + f" u{a.ulysses}" * (a.cp_style == "hybrid")
 
 
 def imbalance(row):   # the best layout's stages apart: the ends weigh on the first and last
