@@ -51,27 +51,43 @@ SEND_ACT = "a>"    # an activation, on to the next stage
 RECV_ACT = ">a"    # ... received from the stage before
 SEND_GRAD = "<g"   # a gradient, back to the stage before
 RECV_GRAD = "g<"   # ... received from the next stage
+HAND_ACT = "a="    # DualPipeV's turn: chunk a's output handed to chunk b on the same stage
+HAND_GRAD = "=g"   # ... and chunk b's dx handed back to chunk a
 
 
 class Action(NamedTuple):
-    op: str              # "F", "B", "W" or "comm"
-    mb: int = -1         # the micro-batch of an F, B or W
-    chunk: int = None    # interleaved: which of the stage's chunks (printed a, b, ...)
+    op: str              # "F", "B", "W", "F&B" (DualPipeV's pair) or "comm"
+    mb: object = -1      # the micro-batch of an F, B or W; an F&B's two, (forward's, backward's)
+    chunk: object = None   # with chunks: which of the stage's (printed a, b, ...); an F&B's two
     comms: tuple = ()    # for "comm": ((kind, mb, chunk), ...), posted and waited for together
+
+    def halves(self):    # [(op, mb, chunk)]: an F&B's forward and backward, else itself
+        if self.op == "F&B":
+            return [("F", self.mb[0], self.chunk[0]), ("B", self.mb[1], self.chunk[1])]
+        return [(self.op, self.mb, self.chunk)]
 
     def __str__(self):
         def name(op, mb, chunk):
             return f"{op}{mb}{'' if chunk is None else 'abcdefgh'[chunk]}"
         if self.op != "comm":
-            return name(self.op, self.mb, self.chunk)
+            return "&".join(name(*half) for half in self.halves())
         return "[" + " ".join(name(*comm) for comm in self.comms) + "]"
 
 
-def stage_layers(num_layers, num_stages, stage, num_chunks=1, chunk=0):
-    """Stage s owns layers [s L/p, (s+1) L/p); interleaved, chunk c of stage s is virtual
-    stage c p + s, which owns layers [(c p + s) L/(v p), (c p + s + 1) L/(v p))."""
+def virtual_stage(schedule, num_stages, stage, chunk):
+    """Which of the v p virtual stages chunk c of stage s is: interleaved, c p + s (each round of
+    the pipe passes every stage); DualPipeV's V, chunk 0 is s, down the V, and chunk 1 is
+    2p-1-s, back up it, so that stage 0 holds the first and the last."""
+    if schedule == "dualpipev" and chunk == 1:
+        return 2 * num_stages - 1 - stage
+    return (chunk or 0) * num_stages + stage
+
+
+def stage_layers(num_layers, num_stages, stage, num_chunks=1, chunk=0, schedule="1f1b"):
+    """Stage s owns layers [s L/p, (s+1) L/p); with chunks, virtual stage k owns layers
+    [k L/(v p), (k + 1) L/(v p))."""
     per_chunk = num_layers // (num_stages * num_chunks)
-    virtual = chunk * num_stages + stage
+    virtual = virtual_stage(schedule, num_stages, stage, chunk)
     return range(virtual * per_chunk, (virtual + 1) * per_chunk)
 
 
@@ -91,6 +107,8 @@ def compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks=1):
     backward; cool-down, the backwards left. GPipe is all warm-up. Interleaved, forward k runs
     chunk (k // p) mod v of micro-batch (k // (v p)) p + k mod p: p micro-batches a chunk."""
     p, s, m, v = num_stages, stage, num_micro_batches, num_chunks
+    if schedule == "dualpipev":
+        return dualpipev_order(p, s, m)
     chunks = list(range(v)) if schedule == "interleaved" else [None] * v
     forwards = [("F", k // (p * v) * p + k % p, chunks[k // p % v]) for k in range(m * v)]
     backwards = [("B", k // (p * v) * p + k % p, chunks[v - 1 - k // p % v]) for k in range(m * v)]
@@ -122,11 +140,15 @@ def build_schedule(schedule, num_stages, stage, num_micro_batches, num_chunks=1)
     activation i; two sends facing each other deadlock (NCCL's always, gloo's past a tiny
     buffer), where in one batch each finds its receive. Interleaved, as Megatron does, each
     steady forward and the backward after it run back to back (a batch would close a cycle)."""
-    def virtual(chunk):   # chunk c of stage s is virtual stage c p + s
-        return (chunk or 0) * num_stages + stage
-    last = num_stages * num_chunks - 1
-    order = compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks)
-    warmup = warmup_forwards(schedule, num_stages, stage, num_micro_batches, num_chunks)
+    if schedule == "dualpipev":           # its point-to-point placed by the whole V's rounds
+        return v_schedules(num_stages, num_micro_batches)[stage]
+    p = num_stages
+    last = p * num_chunks - 1
+
+    def virtual(chunk):
+        return virtual_stage(schedule, p, stage, chunk)
+    order = compute_order(schedule, p, stage, num_micro_batches, num_chunks)
+    warmup = warmup_forwards(schedule, p, stage, num_micro_batches, num_chunks)
     runs = []                                 # what runs back to back, no batch between
     for k, (op, mb, chunk) in enumerate(order):
         if schedule == "interleaved" and op == "B" and k > warmup and order[k - 1][0] == "F":
@@ -162,11 +184,12 @@ def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
     kept = 0
     waiting = 0
     pairs = set()
-    for op, _, _ in compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks):
-        kept += {"F": 1, "B": -1, "W": 0}[op]
-        if schedule == "zb-h1":
-            waiting += {"F": 0, "B": 1, "W": -1}[op]
-        pairs.add((kept, waiting))
+    for entry in compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks):
+        for op, _, _ in Action(*entry).halves():
+            kept += {"F": 1, "B": -1, "W": 0}[op]
+            if schedule in ("zb-h1", "dualpipev"):     # their W apart from B
+                waiting += {"F": 0, "B": 1, "W": -1}[op]
+            pairs.add((kept, waiting))
     return [(k, w) for k, w in pairs if not any(a >= k and b >= w and (a, b) != (k, w)
                                                 for a, b in pairs)]
 
@@ -184,17 +207,185 @@ def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1,
     if schedule == "zb-h1":
         idle = max(0, (p - 1) * (t_f + t_b - t_w))
         bubble = idle / (m * (t_f + t_b + t_w) + idle)
+    if schedule == "dualpipev":                       # as its lists run, a chunk half of each
+        bubble = v_bubble(p, m, t_f / 2, t_b / 2, t_w / 2)
     most = max(kept * kept_bytes + waiting * waiting_bytes
                for kept, waiting in held_counts(schedule, p, s, m, v))
-    neighbours = sum((c * p + s > 0) + (c * p + s < p * v - 1) for c in range(v))
+    virtual = [virtual_stage(schedule, p, s, c) for c in range(v)]
+    neighbours = sum((k > 0) + (k < p * v - 1) - (k in (p - 1, p) and schedule == "dualpipev")
+                     for k in virtual)                # (the V's turn: handed over, not sent)
     return bubble, most, [("send", act_bytes, neighbours * m)]
 
 
-def stage_parts(num_layers, num_stages, stage, num_chunks=1, chunk=0):
-    """The model's parts that virtual stage c p + s holds, by index (0 the embedding, 1 + i
-    layer i, L + 1 the head): its layers; the first, the embedding too; the last, the head."""
-    virtual = chunk * num_stages + stage
-    parts = [1 + i for i in stage_layers(num_layers, num_stages, stage, num_chunks, chunk)]
+# Part 2: DualPipeV, the V -------------------------------------------------------------------------
+#
+# DualPipeV (DeepSeek's DualPipe cut in half; torch's ScheduleDualPipeV): 2p chunks on p stages in a
+# V. Stage s holds chunk a, virtual stage s, and chunk b, virtual stage 2p-1-s: a micro-batch runs
+# down the stages through the a chunks, turns at stage p-1 (a hands to b there, no send), and runs
+# back up through the b chunks to stage 0, which holds the embedding and the head: it starts the
+# next micro-batch while the loss of the last comes home. At p = 4, m = 8, every step one unit:
+#
+#     interleaved (chunk c of stage s: c p + s)    the V (chunk a: s; chunk b: 2p-1-s)
+#     stage 0  a: 0        b: 4                   a: 0    b: 7  (embedding ... head)
+#     stage 3  a: 3        b: 7                   a: 3    b: 4  (the turn)
+#
+# Each stage's compute in DualPipeV's eight phases (F: forward, B: dx alone, W: dW; F&B: one
+# micro-batch's forward beside another's backward, which a GPU overlaps, their sends and receives
+# posted together; a B without its W runs W at once):
+#   1 nF0       2(p-s-1) forwards of chunk a, filling the V's first arm
+#   2 nF0F1     s+1 pairs F a, F b: the first micro-batches reach the turn and come back up
+#   3 nB1W1F1   p-s-1 times B b (its W kept), that W, F b: the first backwards start at the top
+#   4 nF0B1F1B0 m-2p+s+1 times F&B (a forward, b backward) then F&B (b forward, a backward): the
+#               steady state, every stage busy (the turn's first: F a, then B b, not paired)
+#   5 nB1F1B0   p-s-1 times B b, then F&B (b forward, a backward): the last forwards
+#   6 nB1B0     s+1 times B b, B a; from the middle on, each W kept for the bubble after
+#   7 nWB0      p-s-1 times a kept W, then B a (its W kept)
+#   8 nW        s+1 kept Ws: the cool-down's bubble filled with dW
+# m >= 2p: every stage reaches the steady state. The bubble, F&B the pair's time (F + B here, one
+# after the other), is (p - 1)(F&B + B - 3 W) a step against 1F1B's (2p - 1)(F + B) for the same
+# 2p virtual stages; each stage holds two chunks' weights, and at most p + 1 micro-batches'
+# activations (1F1B: p).
+
+def dualpipev_order(num_stages, stage, num_micro_batches):
+    """Stage s's compute under DualPipeV, as DeepSeek's dualpipev.py orders it: (op, mb, chunk),
+    an F&B as ("F&B", (forward's mb, backward's mb), (forward's chunk, backward's chunk)). Each
+    chunk runs its forwards and its backwards in micro-batch order; a kept W runs first in,
+    first out."""
+    p, s, m = num_stages, stage, num_micro_batches
+    taken = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+    order = []
+    kept = []                              # Ws held back for a bubble, oldest first
+
+    def next_mb(op, chunk):                # the next micro-batch this op runs on this chunk
+        taken[op, chunk] += 1
+        return taken[op, chunk] - 1
+
+    def forward(chunk):
+        order.append(("F", next_mb("F", chunk), chunk))
+
+    def backward(chunk, keep_w=False):     # B; its W at once, or kept for later
+        mb = next_mb("B", chunk)
+        order.append(("B", mb, chunk))
+        if keep_w:
+            kept.append(("W", mb, chunk))
+        else:
+            order.append(("W", mb, chunk))
+
+    def weights():
+        order.append(kept.pop(0))
+
+    def pair(forward_chunk, backward_chunk):   # F&B: its B's W at once
+        mbs = (next_mb("F", forward_chunk), next_mb("B", backward_chunk))
+        order.append(("F&B", mbs, (forward_chunk, backward_chunk)))
+        order.append(("W", mbs[1], backward_chunk))
+    for _ in range(2 * (p - s - 1)):                        # 1 nF0
+        forward(0)
+    for _ in range(s + 1):                                  # 2 nF0F1
+        forward(0)
+        forward(1)
+    for _ in range(p - s - 1):                              # 3 nB1W1F1
+        backward(1, keep_w=True)
+        weights()
+        forward(1)
+    for i in range(m - 2 * p + s + 1):                      # 4 nF0B1F1B0
+        if i == 0 and s == p - 1:          # the turn's first: its F a feeds its own B b
+            forward(0)
+            backward(1)
+        else:
+            pair(0, 1)
+        pair(1, 0)
+    for _ in range(p - s - 1):                              # 5 nB1F1B0
+        backward(1)
+        pair(1, 0)
+    keep = False
+    for i in range(s + 1):                                  # 6 nB1B0
+        keep = keep or (i == (s + 1) // 2 and s % 2 == 1)
+        backward(1, keep_w=keep)
+        keep = keep or (i == (s + 1) // 2 and s % 2 == 0)
+        backward(0, keep_w=keep)
+    for _ in range(p - s - 1):                              # 7 nWB0
+        weights()
+        backward(0, keep_w=True)
+    for _ in range(s + 1):                                  # 8 nW
+        weights()
+    return order
+
+
+@lru_cache(maxsize=None)
+def v_schedules(num_stages, num_micro_batches):
+    """Every stage's DualPipeV action list. The V's order has sends far from their receives (stage
+    0 sends micro-batch 2p-1 down in phase 2; stage 1 takes it in phase 4): a batch of one stage
+    holding such a send, another's holding the receive long after, deadlock under NCCL, whose
+    batches run in order. So the point-to-point is placed by the whole V at once: its compute
+    timed with every F, B and W one unit, each transfer at the moment its sender's action ends
+    (an F&B's two together), in a batch of that moment on both stages, after whatever began
+    before it. Each stage meets its batches
+    in the order of the moments, the same order on every stage, and no action waits on a later
+    one."""
+    p, m = num_stages, num_micro_batches
+    orders = [[Action(*entry) for entry in dualpipev_order(p, s, m)] for s in range(p)]
+    started = [[] for _ in range(p)]          # (the moment it begins, action)
+    batches = [{} for _ in range(p)]          # moment -> [(kind, mb, chunk)]
+    arrived = [{} for _ in range(p)]          # (kind, mb, chunk) -> the moment it is there
+    clock = [0] * p
+    done = [0] * p
+    while any(done[s] < len(orders[s]) for s in range(p)):
+        ran = False
+        for s in range(p):
+            while done[s] < len(orders[s]) and all(
+                    key in arrived[s] for key in v_inputs(p, s, orders[s][done[s]])):
+                action = orders[s][done[s]]
+                clock[s] = max([clock[s]] + [arrived[s][key] for key in v_inputs(p, s, action)])
+                started[s].append((clock[s], action))
+                clock[s] += len(action.halves())
+                for op, mb, chunk in action.halves():   # an F&B's sends together, at its end
+                    v_send(p, s, op, mb, chunk, clock[s], batches, arrived)
+                done[s] += 1
+                ran = True
+        if not ran:
+            raise RuntimeError(f"DualPipeV at p {p}, m {m}: no stage can run")
+    actions = []
+    for s in range(p):                        # each batch after the actions begun before it
+        timed = [(t, 0, action) for t, action in started[s]] + \
+                [(t, -1, Action("comm", comms=tuple(comms))) for t, comms in batches[s].items()]
+        actions.append([action for _, _, action in sorted(timed, key=lambda x: x[:2])])
+    return actions
+
+
+def v_send(p, s, op, mb, chunk, moment, batches, arrived):
+    """What stage s's op on chunk sends, at that moment, into both ends' batches (the V's turn:
+    handed over on the stage itself)."""
+    virtual = virtual_stage("dualpipev", p, s, chunk) + {"F": 1, "B": -1}.get(op, 0)
+    if op == "W" or not 0 <= virtual < 2 * p:
+        return                                # dW, the loss's B, the embedding's B: none sent
+    peer, peer_chunk = (virtual, 0) if virtual < p else (2 * p - 1 - virtual, 1)
+    arrives = (RECV_ACT if op == "F" else RECV_GRAD, mb, peer_chunk)
+    if peer == s:
+        batches[s].setdefault(moment, []).append((HAND_ACT if op == "F" else HAND_GRAD, mb,
+                                                  chunk))
+    else:
+        batches[s].setdefault(moment, []).append((SEND_ACT if op == "F" else SEND_GRAD, mb,
+                                                  chunk))
+        batches[peer].setdefault(moment, []).append(arrives)
+    arrived[peer][arrives] = moment
+
+
+def v_inputs(num_stages, stage, action):   # what an action's halves need come in first
+    last = 2 * num_stages - 1
+    return [(RECV_ACT if op == "F" else RECV_GRAD, mb, chunk) for op, mb, chunk in action.halves()
+            if (op == "F" and virtual_stage("dualpipev", num_stages, stage, chunk) > 0) or
+            (op == "B" and virtual_stage("dualpipev", num_stages, stage, chunk) < last)]
+
+
+# Part 3: the stages, the runner, and the worker ----------------------------------------------------
+
+def stage_parts(num_layers, num_stages, stage, num_chunks=1, chunk=0, schedule="1f1b"):
+    """The model's parts that chunk c of stage s holds, by index (0 the embedding, 1 + i layer
+    i, L + 1 the head): its layers; the first virtual stage, the embedding too; the last, the
+    head."""
+    virtual = virtual_stage(schedule, num_stages, stage, chunk)
+    parts = [1 + i for i in stage_layers(num_layers, num_stages, stage, num_chunks, chunk,
+                                         schedule)]
     if virtual == 0:
         parts = [0] + parts
     if virtual == num_stages * num_chunks - 1:
@@ -279,10 +470,11 @@ def no_change(tensor):   # what crosses a stage boundary, as it is (but 3D's --p
 
 
 def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, group=None,
-                 outgoing=no_change, incoming=no_change, recorder=None):
+                 outgoing=no_change, incoming=no_change, recorder=None, v_shape=False):
     """Execute one stage's action list on its Stages, one a chunk. inputs: the micro-batches
     (the first stage's). outgoing, incoming: 3D's --p2p-shard, 1/tp sent, all-gathered on
-    arrival. recorder: told when each F, B and W starts and stops (the timeline and stash)."""
+    arrival. recorder: told when each F, B and W starts and stops (the timeline and stash).
+    v_shape: DualPipeV's, whose chunk b runs back up the stages, from next_rank to prev_rank."""
     received = {}      # (kind, mb, chunk) -> a tensor come in
     to_send = {}       # (kind, mb, chunk) -> a tensor to go out
     under_way = []     # the Works of the batch before, sends only
@@ -293,42 +485,50 @@ def run_schedule(actions, stages, inputs, prev_rank, next_rank, buffer_shape, gr
                 work.wait()             # batches in order, so it finishes before this one
             ops = []
             for key in action.comms:
-                kind = key[0]
-                peer = next_rank if kind in (SEND_ACT, RECV_GRAD) else prev_rank
+                kind, mb, chunk = key
+                if kind == HAND_ACT:    # the V's turn: chunk a's output is chunk b's input
+                    received[RECV_ACT, mb, 1] = to_send.pop((SEND_ACT, mb, 0))
+                    continue
+                if kind == HAND_GRAD:   # and chunk b's dx chunk a's gradient
+                    received[RECV_GRAD, mb, 0] = to_send.pop((SEND_GRAD, mb, 1))
+                    continue
+                downstream = kind in (SEND_ACT, RECV_GRAD)
+                if v_shape and chunk == 1:
+                    downstream = not downstream
+                peer = next_rank if downstream else prev_rank
                 if kind in (RECV_ACT, RECV_GRAD):
                     received[key] = torch.empty(buffer_shape, dtype=stages[0].replica.dtype,
                                                 device=stages[0].replica.device)   # [b, T, D]
                     ops.append(dist.P2POp(dist.irecv, received[key], peer, group))
                 else:
                     ops.append(dist.P2POp(dist.isend, to_send.pop(key), peer, group))
-            works = dist.batch_isend_irecv(ops)   # NCCL: one Work for the batch; gloo: one an op
-            under_way = works           # sends only: the stage computes while they go
+            works = dist.batch_isend_irecv(ops) if ops else []   # NCCL: one Work for the
+            under_way = works           # batch; gloo: one an op. Sends only: they go meanwhile
             if any(kind in (RECV_ACT, RECV_GRAD) for kind, _, _ in action.comms):
                 for work in works:      # every one, before F or B reads what arrived: on a GPU,
                     work.wait()         # wait() is what makes the compute stream wait for it
                 under_way = []
             continue
-        mb = action.mb
-        chunk = action.chunk
-        stage = stages[chunk or 0]
-        if recorder:
-            recorder.start(action)
-        if action.op == "F":
-            x = inputs[mb] if stage.first else incoming(received.pop((RECV_ACT, mb, chunk)))
-            out = stage.forward(mb, x)
-            if not stage.last:
-                to_send[SEND_ACT, mb, chunk] = outgoing(out).contiguous()
-        elif action.op == "B":
-            g = None if stage.last else incoming(received.pop((RECV_GRAD, mb, chunk)))
-            dx = stage.backward(mb, g)
-            if not stage.first:
-                to_send[SEND_GRAD, mb, chunk] = outgoing(dx).contiguous()
-            if not defer_w:             # dW now; ZB-H1's W comes later, in the bubble
+        for op, mb, chunk in action.halves():   # an F&B: its forward, then its backward
+            stage = stages[chunk or 0]
+            if recorder:
+                recorder.start()
+            if op == "F":
+                x = inputs[mb] if stage.first else incoming(received.pop((RECV_ACT, mb, chunk)))
+                out = stage.forward(mb, x)
+                if not stage.last:
+                    to_send[SEND_ACT, mb, chunk] = outgoing(out).contiguous()
+            elif op == "B":
+                g = None if stage.last else incoming(received.pop((RECV_GRAD, mb, chunk)))
+                dx = stage.backward(mb, g)
+                if not stage.first:
+                    to_send[SEND_GRAD, mb, chunk] = outgoing(dx).contiguous()
+                if not defer_w:         # dW now; ZB-H1's W comes later, in the bubble
+                    stage.weight_grads(mb)
+            else:
                 stage.weight_grads(mb)
-        else:
-            stage.weight_grads(mb)
-        if recorder:
-            recorder.stop(action, stages)
+            if recorder:
+                recorder.stop(op, mb, chunk, stages)
     for work in under_way:
         work.wait()
 
@@ -340,14 +540,15 @@ def hold_stages(args, stage, num_stages, device, routers=None):
     p, v = num_stages, args.virtual_stages
     init = init_params(args)
     blocks = model_blocks(args, routers, device)
-    chunks = [stage_parts(args.num_layers, p, stage, v, c) for c in range(v)]
+    chunks = [stage_parts(args.num_layers, p, stage, v, c, args.schedule) for c in range(v)]
     mine = [j for parts in chunks for j in parts]
     starts = [sum(map(len, chunks[:c])) for c in range(v)]   # where each chunk's parts begin
     replica = DataParallel([[w.to(device, copy=True) for w in init[j]] for j in mine],
                            dist.new_subgroups(1)[0], optimizer=args.optimizer, lr=args.lr,
                            bf16=args.bf16, chunk_starts=starts)
+    virtual = [virtual_stage(args.schedule, p, stage, c) for c in range(v)]
     stages = [Stage(replica, range(start, start + len(parts)), blocks=[blocks[j] for j in parts],
-                    first=c * p + stage == 0, last=c * p + stage == v * p - 1,
+                    first=virtual[c] == 0, last=virtual[c] == v * p - 1,
                     num_micro_batches=args.micro_batches,
                     mean_over=args.batch_size * args.context, recompute=args.recompute)
               for c, (start, parts) in enumerate(zip(starts, chunks))]
@@ -377,7 +578,8 @@ def pp_worker(rank, world_size, args):
             chunk.begin_step(targets)         # the loss's, on the last stage
         recorder = Recorder(device) if step == args.steps - 1 else None   # its timeline, stash
         run_schedule(actions, stages, inputs, (stage - 1) % p, (stage + 1) % p,
-                     (args.batch_size // m, args.context, args.dim), recorder=recorder)
+                     (args.batch_size // m, args.context, args.dim), recorder=recorder,
+                     v_shape=args.schedule == "dualpipev")
         moe.gather_routes()          # --save, --check: each block's, from its stage
         if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
             check.step(gather(grads=False), gather(grads=True), moe.step())
@@ -387,7 +589,7 @@ def pp_worker(rank, world_size, args):
             moe.loads += balance(routers, args.balance_rate).cpu()
         replica.update()
         losses.append(float(stages[-1].loss))                     # one host sync a step
-        if stage == p - 1:
+        if any(chunk.last for chunk in stages):   # the loss's stage (DualPipeV's: stage 0)
             log_step(f"[stage {stage}]", step, losses, norms, args)
         save_checkpoint(args, step + 1, replica, held, routers=routers)   # its parts' pieces
     final = gather(grads=False)
@@ -429,11 +631,11 @@ class Recorder:
         event.record()
         return event
 
-    def start(self, action):
+    def start(self):
         self.begin = self.now()
 
-    def stop(self, action, chunks):
-        self.spans.append((action.op, action.mb, action.chunk or 0, self.begin, self.now()))
+    def stop(self, op, mb, chunk, chunks):
+        self.spans.append((op, mb, chunk or 0, self.begin, self.now()))
         kept = sum(len(c.stash) for c in chunks)              # micro-batches between F and B
         waiting = sum(len(c.waiting_for_w) for c in chunks)   # between B and W
         self.peak = max(self.peak, kept + waiting)
@@ -458,7 +660,7 @@ def finish_stages(args, recorder, final, init, losses, check, norms, device, res
         show_timeline(recorder.events(), recorder.peak, args, p, rank, device)
     show_stash(recorder.memory, args, p, rank, device)
     losses = torch.tensor(losses, dtype=torch.float64, device=device)
-    dist.broadcast(losses, src=p - 1)
+    dist.broadcast(losses, src=0 if args.schedule == "dualpipev" else p - 1)   # the loss's
     if rank == 0:
         print_schedules(args.schedule, p, args.micro_batches, args.virtual_stages, args.num_layers)
         extra = None
@@ -494,6 +696,16 @@ def stash_bytes(stage):
     return nbytes(kept)
 
 
+@lru_cache(maxsize=None)
+def v_bubble(num_stages, num_micro_batches, t_f, t_b, t_w):
+    """DualPipeV's idle share of a step, its lists run by simulate() with a chunk's F, B, W times:
+    DeepSeek's (p-1)(F&B + B - 3W) assumes each F&B overlapped, which the runner does not do."""
+    times = {"F": t_f, "B": t_b, "W": t_w}
+    stages = simulate(v_schedules(num_stages, num_micro_batches), times)
+    span = max(events[-1][4] for events in stages)
+    return 1 - 2 * num_micro_batches * sum(times.values()) / span
+
+
 def simulate(stages, times=None):
     """Every stage's actions run with fixed times ({op: length}, 1 each) and free communication,
     waiting as run_schedule() does under NCCL: a batch's receives for their sends, the batch
@@ -502,8 +714,14 @@ def simulate(stages, times=None):
     p, times = len(stages), times or {"F": 1, "B": 1, "W": 1}
     step = {SEND_ACT: (1, RECV_ACT), RECV_ACT: (-1, SEND_ACT), SEND_GRAD: (-1, RECV_GRAD),
             RECV_GRAD: (1, SEND_GRAD)}   # where the counterpart is, and its kind
+    v_shape = any(action.op == "F&B" for action in stages[0])
 
-    def counterpart(s, kind, mb, chunk):   # virtual stage c p + s, one step along the pipe
+    def counterpart(s, kind, mb, chunk):   # its virtual stage's neighbour along the pipe
+        if v_shape:                        # the V: down through chunks a, back up through b
+            virtual = virtual_stage("dualpipev", p, s, chunk) + step[kind][0]
+            if virtual < p:
+                return virtual, step[kind][1], mb, 0
+            return 2 * p - 1 - virtual, step[kind][1], mb, 1
         virtual = (chunk or 0) * p + s + step[kind][0]
         return virtual % p, step[kind][1], mb, (virtual // p if chunk is not None else None)
     posted, pc, clock, sending = {}, [0] * p, [0.0] * p, [[] for _ in range(p)]
@@ -515,9 +733,10 @@ def simulate(stages, times=None):
             while pc[s] <= len(stages[s]):     # past the last action: its sends' wait
                 action = stages[s][pc[s]] if pc[s] < len(stages[s]) else Action("comm")
                 if action.op != "comm":
-                    end = clock[s] + times[action.op]
-                    events[s].append((action.op, action.mb, action.chunk or 0, clock[s], end))
-                    clock[s] = end
+                    for op, mb, chunk in action.halves():   # an F&B: one, then the other
+                        end = clock[s] + times[op]
+                        events[s].append((op, mb, chunk or 0, clock[s], end))
+                        clock[s] = end
                 else:
                     for comm in action.comms:
                         posted.setdefault((s, *comm), clock[s])
@@ -592,15 +811,21 @@ def show_stash(memory, args, num_stages, rank, device):
 def print_schedules(schedule, num_stages, num_micro_batches, num_chunks, num_layers):
     p, m, v = num_stages, num_micro_batches, num_chunks
     say(f"{schedule}, {p} stages, {m} micro-batches: every stage's actions in order. F3 forward "
-        f"of micro-batch 3, B3 its backward{', W3 its dW' if schedule == 'zb-h1' else ''}; [ ] "
+        f"of micro-batch 3, B3 its backward"
+        f"{', W3 its dW' if schedule in ('zb-h1', 'dualpipev') else ''}; [ ] "
         f"point-to-point posted together:")
     print("  a>3 send activation 3 on, >a3 receive it, <g3 send gradient 3 back, g<3 receive it")
-    if v > 1:
+    if schedule == "dualpipev":
+        say(f"  DualPipeV's V: chunk a of stage s is virtual stage s, chunk b 2p-1-s, of "
+            f"{num_layers // (p * v)} layers; F3a&B1b an F&B pair; at the turn (stage {p - 1}) "
+            f"a=3 hands activation 3 from chunk a to b, =g3 gradient 3 back:")
+    elif v > 1:
         say(f"  interleaved: chunk c (a, b, ...) of stage s is virtual stage c p + s, of "
             f"{num_layers // (p * v)} layers:")
     for s in range(p):
         if v > 1:
-            owns = ", ".join(f"{'abcdefgh'[c]} {list(stage_layers(num_layers, p, s, v, c))}"
+            owns = ", ".join(f"{'abcdefgh'[c]} "
+                             f"{list(stage_layers(num_layers, p, s, v, c, schedule))}"
                              for c in range(v))
             log(f"[stage {s}]", f"layers {owns}")
         actions = " ".join(map(str, build_schedule(schedule, p, s, m, v)))
@@ -652,8 +877,8 @@ def show_timeline(events, peak, args, num_stages, rank, device):
         say(f"{title}: the stages idle {sum(idle) / p:.1%} of the time")
         for s, line in enumerate(draw(rows, begin, end, v, width)):
             print(f"  stage {s} |{line}| idle {idle[s]:5.1%}", flush=True)
-    theory = {"zb-h1": "(p-1)/(3m+p-1)", "interleaved": "(p-1)/(vm+p-1)"}.get(args.schedule,
-                                                                             "(p-1)/(m+p-1)")
+    theory = {"zb-h1": "(p-1)/(3m+p-1)", "interleaved": "(p-1)/(vm+p-1)",
+              "dualpipev": "its lists, every F, B, W one unit"}.get(args.schedule, "(p-1)/(m+p-1)")
     say(f"bubble: theory {theory} = {pipeline_costs(args.schedule, p, 0, m, v)[0]:.1%}; the most "
         f"micro-batches a stage held at once: {', '.join(map(str, peaks.flatten().tolist()))}")
     if device.type == "cpu" and p > cores:
@@ -666,27 +891,34 @@ def say(text):   # prose, wrapped at 100 columns
 
 
 def add_schedule_args(parser):
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb-h1", "interleaved"],
-                        default="1f1b")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb-h1", "interleaved",
+                                               "dualpipev"], default="1f1b")
     parser.add_argument("--virtual-stages", type=positive_int, default=argparse.SUPPRESS,
                         help="chunks v per stage, for --schedule interleaved (default: 2)")
 
 
 def schedule_rules(args, num_stages, stages_flag):
-    """Interleaved: whole rounds of micro-batches, v chunks of whole layers a stage; the others
-    one chunk. Sets args.virtual_stages."""
+    """Interleaved: whole rounds of micro-batches, v chunks of whole layers a stage; DualPipeV:
+    2 chunks, 2p micro-batches at least; the others one chunk. Sets args.virtual_stages."""
     v = getattr(args, "virtual_stages", None)
-    args.virtual_stages = (v or 2) if args.schedule == "interleaved" else 1
+    args.virtual_stages = {"interleaved": v or 2, "dualpipev": 2}.get(args.schedule, 1)
+    virtual = num_stages * args.virtual_stages
+    chunks = [(num_stages == 1, f"--schedule {args.schedule}: needs {stages_flag} of 2 or more "
+                                f"(one stage's chunks would only pass activations to themselves)"),
+              (virtual > args.num_layers, f"--schedule {args.schedule}: {virtual} chunks "
+                                          f"({stages_flag} x {args.virtual_stages}) for "
+                                          f"{args.num_layers} layers"),
+              divides(args.num_layers, "--num-layers", virtual,
+                      f"{stages_flag} x {args.virtual_stages} chunks")]
+    if args.schedule == "dualpipev":
+        return [(v is not None, f"--virtual-stages {v}: DualPipeV's V is 2 chunks a stage"),
+                *chunks, (args.micro_batches < 2 * num_stages,
+                          f"--schedule dualpipev: --micro-batches {args.micro_batches} is below 2 x "
+                          f"{stages_flag} ({2 * num_stages}), the V's steady state")]
     if args.schedule != "interleaved":
         return [(v not in (None, 1), f"--virtual-stages {v}: for --schedule interleaved only")]
-    virtual = num_stages * args.virtual_stages
-    return [(num_stages == 1, f"--schedule interleaved: needs {stages_flag} of 2 or more (one "
-                              f"stage's chunks would only pass activations to themselves)"),
-            (virtual > args.num_layers, f"--virtual-stages {args.virtual_stages}: {virtual} chunks "
-                                        f"({stages_flag} x it) for {args.num_layers} layers"),
-            divides(args.num_layers, "--num-layers", virtual, f"{stages_flag} x --virtual-stages"),
-            divides(args.micro_batches, "--micro-batches", num_stages,
-                    f"{stages_flag} (interleaved, as Megatron asks: whole rounds)")]
+    return [*chunks, divides(args.micro_batches, "--micro-batches", num_stages,
+                             f"{stages_flag} (interleaved, as Megatron asks: whole rounds)")]
 
 
 def parse_args(argv=None):

@@ -49,8 +49,8 @@ class Sampler(Recorder):
     def sample(self):
         self.most = max(self.most, sum(memory_held(self.replica).values()))
 
-    def stop(self, action, chunks):
-        super().stop(action, chunks)
+    def stop(self, op, mb, chunk, chunks):
+        super().stop(op, mb, chunk, chunks)
         self.sample()
 
 

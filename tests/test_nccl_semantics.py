@@ -373,9 +373,9 @@ def test_the_timeline_times_a_gpu_with_cuda_events(monkeypatch):
     stage = SimpleNamespace(stash={}, waiting_for_w={}, layers=[], first=False, last=False)
     for op, start, end in (("F", 0.5, 2.0), ("B", 2.0, 6.0)):
         FakeEvent.clock = start
-        recorder.start(pp.Action(op, 0))
+        recorder.start()
         FakeEvent.clock = end
-        recorder.stop(pp.Action(op, 0), [stage])
+        recorder.stop(op, 0, None, [stage])
     assert len(syncs) == 1                                   # none while the actions are queued
     events = recorder.events()
     assert len(syncs) == 2
@@ -389,6 +389,7 @@ def single_stage_worker(rank, world_size):
     D, m = 8, 4
     args = SimpleNamespace(optimizer="sgd", lr=0.1, num_layers=2, dim=D, heads=2, context=4, vocab_size=dp.VOCAB_SIZE,
                            seed=0, bf16=False, recompute=False, virtual_stages=1, micro_batches=m, batch_size=8,
+                           schedule="1f1b",
                            experts=0, kv_heads=1, ffn_dim=24, rope_theta=10000.0, qk_norm=False)
     _, _, replica, (stage,) = pp.hold_stages(args, 0, 1, torch.device("cpu"))   # the whole model
     x, y = dp.make_batch(args, step=0)
