@@ -377,7 +377,7 @@ def v_inputs(num_stages, stage, action):   # what an action's halves need come i
             (op == "B" and virtual_stage("dualpipev", num_stages, stage, chunk) < last)]
 
 
-# Part 3: the stages, the runner, and the worker ----------------------------------------------------
+# Part 3: the stages, the runner, and the worker --------------------------------------------------
 
 def stage_parts(num_layers, num_stages, stage, num_chunks=1, chunk=0, schedule="1f1b"):
     """The model's parts that chunk c of stage s holds, by index (0 the embedding, 1 + i layer
@@ -913,8 +913,8 @@ def schedule_rules(args, num_stages, stages_flag):
     if args.schedule == "dualpipev":
         return [(v is not None, f"--virtual-stages {v}: DualPipeV's V is 2 chunks a stage"),
                 *chunks, (args.micro_batches < 2 * num_stages,
-                          f"--schedule dualpipev: --micro-batches {args.micro_batches} is below 2 x "
-                          f"{stages_flag} ({2 * num_stages}), the V's steady state")]
+                          f"--schedule dualpipev: --micro-batches {args.micro_batches} is below "
+                          f"2 x {stages_flag} ({2 * num_stages}), the V's steady state")]
     if args.schedule != "interleaved":
         return [(v not in (None, 1), f"--virtual-stages {v}: for --schedule interleaved only")]
     return [*chunks, divides(args.micro_batches, "--micro-batches", num_stages,

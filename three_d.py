@@ -42,7 +42,7 @@ from data_parallel import (MoE, Router, WithExperts, balance, dp_costs, init_par
 from data_parallel import (SerialCheck, global_loss, load_checkpoint, log_step,   # the worker's
                            save_checkpoint, whole_on_rank0)       # --check, loss, checkpoints
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
-                               stage_parts)
+                               stage_parts, virtual_stage)
 from tensor_parallel import (all_gather_columns, clip_shares, context_attention, cp_costs,
                              cp_group_lists, cp_positions, held_boxes, kv_group, kv_width,
                              my_columns, part_kinds, reduce_over, shard,
@@ -153,7 +153,8 @@ class ThreeDRank:
         self.part_kinds = part_kinds(args.num_layers)                 # by part, in order
         self.splits = tensor_kinds(self.part_kinds, args, args.tp)    # a part's tensors'
         G = args.kv_heads
-        self.chunks = [stage_parts(args.num_layers, args.pp, self.stage, v, c) for c in range(v)]
+        self.chunks = [stage_parts(args.num_layers, args.pp, self.stage, v, c, args.schedule)
+                       for c in range(v)]
         self.mine = [j for parts in self.chunks for j in parts]      # its parts' indices
         shards = [[shard(w, k, self.tp_rank, args.tp, G).to(device)
                    for w, k in zip(self.init[j], self.splits[j])] for j in self.mine]
@@ -236,7 +237,7 @@ class ThreeDRank:
         self.context = context_attention(args, self.groups) if args.cp > 1 else None   # --cp's
         self.stages = []
         for c in range(v):                   # chunk c of stage s: virtual stage c p + s
-            virtual = c * p + self.stage
+            virtual = virtual_stage(args.schedule, p, self.stage, c)
             kinds = [self.part_kinds[j] for j in self.chunks[c]]
             routers = None
             if self.routers:                 # part j, a block: block j - 1's router
@@ -279,6 +280,7 @@ class ThreeDRank:
         self.next_rank = pp_ranks[(self.stage + 1) % args.pp]        # stage's chunk c sends to
         self.actions = build_schedule(args.schedule, args.pp, self.stage, args.micro_batches,
                                       args.virtual_stages)           # the first's chunk c+1
+        self.v_shape = args.schedule == "dualpipev"                  # its chunk b flows back up
         width = args.dim
         rows = args.context // args.cp        # its own positions
         self.boundary = {}
@@ -297,8 +299,8 @@ class ThreeDRank:
         self.replica.begin_step()
         for stage in self.stages:
             stage.begin_step(targets)
-        run_schedule(self.actions, self.stages, inputs, self.prev_rank,
-                     self.next_rank, self.buffer_shape, recorder=recorder, **self.boundary)
+        run_schedule(self.actions, self.stages, inputs, self.prev_rank, self.next_rank,
+                     self.buffer_shape, recorder=recorder, v_shape=self.v_shape, **self.boundary)
         self.replica.average()                                   # waits for the exchanges
 
 
@@ -325,7 +327,7 @@ def three_d_worker(rank, world_size, args):
         if me.routers:     # every block's loads, from its stage's ranks, tp's first alone
             moe.loads += balance(me.routers, args.balance_rate, counted=me.tp_rank == 0).cpu()
         me.replica.update()                   # each rank's optimizer steps its own shards
-        if me.stage == args.pp - 1:   # the last stage knows the loss: the replicas' mean
+        if me.stage == loss_stage(args):   # the loss's stage knows it: the replicas' mean
             loss = me.stages[-1].loss
             if args.cp > 1:                   # its positions' part: summed over cp first
                 loss = reduce_over(loss.detach().clone(), me.groups["cp"])
@@ -371,12 +373,12 @@ from tensor_parallel import (Attention, add_context_parallel, add_sequence_paral
 def finish_ranks(me, args, losses, check, norms, device, resumed=None, moe=None):
     """The full matrices, the last stage's losses, rank 0's memory table, --save and --check."""
     final = me.gather(grads=False)
-    known = losses                            # the last stage's; elsewhere as many zeros
-    if me.stage != args.pp - 1:
+    known = losses                            # the loss's stage's; elsewhere as many zeros
+    if me.stage != loss_stage(args):
         known = [0.0] * (args.steps - args.start_step)
     losses = torch.tensor(known, dtype=torch.float64, device=device)
-    last = rank_grid(args.dp, args.pp, args.tp * args.cp, args.order)[0, -1, 0].item()
-    dist.broadcast(losses, src=last)
+    last = rank_grid(args.dp, args.pp, args.tp * args.cp, args.order)[0, loss_stage(args), 0]
+    dist.broadcast(losses, src=last.item())
     if dist.get_rank() == 0:
         extra = None
         if me.routers:
@@ -387,15 +389,20 @@ def finish_ranks(me, args, losses, check, norms, device, resumed=None, moe=None)
 
 
 def stage_kinds(args, stage):
-    """Its parts' kinds, chunk by chunk: E first in stage 0's first, H last in the last's last."""
-    return chunk_kinds(args.num_layers, args.pp, args.virtual_stages, stage)
+    """Its parts' kinds, chunk by chunk: E first in the first virtual stage, H in the last."""
+    return chunk_kinds(args.num_layers, args.pp, args.virtual_stages, stage, args.schedule)
 
 
 @functools.lru_cache(maxsize=None)   # many layouts share one
-def chunk_kinds(num_layers, num_stages, num_chunks, stage):   # step 4's parts, step 3's kinds
-    kinds = part_kinds(num_layers)
-    return tuple(tuple(kinds[j] for j in stage_parts(num_layers, num_stages, stage, num_chunks, c))
+def chunk_kinds(num_layers, num_stages, num_chunks, stage, schedule):   # step 4's parts, step
+    kinds = part_kinds(num_layers)                                     # 3's kinds
+    return tuple(tuple(kinds[j] for j in stage_parts(num_layers, num_stages, stage, num_chunks, c,
+                                                     schedule))
                  for c in range(num_chunks))
+
+
+def loss_stage(args):   # the stage holding H and the loss: the last, or DualPipeV's first
+    return 0 if args.schedule == "dualpipev" else args.pp - 1
 
 
 def replica_lengths(args, stage=0, tp_rank=0):   # a rank's buckets' elements
@@ -866,7 +873,7 @@ def working_bytes(args, stage):
         xs = 2 * A + A // split + b * T * args.ffn_dim * act // split
         block += block_stash(whole, b, args.tp)[0] - xs - block_stash(mine, b, args.tp)[0]   # x
         block += stash_bytes(args)[1] * (args.schedule != "zb-h1")
-    if stage < args.pp - 1:
+    if stage != loss_stage(args):
         return block
     logits = b * T * -(-args.vocab_size // args.tp)
     in_flight = max(k for k, _ in held_counts(args.schedule, args.pp, stage, args.micro_batches,
@@ -876,7 +883,8 @@ def working_bytes(args, stage):
 
 def layouts(args, gpus_per_node):
     """Every layout as parse_args() leaves it: (dp, pp, tp) (those of --dp, --pp, --tp given),
-    order (past a node), schedule (v 2, 4 interleaved), micro-batches (p to 8 p), ZeRO, TP style,
+    order (past a node), schedule (v 2, 4 interleaved; DualPipeV from 2p micro-batches),
+    micro-batches (p to 8 p), ZeRO, TP style,
     --p2p-shard, --recompute, and --sequence-parallel where Megatron's pairs split T (its stages
     send T/tp rows: no p2p-shard)."""
     world, L, B = args.world_size // args.cp, args.num_layers, args.batch_size   # cp: as given
@@ -893,7 +901,8 @@ def layouts(args, gpus_per_node):
         schedules = [("1f1b", 1)]
         if pp > 1:
             schedules = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1),
-                         *[("interleaved", v) for v in (2, 4) if L % (pp * v) == 0]]
+                         *[("interleaved", v) for v in (2, 4) if L % (pp * v) == 0],
+                         *[("dualpipev", 2)] * (L % (2 * pp) == 0)]
         cp_styles = [("ring", 1)]
         if args.cp > 1:               # each style the door lets by at this tp
             tried = [("ring", 1), ("all-gather", 1), ("ulysses", 1),
@@ -909,7 +918,8 @@ def layouts(args, gpus_per_node):
                                                       args.context // args.cp % tp == 0)],
                                   cp_styles):
             m = pp * 2**k
-            if B % (dp * m) or sequence and (style != "megatron" or p2p_shard):
+            if B % (dp * m) or sequence and (style != "megatron" or p2p_shard) or \
+                    schedule == "dualpipev" and m < 2 * pp:
                 continue
             yield argparse.Namespace(**{**vars(args), **dict(
                 dp=dp, pp=pp, tp=tp, order=order, schedule=schedule, virtual_stages=v,
@@ -920,7 +930,7 @@ def layouts(args, gpus_per_node):
 def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 megatron ...
     words = [f"dp{a.dp} pp{a.pp} tp{a.tp}", f"cp{a.cp} {a.cp_layout} {cp_style_of(a)}" * (a.cp > 1),
              a.order * (a.order != "tp-pp-dp"),
-             f"{a.schedule}{f' v{a.virtual_stages}' * (a.virtual_stages > 1)}" * (a.pp > 1),
+             f"{a.schedule}{f' v{a.virtual_stages}' * (a.schedule == 'interleaved')}" * (a.pp > 1),
              f"m{a.micro_batches}", f"zero{a.zero}" * (a.zero > 0),
              "megatron" * (a.tp_style == "megatron"), "p2p-shard" * a.p2p_shard,
              "sequence-parallel" * a.sequence_parallel, "recompute" * a.recompute]
@@ -1000,7 +1010,9 @@ def imbalance(row):   # the best layout's stages apart: the ends weigh on the fi
     stages = row["stages"]
     if len(stages) == 1:
         return f"one stage: {seconds(stages[0])} of compute and exchanges a step"
-    named = {0: " (with E)", row["args"].pp - 1: " (with H and the loss)"}
+    named = {0: " (with E)", loss_stage(row["args"]): " (with H and the loss)"}
+    if loss_stage(row["args"]) == 0:
+        named = {0: " (with E, H and the loss)"}
     parts = [f"stage {s}{named.get(s, '')} {seconds(t)}" for s, t in sorted(stages.items())]
     slowest = max(stages, key=stages.get)
     return (f"its stages, compute and exchanges a step: {', '.join(parts)}; the slowest, stage "
