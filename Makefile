@@ -101,6 +101,8 @@ bench: deps
 	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 4 --schedule zb-h1
 	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 8 --schedule interleaved $(BIG)
 	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 4 --schedule interleaved
+	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 8 --schedule dualpipev $(BIG)
+	$(PYTHON) tests/bench.py pipeline_parallel --world-size 2 --micro-batches 4 --schedule dualpipev
 	$(PYTHON) tests/bench.py three_d --dp 2 --pp 2 --tp 2 --steps 10
 	$(PYTHON) tests/bench.py three_d --dp 2 --pp 2 --tp 2 --dim 256 --batch-size 64 --steps 5
 	$(PYTHON) tests/bench.py bubble-table

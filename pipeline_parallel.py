@@ -4,6 +4,7 @@
     python pipeline_parallel.py --micro-batches 8 --timeline      # make pp: the picture
     python pipeline_parallel.py --world-size 2 --micro-batches 8 --check
     python pipeline_parallel.py --micro-batches 8 --num-layers 8 --schedule interleaved --timeline
+    python pipeline_parallel.py --micro-batches 8 --num-layers 8 --schedule dualpipev --timeline
     python pipeline_parallel.py --experts 4 --check               # each block's router, its stage's
     torchrun --nproc-per-node 4 pipeline_parallel.py
 
@@ -29,10 +30,15 @@ GPipe runs all m forwards, then all m backwards; 1F1B (PipeDream-flush) fills th
 with p-s-1 forwards, then runs one forward, one backward, then drains; ZB-H1 (zero bubble,
 Qi et al. 2023) splits B into dx, which the stage before waits for, and W, dW, which nobody
 waits for; interleaved 1F1B (Megatron-LM, Narayanan et al. 2021) gives stage s v chunks,
-chunk c being virtual stage c p + s. pipeline_costs() gives each one's bubble and stash.
+chunk c being virtual stage c p + s; DualPipeV (DeepSeek-V3) puts 2 chunks a stage in a V, so that
+stage 0 holds the first and the last, and pairs one micro-batch's forward with another's
+backward. pipeline_costs() gives each one's bubble and stash.
+
+Read in parts: 1, schedules as action lists; 2, DualPipeV, the V; 3, the stages, the runner that
+executes a list, and the worker.
 
 PyTorch's: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
-ScheduleInterleavedZeroBubble (tests/bench.py races them).
+ScheduleInterleavedZeroBubble, ScheduleDualPipeV (tests/bench.py races them).
 """
 import warnings
 from functools import lru_cache, partial
@@ -46,6 +52,8 @@ from data_parallel import (DataParallel, MoE, Router, balance, cross_entropy, in
                            make_batch, model_blocks, spans_of, tensors_of)
 from data_parallel import (SerialCheck, load_checkpoint, log_step, save_checkpoint,   # the
                            whole_on_rank0)               # worker's --check and checkpoints
+
+# Part 1: schedules as action lists ----------------------------------------------------------------
 
 SEND_ACT = "a>"    # an activation, on to the next stage
 RECV_ACT = ">a"    # ... received from the stage before
@@ -221,13 +229,10 @@ def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1,
 #
 # DualPipeV (DeepSeek's DualPipe cut in half; torch's ScheduleDualPipeV): 2p chunks on p stages in a
 # V. Stage s holds chunk a, virtual stage s, and chunk b, virtual stage 2p-1-s: a micro-batch runs
-# down the stages through the a chunks, turns at stage p-1 (a hands to b there, no send), and runs
-# back up through the b chunks to stage 0, which holds the embedding and the head: it starts the
-# next micro-batch while the loss of the last comes home. At p = 4, m = 8, every step one unit:
-#
-#     interleaved (chunk c of stage s: c p + s)    the V (chunk a: s; chunk b: 2p-1-s)
-#     stage 0  a: 0        b: 4                   a: 0    b: 7  (embedding ... head)
-#     stage 3  a: 3        b: 7                   a: 3    b: 4  (the turn)
+# down the stages through the a chunks, turns at stage p-1 (a hands to b there: no send), and
+# climbs back through the b chunks to stage 0, which holds the embedding and the head. So the
+# first stage, which fills the pipe, also drains it: it starts the next micro-batch's forward
+# beside the last one's backward, where 1F1B's first stage waits for the whole pipe to turn.
 #
 # Each stage's compute in DualPipeV's eight phases (F: forward, B: dx alone, W: dW; F&B: one
 # micro-batch's forward beside another's backward, which a GPU overlaps, their sends and receives
@@ -241,10 +246,17 @@ def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1,
 #   6 nB1B0     s+1 times B b, B a; from the middle on, each W kept for the bubble after
 #   7 nWB0      p-s-1 times a kept W, then B a (its W kept)
 #   8 nW        s+1 kept Ws: the cool-down's bubble filled with dW
-# m >= 2p: every stage reaches the steady state. The bubble, F&B the pair's time (F + B here, one
-# after the other), is (p - 1)(F&B + B - 3 W) a step against 1F1B's (2p - 1)(F + B) for the same
-# 2p virtual stages; each stage holds two chunks' weights, and at most p + 1 micro-batches'
-# activations (1F1B: p).
+# m >= 2p: every stage reaches the steady state. At p = 4, m = 8, every F, B and W one unit of a
+# chunk (L/8 layers), as simulate() runs build_schedule's lists; 1F1B's over 4 stages of L/4 below
+# it, its B (dx and dW) one unit of a stage:
+#   V     stage 0 FFFFFFFFBWFBWFBWFFBWFBWBW.FBWBW.FBWBW.FBWBWBWBWBWBW    3 of 51 units idle
+#         stage 3 ...FFFFFFFFFBWFBWFBWFBWFBWFBWFBWFBWBWBWBWBWBBBBWWWW
+#   1F1B  stage 0 FFFF...BFBFBFBFB.B.B.B                                 6 of 22 units idle
+#         stage 3 ...FBFBFBFBFBFBFBFB...
+# DeepSeek gives its bubble as (p - 1)(F&B + B - 3W) a step, F&B the overlapped pair's time; here
+# the pair's halves run one after the other, and the lists idle p - 1 units at F = B = W (their
+# bubble is the same for every m: tests/test_pipeline_parallel.py). Each stage holds two chunks'
+# weights, and at most 2p + 1 micro-batches of a chunk's activations (DeepSeek's PP + 1, PP = 2p).
 
 def dualpipev_order(num_stages, stage, num_micro_batches):
     """Stage s's compute under DualPipeV, as DeepSeek's dualpipev.py orders it: (op, mb, chunk),
@@ -922,7 +934,7 @@ def schedule_rules(args, num_stages, stages_flag):
 
 
 def parse_args(argv=None):
-    parser = training_parser("Pipeline parallelism: GPipe, 1F1B, ZB-H1 and interleaved 1F1B.")
+    parser = training_parser("Pipeline parallelism: GPipe, 1F1B, ZB-H1, interleaved 1F1B, DualPipeV.")
     parser.add_argument("--world-size", type=positive_int, default=4, help="stages p, a rank each")
     add_schedule_args(parser)
     parser.add_argument("--timeline", action="store_true", help="draw the last step's F, B and W")

@@ -56,7 +56,7 @@ import tensor_parallel  # noqa: E402
 import three_d  # noqa: E402
 from collectives import RankFailed, cleanup, ring_all_reduce, setup, spawn, under_torchrun  # noqa: E402
 from data_parallel import init_params, model_blocks, replica_rows  # noqa: E402
-from pipeline_parallel import Recorder, build_schedule, run_schedule, stage_parts  # noqa: E402
+from pipeline_parallel import Recorder, build_schedule, run_schedule, stage_parts, virtual_stage  # noqa: E402
 from race import (ROOT, as_module, bench_sizes, ce_sum, check_and_race, dp_side, end_race, first_batch,  # noqa: E402
                   machine, replica_options, print_race, race, serial_side, sgd, spawn_returning)
 from tensor_parallel import part_kinds, shard, tensor_kinds, tp_blocks  # noqa: E402
@@ -479,7 +479,7 @@ def colwise_side(model, xs, ys, n, args):
 # ----------------------------------------------------------------------------------
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble",
-                   "interleaved": "ScheduleInterleaved1F1B"}
+                   "interleaved": "ScheduleInterleaved1F1B", "dualpipev": "ScheduleDualPipeV"}
 
 
 def versus_pipelining(args):
@@ -509,7 +509,7 @@ def pipelining_race(rank, world_size, args):
     v = args.virtual_stages
     sides = {}
     for name in schedules:
-        chunk_parts = [stage_parts(args.num_layers, world_size, rank, v, c) for c in range(v)]
+        chunk_parts = [stage_parts(args.num_layers, world_size, rank, v, c, name) for c in range(v)]
         sides[f"ours {name}"] = pp_side(name, rank, world_size, inputs, targets, args)
         sides[f"torch {TORCH_SCHEDULES[name]}"] = pipelining_side(
             [as_module(full, device, args, parts) for parts in chunk_parts],
@@ -529,7 +529,7 @@ def pp_side(schedule, stage, num_stages, inputs, targets, args):
     def step():
         begin_step(replica, chunks, targets.chunk(m))
         run_schedule(actions, chunks, inputs.chunk(m), (stage - 1) % p, (stage + 1) % p,
-                     (args.batch_size // m, args.context, args.dim))
+                     (args.batch_size // m, args.context, args.dim), v_shape=schedule == "dualpipev")
         replica.average()
         replica.update()
     return step, lambda: (replica.weights, replica.grads())
@@ -560,14 +560,15 @@ def pipelining_side(modules, schedule_class, rank, num_stages, inputs, targets, 
     logits = torch.zeros(b, args.context, args.vocab_size, device=inputs.device)                     # [B/m, T, V]
     v = len(modules)
     stages = []
+    v_shape = schedule_class.__name__ == "ScheduleDualPipeV"
     for c, module in enumerate(modules):
-        virtual = c * num_stages + rank
+        virtual = virtual_stage("dualpipev" if v_shape else "interleaved", num_stages, rank, c)
         stages.append(PipelineStage(module, virtual, v * num_stages, inputs.device,
                                     input_args=inputs[:b] if virtual == 0 else activation,
                                     output_args=logits if virtual == v * num_stages - 1 else activation))
     single = schedule_class.__name__ in ("ScheduleGPipe", "Schedule1F1B")
     schedule = schedule_class(stages[0] if single else stages, args.micro_batches, loss_fn=mean_cross_entropy)
-    first, last = rank == 0, rank == num_stages - 1
+    first, last = rank == 0, rank == (0 if v_shape else num_stages - 1)   # the V: both on 0
     optimizer = torch.optim.SGD([q for module in modules for q in module.parameters()], lr=args.lr)
 
     def step():
@@ -812,11 +813,11 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
     for m in micro_batches:
         batch = data_parallel.make_batch(SimpleNamespace(**vars(model), batch_size=m * rows), step=m)
         x, y = (t.to(device).chunk(m) for t in batch)
-        for schedule in ("gpipe", "1f1b", "zb-h1", "interleaved"):
-            v = 2 if schedule == "interleaved" else 1
+        for schedule in ("gpipe", "1f1b", "zb-h1", "interleaved", "dualpipev")[:4 + (m >= 2 * p)]:
+            v = 2 if schedule in ("interleaved", "dualpipev") else 1
             _, _, replica, chunks = pipeline_parallel.hold_stages(
-                SimpleNamespace(**vars(model), micro_batches=m, virtual_stages=v, batch_size=m * rows),
-                stage, p, device)
+                SimpleNamespace(**vars(model), micro_batches=m, virtual_stages=v, batch_size=m * rows,
+                                schedule=schedule), stage, p, device)
             actions = build_schedule(schedule, p, stage, m, v)
             spans, times = [], []
             for i in range(steps + 1):    # the first step opens the connections: not measured
@@ -824,7 +825,7 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
                 begin_step(replica, chunks, y)
                 recorder = Recorder(device)
                 run_schedule(actions, chunks, x, (stage - 1) % p, (stage + 1) % p, (rows, model.context, dim),
-                             recorder=recorder)
+                             recorder=recorder, v_shape=schedule == "dualpipev")
                 events, peak = recorder.events(), recorder.peak
                 busy = torch.tensor([sum(e[4] - e[3] for e in events), min(e[3] for e in events),
                                      max(e[4] for e in events)], dtype=torch.float64, device=device)
@@ -849,7 +850,7 @@ def bubble_worker(rank, num_stages, micro_batches, dim, rows, steps):
 
 def peak_bound(schedule, p, s, m, v=2):
     """The most micro-batches a stage can hold under each schedule (tests check it exactly)."""
-    return {"gpipe": m, "1f1b": min(p - s, m), "zb-h1": min(p, m),
+    return {"gpipe": m, "1f1b": min(p - s, m), "zb-h1": min(p, m), "dualpipev": 2 * p + 1,
             "interleaved": min(pipeline_parallel.warmup_forwards("interleaved", p, s, m, v) + 1, v * m)}[schedule]
 
 
@@ -862,19 +863,25 @@ def print_bubble_table(table, dim, rows, steps):
         t_f, t_b, t_w = r["times"]
         theory = pipeline_parallel.pipeline_costs(schedule, p, 0, m, 2 if schedule == "interleaved" else 1,
                                                   times=(t_f, t_b, t_w) if schedule == "zb-h1" else (1, 1, 1))[0]
-        bound = [peak_bound(schedule, p, s, m) for s in range(p)]
         extra = f"   T_F {t_f * 1e3:.2f} T_B {t_b * 1e3:.2f} T_W {t_w * 1e3:.2f} ms" if schedule == "zb-h1" else ""
+        if schedule == "dualpipev":   # DeepSeek's (p-1)(F&B+B-3W), F&B = F + B run one after the other
+            idle = max(0.0, (p - 1) * (t_f + 2 * t_b - 3 * t_w))
+            theory = idle / (2 * m * (t_f + t_b + t_w) + idle)
+            ours = pipeline_parallel.v_bubble(p, m, t_f, t_b, t_w)
+            extra = f"   T_F {t_f * 1e3:.2f} T_B {t_b * 1e3:.2f} T_W {t_w * 1e3:.2f} ms; its lists simulated: {ours:.1%}"
+        bound = [peak_bound(schedule, p, s, m) for s in range(p)]
         print(f"{p:>3}{m:>3}  {schedule:<12}{theory:>8.1%}{r['bubble']:>10.1%}{r['step_ms']:>8.1f}   "
               f"{' '.join(map(str, r['peak_stash']))}, {' '.join(map(str, bound))}{extra}")
     cores, most = os.cpu_count() or 1, max(r["p"] for r in table)
     print(textwrap.dedent("""\
         theory, for stages of equal speed and free communication: (p-1)/(m+p-1) for GPipe and 1F1B,
         (p-1)/(vm+p-1) for interleaved (v=2), and for ZB-H1 (p-1)(T_F+T_B-T_W)/(m(T_F+T_B+T_W)+(p-1)(T_F+T_B-T_W))
-        with the measured times of one F, B (dx alone) and W (dW). measured: the mean over stages of the share
+        with the measured times of one F, B (dx alone) and W (dW); for DualPipeV DeepSeek's (p-1)(F&B+B-3W)
+        over 2m(T_F+T_B+T_W) plus it, with a chunk's times and F&B = T_F + T_B (not overlapped here). measured: the mean over stages of the share
         of the step (the first F's start to the last B's or W's end, on any stage) that a stage spent outside
         its F, B and W: besides the bubble, the transfers and the runner's Python between actions.
-        stash: the most micro-batches whose activations a stage held at once (interleaved: micro-batches times
-        chunks, each half a stage's layers), stage 0 first; then the bound the schedule promises."""))
+        stash: the most micro-batches whose activations a stage held at once (interleaved, DualPipeV: micro-batches
+        times chunks, each half a stage's layers), stage 0 first; then the bound the schedule promises."""))
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     print(f"machine: {cores} CPU cores{load}.")
     if most > cores:

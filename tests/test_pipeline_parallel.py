@@ -30,8 +30,9 @@ import torch.distributed as dist
 
 import data_parallel as dp
 import pipeline_parallel as pp
+import three_d
 from collectives import RankFailed, cleanup, setup, spawn
-from common import (NO_SAMPLE, serial_train, assert_follows_the_contract, assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report,
+from common import (NO_SAMPLE, replay64, serial_train, assert_follows_the_contract, assert_check_passed, assert_clipped_some, assert_same_bits, assert_same_training, check_report,
                     clip_between, final_params, init_of)
 from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action
 
@@ -303,6 +304,123 @@ def test_stage_parts_put_the_embedding_first_and_the_head_last(num_layers, p, v)
             assert ends == [0] * (c * p + s == 0) + [num_layers + 1] * (c * p + s == p * v - 1)
 
 
+# DualPipeV: the V's lists, checked the same ways -----------------------------------
+
+V_GRID = [(p, m) for p in range(2, 9) for m in sorted({2 * p, 2 * p + 1, 16}) if m <= 16]
+
+
+def halves_of(actions):   # the compute, each F&B as its forward, then its backward
+    return [half for a in actions if a.op != "comm" for half in a.halves()]
+
+
+def assert_each_micro_batch_down_the_v_and_back(p, m):
+    """Every (micro-batch, chunk) has one F, one B, one W, in that order, on every stage; a
+    micro-batch goes through chunk a before b forward, b before a back; an F&B pairs two."""
+    for s in range(p):
+        actions = pp.build_schedule("dualpipev", p, s, m, 2)
+        order = halves_of(actions)
+        where = f"dualpipev p={p} m={m} stage {s}"
+        assert sorted(order) == sorted((op, mb, c) for op in "FBW" for mb in range(m)
+                                       for c in (0, 1)), where
+        for mb in range(m):
+            at = {(op, c): order.index((op, mb, c)) for op in "FBW" for c in (0, 1)}
+            assert at["F", 0] < at["F", 1] < at["B", 1] < at["B", 0], where
+            assert at["B", 0] < at["W", 0] and at["B", 1] < at["W", 1], where
+        for a in actions:
+            if a.op == "F&B":
+                assert [op for op, _, _ in a.halves()] == ["F", "B"], where
+                assert a.mb[0] != a.mb[1] or a.chunk[0] != a.chunk[1], where
+
+
+def v_links(stages):
+    """{(src, dst): ([sent, in order], [received, in order])}: chunk a's activations go down the
+    stages and its gradients up; chunk b's the other way; the turn's hand-overs cross no link."""
+    out = {}
+    for s, actions in enumerate(stages):
+        for a in actions:
+            for kind, mb, chunk in (a.comms if a.op == "comm" else ()):
+                if kind in (pp.HAND_ACT, pp.HAND_GRAD):
+                    continue
+                down = (kind in (SEND_ACT, RECV_GRAD)) != (chunk == 1)   # toward s + 1
+                tensor = "act" if kind in (SEND_ACT, RECV_ACT) else "grad"
+                peer = s + 1 if down else s - 1
+                if kind in (SEND_ACT, SEND_GRAD):
+                    out.setdefault((s, peer), ([], []))[0].append((tensor, mb))
+                else:
+                    out.setdefault((peer, s), ([], []))[1].append((tensor, mb))
+    return out
+
+
+def test_dualpipev_runs_each_micro_batch_down_the_v_and_back_without_deadlock():
+    """For p 2 to 8 and m from 2p to 16: the compute is DualPipeV's eight phases; on every link
+    the k-th send meets the k-th receive, every tensor crosses once (2 (2p - 2) m: the V's 2p
+    virtual stages less the turn's hand-overs); run under NCCL's rule, no stage deadlocks."""
+    for p, m in V_GRID:
+        assert_each_micro_batch_down_the_v_and_back(p, m)
+        stages = all_stages("dualpipev", p, m, 2)
+        for s, actions in enumerate(stages):
+            assert [a for a in actions if a.op != "comm"] == \
+                [Action(*entry) for entry in pp.dualpipev_order(p, s, m)]
+        links = v_links(stages)
+        for (src, dst), (sent, received) in links.items():
+            assert sent == received and abs(src - dst) == 1, f"p={p} m={m} {src}->{dst}"
+        assert sum(len(sent) for sent, _ in links.values()) == 2 * (2 * p - 2) * m
+        assert all(events is not None for events in pp.simulate(stages)), f"p={p} m={m}"
+
+
+def test_dualpipev_holds_2p_plus_1_micro_batches_of_a_chunk_where_1f1b_holds_2p():
+    """Activations, in units of a chunk (L/2p layers) a micro-batch: DualPipeV's PP + 1 of
+    DeepSeek's table, for its PP = 2p virtual stages, on every stage; 1F1B over 2p ranks of a chunk
+    each holds 2p at its first."""
+    for p, m in V_GRID:
+        for s in range(p):
+            assert max(k for k, _ in pp.held_counts("dualpipev", p, s, m, 2)) == 2 * p + 1
+        assert max(k for k, _ in pp.held_counts("1f1b", 2 * p, 0, m, 1)) == 2 * p
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_dualpipevs_bubble_is_the_same_for_every_m_and_below_1f1bs(p):
+    """Its lists simulated with a chunk's F, B, W times: the idle time a step is the same for
+    every m (the warm-up and cool-down alone), and below 1F1B's (2p - 1)(F + B + W) on the
+    same 2p virtual stages. DeepSeek's (p - 1)(F&B + B - 3W) takes F&B overlapped."""
+    for times in ({"F": 1, "B": 1, "W": 1}, {"F": 1, "B": 2, "W": 1}, {"F": 1, "B": 1, "W": 0.5}):
+        idle = set()
+        for m in (2 * p, 2 * p + 3, 4 * p):
+            events = pp.simulate(all_stages("dualpipev", p, m, 2), times)
+            span = max(row[-1][4] for row in events)
+            idle.add(span - 2 * m * sum(times.values()))
+        assert len(idle) == 1
+        assert idle.pop() < (2 * p - 1) * sum(times.values())
+
+
+def w_twice(p, s, m):   # the defect: stage 0's first W run twice, its last dropped
+    order = REAL_V_ORDER(p, s, m)
+    ws = [k for k, entry in enumerate(order) if entry[0] == "W"]
+    if s == 0:
+        order[ws[-1]] = order[ws[0]]
+    return order
+
+
+def halves_one_micro_batch(p, s, m):   # the defect: an F&B's backward given its forward's mb
+    return [("F&B", (entry[1][0], entry[1][0]), entry[2]) if entry[0] == "F&B" else entry
+            for entry in REAL_V_ORDER(p, s, m)]
+
+
+REAL_V_ORDER = pp.dualpipev_order
+
+
+@pytest.mark.parametrize("defect", [w_twice, halves_one_micro_batch])
+def test_each_defect_of_the_vs_order_fails_its_check(monkeypatch, defect):
+    monkeypatch.setattr(pp, "dualpipev_order", defect)
+    pp.v_schedules.cache_clear()
+    try:
+        with pytest.raises((AssertionError, RuntimeError, KeyError)):
+            assert_each_micro_batch_down_the_v_and_back(4, 8)
+    finally:
+        monkeypatch.undo()
+        pp.v_schedules.cache_clear()
+
+
 # ----------------------------------------------------------------------------------
 # 2. Pipeline training against serial autograd training
 # ----------------------------------------------------------------------------------
@@ -323,6 +441,14 @@ def assert_trained(result):
     """The weights moved far past the tolerance, so a gradient scale error would show."""
     moved = max((f - i).abs().max().item() for f, i in zip(final_params(result), init_of(result)))
     assert moved > 100 * ATOL
+
+
+def assert_replays(result):   # the --save replayed in float64: losses and final weights
+    losses, final = replay64(result)
+    torch.testing.assert_close(torch.tensor(result["losses"], dtype=torch.float64),
+                               torch.tensor(losses, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    for got, want in zip(result["final_params"].values(), final):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
 def assert_matches_serial(result):
@@ -386,6 +512,54 @@ def test_zero_bubble_and_interleaved_match_serial(tmp_path, capfd, schedule, wor
         assert_trained(result)
     else:
         assert_matches_serial(result)
+
+
+@pytest.mark.parametrize("world_size,micro_batches", [(2, 4), (4, 8), (2, 5)])
+def test_dualpipev_replays_in_float64(tmp_path, world_size, micro_batches):
+    """SGD, its --save replayed in float64 (the deep model's summation order stays in float32)."""
+    result = run_pp(tmp_path, world_size, micro_batches, "dualpipev", num_layers=4 * world_size,
+                    dim=16, steps=3, batch_size=2 * micro_batches, lr=0.3)
+    assert result["config"]["schedule"] == "dualpipev" and result["config"]["virtual_stages"] == 2
+    assert_replays(result)
+    assert_trained(result)
+
+
+@pytest.mark.parametrize("flags", [["--dp", "1", "--pp", "2", "--tp", "2", "--tp-style", "megatron"],
+                                   ["--dp", "2", "--pp", "2", "--tp", "1", "--zero", "1"]])
+def test_dualpipev_in_3d_replays_in_float64(tmp_path, flags):
+    save = tmp_path / "run.pt"
+    three_d.main([*flags, "--schedule", "dualpipev", "--num-layers", "4", "--micro-batches", "4",
+                  "--batch-size", "16", "--dim", "16", "--context", "8", "--steps", "3",
+                  "--optimizer", "sgd", "--lr", "0.3", "--save", str(save), *TIMEOUT, *NO_SAMPLE])
+    assert_replays(torch.load(save))
+
+
+def assert_the_v_holds_its_chunks(num_layers, p):
+    """Chunk a of stage s is virtual stage s, chunk b 2p-1-s: stage 0 holds the embedding and the
+    head, stage p-1 the two chunks around the turn; in virtual order, the model in order."""
+    parts = {pp.virtual_stage("dualpipev", p, s, c): pp.stage_parts(num_layers, p, s, 2, c,
+                                                                   "dualpipev")
+             for s in range(p) for c in (0, 1)}
+    assert [j for k in range(2 * p) for j in parts[k]] == list(range(num_layers + 2))
+    assert pp.stage_parts(num_layers, p, 0, 2, 0, "dualpipev")[0] == 0
+    assert pp.stage_parts(num_layers, p, 0, 2, 1, "dualpipev")[-1] == num_layers + 1
+    turn = [pp.stage_parts(num_layers, p, p - 1, 2, c, "dualpipev") for c in (0, 1)]
+    assert turn[1][0] == turn[0][-1] + 1                        # b takes up where a left off
+
+
+def interleaved_placement(num_layers, num_stages, stage, num_chunks=1, chunk=0, schedule="1f1b"):
+    return REAL_STAGE_PARTS(num_layers, num_stages, stage, num_chunks, chunk)   # c p + s
+
+
+REAL_STAGE_PARTS = pp.stage_parts
+
+
+@pytest.mark.parametrize("num_layers,p", [(4, 2), (8, 4), (16, 8), (24, 4)])
+def test_the_v_holds_the_first_and_last_chunk_on_stage_0(monkeypatch, num_layers, p):
+    assert_the_v_holds_its_chunks(num_layers, p)
+    monkeypatch.setattr(pp, "stage_parts", interleaved_placement)   # the defect: c p + s
+    with pytest.raises(AssertionError):
+        assert_the_v_holds_its_chunks(num_layers, p)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -674,6 +848,10 @@ def test_timeline_rows_bubble_and_peak_stash(tmp_path, capfd, schedule, world_si
     (["--schedule", "foo"], "--schedule"),
     (["--world-size", "5", "--num-layers", "4"], "--world-size"),
     (["--micro-batches", "0"], "--micro-batches"),
+    (["--schedule", "dualpipev", "--world-size", "2", "--micro-batches", "3", "--batch-size", "6"],
+     "--schedule"),                                            # below 2p: no steady state
+    (["--schedule", "dualpipev", "--virtual-stages", "3"], "--virtual-stages"),
+    (["--schedule", "dualpipev", "--world-size", "4", "--num-layers", "4"], "--schedule"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, flag, monkeypatch, capsys):
     started = []
