@@ -17,8 +17,9 @@ here, once; every later step splits these lines:
                (--qk-norm: q, k = rmsnorm(q_j; gq), rmsnorm(k_c; gk), each head over its dh)
                q, k = rope(q), rope(k)          each head's pair (2i, 2i+1) at position m turned
                                                 by m theta_i, theta_i = theta^(-2i/dh)
-               A_j = softmax(q_j k_c^T / sqrt(dh) + mask)  [b, T, T]; query head j reads kv head
-               o = [A_1 v_c(1) | .. | A_h v_c(h)]          c(j) = j // (h/G); -inf above the diagonal
+               A_j = softmax(q_j k_c^T / sqrt(dh) + mask)  [b, T, T]; query head j reads kv
+               o = [A_1 v_c(1) | .. | A_h v_c(h)]          head c(j) = j // (h/G); mask: -inf
+                                                           above the diagonal
                x' = x + o Wo                       the residual; then the MLP, SwiGLU, with its own:
                out = x' + (silu(n' W1) * n' W3) W2, n' = rmsnorm(x'; g2)   W1, W3 [D, F], W2 [F, D]
     head       logits = rmsnorm(x; g) H            H [D, V]: at each of the b T positions
@@ -168,10 +169,12 @@ def attend(q, k, v, head_dim, causal=True):
 def attend_backward(do, q, k, v, o, lse, head_dim, causal=True):
     """dq [.., G, h/G, s, dh], and dk, dv [.., G, 1, t, dh]: each kv head's, the sum over the h/G
     query heads that read it. A made again from q, k and lse. Per head:
-       dv = A^T do   dA = do v^T   dS = A * (dA - delta)   dq = dS k / sqrt(dh)   dk = dS^T q / sqrt(dh)
+       dv = A^T do   dA = do v^T   dS = A * (dA - delta)   dq = dS k / sqrt(dh)
+       dk = dS^T q / sqrt(dh)
     delta = rowsum(dA * A) [.., s, 1], the softmax's, needs no [s, t] pass: for row i
         delta_i = sum_j A_ij dA_ij = sum_j A_ij (do_i . v_j) = do_i . (sum_j A_ij v_j) = do_i . o_i
-    (FlashAttention-2's eqs 13-19). o None: A v again, in fp32 (--bf16's o, rounded, moves delta)."""
+    (FlashAttention-2's eqs 13-19). o None: A v again, in fp32 (--bf16's o, rounded, moves
+    delta)."""
     a = scores(q, k, head_dim, causal).sub_(lse[..., None]).exp_()   # A again  [.., s, t]
     if o is None:
         o = a @ wide(v)
@@ -1088,8 +1091,8 @@ def dp_worker(rank, world_size, args):
     blocks = model_blocks(args, routers, device)
     for step in range(args.start_step, args.steps):
         inputs, targets = (t[rows].to(device) for t in make_batch(args, step))   # the text's
-        loss = dp_step(replica, blocks, cross_entropy, inputs.chunk(m), targets.chunk(m), len(rows) * args.context,
-                       recompute=args.recompute)      # n: its positions
+        loss = dp_step(replica, blocks, cross_entropy, inputs.chunk(m), targets.chunk(m),
+                       len(rows) * args.context, recompute=args.recompute)   # n: its positions
         moe.gather_routes(rows)                        # --save, --check: every replica's choice
         if args.check:   # this step's weights and gradients, whole, against serial autograd's
             check.step(whole(replica), whole(replica, grads=True), moe.step())
@@ -1210,14 +1213,14 @@ def serial_loss(params, tokens, targets, config, bf16=False, halves=False, recor
                 moe=None):
     """The loss with autograd, and its logits [b T, V], from torch's own layers (embedding,
     rms_norm, scaled_dot_product_attention with enable_gqa, silu) and RoPE as Meta's Llama code
-    writes it (each pair a complex number, times e^(i m theta_i)); params: every tensor, in order; config:
-    the model's flags. bf16: the parallel runs' casts (bf16 matmuls on fp32 masters; norms, RoPE,
-    softmax and loss in fp32). halves: each matmul sums the halves of its terms apart, as two tp
-    ranks do: the same maths in another order, which moves only what rounding moves. record: a
-    list that gets each tensor's (input, output), in order: (tokens, E's rows), a gain's (x r, x r
-    g), a matrix's (x, x W). moe: --experts' (K, each layer's bias [L, E], routes [L, b, T, K] or
-    None: its own choice), every expert computed at every position, weighted by gate_e where
-    chosen."""
+    writes it (each pair a complex number, times e^(i m theta_i)); params: every tensor, in
+    order; config: the model's flags. bf16: the parallel runs' casts (bf16 matmuls on fp32
+    masters; norms, RoPE, softmax and loss in fp32). halves: each matmul sums the halves of its
+    terms apart, as two tp ranks do: the same maths in another order, which moves only what
+    rounding moves. record: a list that gets each tensor's (input, output), in order: (tokens, E's
+    rows), a gain's (x r, x r g), a matrix's (x, x W). moe: --experts' (K, each layer's bias [L,
+    E], routes [L, b, T, K] or None: its own choice), every expert computed at every position,
+    weighted by gate_e where chosen."""
     dtype = torch.bfloat16 if bf16 else params[0].dtype
     head_dim = config.dim // config.heads
     w = dict(zip(param_names(config), params))
@@ -1793,8 +1796,8 @@ def rank_pieces(replica, tensors=None, boxes=None, copies=(), grads=False):   # 
 
 
 def expert_places(init, first, count):
-    """Step 2's --ep: (tensors, boxes) of the replica (all but W1, W3, W2, whole) and of the experts'
-    copies (W1, W3, W2 of each block: experts first .. first + count, each a box)."""
+    """Step 2's --ep: (tensors, boxes) of the replica (all but W1, W3, W2, whole) and of the
+    experts' copies (W1, W3, W2 of each block: experts first .. first + count, each a box)."""
     spans = spans_of(init)
     shapes = [w.shape for w in tensors_of(init)]
     experts = [i for part in spans[1:-1] for i in part[-3:]]

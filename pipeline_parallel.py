@@ -934,7 +934,7 @@ def schedule_rules(args, num_stages, stages_flag):
 
 
 def parse_args(argv=None):
-    parser = training_parser("Pipeline parallelism: GPipe, 1F1B, ZB-H1, interleaved 1F1B, DualPipeV.")
+    parser = training_parser("Pipeline parallelism: GPipe, 1F1B, ZB-H1, interleaved, DualPipeV.")
     parser.add_argument("--world-size", type=positive_int, default=4, help="stages p, a rank each")
     add_schedule_args(parser)
     parser.add_argument("--timeline", action="store_true", help="draw the last step's F, B and W")
