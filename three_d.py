@@ -5,6 +5,7 @@
     python three_d.py --dp 1 --pp 4 --tp 2 --num-layers 4 --schedule gpipe --order tp-dp-pp
     python three_d.py --tp-style megatron --sequence-parallel --check   # T split over tp too
     python three_d.py --dp 1 --pp 2 --tp 2 --cp 2 --check   # and T over cp: ring attention
+    python three_d.py --dp 1 --pp 2 --num-layers 4 --micro-batches 4 --schedule dualpipev
     python three_d.py --experts 4 --ep 2 --check        # experts: 2 of the 4 on each replica
     python three_d.py --show-rank-map --dp 2 --pp 2 --tp 2
     python three_d.py --ray                             # the ranks as Ray Train workers
@@ -24,6 +25,9 @@ beside tp and --ep inside dp (step 2's experts, each held by the replicas of its
 stopped run resumes at any layout: --checkpoint has each piece written once, by the rank that
 holds it (replica 0's, or each replica's range of a ZeRO bucket; its tp box: shard_box), and
 --resume has each rank read what overlaps its own (data_parallel.py, below its fold: DCP's way).
+
+Read in parts: 1, the rank map; 2, a rank's share of the job, set up in five steps; 3, the
+worker that trains with them.
 
 What PyTorch gives you: a DeviceMesh of shape (dp, pp, tp) with pipelining over pp,
 ColwiseParallel over tp, and FSDP2 or DDP over dp (tests/bench.py races it against this).
@@ -48,6 +52,8 @@ from tensor_parallel import (all_gather_columns, clip_shares, context_attention,
                              my_columns, part_kinds, reduce_over, shard,
                              split_as, sum_partial_grads, tensor_kinds, tp_blocks, tp_copies,
                              tp_costs, vocab_parallel_cross_entropy)
+
+# Part 1: the rank map -----------------------------------------------------------------------------
 
 AXES = ("dp", "pp", "tp")
 
@@ -108,6 +114,8 @@ def coordinates(rank, groups):
     """(d, p, t) of a rank: its position in its own dp, pp and tp groups."""
     return tuple(next(g.index(rank) for g in groups[name] if rank in g) for name in AXES)
 
+
+# Part 2: a rank's share, set up in five steps ----------------------------------------------------
 
 class ThreeDRank:
     """One rank's share of the job, composed from the earlier steps' blocks and handed down to
@@ -303,6 +311,8 @@ class ThreeDRank:
                      self.buffer_shape, recorder=recorder, v_shape=self.v_shape, **self.boundary)
         self.replica.average()                                   # waits for the exchanges
 
+
+# Part 3: the worker -------------------------------------------------------------------------------
 
 def three_d_worker(rank, world_size, args):
     device = setup(rank, world_size)
