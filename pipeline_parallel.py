@@ -708,14 +708,20 @@ def stash_bytes(stage):
     return nbytes(kept)
 
 
-@lru_cache(maxsize=None)
 def v_bubble(num_stages, num_micro_batches, t_f, t_b, t_w):
     """DualPipeV's idle share of a step, its lists run by simulate() with a chunk's F, B, W times:
-    DeepSeek's (p-1)(F&B + B - 3W) assumes each F&B overlapped, which the runner does not do."""
-    times = {"F": t_f, "B": t_b, "W": t_w}
-    stages = simulate(v_schedules(num_stages, num_micro_batches), times)
-    span = max(events[-1][4] for events in stages)
-    return 1 - 2 * num_micro_batches * sum(times.values()) / span
+    its idle time, the same for every m (tests/test_pipeline_parallel.py), simulated at m = 2p, B
+    and W to F's in tenths. DeepSeek's (p-1)(F&B + B - 3W) assumes each F&B overlapped, which
+    the runner does not do."""
+    idle = v_idle(num_stages, round(t_b / t_f, 1), round(t_w / t_f, 1)) * t_f
+    return idle / (2 * num_micro_batches * (t_f + t_b + t_w) + idle)
+
+
+@lru_cache(maxsize=None)
+def v_idle(num_stages, t_b, t_w):   # a stage's idle time a step, F's time 1
+    times = {"F": 1.0, "B": t_b, "W": t_w}
+    stages = simulate(v_schedules(num_stages, 2 * num_stages), times)
+    return max(events[-1][4] for events in stages) - 4 * num_stages * sum(times.values())
 
 
 def simulate(stages, times=None):
@@ -764,14 +770,17 @@ def simulate(stages, times=None):
     return [events[s] if pc[s] > len(stages[s]) else None for s in range(p)]
 
 
-def block_stash(args, rows, tp=1):
+def block_stash(args, rows, tp=1, context=None, recompute=None):
     """Bytes a block keeps, a micro-batch of rows, on a tp rank: from F to B its stash (x, n1, q,
     k, v, o, x', n2, the MLP's a, up and u, F wide; r1, r2 and lse [b, h, T] in fp32, never A;
     --qk-norm: q, k before their norms and their r), or x alone with --recompute; from B to W its
     (x, dz)s and the gains' dg. A the [b, T, D]; a rank's query heads A/tp, its kv heads K; the
     MLP's M, [b, T, F/tp]. Some are whole on every tp rank, the rest split: o and u gathered in the
-    all-gather style; sequence parallel splits x, x' and their r by T/tp."""
-    T, D, h, F = args.context, args.dim, args.heads, args.ffn_dim
+    all-gather style; sequence parallel splits x, x' and their r by T/tp. context, recompute: in
+    place of args' (a cp rank's T/C positions; the stash --recompute rebuilds)."""
+    T, D, h, F = context or args.context, args.dim, args.heads, args.ffn_dim
+    if recompute is None:
+        recompute = args.recompute
     size = 2 if args.bf16 else 4
     kv_heads = kv_width(D, h, args.kv_heads, tp) // (D // h)     # a rank's
     A = rows * T * D * size
@@ -794,7 +803,7 @@ def block_stash(args, rows, tp=1):
         pairs = args.top_k * (2 * A + 2 * M + u) + rows * T * (E * 4 + args.top_k * 16)
         kept += pairs - 2 * M - u                      # their dWs made in the backward, ready:
         waiting += -(A + 2 * M + u + dy) + 4 * D * E + 3 * 4 * E // args.ep * D * F // tp
-    if args.recompute:
+    if recompute:
         kept = x
     return kept, waiting
 
@@ -915,11 +924,11 @@ def schedule_rules(args, num_stages, stages_flag):
     v = getattr(args, "virtual_stages", None)
     args.virtual_stages = {"interleaved": v or 2, "dualpipev": 2}.get(args.schedule, 1)
     virtual = num_stages * args.virtual_stages
+    named = f"--virtual-stages {v}" if v else f"--schedule {args.schedule}"
     chunks = [(num_stages == 1, f"--schedule {args.schedule}: needs {stages_flag} of 2 or more "
                                 f"(one stage's chunks would only pass activations to themselves)"),
-              (virtual > args.num_layers, f"--schedule {args.schedule}: {virtual} chunks "
-                                          f"({stages_flag} x {args.virtual_stages}) for "
-                                          f"{args.num_layers} layers"),
+              (virtual > args.num_layers, f"{named}: {virtual} chunks ({stages_flag} x "
+                                          f"{args.virtual_stages}) for {args.num_layers} layers"),
               divides(args.num_layers, "--num-layers", virtual,
                       f"{stages_flag} x {args.virtual_stages} chunks")]
     if args.schedule == "dualpipev":

@@ -545,8 +545,8 @@ def stash_bytes(args):
     blocks' (step 4's block_stash, on this rank's shards); the ends' stashes aside (the token
     ids, the head's input), as the stash table counts."""
     blocks = args.num_layers // (args.pp * args.virtual_stages)
-    mine = argparse.Namespace(**{**vars(args), "context": args.context // args.cp})   # its T/C
-    kept, waiting = block_stash(mine, args.batch_size // (args.dp * args.micro_batches), args.tp)
+    kept, waiting = block_stash(args, args.batch_size // (args.dp * args.micro_batches), args.tp,
+                                context=args.context // args.cp)   # its T/C positions
     return blocks * kept, blocks * waiting
 
 
@@ -850,9 +850,12 @@ def most_memory(args, stages=None):
         held = three_d_costs(args, s)[1]
         state[s] = sum(size for size, _ in held.values()) + in_step_bytes(
             chunk_lengths(args, s), args.dp, zero=args.zero, num_micro_batches=m)
-    return max(state.get(s, state[min(1, pp - 1)]) + working_bytes(args, s) + max(
-        k * kept + w * waiting for k, w in held_counts(args.schedule, pp, s, m, v))
-        for s in (stages or range(pp)))
+    loss = loss_stage(args)
+    block = working_bytes(args, (loss + 1) % pp)                 # alike off the loss's stage
+    working = {loss: working_bytes(args, loss)}
+    return max(state.get(s, state[min(1, pp - 1)]) + working.get(s, block) +
+               max(k * kept + w * waiting for k, w in held_counts(args.schedule, pp, s, m, v))
+               for s in (stages or range(pp)))
 
 
 def working_bytes(args, stage):
@@ -875,13 +878,12 @@ def working_bytes(args, stage):
         if args.cp_style == "all-gather":   # K, V whole, gathered and in order; dK, dV whole
             block += 2 * kv * args.cp * (2 * act + 4 * 4)   # in fp32, joined, reordered, sent
     if args.recompute:   # the stash rebuilt; its n1, o, n2, u are its (x, dz)s' xs, counted with
-        mine = argparse.Namespace(**{**vars(args), "context": T})          # those: in the
-        whole = argparse.Namespace(**{**vars(mine), "recompute": False})   # chunk's, or zb-h1's
-        split = 1                                                          # stash (held_counts)
+        split = 1        # those: in the chunk's, or zb-h1's stash (held_counts)
         if args.tp > 1 and args.tp_style == "megatron":
             split = args.tp                                                # o, u by tp
         xs = 2 * A + A // split + b * T * args.ffn_dim * act // split
-        block += block_stash(whole, b, args.tp)[0] - xs - block_stash(mine, b, args.tp)[0]   # x
+        whole = block_stash(args, b, args.tp, context=T, recompute=False)[0]
+        block += whole - xs - block_stash(args, b, args.tp, context=T)[0]  # less the x kept
         block += stash_bytes(args)[1] * (args.schedule != "zb-h1")
     if stage != loss_stage(args):
         return block
