@@ -192,14 +192,21 @@ def held_counts(schedule, num_stages, stage, num_micro_batches, num_chunks):
     kept = 0
     waiting = 0
     pairs = set()
+    apart = schedule in ("zb-h1", "dualpipev")         # their W apart from B
     for entry in compute_order(schedule, num_stages, stage, num_micro_batches, num_chunks):
-        for op, _, _ in Action(*entry).halves():
-            kept += {"F": 1, "B": -1, "W": 0}[op]
-            if schedule in ("zb-h1", "dualpipev"):     # their W apart from B
-                waiting += {"F": 0, "B": 1, "W": -1}[op]
+        for op in entry[0].split("&"):                  # an F&B: its F, then its B
+            kept += (op == "F") - (op == "B")
+            waiting += apart * ((op == "B") - (op == "W"))
             pairs.add((kept, waiting))
-    return [(k, w) for k, w in pairs if not any(a >= k and b >= w and (a, b) != (k, w)
-                                                for a, b in pairs)]
+    return undominated(pairs)
+
+
+def undominated(pairs):   # the (k, w) no other pair has as many of both
+    kept = []
+    for k, w in sorted(pairs, reverse=True):           # by k, then w, largest first
+        if not kept or w > kept[-1][1]:
+            kept.append((k, w))
+    return kept
 
 
 def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1, *, act_bytes=0,
@@ -710,18 +717,17 @@ def stash_bytes(stage):
 
 def v_bubble(num_stages, num_micro_batches, t_f, t_b, t_w):
     """DualPipeV's idle share of a step, its lists run by simulate() with a chunk's F, B, W times:
-    its idle time, the same for every m (tests/test_pipeline_parallel.py), simulated at m = 2p, B
-    and W to F's in tenths. DeepSeek's (p-1)(F&B + B - 3W) assumes each F&B overlapped, which
-    the runner does not do."""
-    idle = v_idle(num_stages, round(t_b / t_f, 1), round(t_w / t_f, 1)) * t_f
+    its idle time the same for every m, and p - 1 times p = 2's (tests/test_pipeline_parallel.py).
+    DeepSeek's (p-1)(F&B + B - 3W) assumes each F&B overlapped, which the runner does not do."""
+    idle = (num_stages - 1) * v_idle(t_f, t_b, t_w)
     return idle / (2 * num_micro_batches * (t_f + t_b + t_w) + idle)
 
 
 @lru_cache(maxsize=None)
-def v_idle(num_stages, t_b, t_w):   # a stage's idle time a step, F's time 1
-    times = {"F": 1.0, "B": t_b, "W": t_w}
-    stages = simulate(v_schedules(num_stages, 2 * num_stages), times)
-    return max(events[-1][4] for events in stages) - 4 * num_stages * sum(times.values())
+def v_idle(t_f, t_b, t_w):   # a stage's idle time a step on 2 stages (4 micro-batches)
+    times = {"F": t_f, "B": t_b, "W": t_w}
+    return max(events[-1][4] for events in simulate(v_schedules(2, 4), times)) - 8 * sum(
+        times.values())
 
 
 def simulate(stages, times=None):

@@ -36,6 +36,7 @@ import argparse
 import warnings
 from datetime import timedelta
 from functools import partial
+from operator import attrgetter
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch warns without numpy
 import torch
 import torch.distributed as dist
@@ -374,7 +375,7 @@ from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E40
 from data_parallel import (VOCAB_SIZE, check_training_args, experts_rules, finish_run,  # noqa
                            in_step_bytes, make_buckets, model_defaults, model_rules,
                            training_parser)
-from pipeline_parallel import add_schedule_args, held_counts, schedule_rules  # noqa: E402
+from pipeline_parallel import add_schedule_args, held_counts, schedule_rules, undominated  # noqa
 from tensor_parallel import (Attention, add_context_parallel, add_sequence_parallel,  # noqa
                              block_matmuls, context_parallel_rules, describe, divides,
                              refuse_unused, sequence_parallel_rules, tp_model_rules, vocab_range)
@@ -742,7 +743,7 @@ class Shape(NamedTuple):   # what a part's price reads of the run's flags (a cac
 
 
 def shape_of(args):   # the run's flags that price a part
-    return Shape(*(vars(args)[name] for name in Shape._fields))
+    return Shape._make(attrgetter(*Shape._fields)(args))
 
 
 @functools.lru_cache(maxsize=None)   # many layouts share one
@@ -755,6 +756,13 @@ def chunk_s(machine, kinds, rows, shape, tp, classes):
 @functools.lru_cache(maxsize=None)
 def ring_bytes(kind, nbytes, n):   # what one rank sends of a collective (ring's), or a send
     return float(collective_cost(kind, nbytes, n)[0]) * (n > 1)
+
+
+def tally(runs):   # [(kind, bytes, times)] as {(kind, bytes): times}
+    counts = {}
+    for kind, nbytes, times in runs:
+        counts[kind, nbytes] = counts.get((kind, nbytes), 0) + times
+    return counts
 
 
 def predict(args, machine):
@@ -777,14 +785,16 @@ def predict(args, machine):
     chosen = {(s == 0, s == pp - 1, tuple(per_node[s].items())): s for s in reversed(range(pp))}
     rows = args.batch_size // (dp * m) * args.context // cp   # a micro-batch's positions, a rank's
     stages = []
+    helds = {}
     for s in chosen.values():
         shape = shape_of(args)
         chunks = [chunk_s(machine, kinds, rows, shape, tp, classes)
                   for kinds in stage_kinds(args, s)]
-        runs, held, _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
+        runs, helds[s], _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
+        tallied = {group: tally(runs[group]) for group in runs}   # alike buckets priced once
         comm = {group: sum(times * machine.collective_s(kind, nbytes, sizes[group],
                                                         per_node[s][group])
-                           for kind, nbytes, times in runs[group]) for group in runs}
+                           for (kind, nbytes), times in tallied[group].items()) for group in runs}
         ring = {"ring": "cp", "hybrid": "ring"}.get(args.cp_style)
         if cp > 1 and ring:   # K and V travel under the pairs' kernels: what outlasts them shows
             blocks = sum(kinds.count("block") for kinds in stage_kinds(args, s))
@@ -797,7 +807,7 @@ def predict(args, machine):
         inside = compute + comm["dp"] * (args.zero == 3) + sum(
             comm.get(group, 0) for group in ("tp", "pp", "cp", "ulysses", "ring", "ep", "kv"))
         sent = {group: sum(times * ring_bytes(kind, nbytes, sizes[group])
-                           for kind, nbytes, times in runs[group]) for group in runs}
+                           for (kind, nbytes), times in tallied[group].items()) for group in runs}
         stages.append(dict(stage=s, chunks=chunks, comm=comm, compute=compute, inside=inside,
                            bubble=bubble, sent=sent,
                            params=sum(replica_lengths(args, s)) // (dp if args.zero else 1) +
@@ -812,7 +822,7 @@ def predict(args, machine):
     L, D, T = args.num_layers, args.dim, args.context   # 6 a weight a position; attention 12 T D
     model_flops = args.batch_size * T * (6 * active_params(args) + 12 * L * T * D)   # (PaLM's)
     return dict(step_s=step, parts=parts, bubble=slowest["bubble"],
-                memory_bytes=most_memory(args),
+                memory_bytes=most_memory(args, helds=helds),
                 bytes={group: max(stage["sent"][group] for stage in stages) for group in sizes},
                 stage=slowest["stage"], args=args,
                 stages={stage["stage"]: stage["inside"] for stage in stages},
@@ -840,22 +850,33 @@ def total_params(args):   # every weight: E, the blocks (gains, router), the fin
     return L * (attention + gains + mlp) + (2 * args.vocab_size + 1) * D
 
 
-def most_memory(args, stages=None):
+def most_memory(args, stages=None, helds=None):
     """The most a rank of any stage holds: its replica's state and ZeRO's in-step buckets (alike on
     the middle stages; the ends hold E and H) plus its own largest stash and its working set."""
     pp, m, v = args.pp, args.micro_batches, args.virtual_stages
     kept, waiting = stash_bytes(args)
     state = {}
     for s in {0, pp - 1, min(1, pp - 1)}:
-        held = three_d_costs(args, s)[1]
+        held = (helds or {}).get(s) or three_d_costs(args, s)[1]   # predict's, if it priced s
         state[s] = sum(size for size, _ in held.values()) + in_step_bytes(
             chunk_lengths(args, s), args.dp, zero=args.zero, num_micro_batches=m)
     loss = loss_stage(args)
     block = working_bytes(args, (loss + 1) % pp)                 # alike off the loss's stage
     working = {loss: working_bytes(args, loss)}
+    counts = {s: held_counts(args.schedule, pp, s, m, v) for s in stages or ()}
+    if not stages:                     # the middle stages' stashes together, as stage 1's
+        stages = {0, min(1, pp - 1), pp - 1}
+        counts = {0: held_counts(args.schedule, pp, 0, m, v),
+                  pp - 1: held_counts(args.schedule, pp, pp - 1, m, v)}
+        counts.setdefault(min(1, pp - 1), middle_counts(args.schedule, pp, m, v))
     return max(state.get(s, state[min(1, pp - 1)]) + working.get(s, block) +
-               max(k * kept + w * waiting for k, w in held_counts(args.schedule, pp, s, m, v))
-               for s in (stages or range(pp)))
+               max(k * kept + w * waiting for k, w in counts[s]) for s in stages)
+
+
+@functools.lru_cache(maxsize=None)
+def middle_counts(schedule, pp, m, v):   # held_counts of stages 1 to pp-2, none dominated
+    middle = range(1, pp - 1)
+    return undominated({pair for s in middle for pair in held_counts(schedule, pp, s, m, v)})
 
 
 def working_bytes(args, stage):

@@ -378,19 +378,23 @@ def test_dualpipev_holds_2p_plus_1_micro_batches_of_a_chunk_where_1f1b_holds_2p(
         assert max(k for k, _ in pp.held_counts("1f1b", 2 * p, 0, m, 1)) == 2 * p
 
 
-@pytest.mark.parametrize("p", [2, 4, 8])
-def test_dualpipevs_bubble_is_the_same_for_every_m_and_below_1f1bs(p):
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_dualpipevs_bubble_is_the_same_for_every_m_p_minus_1_times_two_stages_and_below_1f1bs(p):
     """Its lists simulated with a chunk's F, B, W times: the idle time a step is the same for
-    every m (the warm-up and cool-down alone), and below 1F1B's (2p - 1)(F + B + W) on the
-    same 2p virtual stages. DeepSeek's (p - 1)(F&B + B - 3W) takes F&B overlapped."""
-    for times in ({"F": 1, "B": 1, "W": 1}, {"F": 1, "B": 2, "W": 1}, {"F": 1, "B": 1, "W": 0.5}):
-        idle = set()
+    every m (the warm-up and cool-down alone), p - 1 times that of 2 stages (the plan's
+    v_bubble), and below 1F1B's (2p - 1)(F + B + W) on the same 2p virtual stages. DeepSeek's
+    (p - 1)(F&B + B - 3W) takes F&B overlapped."""
+    for times in ({"F": 1, "B": 1, "W": 1}, {"F": 1, "B": 2, "W": 1}, {"F": 1, "B": 1, "W": 0.5},
+                  {"F": 1, "B": 3, "W": 2}, {"F": 0.7, "B": 0.4, "W": 0.1}):
+        work = sum(times.values())
+        two_stages = pp.simulate(all_stages("dualpipev", 2, 4, 2), times)
+        idle = (p - 1) * (max(row[-1][4] for row in two_stages) - 8 * work)
         for m in (2 * p, 2 * p + 3, 4 * p):
             events = pp.simulate(all_stages("dualpipev", p, m, 2), times)
             span = max(row[-1][4] for row in events)
-            idle.add(span - 2 * m * sum(times.values()))
-        assert len(idle) == 1
-        assert idle.pop() < (2 * p - 1) * sum(times.values())
+            assert span - 2 * m * work == pytest.approx(idle)
+            assert pp.v_bubble(p, m, *times.values()) == pytest.approx(idle / span)
+        assert idle < (2 * p - 1) * work
 
 
 def w_twice(p, s, m):   # the defect: stage 0's first W run twice, its last dropped
