@@ -558,9 +558,11 @@ class Parser(argparse.ArgumentParser):
         self.add_argument("--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S,
                           help="how long a rank waits for a peer before the run fails")
 
-    def error(self, message):
+    def error(self, message):   # under torchrun rank 0 says it; the rest wait, so that torchrun,
         if not (under_torchrun() and "MASTER_ADDR" in os.environ and os.environ["RANK"] != "0"):
             sys.stderr.write(f"{self.prog}: error: {message}\n")
+        else:              # stopping every rank at the first exit, cannot stop rank 0 before it
+            time.sleep(10)
         sys.exit(2)
 
     def refuse(self, rules):   # the door: (broken, message) pairs; the first broken one ends it

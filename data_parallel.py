@@ -461,172 +461,7 @@ def model_blocks(args, routers=None, device=None):
             Block(head_forward, head_backward)]
 
 
-# Part 3: experts ----------------------------------------------------------------------------------
-
-# Experts (--experts E, --top-k K): the MLP as E experts and a router (DeepSeek-V3's balance).
-#   forward   gate = softmax(n Wr) [N, E] in fp32, N = b T positions; each takes the K largest
-#             of gate + bias (ties: the lower index); y = sum over its K experts e of
-#             gate_e y_e, y_e = swiglu(n; W1[e], W3[e], W2[e]), each expert the dense MLP
-#   backward  an expert's as the MLP's over its own positions, dy scaled by gate_e. The router's
-#             through gate alone: dgate_e = <dy, y_e> for a chosen e, 0 for the rest; then
-#             softmax's, ds = gate (dgate - sum_e dgate_e gate_e), dWr = n^T ds, dn += ds Wr^T.
-#             The choice is a step of gate: flat almost everywhere, it passes no gradient; an
-#             expert no position chose is in no output, and its gradient is 0.
-#   balance   bias [E] steers the choice, never the output: after a step bias_e += rate sign(mean
-#             load - load_e), the loads (positions x K an expert took) over the global batch.
-#   tp        (step 3) each expert's W1, W3, W2 split as the MLP's, the router whole on every
-#             rank. y_e is then a sum over tp (or its columns), so each rank's dgate_e = <dy, y_e>
-#             is its part: so are ds, dWr (summed over tp, as sequence parallelism's gains) and
-#             ds Wr^T (summed by f's backward with the experts' dn).
-# Each position's K choices are K pairs (position, expert), sorted by expert; the experts run on
-# the pairs' rows: here, or, with --ep, on the rank that holds them (dispatched below).
-
-class Router:
-    """A block's bias [E], this step's loads [E] and choices (each micro-batch's [N, K])."""
-
-    def __init__(self, num_experts, top_k, device=None, group=None):
-        self.bias = torch.zeros(num_experts, device=device)
-        self.loads = torch.zeros(num_experts, device=device)
-        self.top_k = top_k
-        self.routes = []
-        self.group = group            # --ep: the ranks that hold the experts between them
-
-    def choose(self, gate, count=True):   # [N, K]: the K largest of gate + bias, lower index first
-        chosen = (gate + self.bias).sort(dim=-1, descending=True, stable=True).indices
-        chosen = chosen[:, :self.top_k]
-        if count:                     # the forward's; --recompute's again counts nothing
-            self.loads += torch.bincount(chosen.flatten(), minlength=len(self.loads))
-            self.routes.append(chosen)
-        return chosen
-
-
-class ExpertsStash(NamedTuple):   # what the experts keep for their backward
-    x: torch.Tensor        # n [N, D]
-    gate: torch.Tensor     # [N, E], fp32
-    rows: torch.Tensor     # [N K]: each pair's position, the pairs sorted by expert
-    expert: torch.Tensor   # [N K]: each pair's expert
-    y_e: torch.Tensor      # [N K, D]: each pair's expert output (home, with --ep)
-    routed: list           # each expert's (which of the rows it ran, its MLPStash), where it ran
-    sent: object           # --ep's all-to-alls (Sent); None: the experts ran here
-
-
-def experts_forward(n, wr, w1, w3, w2, router, count=True, split=Whole):
-    """y [b, T, D] from n [b, T, D] (step 3's: before g), and the experts' stash."""
-    x = n.flatten(0, -2)                                      # [N, D]
-    gate = (wide(x) @ wide(wr)).softmax(-1)                   # [N, E], fp32
-    chosen = router.choose(gate, count)                       # [N, K]
-    expert = chosen.flatten()                                 # [N K]: each pair's expert
-    order = expert.argsort(stable=True)                       # the pairs, by expert
-    rows = torch.arange(len(x), device=x.device).repeat_interleave(chosen.shape[1])[order]
-    expert = expert[order]
-    if router.group is None:
-        y_e, routed = run_experts(x[rows], expert, w1, w3, w2, split)   # [N K, D]
-        sent = None
-    else:                                                     # --ep: on the experts' ranks
-        y_e, routed, sent = dispatched(x[rows], expert, w1, w3, w2, router.group, split)
-    y = x.new_zeros((len(x), w2.shape[-1]), dtype=gate.dtype)   # the K outputs summed, fp32
-    y.index_add_(0, rows, gate[rows, expert, None] * wide(y_e))
-    return y.to(n.dtype).view(*n.shape[:-1], -1), ExpertsStash(x, gate, rows, expert, y_e, routed,
-                                                               sent)
-
-
-def run_experts(x, expert, w1, w3, w2, split=Whole):
-    """Each pair's row of x [M, D] through its expert (one of w1's E' here, by expert [M]): y_e
-    [M, D], and each expert's rows and MLPStash."""
-    y_e = x.new_empty((len(x), w2.shape[-1]))
-    routed = []
-    for e in range(w1.shape[0]):
-        mine = (expert == e).nonzero()[:, 0]                  # the pairs that chose e
-        y_e[mine], stash = swiglu(x[mine], w1[e], w3[e], w2[e], split)   # [m_e, D]
-        routed.append((mine, stash))
-    return y_e, routed
-
-
-def run_experts_backward(dy_e, routed, w1, w3, w2, split=Whole):
-    """dx [M, D] of each pair's row, and W1's, W3's, W2's gradients [E', ..], ready, fp32."""
-    ready = torch.promote_types(dy_e.dtype, torch.float32)   # fp32 at least
-    grads = [torch.zeros(w.shape, dtype=ready, device=dy_e.device) for w in (w1, w3, w2)]
-    dx = dy_e.new_empty((len(dy_e), w1.shape[1]))             # [M, D]
-    for e, (mine, stash) in enumerate(routed):
-        dx[mine], terms = swiglu_backward(dy_e[mine], stash, w1[e], w3[e], w2[e], split)
-        for grad, (x, dz) in zip(grads, terms):               # dW[e] = x^T dz
-            grad[e] = wide_matmul(x.T, dz)
-    return dx, grads
-
-
-def experts_backward(dy, stash, wr, w1, w3, w2, split=Whole):
-    """dn [b, T, D] (step 3's: before f's backward), and Wr's, W1's, W3's, W2's gradients,
-    ready, fp32."""
-    x, gate, rows, expert, y_e, routed, sent = stash
-    dy_rows = wide(dy.flatten(0, -2))[rows]                   # [N K, D]: each pair's dy
-    dgate = torch.zeros_like(gate)                            # dL/dgate [N, E]: 0 unchosen
-    dgate[rows, expert] = (dy_rows * wide(y_e)).sum(-1)       # <dy, y_e>: tp's part
-    dy_e = (gate[rows, expert, None] * dy_rows).to(dy.dtype)  # y_e's: scaled by gate_e
-    if sent is None:
-        dx_e, grads = run_experts_backward(dy_e, routed, w1, w3, w2, split)
-    else:                                                     # --ep: there and back again
-        dx_e, grads = dispatched_backward(dy_e, routed, w1, w3, w2, sent, split)
-    dx = torch.zeros(x.shape, dtype=gate.dtype, device=x.device)
-    dx.index_add_(0, rows, wide(dx_e))                        # each pair's dn, home
-    ds = gate * (dgate - (dgate * gate).sum(-1, keepdim=True))   # softmax's backward [N, E]
-    dx += ds @ wide(wr).T                                     # gate = softmax(n Wr)
-    return dx.to(dy.dtype).view(*dy.shape[:-1], -1), [(None, wide(x).T @ ds),
-                                                      *[(None, grad) for grad in grads]]
-
-
-# Expert parallelism (--ep P): the P ranks of an ep group hold E/P experts each (rank r: experts
-# r E/P .. (r+1) E/P - 1). ZeRO-3 brings the weights to the data; EP brings the data to the weights:
-#   dispatch  each pair's row of n to its expert's rank: one all-to-all, the counts exchanged
-#             first, so that no position is dropped   [N K, D] -> [M, D]
-#   combine   each expert's output back to the pair's rank: the all-to-all in reverse; then
-#             y = sum over the pairs of gate_e y_e, as before
-#   backward  gate_e dy to the experts as the dispatch went, the same experts' backward, dn of
-#             each pair home as the combine; dgate_e = <dy, y_e> at home, where y_e came back
-# An expert's gradient: summed over its copies (the dp/P ranks that hold it) and divided by dp,
-# the replicas' count (WithExperts); the router and the rest stay data-parallel.
-
-class Sent(NamedTuple):   # --ep's all-to-alls, as the forward made them, for the backward
-    send_counts: torch.Tensor  # [P]: the pairs sent to each rank
-    recv_counts: torch.Tensor  # [P]: the pairs taken from each
-    group: object
-
-
-def dispatched(x, expert, w1, w3, w2, group, split=Whole):
-    """run_experts' y_e [N K, D] of the pairs' rows x [N K, D] (sorted by expert: by its rank),
-    each sent to its expert's rank, run there, and sent back; and what the backward needs."""
-    local = w1.shape[0]                                       # E/P experts here
-    send_counts = torch.bincount(expert // local, minlength=dist.get_world_size(group))
-    recv_counts = all_to_all(send_counts, group=group)        # each rank's, from each
-    sent = Sent(send_counts, recv_counts, group)
-    x_in = all_to_all(x, send_counts, recv_counts, group)     # [M, D]: rows for my experts
-    e_in = all_to_all(expert % local, send_counts, recv_counts, group)   # which of mine
-    y_in, routed = run_experts(x_in, e_in, w1, w3, w2, split)
-    return all_to_all(y_in, recv_counts, send_counts, group), routed, sent   # home, in order
-
-
-def dispatched_backward(dy_e, routed, w1, w3, w2, sent, split=Whole):
-    """run_experts_backward's, each pair's dy sent to its expert as the dispatch, dx home."""
-    send_counts, recv_counts, group = sent
-    dy_in = all_to_all(dy_e, send_counts, recv_counts, group)
-    dx_in, grads = run_experts_backward(dy_in, routed, w1, w3, w2, split)
-    return all_to_all(dx_in, recv_counts, send_counts, group), grads
-
-
-def balance(routers, rate, counted=True):
-    """Each block's bias moved by the step's loads over every rank: one all-reduce of [L, E]
-    (counted=False: a tp rank but the first, whose positions that one counts)."""
-    loads = torch.stack([router.loads for router in routers])
-    if not counted:
-        loads.zero_()
-    if dist.is_initialized():
-        dist.all_reduce(loads)
-    for router, load in zip(routers, loads):
-        router.bias += rate * torch.sign(load.mean() - load)
-        router.loads.zero_()
-    return loads
-
-
-# Part 4: data parallelism, and ZeRO-1 -------------------------------------------------------------
+# Part 3: data parallelism, and ZeRO-1 -------------------------------------------------------------
 
 def dp_step(replica, blocks, loss_fn, xs, ys, n, recompute=False):
     """One replica's step on micro-batches xs, ys [B/(d m), T] of tokens: its loss (n positions)."""
@@ -894,7 +729,7 @@ class ZeRO1(DataParallel):
             dist.all_gather_single(flat, shard, group=self.group)
 
 
-# Part 5: ZeRO-2 and 3, the experts' copies (--ep), the batch, and the worker ----------------------
+# Part 4: ZeRO-2 and 3 -----------------------------------------------------------------------------
 
 class ZeRO2(ZeRO1):
     """Stage 2 = stage 1, but a bucket is reduce-scattered into a shard of its own, the bucket
@@ -959,6 +794,171 @@ class ZeRO3(ZeRO2):
             self.weights[i] = None
 
 
+# Part 5: experts, and expert parallelism ----------------------------------------------------------
+
+# Experts (--experts E, --top-k K): the MLP as E experts and a router (DeepSeek-V3's balance).
+#   forward   gate = softmax(n Wr) [N, E] in fp32, N = b T positions; each takes the K largest
+#             of gate + bias (ties: the lower index); y = sum over its K experts e of
+#             gate_e y_e, y_e = swiglu(n; W1[e], W3[e], W2[e]), each expert the dense MLP
+#   backward  an expert's as the MLP's over its own positions, dy scaled by gate_e. The router's
+#             through gate alone: dgate_e = <dy, y_e> for a chosen e, 0 for the rest; then
+#             softmax's, ds = gate (dgate - sum_e dgate_e gate_e), dWr = n^T ds, dn += ds Wr^T.
+#             The choice is a step of gate: flat almost everywhere, it passes no gradient; an
+#             expert no position chose is in no output, and its gradient is 0.
+#   balance   bias [E] steers the choice, never the output: after a step bias_e += rate sign(mean
+#             load - load_e), the loads (positions x K an expert took) over the global batch.
+#   tp        (step 3) each expert's W1, W3, W2 split as the MLP's, the router whole on every
+#             rank. y_e is then a sum over tp (or its columns), so each rank's dgate_e = <dy, y_e>
+#             is its part: so are ds, dWr (summed over tp, as sequence parallelism's gains) and
+#             ds Wr^T (summed by f's backward with the experts' dn).
+# Each position's K choices are K pairs (position, expert), sorted by expert; the experts run on
+# the pairs' rows: here, or, with --ep, on the rank that holds them (dispatched below).
+
+class Router:
+    """A block's bias [E], this step's loads [E] and choices (each micro-batch's [N, K])."""
+
+    def __init__(self, num_experts, top_k, device=None, group=None):
+        self.bias = torch.zeros(num_experts, device=device)
+        self.loads = torch.zeros(num_experts, device=device)
+        self.top_k = top_k
+        self.routes = []
+        self.group = group            # --ep: the ranks that hold the experts between them
+
+    def choose(self, gate, count=True):   # [N, K]: the K largest of gate + bias, lower index first
+        chosen = (gate + self.bias).sort(dim=-1, descending=True, stable=True).indices
+        chosen = chosen[:, :self.top_k]
+        if count:                     # the forward's; --recompute's again counts nothing
+            self.loads += torch.bincount(chosen.flatten(), minlength=len(self.loads))
+            self.routes.append(chosen)
+        return chosen
+
+
+class ExpertsStash(NamedTuple):   # what the experts keep for their backward
+    x: torch.Tensor        # n [N, D]
+    gate: torch.Tensor     # [N, E], fp32
+    rows: torch.Tensor     # [N K]: each pair's position, the pairs sorted by expert
+    expert: torch.Tensor   # [N K]: each pair's expert
+    y_e: torch.Tensor      # [N K, D]: each pair's expert output (home, with --ep)
+    routed: list           # each expert's (which of the rows it ran, its MLPStash), where it ran
+    sent: object           # --ep's all-to-alls (Sent); None: the experts ran here
+
+
+def experts_forward(n, wr, w1, w3, w2, router, count=True, split=Whole):
+    """y [b, T, D] from n [b, T, D] (step 3's: before g), and the experts' stash."""
+    x = n.flatten(0, -2)                                      # [N, D]
+    gate = (wide(x) @ wide(wr)).softmax(-1)                   # [N, E], fp32
+    chosen = router.choose(gate, count)                       # [N, K]
+    expert = chosen.flatten()                                 # [N K]: each pair's expert
+    order = expert.argsort(stable=True)                       # the pairs, by expert
+    rows = torch.arange(len(x), device=x.device).repeat_interleave(chosen.shape[1])[order]
+    expert = expert[order]
+    if router.group is None:
+        y_e, routed = run_experts(x[rows], expert, w1, w3, w2, split)   # [N K, D]
+        sent = None
+    else:                                                     # --ep: on the experts' ranks
+        y_e, routed, sent = dispatched(x[rows], expert, w1, w3, w2, router.group, split)
+    y = x.new_zeros((len(x), w2.shape[-1]), dtype=gate.dtype)   # the K outputs summed, fp32
+    y.index_add_(0, rows, gate[rows, expert, None] * wide(y_e))
+    return y.to(n.dtype).view(*n.shape[:-1], -1), ExpertsStash(x, gate, rows, expert, y_e, routed,
+                                                               sent)
+
+
+def run_experts(x, expert, w1, w3, w2, split=Whole):
+    """Each pair's row of x [M, D] through its expert (one of w1's E' here, by expert [M]): y_e
+    [M, D], and each expert's rows and MLPStash."""
+    y_e = x.new_empty((len(x), w2.shape[-1]))
+    routed = []
+    for e in range(w1.shape[0]):
+        mine = (expert == e).nonzero()[:, 0]                  # the pairs that chose e
+        y_e[mine], stash = swiglu(x[mine], w1[e], w3[e], w2[e], split)   # [m_e, D]
+        routed.append((mine, stash))
+    return y_e, routed
+
+
+def run_experts_backward(dy_e, routed, w1, w3, w2, split=Whole):
+    """dx [M, D] of each pair's row, and W1's, W3's, W2's gradients [E', ..], ready, fp32."""
+    ready = torch.promote_types(dy_e.dtype, torch.float32)   # fp32 at least
+    grads = [torch.zeros(w.shape, dtype=ready, device=dy_e.device) for w in (w1, w3, w2)]
+    dx = dy_e.new_empty((len(dy_e), w1.shape[1]))             # [M, D]
+    for e, (mine, stash) in enumerate(routed):
+        dx[mine], terms = swiglu_backward(dy_e[mine], stash, w1[e], w3[e], w2[e], split)
+        for grad, (x, dz) in zip(grads, terms):               # dW[e] = x^T dz
+            grad[e] = wide_matmul(x.T, dz)
+    return dx, grads
+
+
+def experts_backward(dy, stash, wr, w1, w3, w2, split=Whole):
+    """dn [b, T, D] (step 3's: before f's backward), and Wr's, W1's, W3's, W2's gradients,
+    ready, fp32."""
+    x, gate, rows, expert, y_e, routed, sent = stash
+    dy_rows = wide(dy.flatten(0, -2))[rows]                   # [N K, D]: each pair's dy
+    dgate = torch.zeros_like(gate)                            # dL/dgate [N, E]: 0 unchosen
+    dgate[rows, expert] = (dy_rows * wide(y_e)).sum(-1)       # <dy, y_e>: tp's part
+    dy_e = (gate[rows, expert, None] * dy_rows).to(dy.dtype)  # y_e's: scaled by gate_e
+    if sent is None:
+        dx_e, grads = run_experts_backward(dy_e, routed, w1, w3, w2, split)
+    else:                                                     # --ep: there and back again
+        dx_e, grads = dispatched_backward(dy_e, routed, w1, w3, w2, sent, split)
+    dx = torch.zeros(x.shape, dtype=gate.dtype, device=x.device)
+    dx.index_add_(0, rows, wide(dx_e))                        # each pair's dn, home
+    ds = gate * (dgate - (dgate * gate).sum(-1, keepdim=True))   # softmax's backward [N, E]
+    dx += ds @ wide(wr).T                                     # gate = softmax(n Wr)
+    return dx.to(dy.dtype).view(*dy.shape[:-1], -1), [(None, wide(x).T @ ds),
+                                                      *[(None, grad) for grad in grads]]
+
+
+# Expert parallelism (--ep P): the P ranks of an ep group hold E/P experts each (rank r: experts
+# r E/P .. (r+1) E/P - 1). ZeRO-3 brings the weights to the data; EP brings the data to the weights:
+#   dispatch  each pair's row of n to its expert's rank: one all-to-all, the counts exchanged
+#             first, so that no position is dropped   [N K, D] -> [M, D]
+#   combine   each expert's output back to the pair's rank: the all-to-all in reverse; then
+#             y = sum over the pairs of gate_e y_e, as before
+#   backward  gate_e dy to the experts as the dispatch went, the same experts' backward, dn of
+#             each pair home as the combine; dgate_e = <dy, y_e> at home, where y_e came back
+# An expert's gradient: summed over its copies (the dp/P ranks that hold it) and divided by dp,
+# the replicas' count (WithExperts); the router and the rest stay data-parallel.
+
+class Sent(NamedTuple):   # --ep's all-to-alls, as the forward made them, for the backward
+    send_counts: torch.Tensor  # [P]: the pairs sent to each rank
+    recv_counts: torch.Tensor  # [P]: the pairs taken from each
+    group: object
+
+
+def dispatched(x, expert, w1, w3, w2, group, split=Whole):
+    """run_experts' y_e [N K, D] of the pairs' rows x [N K, D] (sorted by expert: by its rank),
+    each sent to its expert's rank, run there, and sent back; and what the backward needs."""
+    local = w1.shape[0]                                       # E/P experts here
+    send_counts = torch.bincount(expert // local, minlength=dist.get_world_size(group))
+    recv_counts = all_to_all(send_counts, group=group)        # each rank's, from each
+    sent = Sent(send_counts, recv_counts, group)
+    x_in = all_to_all(x, send_counts, recv_counts, group)     # [M, D]: rows for my experts
+    e_in = all_to_all(expert % local, send_counts, recv_counts, group)   # which of mine
+    y_in, routed = run_experts(x_in, e_in, w1, w3, w2, split)
+    return all_to_all(y_in, recv_counts, send_counts, group), routed, sent   # home, in order
+
+
+def dispatched_backward(dy_e, routed, w1, w3, w2, sent, split=Whole):
+    """run_experts_backward's, each pair's dy sent to its expert as the dispatch, dx home."""
+    send_counts, recv_counts, group = sent
+    dy_in = all_to_all(dy_e, send_counts, recv_counts, group)
+    dx_in, grads = run_experts_backward(dy_in, routed, w1, w3, w2, split)
+    return all_to_all(dx_in, recv_counts, send_counts, group), grads
+
+
+def balance(routers, rate, counted=True):
+    """Each block's bias moved by the step's loads over every rank: one all-reduce of [L, E]
+    (counted=False: a tp rank but the first, whose positions that one counts)."""
+    loads = torch.stack([router.loads for router in routers])
+    if not counted:
+        loads.zero_()
+    if dist.is_initialized():
+        dist.all_reduce(loads)
+    for router, load in zip(routers, loads):
+        router.bias += rate * torch.sign(load.mean() - load)
+        router.loads.zero_()
+    return loads
+
+
 class WithExperts:
     """--ep: a replica of all but the experts, and one of this rank's experts (a block's a part,
     a bucket) over their copies, the ranks that hold the same (dp/P of them), of the ZeRO stage
@@ -1016,6 +1016,23 @@ class WithExperts:
         self.experts.update()
 
 
+def ep_groups(rank, world_size, ep):
+    """(this rank's ep group: P consecutive ranks; its copies: the ranks of its ep rank)."""
+    mine = None
+    copies = None
+    for start in range(0, world_size, ep):             # every rank makes every group
+        group = dist.new_group(list(range(start, start + ep)))
+        if start <= rank < start + ep:
+            mine = group
+    for r in range(ep):
+        group = dist.new_group(list(range(r, world_size, ep)))
+        if rank % ep == r:
+            copies = group
+    return mine, copies
+
+
+# Part 6: the batch, and the worker ----------------------------------------------------------------
+
 def make_batch(args, step, text=None):
     """The step's B windows of T + 1 characters of the training text, at offsets every rank draws
     alike from (--seed, step): inputs [B, T], targets [B, T], each position's next character."""
@@ -1040,21 +1057,6 @@ def global_loss(loss, group):       # the replicas' mean losses, averaged: the g
 
 def make_replica(weights, group, zero=0, **options):   # the ZeRO stage asked for (--zero)
     return [DataParallel, ZeRO1, ZeRO2, ZeRO3][zero](weights, group, **options)
-
-
-def ep_groups(rank, world_size, ep):
-    """(this rank's ep group: P consecutive ranks; its copies: the ranks of its ep rank)."""
-    mine = None
-    copies = None
-    for start in range(0, world_size, ep):             # every rank makes every group
-        group = dist.new_group(list(range(start, start + ep)))
-        if start <= rank < start + ep:
-            mine = group
-    for r in range(ep):
-        group = dist.new_group(list(range(r, world_size, ep)))
-        if rank % ep == r:
-            copies = group
-    return mine, copies
 
 
 def dp_worker(rank, world_size, args):
