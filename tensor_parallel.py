@@ -412,7 +412,8 @@ def shard_box(shape, kind, tp_rank, tp_size, kv_heads=1):
 # step 2's attend_backward() with the merged o_i and lse_i (delta_i = rowsum(do_i o_i) needs no
 # other rank's keys): A = exp(S_ij - lse_i), dv_j += A^T do_i, dS = A (dA - delta_i), dq_i += dS
 # k_j, dk_j += dS^T q_i, each kv head's summed over its group. dq stays; dk and dv travel the ring
-# with their block, C hops: back at its owner.
+# with their block, C hops: back at its owner. Each hop runs under the next step's pairs, whose
+# sums start from zero: the arriving sums are added after them (as ring-flash-attention does).
 
 def cp_chunks(cp_rank, cp_size, layout):   # the chunks of T this rank holds, in order
     if layout == "zigzag":
@@ -496,7 +497,8 @@ def ring_attention(q, k, v, head_dim, group=None, layout="zigzag"):
 
 def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="zigzag"):
     """dq [b, n, h dh], dk, dv [b, n, G dh]: each pair's A made again from the merged lse; dk and
-    dv summed into a buffer that travels with its block (fp32), home after C hops."""
+    dv summed into a buffer (fp32) that travels with its block, home after C hops, each hop under
+    the next step's pairs: a step's sums start from zero, and the arriving ones are added after."""
     size = dist.get_world_size(group)
     r = dist.get_rank(group)
     right, left = ring_neighbours(group)
@@ -507,11 +509,11 @@ def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="z
     mine = cp_chunks(r, size, layout)
     s = q.shape[-2] // len(mine)
     dq = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-    dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)     # this block's dk, dv
     for step in range(size):
         if step < size - 1:
             incoming = torch.empty_like(kv)
             works = exchange(kv, incoming, right, left, group, wait=False)
+        dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)  # the held block's dk, dv
         rows = zip(mine, q.split(s, -2), do.split(s, -2), o.split(s, -2), lse.split(s, -1),
                    dq.split(s, -2))
         for i, q_i, do_i, o_i, lse_i, dq_i in rows:
@@ -525,14 +527,21 @@ def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="z
                 dq_i += dq_ij
                 dk_j += dk_ij
                 dv_j += dv_ij
-        if size > 1:                                                  # the block's sums, on
+        if step > 0:                     # the block's sums from its earlier holders, which
+            for work in sums:            # travelled under these pairs (ring-flash-attention's)
+                work.wait()
+            dkv += arriving
+        if size > 1:                     # on to the next holder, under its next pairs
             arriving = torch.empty_like(dkv)
-            exchange(dkv, arriving, right, left, group)
-            dkv = arriving
+            sums = exchange(dkv, arriving, right, left, group, wait=False)
         if step < size - 1:
             for work in works:
                 work.wait()
             kv = incoming
+    if size > 1:                         # the last hop: this rank's own block, home
+        for work in sums:
+            work.wait()
+        dkv = arriving
     return [columns(t).to(q.dtype) for t in (dq, *dkv)]
 
 

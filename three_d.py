@@ -796,10 +796,12 @@ def predict(args, machine):
                                                         per_node[s][group])
                            for (kind, nbytes), times in tallied[group].items()) for group in runs}
         ring = {"ring": "cp", "hybrid": "ring"}.get(args.cp_style)
-        if cp > 1 and ring:   # K and V travel under the pairs' kernels: what outlasts them shows
-            blocks = sum(kinds.count("block") for kinds in stage_kinds(args, s))
-            kind, nbytes, times = runs[ring][0]
-            sends = times * machine.collective_s(kind, nbytes, sizes[ring], per_node[s][ring])
+        if cp > 1 and ring:   # K and V travel under the pairs' kernels, and dK, dV but the
+            blocks = sum(kinds.count("block") for kinds in stage_kinds(args, s))   # last hop
+            (kind, nbytes, times), (_, sums, hops) = runs[ring][:2]
+            sends = times * machine.collective_s(kind, nbytes, sizes[ring], per_node[s][ring]) + \
+                hops * (sizes[ring] - 1) // sizes[ring] * machine.collective_s(
+                    kind, sums, sizes[ring], per_node[s][ring])   # what outlasts them shows
             forward, back = machine.attention_s(rows, shape, tp)
             pairs = blocks * m * ((1 + args.recompute) * forward + back)
             comm[ring] -= min(sends, pairs)
@@ -892,10 +894,11 @@ def working_bytes(args, stage):
     A = b * T * args.dim * act                                             # [b, T, D]
     block = 4 * b * T * args.ffn_dim * act                                 # the MLP's
     if args.cp > 1:   # the ring's backward beside the MLP's dz and 3 more [b, T/C, D]: do, q,
-        # o, k, v in the heads' layout, K V and the incoming; fp32 dq, dK dV, the arriving
+        # o, k, v in the heads' layout, K V and the incoming; fp32 dq, dK dV, those in flight and
+        # the arriving
         q = b * T * args.dim // args.tp                                    # [b, T/C, h/tp dh]
         kv = b * T * kv_width(args.dim, args.heads, args.kv_heads, args.tp)
-        block = max(block, 7 * A + (3 * q + 6 * kv) * act + (q + 4 * kv) * 4)
+        block = max(block, 7 * A + (3 * q + 6 * kv) * act + (q + 6 * kv) * 4)
         if args.cp_style == "all-gather":   # K, V whole, gathered and in order; dK, dV whole
             block += 2 * kv * args.cp * (2 * act + 4 * 4)   # in fp32, joined, reordered, sent
     if args.recompute:   # the stash rebuilt; its n1, o, n2, u are its (x, dz)s' xs, counted with

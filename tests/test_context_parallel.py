@@ -22,6 +22,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import data_parallel as dp
 import tensor_parallel as tp
@@ -34,13 +35,22 @@ SMALL = ["--num-layers", "2", "--dim", "16", "--heads", "4", "--context", "24", 
          "--steps", "3", "--optimizer", "sgd", "--lr", "0.3", "--seed", "3", *NO_SAMPLE]
 
 
-def left_where_computed(to_send, to_recv, right, left, group, wait=True):
-    """The defect for dk and dv: the blocking exchange (the backward's dk, dv) sends nothing; each
-    rank keeps the sums it made. The keys and values still travel."""
-    if wait:
-        to_recv.copy_(to_send)
-        return None
-    return exchange(to_send, to_recv, right, left, group, wait=False)
+def backward_hops(stale_keys=False, sums_kept=False):
+    """The ring backward's exchanges with a defect. They run kv, dkv a step, the last step dkv
+    alone: every other one from the second, and the last, are the sums'. stale_keys: what comes
+    in for the keys is the block this rank already held; sums_kept: the sums' hops send
+    nothing, each rank keeps the sums it made (dk and dv left where computed)."""
+    calls = []
+
+    def exchanging(to_send, to_recv, right, left, group, wait=True):
+        k = len(calls)
+        calls.append(k)
+        sums = k % 2 == 1 or k == 2 * (dist.get_world_size(group) - 1)
+        if sums_kept if sums else stale_keys:
+            to_recv.copy_(to_send)
+            return []
+        return exchange(to_send, to_recv, right, left, group, wait=wait)
+    return mock.patch.object(tp, "exchange", exchanging)
 
 
 def merge_without_max(o_a, lse_a, o_b, lse_b):   # the defect: log(e^lse_a + e^lse_b) as written
@@ -86,19 +96,18 @@ def ring_worker(rank, world_size, layout, defect, dtype, scale):
     q = q * scale                                             # scores of about scale x 2
     mine = tp.cp_positions(T, rank, world_size, layout)
     forward = [q[:, mine], k[:, mine], v[:, mine], head_dim]
-    patches = {"left_where_computed": ("exchange", left_where_computed),
-               "merge_without_max": ("merge", merge_without_max)}
     put_in = mock.MagicMock()
-    if defect in patches:
-        put_in = mock.patch.object(tp, *patches[defect])
+    if defect == "merge_without_max":
+        put_in = mock.patch.object(tp, "merge", merge_without_max)
     if defect == "masked_by_local_position":
         put_in = masked_by_local_position()
     if defect == "fused_pairs":
         put_in = fused_pairs()
     with put_in:
         o, lse = tp.ring_attention(*forward, layout=layout)
-        if defect == "stale_keys":                            # the backward: its own block alone
-            with mock.patch.object(tp, "exchange", stale_exchange):
+        if defect in ("stale_keys", "left_where_computed"):   # the backward's exchanges alone
+            with backward_hops(stale_keys=defect == "stale_keys",
+                               sums_kept=defect == "left_where_computed"):
                 grads = tp.ring_attention_backward(do[:, mine], *forward[:3], o, lse, head_dim,
                                                    layout=layout)
         else:
@@ -114,18 +123,6 @@ def ring_worker(rank, world_size, layout, defect, dtype, scale):
              for a, w in zip(got, want)]
     torch.save(close, f"{RESULTS}/{defect}-{world_size}-{layout}-{rank}.pt")
     cleanup()
-
-
-def stale_exchange(to_send, to_recv, right, left, group, wait=True):
-    """The defect for the keys: what comes in at each step is the block this rank already held
-    (the keys and values of the step before); dk and dv travel as they should."""
-    if wait:
-        return exchange(to_send, to_recv, right, left, group)
-    works = exchange(to_send, to_recv, right, left, group, wait=False)
-    for work in works:
-        work.wait()
-    to_recv.copy_(to_send)
-    return []
 
 
 RESULTS = None
