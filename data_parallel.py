@@ -28,12 +28,13 @@ here, once; every later step splits these lines:
       matmul   z = x W:  dW = x^T dz (over every position), dx = dz W^T
       residual x' = x + f(x):  dx = dx' + the branch's dx: the two, summed
       rmsnorm  s = g dy:  dx = r s - x r^3 mean_D(s x)          dg = sum over positions of dy x r
-      swiglu   m = silu(a) u:  du = dm silu(a),  da = dm u silu'(a),  silu'(a) = s (1 + a (1 - s)),
-               s = sigmoid(a)
+      swiglu   u = silu(a) up:  dup = du silu(a),  da = du up silu'(a),
+               silu'(a) = sg (1 + a (1 - sg)),  sg = sigmoid(a)
       rope     a rotation R: dx = R^T dy, the rotation by -angle
       attention, a head (S = q k^T / sqrt(dh), A = softmax(S) = exp(S - lse), o = A v), where
                lse = log rowsum exp(S) [b, h, T] is kept and A made again (FlashAttention's way):
-               dv = A^T do    dA = do v^T    dS = A * (dA - D),  D = rowsum(dA * A) = rowsum(do * o)
+               dv = A^T do    dA = do v^T    dS = A * (dA - delta),  delta = rowsum(dA * A)
+               delta = rowsum(do * o), as attend_backward derives
                dq = dS k / sqrt(dh)     dk = dS^T q / sqrt(dh)    (masked: A = 0, so dS = 0)
                a kv head's dk and dv: the sums of these over its group's h/G query heads
       embed    dE[tokens] += dx  (index_add_)
@@ -243,7 +244,7 @@ def swiglu_backward(dy, stash, w1, w3, w2, split):
     return dn, [(n, da), (n, dup), (u, dy)]
 
 
-def silu_backward(g, a):   # g silu'(a), silu'(a) = s (1 + a (1 - s)), s = sigmoid(a): one pass
+def silu_backward(g, a):   # g silu'(a), silu'(a) = sg (1 + a (1 - sg)), sg = sigmoid(a): one pass
     return torch.ops.aten.silu_backward(g, a)
 
 
@@ -621,7 +622,7 @@ class DataParallel:
 
     def add_grads(self, part, terms):
         """Each tensor's dW = x^T dz summed into its bucket by the matmul itself (Megatron's
-        fusion); x None: dz is the gradient; x ids: dz's rows added at them (E's, P's)."""
+        fusion); x None: dz is the gradient; x ids: dz's rows added at them (E's)."""
         for i, (x, dz) in zip(self.spans[part], terms):
             b = self.layout.bucket_of[i]
             if self.grad_buckets[b] is None:
@@ -1062,7 +1063,7 @@ def make_replica(weights, group, zero=0, **options):   # the ZeRO stage asked fo
 def dp_worker(rank, world_size, args):
     device = setup(rank, world_size)
     m = args.micro_batches
-    init = init_params(args)                            # [E, P], the blocks, [g, H]
+    init = init_params(args)                            # [E], the blocks, [g, H]
     parts = [[w.to(device, copy=True) for w in part] for part in init]
     ep_group = None
     if args.ep > 1:                                     # each block's W1, W3, W2: its E/P

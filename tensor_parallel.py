@@ -472,21 +472,21 @@ def ring_attention(q, k, v, head_dim, group=None, layout="zigzag"):
     q = query_heads(q, k.shape[-1] // head_dim, head_dim)            # [b, G, h/G, n, dh]
     kv = torch.stack([kv_head(k, head_dim), kv_head(v, head_dim)])   # [2, b, G, 1, n, dh]
     mine = cp_chunks(r, size, layout)
-    s = q.shape[-2] // len(mine)
+    span = q.shape[-2] // len(mine)                                   # a chunk's positions
     outs = [None] * len(mine)
     lses = [None] * len(mine)
     for step in range(size):
         if step < size - 1:
             incoming = torch.empty_like(kv)
             works = exchange(kv, incoming, right, left, group, wait=False)
-        for a, (i, q_i) in enumerate(zip(mine, q.split(s, -2))):
-            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(s, -2),
-                       kv[1].split(s, -2))
+        for c, (i, q_i) in enumerate(zip(mine, q.split(span, -2))):
+            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(span, -2),
+                       kv[1].split(span, -2))
             for j, k_j, v_j in held:
                 if j > i:
                     continue
                 o_ij, lse_ij = pair_attention(q_i, k_j, v_j, head_dim, diagonal=i == j)
-                outs[a], lses[a] = merge(outs[a], lses[a], o_ij, lse_ij)
+                outs[c], lses[c] = merge(outs[c], lses[c], o_ij, lse_ij)
         if step < size - 1:
             for work in works:
                 work.wait()
@@ -507,18 +507,18 @@ def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="z
     lse = lse.unflatten(1, q.shape[1:3])                              # [b, G, h/G, n]
     kv = torch.stack([kv_head(k, head_dim), kv_head(v, head_dim)])   # [2, b, G, 1, n, dh]
     mine = cp_chunks(r, size, layout)
-    s = q.shape[-2] // len(mine)
+    span = q.shape[-2] // len(mine)                                   # a chunk's positions
     dq = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
     for step in range(size):
         if step < size - 1:
             incoming = torch.empty_like(kv)
             works = exchange(kv, incoming, right, left, group, wait=False)
         dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)  # the held block's dk, dv
-        rows = zip(mine, q.split(s, -2), do.split(s, -2), o.split(s, -2), lse.split(s, -1),
-                   dq.split(s, -2))
+        rows = zip(mine, q.split(span, -2), do.split(span, -2), o.split(span, -2),
+                   lse.split(span, -1), dq.split(span, -2))
         for i, q_i, do_i, o_i, lse_i, dq_i in rows:
-            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(s, -2),
-                       kv[1].split(s, -2), dkv[0].split(s, -2), dkv[1].split(s, -2))
+            held = zip(cp_chunks((r - step) % size, size, layout), kv[0].split(span, -2),
+                       kv[1].split(span, -2), dkv[0].split(span, -2), dkv[1].split(span, -2))
             for j, k_j, v_j, dk_j, dv_j in held:
                 if j > i:
                     continue
@@ -598,14 +598,15 @@ def gathered_attention(q, k, v, head_dim, group=None, layout="zigzag"):
     q = query_heads(q, k.shape[-1] // head_dim, head_dim)             # [b, G, h/G, n, dh]
     k, v = (kv_head(t, head_dim) for t in kv.chunk(2, -1))            # [b, G, 1, T, dh]
     mine = cp_chunks(dist.get_rank(group), size, layout)
-    s = q.shape[-2] // len(mine)
+    span = q.shape[-2] // len(mine)                                   # a chunk's positions
     outs = []
     lses = []
-    for i, q_i in zip(mine, q.split(s, -2)):
-        o, lse = pair_attention(q_i, k[..., i * s:(i + 1) * s, :], v[..., i * s:(i + 1) * s, :],
-                                head_dim, diagonal=True)
+    for i, q_i in zip(mine, q.split(span, -2)):
+        diagonal = slice(i * span, (i + 1) * span)                    # its own chunk's keys
+        o, lse = pair_attention(q_i, k[..., diagonal, :], v[..., diagonal, :], head_dim,
+                                diagonal=True)
         if i > 0:                                                     # the keys before it
-            o_before, lse_before = pair_attention(q_i, k[..., :i * s, :], v[..., :i * s, :],
+            o_before, lse_before = pair_attention(q_i, k[..., :i * span, :], v[..., :i * span, :],
                                                   head_dim, diagonal=False)
             o, lse = merge(o, lse, o_before, lse_before)
         outs.append(o)
@@ -623,13 +624,15 @@ def gathered_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layou
     lse = lse.unflatten(1, q.shape[1:3])
     k, v = (kv_head(t, head_dim) for t in kv.chunk(2, -1))            # [b, G, 1, T, dh]
     mine = cp_chunks(dist.get_rank(group), size, layout)
-    s = q.shape[-2] // len(mine)
+    span = q.shape[-2] // len(mine)                                   # a chunk's positions
     dq = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
     dk = torch.zeros(k.shape, dtype=dq.dtype, device=q.device)       # every key's, from mine
     dv = torch.zeros_like(dk)
-    for i, q_i, do_i, o_i, lse_i, dq_i in zip(mine, q.split(s, -2), do.split(s, -2),
-                                              o.split(s, -2), lse.split(s, -1), dq.split(s, -2)):
-        for keys, diagonal in ((slice(i * s, (i + 1) * s), True), (slice(0, i * s), False)):
+    rows = zip(mine, q.split(span, -2), do.split(span, -2), o.split(span, -2),
+               lse.split(span, -1), dq.split(span, -2))
+    for i, q_i, do_i, o_i, lse_i, dq_i in rows:
+        own = slice(i * span, (i + 1) * span)                         # its own chunk's keys
+        for keys, diagonal in ((own, True), (slice(0, i * span), False)):
             if keys.stop == 0:
                 continue
             grads = pair_attention_backward(do_i, q_i, k[..., keys, :], v[..., keys, :], o_i,
