@@ -312,7 +312,7 @@ def head_norm_backward(dy, t, r, g, head_dim):   # dt, and dg summed over positi
 def block_forward(x, weights, recompute=False, head_dim=None, rope=None, qk_norm=False,
                   split=Whole, router=None, count=True):
     """x [b, T, D] -> x + attention + MLP [b, T, D] (router: experts'), and the block's stash."""
-    w = BlockWeights(**dict(zip(block_names(qk_norm, router is not None), weights)))
+    w = BlockWeights(**dict(zip(block_names(qk_norm, experts=router is not None), weights)))
     n1, r1 = rmsnorm(x, w.norm1)
     n1 = split.f(n1)                          # [b, T, D]
     q = n1 @ w.wq                             # [b, T, h/tp dh]: whole heads, this rank's
@@ -346,7 +346,7 @@ def block_forward(x, weights, recompute=False, head_dim=None, rope=None, qk_norm
 def block_backward(dout, stash, weights, need_dx=True, head_dim=None, rope=None, qk_norm=False,
                    split=Whole, router=None):
     """dx [b, T, D] from dout, and each weight's (x, dz), dW = x^T dz, in the weights' order."""
-    names = block_names(qk_norm, router is not None)
+    names = block_names(qk_norm, experts=router is not None)
     w = BlockWeights(**dict(zip(names, weights)))
     if not isinstance(stash, BlockStash):     # --recompute: the forward again, from x
         stash = block_forward(stash[0], weights, head_dim=head_dim, rope=rope, qk_norm=qk_norm,

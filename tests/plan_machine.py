@@ -21,7 +21,8 @@ import torch.distributed as dist
 from collectives import RANK_BYTES, cleanup, collective_cost, setup, spawn
 from data_parallel import (Whole, block_backward, block_forward, block_names, cross_entropy,
                            embedding_forward, head_backward, head_forward, rope_table)
-from pipeline_parallel import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, build_schedule
+from pipeline_parallel import (HAND_ACT, HAND_GRAD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
+                               build_schedule, virtual_stage)
 from tensor_parallel import shard, tensor_kinds
 from three_d import Machine
 
@@ -242,15 +243,20 @@ def play_schedule(args, stages, machine):
                     waits[s], unwaited[s] = unwaited[s], set()   # its last sends, at the end
                     break
                 action = actions[s].pop()
-                if action.op != "comm":
-                    f, bwd, w = stage["chunks"][action.chunk or 0]
+                if action.op != "comm":             # an F&B: its halves, one after the other
                     talk = stage["comm"]["tp"] + stage["comm"]["dp"] * (args.zero == 3)
-                    running[s] = [{"F": f, "B": bwd + w * (args.schedule != "zb-h1"), "W": w}[
-                        action.op], talk / (2 * m * v) * (action.op != "W")]
+                    running[s] = [0.0, 0.0]
+                    for op, _, chunk in action.halves():
+                        f, bwd, w = stage["chunks"][chunk or 0]
+                        apart = args.schedule in ("zb-h1", "dualpipev")   # W its own action
+                        running[s][0] += {"F": f, "B": bwd + w * (not apart), "W": w}[op]
+                        running[s][1] += talk / (2 * m * v) * (op != "W")
                     continue
                 batch = set()
                 for kind, mb, chunk in action.comms:
-                    k = (chunk or 0) * p + s
+                    if kind in (HAND_ACT, HAND_GRAD):   # the V's turn: on the stage itself
+                        continue
+                    k = virtual_stage(args.schedule, p, s, chunk)
                     key = {SEND_ACT: ("a", mb, k + 1), RECV_ACT: ("a", mb, k),
                            SEND_GRAD: ("g", mb, k - 1), RECV_GRAD: ("g", mb, k)}[kind]
                     if key in posted:

@@ -386,10 +386,11 @@ def test_the_readmes_plan_is_what_the_command_prints(capsys):
 
 @pytest.mark.deadline(120)
 def test_this_machine_prices_every_layout_of_2_ranks():
-    """tests/plan_machine.py's CPU model: timed here, it prices each layout of 2 ranks, its
-    parts adding up to its step, each group's exchange where the layout has one."""
+    """tests/plan_machine.py's CPU model: timed here, it prices each layout of 2 ranks (every
+    schedule, DualPipeV's V played out too), its parts adding up to its step, each group's
+    exchange where the layout has one."""
     args = three_d.parse_args(["--plan", "--world-size", "2", "--gpus-per-node", "2",
-                               "--num-layers", "2", "--dim", "64", "--batch-size", "16"])
+                               "--num-layers", "4", "--dim", "64", "--batch-size", "16"])
     args.bf16 = False
     machine = this_machine(2, 2)
     rows = [three_d.predict(layout, machine) for layout in three_d.layouts(args, 2)]
@@ -401,6 +402,8 @@ def test_this_machine_prices_every_layout_of_2_ranks():
         assert (row["parts"]["dp"] > 0) == (a.dp > 1) and (row["parts"]["tp"] > 0) == (a.tp > 1)
     assert {(row["args"].dp, row["args"].pp, row["args"].tp) for row in rows} == \
         {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+    assert {row["args"].schedule for row in rows} == {"gpipe", "1f1b", "zb-h1", "interleaved",
+                                                      "dualpipev"}
 
 
 @pytest.mark.parametrize("argv,flag", [
