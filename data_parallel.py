@@ -162,9 +162,11 @@ def attend(q, k, v, head_dim, causal=True):
     """Grouped heads, q [.., G, h/G, s, dh] over k, v [.., G, 1, t, dh]: o [.., G, h/G, s, dh] in
     fp32 and lse = log rowsum exp(S) [.., G, h/G, s], kept for A = exp(S - lse), never A."""
     s = scores(q, k, head_dim, causal)                                # [.., s, t], fp32
-    lse = s.logsumexp(-1)
-    a = s.sub_(lse[..., None]).exp_()                                 # A, in S's memory
-    return a @ wide(v), lse
+    m = s.amax(-1, keepdim=True)                                      # the row's max S: so
+    e = s.sub_(m).exp_()                                              # e^(S - m) <= 1, in S's
+    total = e.sum(-1, keepdim=True)                                   # memory; one exp pass
+    lse = (m + total.log()).squeeze(-1)                               # log rowsum e^S
+    return (e @ wide(v)).div_(total), lse                             # A v = e v / rowsum e
 
 
 def attend_backward(do, q, k, v, o, lse, head_dim, causal=True):
