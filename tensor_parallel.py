@@ -602,9 +602,8 @@ def gathered_attention(q, k, v, head_dim, group=None, layout="zigzag"):
     outs = []
     lses = []
     for i, q_i in zip(mine, q.split(span, -2)):
-        diagonal = slice(i * span, (i + 1) * span)                    # its own chunk's keys
-        o, lse = pair_attention(q_i, k[..., diagonal, :], v[..., diagonal, :], head_dim,
-                                diagonal=True)
+        own = slice(i * span, (i + 1) * span)                         # its own chunk's keys
+        o, lse = pair_attention(q_i, k[..., own, :], v[..., own, :], head_dim, diagonal=True)
         if i > 0:                                                     # the keys before it
             o_before, lse_before = pair_attention(q_i, k[..., :i * span, :], v[..., :i * span, :],
                                                   head_dim, diagonal=False)

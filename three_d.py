@@ -865,8 +865,9 @@ def most_memory(args, stages=None, helds=None):
     loss = loss_stage(args)
     block = working_bytes(args, (loss + 1) % pp)                 # alike off the loss's stage
     working = {loss: working_bytes(args, loss)}
-    counts = {s: held_counts(args.schedule, pp, s, m, v) for s in stages or ()}
-    if not stages:                     # the middle stages' stashes together, as stage 1's
+    if stages:
+        counts = {s: held_counts(args.schedule, pp, s, m, v) for s in stages}
+    else:                              # the middle stages' stashes together, as stage 1's
         stages = {0, min(1, pp - 1), pp - 1}
         counts = {0: held_counts(args.schedule, pp, 0, m, v),
                   pp - 1: held_counts(args.schedule, pp, pp - 1, m, v)}

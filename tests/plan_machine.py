@@ -233,6 +233,7 @@ def play_schedule(args, stages, machine):
     actions = [build_schedule(args.schedule, p, s, m, v)[::-1] for s in range(p)]   # popped
     act = args.batch_size // (args.dp * m) * args.dim * (2 if args.bf16 else 4)
     link = machine.collective_s("send", act // args.tp if args.p2p_shard else act, 2, 2)
+    w_apart = args.schedule in ("zb-h1", "dualpipev")    # W an action of its own, not in B
     posted, arrives, now = set(), {}, 0.0      # a transfer: (what, micro-batch, receiver)
     waits, unwaited, running = [set() for _ in stages], [set() for _ in stages], {}
     while True:
@@ -248,8 +249,7 @@ def play_schedule(args, stages, machine):
                     running[s] = [0.0, 0.0]
                     for op, _, chunk in action.halves():
                         f, bwd, w = stage["chunks"][chunk or 0]
-                        apart = args.schedule in ("zb-h1", "dualpipev")   # W its own action
-                        running[s][0] += {"F": f, "B": bwd + w * (not apart), "W": w}[op]
+                        running[s][0] += {"F": f, "B": bwd + w * (not w_apart), "W": w}[op]
                         running[s][1] += talk / (2 * m * v) * (op != "W")
                     continue
                 batch = set()
