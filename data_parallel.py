@@ -1691,49 +1691,28 @@ def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=N
 # written once, by a rank that holds it, with its place in the whole, and each rank reads back the
 # pieces that overlap what it will hold, at whatever layout the resumed run has. Our tp shards are
 # boxes of the whole (shard_box); ZeRO's flat buckets are no DTensor layout at all, and a
-# replica's range of a bucket is mapped back to boxes (range_boxes). torch.distributed.checkpoint
+# replica's range of a bucket is a range of a box's elements (places). torch.distributed.checkpoint
 # (DCP) does the same for DTensors; with DTensor, use DCP. Each function here, as DCP names it:
 #   held_pieces                   the planner's local plan: what this rank writes or reads
 #   gather_index, the marker      the global plan, saved as .metadata (complete.json here)
 #   write_pieces, read_pieces     the storage writer and reader (FileSystemWriter, -Reader)
-#   overlaps, copy_overlaps       resharding: the load planner's overlap of saved and wanted boxes
+#   copy_overlaps                 resharding: the load planner's overlap of saved and wanted
 CHECKPOINT_STATE = ("param", "exp_avg", "exp_avg_sq")   # a piece's tensors: fp32, AdamW's two
 MARKER = "complete.json"   # written last, by rename: the checkpoint's every piece is there
 
 
-class Box(NamedTuple):   # rows [top, bottom), columns [left, right) of a whole tensor ([D]: a row)
-    top: int
-    bottom: int
-    left: int
-    right: int
-
-    def overlap(self, other):           # the box both hold, or None
-        box = Box(max(self.top, other.top), min(self.bottom, other.bottom),
-                  max(self.left, other.left), min(self.right, other.right))
-        return box if box.top < box.bottom and box.left < box.right else None
-
-    def size(self):
-        return (self.bottom - self.top) * (self.right - self.left)
-
-
 class Piece(NamedTuple):   # elements [start, end) of whole tensor `tensor`'s box, row-major
     tensor: int
-    box: Box
+    box: tuple              # rows [top, bottom), columns [left, right) of the whole ([D]: a row)
     start: int
     end: int
     views: dict = None      # CHECKPOINT_STATE's, [end - start] each; None: a place alone (index)
 
 
-class Run(NamedTuple):   # a box of a piece's elements from `at` in it: whole rows, or a row's span
-    piece: Piece
-    box: Box
-    at: int
-
-    def cut(self, name, box):           # views[name] of the run, [rows, cols], cut to box
-        grid = self.piece.views[name][self.at:self.at + self.box.size()]
-        grid = grid.view(self.box.bottom - self.box.top, -1)
-        return grid[box.top - self.box.top:box.bottom - self.box.top,
-                    box.left - self.box.left:box.right - self.box.left]
+def places(piece):   # each element's place in the whole, row r column c as r 2^32 + c: ascending
+    top, bottom, left, right = piece.box
+    grid = torch.arange(top, bottom)[:, None] * 2**32 + torch.arange(left, right)
+    return grid.view(-1)[piece.start:piece.end]
 
 
 def held_pieces(replica, tensors=None, boxes=None, grads=False):
@@ -1747,9 +1726,9 @@ def held_pieces(replica, tensors=None, boxes=None, grads=False):
     for i, tensor in enumerate(tensors or range(len(replica.shapes))):
         cols = replica.shapes[i][-1]                  # a gain [D]: one row; experts'
         rows = replica.shapes[i].numel() // cols      # [E, r, c]: E r rows
-        box = Box(0, rows, 0, cols)
+        box = (0, rows, 0, cols)
         if boxes and not isinstance(boxes[i], list):
-            box = Box(*boxes[i])
+            box = tuple(boxes[i])
         start = 0
         end = rows * cols
         at = 0                                        # where [start, end) begins in held
@@ -1769,14 +1748,15 @@ def held_pieces(replica, tensors=None, boxes=None, grads=False):
                  for name in CHECKPOINT_STATE if name in state}
         pieces.append(Piece(tensor, box, start, end, views))
         if boxes and isinstance(boxes[i], list):
-            pieces[-1:] = by_expert(pieces[-1], [Box(*b) for b in boxes[i]])
+            pieces[-1:] = by_expert(pieces[-1], boxes[i])
     return pieces
 
 
 def by_expert(piece, boxes):
     """A piece of experts [E', r, c] (its elements [start, end) of all E' r c) as a piece a held
     expert, each of its own box: expert k's elements are k r c .. (k+1) r c."""
-    size = boxes[0].size()
+    top, bottom, left, right = boxes[0]
+    size = (bottom - top) * (right - left)
     pieces = []
     for k, box in enumerate(boxes):
         start = max(piece.start, k * size)
@@ -1784,7 +1764,7 @@ def by_expert(piece, boxes):
         if start < end:
             views = {name: view[start - piece.start:end - piece.start]
                      for name, view in piece.views.items()}
-            pieces.append(Piece(piece.tensor, box, start - k * size, end - k * size, views))
+            pieces.append(Piece(piece.tensor, tuple(box), start - k * size, end - k * size, views))
     return pieces
 
 
@@ -1829,51 +1809,26 @@ def own_pieces(pieces, replica, copies=()):
 
 def whole_pieces(state):   # {name: whole tensors, in order}: each tensor as one piece, all of it
     shapes = [t.shape for t in next(iter(state.values()))]
-    return [Piece(j, Box(0, shape.numel() // shape[-1], 0, shape[-1]), 0, shape.numel(),
+    return [Piece(j, (0, shape.numel() // shape[-1], 0, shape[-1]), 0, shape.numel(),
                   {name: tensors[j].view(-1) for name, tensors in state.items()})
             for j, shape in enumerate(shapes)]
 
 
-def range_boxes(box, start, end):
-    """A row-major range [start, end) of a box's elements as boxes of the whole, each with where
-    it begins in the range: the first row's tail, whole rows, the last row's head."""
-    width = box.right - box.left
-    boxes = []
-    k = start
-    while k < end:
-        row, col = divmod(k, width)
-        row += box.top
-        if col == 0 and end - k >= width:             # whole rows
-            rows = (end - k) // width
-            boxes.append((Box(row, row + rows, box.left, box.right), k - start))
-            k += rows * width
-        else:                                         # a span of one row
-            n = min(width - col, end - k)
-            boxes.append((Box(row, row + 1, box.left + col, box.left + col + n), k - start))
-            k += n
-    return boxes
-
-
-def overlaps(mine, theirs):
-    """(my run, their run, the box both hold) wherever a piece of mine meets one of theirs."""
+def copy_overlaps(mine, theirs):
+    """Into my pieces, the elements of theirs at the same places of the same tensor (theirs
+    without views: counted alone); returns how many. Both places ascend: searchsorted finds them."""
+    copied = 0
     for piece in mine:
+        wanted = places(piece)
         for their_piece in theirs:
             if their_piece.tensor != piece.tensor:
                 continue
-            for box, at in range_boxes(piece.box, piece.start, piece.end):
-                for their_box, their_at in range_boxes(their_piece.box, their_piece.start,
-                                                       their_piece.end):
-                    both = box.overlap(their_box)
-                    if both:
-                        yield Run(piece, box, at), Run(their_piece, their_box, their_at), both
-
-
-def copy_overlaps(mine, theirs):   # into my pieces, what overlaps them of theirs: the elements
-    copied = 0
-    for my_run, their_run, box in overlaps(mine, theirs):
-        for name in my_run.piece.views:
-            my_run.cut(name, box).copy_(their_run.cut(name, box))
-        copied += box.size()
+            held = places(their_piece)
+            at = torch.searchsorted(held, wanted).clamp_(max=len(held) - 1)
+            both = held[at] == wanted
+            for name, view in (piece.views if their_piece.views else {}).items():
+                view[both] = their_piece.views[name][at[both]]
+            copied += int(both.sum())
     return copied
 
 
@@ -1990,13 +1945,12 @@ def read_pieces(marker, mine):
     the marker's index, each mapped (torch.load's mmap): the bytes read are the ones used."""
     copied = 0
     for rank, places in marker["index"].items():
-        if not any(overlaps(mine, [Piece(j, Box(*box), start, end)
-                                   for j, *box, start, end in places])):
+        if not copy_overlaps(mine, [Piece(j, box, start, end) for j, *box, start, end in places]):
             continue
         path = os.path.join(marker["folder"], f"rank-{int(rank):05d}.pt")
         try:
             saved = torch.load(path, mmap=True, weights_only=True)
-            theirs = [Piece(j, Box(*box), start, end, views) for j, box, start, end, views in saved]
+            theirs = [Piece(j, box, start, end, views) for j, box, start, end, views in saved]
             copied += copy_overlaps(mine, theirs)
         except (OSError, RuntimeError, ValueError) as e:
             raise Stop(f"--resume: {broken(path, e)}") from None
@@ -2028,7 +1982,7 @@ def whole_on_rank0(replica, full, tensors=None, boxes=None, copies=(), grads=Fal
     whole = [torch.zeros(w.shape) for w in full]
     wanted = whole_pieces({"param": whole})
     for rank, places in index.items():
-        theirs = [Piece(j, Box(*box), start, end) for j, *box, start, end in places]
+        theirs = [Piece(j, box, start, end) for j, *box, start, end in places]
         sizes = [piece.end - piece.start for piece in theirs]
         if not theirs:                # a replica's, or nothing but copies
             continue

@@ -368,7 +368,6 @@ def main(argv=None):
 # the GPU figures), the command line. --------------------------------------------------------------
 import functools, importlib.util, itertools, math  # noqa: E401, E402
 from typing import NamedTuple  # noqa: E402
-from collections import Counter  # noqa: E402
 
 from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
@@ -707,20 +706,24 @@ def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1, ep=1,
         tp_groups = [block[c * tp:(c + 1) * tp] for block in blocks for c in range(cp)]
         cp_groups = [block[t::tp] for block in blocks for t in range(tp)]
         peers = [(s + k) % pp for k in (-1, 1) if interleaved or 0 <= s + k < pp]
-        stages.append({"tp": min(min(Counter(group).values()) for group in tp_groups),
-                       "cp": min(min(Counter(group).values()) for group in cp_groups),
-                       "ulysses": min(min(Counter(group[i:i + ulysses]).values())
+        stages.append({"tp": min(fewest(group) for group in tp_groups),
+                       "cp": min(fewest(group) for group in cp_groups),
+                       "ulysses": min(fewest(group[i:i + ulysses])
                                       for group in cp_groups for i in range(0, cp, ulysses)),
-                       "ring": min(min(Counter(group[i::ulysses]).values())
+                       "ring": min(fewest(group[i::ulysses])
                                    for group in cp_groups for i in range(ulysses)),
-                       "dp": min(min(Counter(group).values()) for group in zip(*blocks)),
-                       "ep": min(min(Counter(group[i:i + ep]).values())
+                       "dp": min(fewest(group) for group in zip(*blocks)),
+                       "ep": min(fewest(group[i:i + ep])
                                  for group in zip(*blocks) for i in range(0, dp, ep)),
-                       "copies": min(min(Counter(group[r::ep]).values())
+                       "copies": min(fewest(group[r::ep])
                                      for group in zip(*blocks) for r in range(ep)),
                        "pp": 1 if any(node[d][s] != node[d][k] for d in range(dp) for k in peers)
                        else 2})
     return stages
+
+
+def fewest(group):   # a group's fewest ranks on one node: [0, 0, 1] -> 1
+    return min(map(group.count, set(group)))
 
 
 class Shape(NamedTuple):   # what a part's price reads of the run's flags (a cache's key)

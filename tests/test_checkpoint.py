@@ -1,8 +1,8 @@
 """Tests for checkpoints (--checkpoint, --checkpoint-every, --resume; data_parallel.py's
 machinery, used by every training script): a run stopped and resumed at any layout.
 
-- range_boxes: a row-major range of a box, as at most three boxes that tile exactly its
-  elements, in order; copy_overlaps moves exactly the elements two pieces share.
+- copy_overlaps moves exactly the elements two pieces share (each a row-major range of a box
+  of the whole), and counts them.
 - A checkpoint of 3D training (dp2 pp2 tp2, ZeRO-1) resumed at other layouts, every flag family:
   dp, pp and tp, the rank order, the tp style, virtual stages, ZeRO's stage, the schedule,
   micro-batches, buckets, --bf16 and the script. Each resumed run loads its state, then (a
@@ -47,21 +47,6 @@ SOURCE = ["--dp", "2", "--pp", "2", "--tp", "2", "--zero", "1", "--micro-batches
 LR = {"adamw": "0.01", "sgd": "0.5"}
 
 
-def test_range_boxes_tile_the_range_in_order():
-    whole = torch.arange(20 * 20).view(20, 20)    # each element's own id
-    for box in [(0, 5, 0, 7), (3, 9, 2, 6), (10, 11, 4, 9), (2, 6, 0, 1)]:
-        rows = box[1] - box[0]
-        cols = box[3] - box[2]
-        inside = whole[box[0]:box[1], box[2]:box[3]].reshape(-1)   # the box's ids, row-major
-        for start in range(rows * cols):
-            for end in range(start + 1, rows * cols + 1):
-                pieces = dp.range_boxes(dp.Box(*box), start, end)
-                assert len(pieces) <= 3
-                got = [whole[a:b, c:d].reshape(-1) for (a, b, c, d), _ in pieces]
-                assert torch.equal(torch.cat(got), inside[start:end])
-                assert [at for _, at in pieces] == [sum(map(len, got[:k])) for k in range(len(got))]
-
-
 def test_pieces_copy_exactly_the_elements_they_share():
     """copy_overlaps puts each element of a saved piece into a wanted one at the same place of
     the same tensor, counts them, and touches no other: every pair of boxes and ranges."""
@@ -78,18 +63,22 @@ def test_pieces_copy_exactly_the_elements_they_share():
         for wanted_box in boxes:
             for (s0, s1) in ranges[saved_box]:
                 for (w0, w1) in ranges[wanted_box]:
-                    saved = dp.Piece(0, dp.Box(*saved_box), s0, s1,
+                    saved = dp.Piece(0, saved_box, s0, s1,
                                      {"param": ids(saved_box, s0, s1).clone()})
                     want = ids(wanted_box, w0, w1)
                     got = torch.full_like(want, -1.0)
-                    found = dp.copy_overlaps([dp.Piece(0, dp.Box(*wanted_box), w0, w1,
+                    found = dp.copy_overlaps([dp.Piece(0, wanted_box, w0, w1,
                                                        {"param": got})], [saved])
                     shared = torch.isin(want, saved.views["param"])
                     assert found == shared.sum().item()
                     assert torch.equal(got[shared], want[shared])
                     assert (got[~shared] == -1).all()
-                    other = dp.Piece(1, dp.Box(*saved_box), s0, s1, saved.views)   # another
-                    assert dp.copy_overlaps([dp.Piece(0, dp.Box(*wanted_box), w0, w1,   # tensor
+                    untouched = torch.full_like(want, -1.0)   # a place alone: counted, not copied
+                    assert dp.copy_overlaps([dp.Piece(0, wanted_box, w0, w1, {"param": untouched})],
+                                            [saved._replace(views=None)]) == found
+                    assert (untouched == -1).all()
+                    other = dp.Piece(1, saved_box, s0, s1, saved.views)   # another
+                    assert dp.copy_overlaps([dp.Piece(0, wanted_box, w0, w1,   # tensor
                                                       {"param": got})], [other]) == 0
 
 
