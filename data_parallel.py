@@ -152,9 +152,8 @@ def scores(q, k, head_dim, causal=True):
     """S = q k^T / sqrt(dh) [.., s, t] in fp32 (bf16's S of 500 is off by 1, A by e); causal:
     row i sees keys 0 .. i (its own block of keys: step 3's ring pairs it with others too)."""
     s = wide_matmul(q / math.sqrt(head_dim), k.transpose(-1, -2))
-    if causal:
-        future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s.masked_fill_(future, float("-inf"))
+    if causal:                                # + 0 on and below the diagonal, -inf above it
+        s += torch.full(s.shape[-2:], float("-inf"), device=s.device).triu(1)
     return s
 
 
@@ -162,11 +161,10 @@ def attend(q, k, v, head_dim, causal=True):
     """Grouped heads, q [.., G, h/G, s, dh] over k, v [.., G, 1, t, dh]: o [.., G, h/G, s, dh] in
     fp32 and lse = log rowsum exp(S) [.., G, h/G, s], kept for A = exp(S - lse), never A."""
     s = scores(q, k, head_dim, causal)                                # [.., s, t], fp32
-    m = s.amax(-1, keepdim=True)                                      # the row's max S: so
-    e = s.sub_(m).exp_()                                              # e^(S - m) <= 1, in S's
-    total = e.sum(-1, keepdim=True)                                   # memory; one exp pass
-    lse = (m + total.log()).squeeze(-1)                               # log rowsum e^S
-    return (e @ wide(v)).div_(total), lse                             # A v = e v / rowsum e
+    m = s.amax(-1)                            # the row's max S
+    a = s.softmax(-1)                         # A = e^(S - m) / rowsum e^(S - m), in one pass
+    lse = m - a.amax(-1).log()                # A's largest, where S = m, is e^(m - lse)
+    return a @ wide(v), lse
 
 
 def attend_backward(do, q, k, v, o, lse, head_dim, causal=True):
@@ -178,7 +176,10 @@ def attend_backward(do, q, k, v, o, lse, head_dim, causal=True):
         delta_i = sum_j A_ij dA_ij = sum_j A_ij (do_i . v_j) = do_i . (sum_j A_ij v_j) = do_i . o_i
     (FlashAttention-2's eqs 13-19). o None: A v again, in fp32 (--bf16's o, rounded, moves
     delta)."""
-    a = scores(q, k, head_dim, causal).sub_(lse[..., None]).exp_()   # A again  [.., s, t]
+    a = scores(q, k, head_dim, causal=False).sub_(lse[..., None])   # S - lse  [.., s, t]
+    a = a.clamp_(max=0).exp_()                # A again: a seen key's S - lse <= 0 already; a
+    if causal:                                # future key's capped (exp(-inf) is a CPU's slow
+        a *= torch.ones(a.shape[-2:], device=a.device).tril()   # path), its A then zeroed
     if o is None:
         o = a @ wide(v)
     do = wide(do)

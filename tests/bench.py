@@ -215,10 +215,13 @@ def versus_ddp(args):
     times, diffs = spawn_returning(ddp_race, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
     theirs = TORCH_ZERO[args.zero] if args.zero else "DDP"
     ratios = [(f"ours --zero {args.zero}", theirs), (f"ours --zero {args.zero} --overlap", theirs)] if args.zero \
-        else [("ours", "DDP"), ("ours --overlap", "DDP")]
+        else [("ours", "DDP"), ("ours --overlap", "DDP"), ("ours --overlap", DDP_WRITTEN)]
     return dict(title=f"data parallel{f' with ZeRO-{args.zero}' if args.zero else ''} vs {theirs}: "
                       f"{bench_sizes(args, args.world_size)}",
                 times=times, diffs=diffs, ratios=ratios, world_size=args.world_size, steps=args.steps)
+
+
+DDP_WRITTEN = "DDP, attention written out"   # S, softmax, A v under autograd: no fused kernel
 
 
 def ddp_race(rank, world_size, args):
@@ -238,8 +241,10 @@ def ddp_race(rank, world_size, args):
         sides = {f"ours --zero {args.zero}": ours(args.zero), f"ours --zero {args.zero} --overlap": ours(args.zero, True),
                  TORCH_ZERO[args.zero]: zero_side(args.zero, model, xs, ys, n * args.context, args.lr, device)}
     else:
-        sides = {"ours": ours(), "ours --overlap": ours(overlap=True),
-                 "DDP": ddp_side(model, xs, ys, n * args.context, args.lr, device)}
+        written = as_module(init, device, args, written=True)   # like for like: our attention's
+        sides = {"ours": ours(), "ours --overlap": ours(overlap=True),   # maths, under autograd
+                 "DDP": ddp_side(model, xs, ys, n * args.context, args.lr, device),
+                 DDP_WRITTEN: ddp_side(written, xs, ys, n * args.context, args.lr, device)}
     sides["serial: our step, whole batch, 1 rank"] = serial_side(args, device)
     result = check_and_race(sides, device, args.steps)
     end_race(sides)

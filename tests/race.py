@@ -194,10 +194,12 @@ class TorchBlock(torch.nn.Module):
     """A pre-norm Llama block: nn.RMSNorm, nn.Linear(bias=False), RoPE as Meta's Llama code writes
     it (each pair a complex number, times e^(i m theta_i)), causal scaled_dot_product_attention
     with enable_gqa over the heads its Linears give it (a tp rank's own, once they are split:
-    torchtitan's way), --qk-norm's norms, SwiGLU."""
+    torchtitan's way), --qk-norm's norms, SwiGLU. written: attention as our CPU path's maths (S,
+    its causal softmax, A v) under autograd, in place of the fused kernel: a race like for like."""
 
-    def __init__(self, w, args, device):
+    def __init__(self, w, args, device, written=False):
         super().__init__()
+        self.written = written
         names = ["g1", "wq", "wk", "wv", *["gq", "gk"] * args.qk_norm, "wo", "g2", "w1", "w3", "w2"]
         w = dict(zip(names, w))
         self.head_dim = args.dim // args.heads
@@ -221,7 +223,13 @@ class TorchBlock(torch.nn.Module):
         if self.qk_norms:
             q, k = self.qk_norms[0](q), self.qk_norms[1](k)
         q, k, v = (t.transpose(1, 2) for t in (self.rope(q), self.rope(k), v))   # [b, n, T, dh]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if self.written:     # each kv head repeated for its group, as enable_gqa reads it
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+            s = q @ k.transpose(-1, -2) / self.head_dim**0.5
+            future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+            o = s.masked_fill(future, float("-inf")).softmax(-1) @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.wo(o.transpose(1, 2).flatten(-2))
         n = self.norm2(x)
         return x + self.w2(F.silu(self.w1(n)) * self.w3(n))
@@ -251,7 +259,7 @@ class TorchLM(torch.nn.Module):
     """Our model's parts as torch.nn, a copy: TorchEmbedding, TorchBlocks, TorchHead. A stage's
     module holds its parts alone: the embedding on the first, the head on the last."""
 
-    def __init__(self, init, parts, device, args):
+    def __init__(self, init, parts, device, args, written=False):
         super().__init__()
         self.kinds = [part_kind(j, len(init)) for j in parts]
         modules = []
@@ -261,7 +269,7 @@ class TorchLM(torch.nn.Module):
             elif kind == "head":
                 modules.append(TorchHead(*init[j], device))
             else:
-                modules.append(TorchBlock(init[j], args, device))
+                modules.append(TorchBlock(init[j], args, device, written))
         self.parts = torch.nn.ModuleList(modules)
 
     def forward(self, x):
@@ -288,9 +296,10 @@ def part_kind(j, num_parts):
     return "block"
 
 
-def as_module(init, device, args, parts=None):
-    """The whole model (or these parts of it) as a TorchLM; args: the model's flags."""
-    return TorchLM(init, range(len(init)) if parts is None else parts, device, args)
+def as_module(init, device, args, parts=None, written=False):
+    """The whole model (or these parts of it) as a TorchLM; args: the model's flags; written: its
+    attention written out (TorchBlock's)."""
+    return TorchLM(init, range(len(init)) if parts is None else parts, device, args, written)
 
 
 def sgd_side(weights, compute_grads, lr):

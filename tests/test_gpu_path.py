@@ -157,16 +157,17 @@ def test_a_gpu_step_runs_fused_attention_and_makes_no_t_by_t_tensor(script, flag
 
 def test_fused_attention_moves_no_t_by_t_pass_through_memory():
     """What the memory-bound ops of a bf16 step move (gpu_path's profile), at T 512: with the
-    written-out attention on the GPU, its [b, h, T, T] exps, masks and casts; with the fused
-    kernel none of those, and less than half the bytes."""
+    written-out attention on the GPU, its [b, h, T, T] softmaxes, exps, masks and casts; with the
+    fused kernel none of those, and less than half the bytes."""
     argv = ["--world-size", "1", "--num-layers", "2", "--dim", "256", "--heads", "4", "--context",
             "512", "--batch-size", "4", "--micro-batches", "1", "--bf16"]
     fused = run_step("data_parallel", argv, 0).record.moved
     with mock.patch.object(data_parallel, "fused", lambda q, head_dim: False):
         written = run_step("data_parallel", argv, 0).record.moved
     square = 4 * 4 * 512 * 512 * 4                    # one fp32 [b, h, T, T]
-    assert written["exp_"] >= 2 * 2 * square and written["masked_fill_"] > 0   # F and B a block
-    assert fused["exp_"] == 0 and fused["masked_fill_"] == 0
+    assert written["_softmax"] >= 2 * square and written["exp_"] >= 2 * square   # F, B: a block's
+    assert written["clamp_"] > 0
+    assert fused["_softmax"] == 0 and fused["exp_"] == 0 and fused["clamp_"] == 0
     assert 2 * sum(fused.values()) < sum(written.values())
 
 

@@ -161,13 +161,13 @@ def attention_backward_without_scale(do, q, k, v, o, lse, head_dim):   # no 1/sq
     return dq * math.sqrt(head_dim), dk * math.sqrt(head_dim), dv
 
 
-def unmasked_scores(q, k, head_dim, causal=True):
-    return q @ k.transpose(-1, -2) / math.sqrt(head_dim)
-
-
 def attention_backward_without_mask(do, q, k, v, o, lse, head_dim):
     """The defect: the mask in the forward but not the backward (A made again, unmasked)."""
-    with mock.patch.object(dp, "scores", unmasked_scores):
+    real = dp.attend_backward
+
+    def unmasked(do, q, k, v, o, lse, head_dim, causal=True):
+        return real(do, q, k, v, o, lse, head_dim, causal=False)
+    with mock.patch.object(dp, "attend_backward", unmasked):
         return dp.attention_backward(do, q, k, v, o, lse, head_dim)
 
 
