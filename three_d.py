@@ -694,11 +694,12 @@ class Machine:
 
 
 @functools.lru_cache(maxsize=None)
-def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1, ep=1,
-                     ulysses=1):
+def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1, ep=1, ulysses=1,
+                     kv=1):
     """Each stage's {kind: fewest ranks of a group in one node}; "pp": 2 if its sends stay in;
     "ep" and "copies" (--ep's groups, cut from dp's); "ulysses" and "ring" (the hybrid's, cut
-    from cp's)."""
+    from cp's); "kv" (a kv head's holders, kv of tp's). And the stages priced alike once: the
+    first of each (the ends differ from the middle by E and H, the middle by their nodes)."""
     node = (rank_grid(dp, pp, tp * cp, order) // gpus_per_node).tolist()   # [dp][pp][tp cp]
     stages = []
     for s in range(pp):
@@ -719,7 +720,9 @@ def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1, ep=1,
                                      for group in zip(*blocks) for r in range(ep)),
                        "pp": 1 if any(node[d][s] != node[d][k] for d in range(dp) for k in peers)
                        else 2})
-    return stages
+        stages[-1]["kv"] = min(stages[-1]["tp"], kv)
+    unlike = {(s == 0, s == pp - 1, tuple(stages[s].items())): s for s in reversed(range(pp))}
+    return stages, tuple(unlike.values())
 
 
 def fewest(group):   # a group's fewest ranks on one node: [0, 0, 1] -> 1
@@ -774,8 +777,6 @@ def predict(args, machine):
     inside) and the update, in parts that add up; memory, the largest. tp rank 0's figures (the
     most classes)."""
     dp, pp, tp, cp, m = args.dp, args.pp, args.tp, args.cp, args.micro_batches
-    per_node = members_per_node(dp, pp, tp, args.order, machine.gpus_per_node,
-                                args.schedule == "interleaved", cp, args.ep, args.ulysses)
     sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
     if args.cp_style == "hybrid":                    # Ulysses' groups, and the ring across
         sizes.update(ulysses=args.ulysses, ring=cp // args.ulysses)
@@ -783,14 +784,15 @@ def predict(args, machine):
         sizes.update(ep=args.ep, copies=dp // args.ep)
     if args.kv_heads < tp:                           # a kv head's holders, inside a tp group
         sizes.update(kv=tp // args.kv_heads)
-        per_node = [{**stage, "kv": min(stage["tp"], sizes["kv"])} for stage in per_node]
+    per_node, unlike = members_per_node(dp, pp, tp, args.order, machine.gpus_per_node,
+                                        args.schedule == "interleaved", cp, args.ep, args.ulysses,
+                                        sizes.get("kv", 1))
     classes = -(-args.vocab_size // tp)              # tp rank 0's
-    chosen = {(s == 0, s == pp - 1, tuple(per_node[s].items())): s for s in reversed(range(pp))}
     rows = args.batch_size // (dp * m) * args.context // cp   # a micro-batch's positions, a rank's
     stages = []
     helds = {}
-    for s in chosen.values():
-        shape = shape_of(args)
+    shape = shape_of(args)
+    for s in unlike:
         chunks = [chunk_s(machine, kinds, rows, shape, tp, classes)
                   for kinds in stage_kinds(args, s)]
         runs, helds[s], _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
