@@ -1393,12 +1393,8 @@ def finish_replicas(replica, args, init, losses, check, norms, resumed, moe=None
         log("[rank 0]", f"replicas identical after training: {drift == 0.0} (largest "
                         f"difference {drift:g})")
         show_memory(replica, args, "each replica")
-        extra = {"replica_max_diff": drift}
-        if moe is not None and moe.routers:
-            moe.show_loads()
-            extra.update(moe.saved())
-        finish_run(args, init, weights, losses, check, norms, resumed, extra=extra,
-                   moe=moe and moe.final())
+        finish_run(args, init, weights, losses, check, norms, resumed,
+                   extra={"replica_max_diff": drift}, moe=moe)
 
 
 class MoE:
@@ -1646,9 +1642,14 @@ def log_step(tag, step, losses, norms, args):
 
 
 def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=None, moe=None):
-    """Rank 0, every tensor whole, in order: --save (written beside, renamed onto it: a full disk
-    leaves what was there; init_params: resumed's, if it resumed), a non-finite loss's Stop, the
-    validation loss and a sample, --check."""
+    """Rank 0, every tensor whole, in order: --experts' loads (moe: the run's MoE), --save (written
+    beside, renamed onto it: a full disk leaves what was there; init_params: resumed's, if it
+    resumed), a non-finite loss's Stop, the validation loss and a sample, --check."""
+    routing = None                      # the trained model's own choice, for its validation loss
+    if moe is not None and moe.routers:
+        moe.show_loads()
+        extra = {**(extra or {}), **moe.saved()}
+        routing = moe.final()
     if args.save:
         batches = [make_batch(args, step) for step in range(args.start_step, args.steps)]
         if resumed:                     # the state it resumed from (load_checkpoint's)
@@ -1681,7 +1682,7 @@ def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=N
     if not all(w.isfinite().all() for w in final):   # the last update's: no loss saw them
         raise Stop(f"the weights stopped being finite at the last step's update: --lr "
                    f"{args.lr:g} is too large for this model; try a smaller one")
-    show_language_model([w.detach().float().cpu() for w in final], args, moe=moe)
+    show_language_model([w.detach().float().cpu() for w in final], args, moe=routing)
     if args.check:
         check.finish(final, losses, norms)
 

@@ -682,12 +682,7 @@ def finish_stages(args, recorder, final, init, losses, check, norms, device, res
     dist.broadcast(losses, src=0 if args.schedule == "dualpipev" else p - 1)   # the loss's
     if rank == 0:
         print_schedules(args.schedule, p, args.micro_batches, args.virtual_stages, args.num_layers)
-        extra = None
-        if moe is not None and moe.routers:
-            moe.show_loads()
-            extra = moe.saved()
-        finish_run(args, tensors_of(init), final, losses.tolist(), check, norms, resumed,
-                   extra=extra, moe=moe and moe.final())
+        finish_run(args, tensors_of(init), final, losses.tolist(), check, norms, resumed, moe=moe)
 
 
 def nbytes(tensors):   # each tensor once (a layer's output is the next one's input), by where

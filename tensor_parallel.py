@@ -830,11 +830,7 @@ def tp_worker(rank, world_size, args):
         save_checkpoint(args, step + 1, replica, range(len(full)), boxes, copies, routers)
     final = gather(grads=False)                                # put together on rank 0
     if rank == 0:
-        extra = None
-        if routers:
-            moe.show_loads()
-            extra = moe.saved()
-        finish_run(args, full, final, losses, check, norms, resumed, extra=extra, moe=moe.final())
+        finish_run(args, full, final, losses, check, norms, resumed, moe=moe)
     cleanup()
 
 

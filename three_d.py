@@ -390,12 +390,8 @@ def finish_ranks(me, args, losses, check, norms, device, resumed=None, moe=None)
     last = rank_grid(args.dp, args.pp, args.tp * args.cp, args.order)[0, loss_stage(args), 0]
     dist.broadcast(losses, src=last.item())
     if dist.get_rank() == 0:
-        extra = None
-        if me.routers:
-            moe.show_loads()
-            extra = moe.saved()
         finish_run(args, tensors_of(me.init), final, losses.tolist(), check, norms, resumed,
-                   extra=extra, moe=moe and moe.final())
+                   moe=moe)
 
 
 def stage_kinds(args, stage):
