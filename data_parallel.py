@@ -1818,7 +1818,8 @@ def whole_pieces(state):   # {name: whole tensors, in order}: each tensor as one
 
 def copy_overlaps(mine, theirs):
     """Into my pieces, the elements of theirs at the same places of the same tensor (theirs
-    without views: counted alone); returns how many. Both places ascend: searchsorted finds them."""
+    without views: counted alone); returns how many. Both places ascend: searchsorted finds them
+    (on the CPU; a view on a GPU is written there)."""
     copied = 0
     for piece in mine:
         wanted = places(piece)
@@ -1829,7 +1830,7 @@ def copy_overlaps(mine, theirs):
             at = torch.searchsorted(held, wanted).clamp_(max=len(held) - 1)
             both = held[at] == wanted
             for name, view in (piece.views if their_piece.views else {}).items():
-                view[both] = their_piece.views[name][at[both]]
+                view[both.to(view.device)] = their_piece.views[name][at[both]].to(view.device)
             copied += int(both.sum())
     return copied
 

@@ -225,9 +225,9 @@ class TorchBlock(torch.nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (self.rope(q), self.rope(k), v))   # [b, n, T, dh]
         if self.written:     # each kv head repeated for its group, as enable_gqa reads it
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-            s = q @ k.transpose(-1, -2) / self.head_dim**0.5
-            future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-            o = s.masked_fill(future, float("-inf")).softmax(-1) @ v
+            s = q @ k.transpose(-1, -2) / self.head_dim**0.5   # the mask added, as ours adds it
+            s = s + torch.full(s.shape[-2:], float("-inf"), device=s.device).triu(1)
+            o = s.softmax(-1) @ v
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.wo(o.transpose(1, 2).flatten(-2))
