@@ -1821,12 +1821,12 @@ def copy_overlaps(mine, theirs):
     without views: counted alone); returns how many. Both places ascend: searchsorted finds them
     (on the CPU; a view on a GPU is written there)."""
     copied = 0
+    their_places = [places(their_piece) for their_piece in theirs]   # each once
     for piece in mine:
         wanted = places(piece)
-        for their_piece in theirs:
+        for their_piece, held in zip(theirs, their_places):
             if their_piece.tensor != piece.tensor:
                 continue
-            held = places(their_piece)
             at = torch.searchsorted(held, wanted).clamp_(max=len(held) - 1)
             both = held[at] == wanted
             for name, view in (piece.views if their_piece.views else {}).items():
