@@ -72,8 +72,6 @@ def wide(t):   # fp32 at least: where bf16 would round too much (float64 stays, 
 
 def rmsnorm(x, g):
     """x r g, r = (mean_D x^2 + eps)^-1/2 [.., 1], in fp32, over x's last dim; and r."""
-    if x.device.type != "cpu":                # a GPU: torch's kernel, the same in one pass
-        return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], g, EPS)
     x32 = wide(x)
     r = torch.rsqrt(x32.square().mean(-1, keepdim=True) + EPS)
     return (x32 * r * g).to(x.dtype), r
@@ -81,9 +79,6 @@ def rmsnorm(x, g):
 
 def rmsnorm_backward(dy, x, r, g):
     """dx = r s - x r^3 mean_D(s x), s = g dy  [.., D]; dg = sum over rows of dy x r  [D]."""
-    if x.device.type != "cpu":                # its fused backward: dg summed in fp32
-        dx, dg = torch.ops.aten._fused_rms_norm_backward(dy, x, [x.shape[-1]], r, g, [True, True])
-        return dx, wide(dg)
     dtype = dy.dtype
     x = wide(x)
     dy = wide(dy)
@@ -194,32 +189,35 @@ def attend_backward(do, q, k, v, o, lse, head_dim, causal=True):
 
 def attention(q, k, v, head_dim):
     """Causal attention of every head of q [b, T, h dh] over its kv head's k, v [b, T, G dh]: o
-    [b, T, h dh] and lse [b, h, T] fp32, as FlashAttention computes them (a GPU: torch's fused
-    kernel; tests/test_transformer.py: tiles merged by running max and sum)."""
+    [b, T, h dh] and lse [b, h, T] fp32, as FlashAttention computes them (tests/test_transformer.py:
+    tiles merged by running max and sum)."""
     q = query_heads(q, k.shape[-1] // head_dim, head_dim)             # [b, G, h/G, T, dh]
     k = kv_head(k, head_dim)                                          # [b, G, 1, T, dh]
     v = kv_head(v, head_dim)
-    if fused(q, head_dim):
-        o, lse = fused_attention(q, k, v)
-    else:
-        o, lse = attend(q, k, v, head_dim)
+    o, lse = attend(q, k, v, head_dim)
     return columns(o).to(v.dtype), lse.flatten(1, 2)
 
 
 def attention_backward(do, q, k, v, o, lse, head_dim):
-    """dq [b, T, h dh], dk, dv [b, T, G dh] from do, by attend_backward (a GPU: the fused one)."""
+    """dq [b, T, h dh], dk, dv [b, T, G dh] from do, by attend_backward."""
     kv_heads = k.shape[-1] // head_dim
     do, q, o = (query_heads(t, kv_heads, head_dim) for t in (do, q, o))   # [b, G, h/G, T, dh]
     k = kv_head(k, head_dim)
     v = kv_head(v, head_dim)
     lse = lse.unflatten(1, q.shape[1:3])                              # [b, G, h/G, T]
-    if fused(q, head_dim):
-        grads = fused_attention_backward(do, q, k, v, o, lse)
-    elif o.dtype == torch.bfloat16:                                   # --bf16's o, rounded:
-        grads = attend_backward(do, q, k, v, None, lse, head_dim)     # A v again, in fp32
-    else:
-        grads = attend_backward(do, q, k, v, o, lse, head_dim)
+    if o.dtype == torch.bfloat16:                                     # --bf16's o, rounded:
+        o = None                                                      # A v again, in fp32
+    grads = attend_backward(do, q, k, v, o, lse, head_dim)
     return [columns(t).to(q.dtype) for t in grads]
+
+
+class Kernels(NamedTuple):   # the maths a block runs, chosen once where it is built: these lines,
+    rmsnorm: Callable = rmsnorm                        # or a GPU's fused kernels of the same
+    rmsnorm_backward: Callable = rmsnorm_backward      # maths (kernels_for, below the fold)
+    attention: Callable = attention                    # the block's, over its whole T
+    attention_backward: Callable = attention_backward
+    attend: Callable = attend                          # grouped heads over a block of keys,
+    attend_backward: Callable = attend_backward        # causal or not (step 3's ring pairs)
 
 
 def swiglu(n, w1, w3, w2, split):
@@ -253,8 +251,6 @@ def silu_backward(g, a):   # g silu'(a), silu'(a) = sg (1 + a (1 - sg)), sg = si
 
 class Whole:   # where step 3 puts its collectives (tensor_parallel.py): each the identity here
     f = f_back = g = g_back = gather = gather_back = row_back = staticmethod(lambda t: t)
-    attend = staticmethod(attention)
-    attend_back = staticmethod(attention_backward)
 
 
 # Part 2: the block, and the model -----------------------------------------------------------------
@@ -301,40 +297,40 @@ class QKStash(NamedTuple):   # --qk-norm's: q, k [b, T, n dh] before their norms
     r_k: torch.Tensor
 
 
-def head_norm(t, g, head_dim):   # Qwen3's QK-norm: each head of t [b, T, n dh] over its dh
-    normed, r = rmsnorm(t.unflatten(-1, (-1, head_dim)), g)          # one gain for every head
-    return normed.flatten(-2), r
+def head_norm(t, g, head_dim, norm=rmsnorm):   # Qwen3's QK-norm: each head of t [b, T, n dh]
+    normed, r = norm(t.unflatten(-1, (-1, head_dim)), g)             # over its dh, one gain for
+    return normed.flatten(-2), r                                      # every head
 
 
-def head_norm_backward(dy, t, r, g, head_dim):   # dt, and dg summed over positions and heads
-    dt, dg = rmsnorm_backward(dy.unflatten(-1, (-1, head_dim)), t.unflatten(-1, (-1, head_dim)),
-                              r, g)
+def head_norm_backward(dy, t, r, g, head_dim, norm_backward=rmsnorm_backward):   # dt; dg summed
+    dt, dg = norm_backward(dy.unflatten(-1, (-1, head_dim)),         # over positions and heads
+                           t.unflatten(-1, (-1, head_dim)), r, g)
     return dt.flatten(-2), dg
 
 
 def block_forward(x, weights, recompute=False, head_dim=None, rope=None, qk_norm=False,
-                  split=Whole, router=None, count=True):
+                  split=Whole, router=None, count=True, kernels=Kernels()):
     """x [b, T, D] -> x + attention + MLP [b, T, D] (router: experts'), and the block's stash."""
     w = BlockWeights(**dict(zip(block_names(qk_norm, experts=router is not None), weights)))
-    n1, r1 = rmsnorm(x, w.norm1)
+    n1, r1 = kernels.rmsnorm(x, w.norm1)
     n1 = split.f(n1)                          # [b, T, D]
     q = n1 @ w.wq                             # [b, T, h/tp dh]: whole heads, this rank's
     k = n1 @ w.wk                             # [b, T, G/tp dh]: the kv heads they read
     v = n1 @ w.wv
     qk = None
     if qk_norm:                               # each head of q and of k normed, before RoPE
-        q_normed, r_q = head_norm(q, w.norm_q, head_dim)
-        k_normed, r_k = head_norm(k, w.norm_k, head_dim)
+        q_normed, r_q = head_norm(q, w.norm_q, head_dim, kernels.rmsnorm)
+        k_normed, r_k = head_norm(k, w.norm_k, head_dim, kernels.rmsnorm)
         qk = QKStash(q, r_q, k, r_k)
         q = q_normed
         k = k_normed
     q = rotate(q, rope, head_dim)             # each row at its place in the sequence
     k = rotate(k, rope, head_dim)
-    o, lse = split.attend(q, k, v, head_dim)  # [b, T, h/tp dh], lse [b, h/tp, T]: no A kept
+    o, lse = kernels.attention(q, k, v, head_dim)   # [b, T, h/tp dh], lse [b, h/tp, T]: no A
     o = split.gather(o)
     y1 = split.g(o @ w.wo)                    # [b, T, D]
     x2 = x + y1                               # the residual
-    n2, r2 = rmsnorm(x2, w.norm2)
+    n2, r2 = kernels.rmsnorm(x2, w.norm2)
     n2 = split.f(n2)
     if router is not None:
         y2, mlp = experts_forward(n2, w.router, w.w1, w.w3, w.w2, router, count, split)
@@ -347,13 +343,13 @@ def block_forward(x, weights, recompute=False, head_dim=None, rope=None, qk_norm
 
 
 def block_backward(dout, stash, weights, need_dx=True, head_dim=None, rope=None, qk_norm=False,
-                   split=Whole, router=None):
+                   split=Whole, router=None, kernels=Kernels()):
     """dx [b, T, D] from dout, and each weight's (x, dz), dW = x^T dz, in the weights' order."""
     names = block_names(qk_norm, experts=router is not None)
     w = BlockWeights(**dict(zip(names, weights)))
     if not isinstance(stash, BlockStash):     # --recompute: the forward again, from x
         stash = block_forward(stash[0], weights, head_dim=head_dim, rope=rope, qk_norm=qk_norm,
-                              split=split, router=router, count=False)[1]
+                              split=split, router=router, count=False, kernels=kernels)[1]
     x, n1, r1, q, k, v, qk, lse, o, x2, r2, mlp = stash
     dy2 = split.g_back(dout)                  # out = x2 + y2: y2's gradient
     if router is not None:
@@ -361,21 +357,23 @@ def block_backward(dout, stash, weights, need_dx=True, head_dim=None, rope=None,
     else:
         dn2, mlp_terms = swiglu_backward(dy2, mlp, w.w1, w.w3, w.w2, split)
     dn2 = split.f_back(dn2)
-    dx2, dg2 = rmsnorm_backward(dn2, x2, r2, w.norm2)
+    dx2, dg2 = kernels.rmsnorm_backward(dn2, x2, r2, w.norm2)
     dx2 = dx2 + dout                          # the residual: the branch's and the skip's
     dy1 = split.g_back(dx2)                   # x2 = x + y1: y1's gradient
     do = split.row_back(dy1 @ w.wo.T)         # y1 = o Wo
     do = split.gather_back(do)
-    dq, dk, dv = split.attend_back(do, q, k, v, split.gather_back(o), lse, head_dim)
+    dq, dk, dv = kernels.attention_backward(do, q, k, v, split.gather_back(o), lse, head_dim)
     dq = rotate(dq, rope, head_dim, back=True)   # q = R q': dq' = R^T dq
     dk = rotate(dk, rope, head_dim, back=True)
     terms = {}
     if qk_norm:
-        dq, terms["norm_q"] = head_norm_backward(dq, qk.q, qk.r_q, w.norm_q, head_dim)
-        dk, terms["norm_k"] = head_norm_backward(dk, qk.k, qk.r_k, w.norm_k, head_dim)
+        dq, terms["norm_q"] = head_norm_backward(dq, qk.q, qk.r_q, w.norm_q, head_dim,
+                                                 kernels.rmsnorm_backward)
+        dk, terms["norm_k"] = head_norm_backward(dk, qk.k, qk.r_k, w.norm_k, head_dim,
+                                                 kernels.rmsnorm_backward)
         terms = {name: (None, dg) for name, dg in terms.items()}   # ready: summed over heads
     dn1 = split.f_back(dq @ w.wq.T + dk @ w.wk.T + dv @ w.wv.T)   # q, k, v = n1 Wq, n1 Wk, n1 Wv
-    dx, dg1 = rmsnorm_backward(dn1, x, r1, w.norm1)
+    dx, dg1 = kernels.rmsnorm_backward(dn1, x, r1, w.norm1)
     dx = dx + dx2
     terms.update(norm1=(None, dg1), wq=(n1, dq), wk=(n1, dk), wv=(n1, dv), wo=(o, dy1),
                  norm2=(None, dg2))
@@ -394,18 +392,18 @@ def embedding_backward(dx, stash, w, need_dx=False):
     return None, [(tokens, dx)]
 
 
-def head_forward(x, w, recompute=False, split=Whole):
+def head_forward(x, w, recompute=False, split=Whole, kernels=Kernels()):
     gain, h = w
-    n, r = rmsnorm(x, gain)
+    n, r = kernels.rmsnorm(x, gain)
     n = split.f(n)                        # [b, T, D]
     return n.flatten(0, 1) @ h, (x, n, r)     # logits = n H   [b T, V]: a row a position
 
 
-def head_backward(dlogits, stash, w, need_dx=True, split=Whole):
+def head_backward(dlogits, stash, w, need_dx=True, split=Whole, kernels=Kernels()):
     gain, h = w
     x, n, r = stash
     dn = split.f_back((dlogits @ h.T).view_as(n))   # [b, T, D]
-    dx, dgain = rmsnorm_backward(dn, x, r, gain)
+    dx, dgain = kernels.rmsnorm_backward(dn, x, r, gain)
     return dx, [(None, dgain), (n, dlogits)]
 
 
@@ -454,15 +452,17 @@ class Block(NamedTuple):   # a part's pair, as every step runs one: step 2's, an
 
 
 def model_blocks(args, routers=None, device=None):
-    """The parts, each a Block: [E], the blocks (RoPE at places 0 .. T-1), [g, H]."""
+    """The parts, each a Block: [E], the blocks (RoPE at places 0 .. T-1), [g, H]; on a GPU with
+    its fused kernels (the written ones' maths in one pass)."""
     head_dim = args.dim // args.heads
     rope = rope_table(torch.arange(args.context, device=device), head_dim, args.rope_theta)
-    shape = dict(head_dim=head_dim, rope=rope, qk_norm=args.qk_norm)
+    kernels = kernels_for(args, device)
+    shape = dict(head_dim=head_dim, rope=rope, qk_norm=args.qk_norm, kernels=kernels)
     blocks = [Block(partial(block_forward, router=router, **shape),
                     partial(block_backward, router=router, **shape))
               for router in routers or [None] * args.num_layers]
     return [Block(embedding_forward, embedding_backward), *blocks,
-            Block(head_forward, head_backward)]
+            Block(partial(head_forward, kernels=kernels), partial(head_backward, kernels=kernels))]
 
 
 # Part 3: data parallelism, and ZeRO-1 -------------------------------------------------------------
@@ -1120,21 +1120,53 @@ def main(argv=None):
     spawn(dp_worker, args.world_size, args, backend=args.backend, timeout_s=args.timeout_s)
 
 
-# Below the fold: a GPU's fused attention; each stage's costs;
+# Below the fold: a GPU's fused kernels; each stage's costs;
 # what later steps share (training flags, --save, checkpoints, the text, --check); the memory table.
 import argparse, contextlib, functools, glob, json, os, shutil, sys  # noqa
 
 
-def fused(q, head_dim, flash_only=False):
-    """A GPU (meta: its stand-in) runs torch's kernels, at flash's head sizes; flash_only: bf16
-    alone, FlashAttention's (step 3's ring merges lse, which the fp32 kernel pads to 32 places)."""
-    if flash_only and q.dtype != torch.bfloat16:
-        return False
-    return q.device.type != "cpu" and q.dtype != torch.float64 and head_dim % 8 == 0 and \
-        head_dim <= 256
+def kernels_for(args, device):
+    """A block's kernels: on a GPU (meta: its stand-in) torch's fused ones, attention's at flash's
+    head sizes, and a ring pair's in bf16 alone, FlashAttention's (the ring merges lse, which the
+    fp32 kernel pads to 32 places)."""
+    if device is None or torch.device(device).type == "cpu":
+        return Kernels()
+    kernels = Kernels(fused_rmsnorm, fused_rmsnorm_backward)
+    head_dim = args.dim // args.heads
+    if head_dim % 8 or head_dim > 256:
+        return kernels
+    kernels = kernels._replace(attention=fused_attention,
+                               attention_backward=fused_attention_backward)
+    if args.bf16:
+        kernels = kernels._replace(attend=fused_attend, attend_backward=fused_attend_backward)
+    return kernels
 
 
-def fused_attention(q, k, v, causal=True):
+def fused_rmsnorm(x, g):   # rmsnorm() in one pass
+    return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], g, EPS)
+
+
+def fused_rmsnorm_backward(dy, x, r, g):   # rmsnorm_backward(), dg summed in fp32
+    dx, dg = torch.ops.aten._fused_rms_norm_backward(dy, x, [x.shape[-1]], r, g, [True, True])
+    return dx, wide(dg)
+
+
+def fused_attention(q, k, v, head_dim):   # attention() by fused_attend
+    kv_heads = k.shape[-1] // head_dim
+    o, lse = fused_attend(query_heads(q, kv_heads, head_dim), kv_head(k, head_dim),
+                          kv_head(v, head_dim), head_dim)
+    return columns(o).to(v.dtype), lse.flatten(1, 2)
+
+
+def fused_attention_backward(do, q, k, v, o, lse, head_dim):   # attention_backward() by its own
+    kv_heads = k.shape[-1] // head_dim
+    do, q, o = (query_heads(t, kv_heads, head_dim) for t in (do, q, o))
+    grads = fused_attend_backward(do, q, kv_head(k, head_dim), kv_head(v, head_dim), o,
+                                  lse.unflatten(1, q.shape[1:3]), head_dim)
+    return [columns(t).to(q.dtype) for t in grads]
+
+
+def fused_attend(q, k, v, head_dim, causal=True):
     """attend()'s o [b, G, h/G, s, dh] and lse [b, G, h/G, s] from torch's fused kernel, fed heads
     [b, h | G, s | t, dh]: FlashAttention-2 for bf16, which reads each kv head for its group
     itself; fp32, which it does not take, the memory-efficient kernel, each kv head repeated for
@@ -1150,7 +1182,7 @@ def fused_attention(q, k, v, causal=True):
     return o.unflatten(1, group), lse.unflatten(1, group)
 
 
-def fused_attention_backward(do, q, k, v, o, lse, causal=True):
+def fused_attend_backward(do, q, k, v, o, lse, head_dim, causal=True):
     """attend_backward()'s dq, dk, dv from torch's fused backward, fed q, k, v, o (in q's dtype)
     and lse, the kv heads as the forward fed them, a repeated head's dk, dv summed over its group:
     it makes delta = rowsum(do o) itself, and A again from lse; no dropout, so the random state
@@ -1221,12 +1253,12 @@ def serial_loss(params, tokens, targets, config, bf16=False, halves=False, recor
     rms_norm, scaled_dot_product_attention with enable_gqa, silu) and RoPE as Meta's Llama code
     writes it (each pair a complex number, times e^(i m theta_i)); params: every tensor, in
     order; config: the model's flags. bf16: the parallel runs' casts (bf16 matmuls on fp32
-    masters; norms, RoPE, softmax and loss in fp32). halves: each matmul sums the halves of its
-    terms apart, as two tp ranks do: the same maths in another order, which moves only what
-    rounding moves. record: a list that gets each tensor's (input, output), in order: (tokens, E's
-    rows), a gain's (x r, x r g), a matrix's (x, x W). moe: --experts' (K, each layer's bias [L,
-    E], routes [L, b, T, K] or None: its own choice), every expert computed at every position,
-    weighted by gate_e where chosen."""
+    masters, summed in fp32; norms, RoPE, softmax and loss in fp32). halves: each matmul sums
+    the halves of its terms apart, as two tp ranks do: the same maths in another order, which
+    moves only what rounding moves. record: a list that gets each tensor's (input, output), in
+    order: (tokens, E's rows), a gain's (x r, x r g), a matrix's (x, x W). moe: --experts' (K,
+    each layer's bias [L, E], routes [L, b, T, K] or None: its own choice), every expert computed
+    at every position, weighted by gate_e where chosen."""
     dtype = torch.bfloat16 if bf16 else params[0].dtype
     head_dim = config.dim // config.heads
     w = dict(zip(param_names(config), params))
@@ -1240,10 +1272,13 @@ def serial_loss(params, tokens, targets, config, bf16=False, halves=False, recor
         if record is not None:
             record.append((x, out))
 
+    def product(x, w):   # bf16's inputs summed in fp32, rounded once: a GPU's bf16 matmul (the
+        return (wide(x) @ wide(w.to(dtype))).to(dtype)   # CPU's rounds on the way, 13x slower)
+
     def matmul(x, w):
-        w = w.to(dtype)
         h = w.shape[-2] // 2
-        z = x[..., :h] @ w[..., :h, :] + x[..., h:] @ w[..., h:, :] if halves else x @ w
+        z = product(x[..., :h], w[..., :h, :]) + product(x[..., h:], w[..., h:, :]) if halves \
+            else product(x, w)
         note(x, z)
         return z
 

@@ -63,10 +63,9 @@ import torch.distributed as dist
 
 from collectives import cleanup, run_main, setup, spawn
 from collectives import all_to_all, exchange
-from data_parallel import (Block, DataParallel, MoE, Router, attend, attend_backward, attention,
-                           attention_backward, balance, block_backward, block_forward, columns,
-                           dp_step, expert_boxes, fused, fused_attention, fused_attention_backward,
-                           head_backward, head_forward, init_params, kv_head, make_batch,
+from data_parallel import (Block, DataParallel, Kernels, MoE, Router, balance, block_backward,
+                           block_forward, columns, dp_step, expert_boxes, head_backward,
+                           head_forward, init_params, kernels_for, kv_head, make_batch,
                            query_heads, rope_table, tensors_of, wide)
 from data_parallel import (SerialCheck, finish_run, load_checkpoint, log_step,   # the worker's
                            save_checkpoint, whole_on_rank0)       # --check, end, checkpoints
@@ -151,9 +150,6 @@ class MegatronSplit:
 
     def f_back(self, dx):                     # f backward: dx = sum_t dz_t W_t^T   2(tp-1)/tp A
         return reduce_over(dx, self.group)
-
-    attend = staticmethod(attention)          # this rank's heads, alone (--cp: over the ring)
-    attend_back = staticmethod(attention_backward)
 
     def row_back(self, dx):                   # a row layer's dx, do_t = dy Wo_t^T: this rank's
         return dx
@@ -285,20 +281,23 @@ def sum_partial_grads(grads, partial, group):   # each a part of the gradient: s
         reduce_over(grads[i], group)
 
 
-def tp_blocks(kinds, args, group=None, context=None, positions=None, routers=None):
+def tp_blocks(kinds, args, group=None, cp_groups=None, positions=None, routers=None):
     """Each part's forward and backward over group, by kind ("embedding", "block", "head"): what
     tp_worker runs, and 3D's stages. A block is step 2's, handed this style's split (args'
     --tp-style, --sequence-parallel) and RoPE at positions, this rank's places in T. The head's
     own split gathers along T before H under sequence parallelism: the vocab-parallel loss takes
-    whole rows of logits, each position's every class. context: --cp's attention and its
-    backward (context_attention's). routers: the blocks' in order (--experts)."""
+    whole rows of logits, each position's every class. Its kernels: step 2's choice (a GPU's
+    fused ones); cp_groups (--cp): attention over them, by context_attention. routers: the
+    blocks' in order (--experts)."""
     split = GatherSplit(group) if args.tp_style == "all-gather" else MegatronSplit(group)
     ends = MegatronSplit(group)
     if args.sequence_parallel:
         split = SequenceSplit(group)
         ends = split
-    if context is not None:
-        split.attend, split.attend_back = context
+    kernels = kernels_for(args, positions.device)
+    if cp_groups is not None:
+        attention, backward = context_attention(args, cp_groups, kernels)
+        kernels = kernels._replace(attention=attention, attention_backward=backward)
     head_dim = args.dim // args.heads
     rope = rope_table(positions, head_dim, args.rope_theta)
     routers = iter(routers if routers else [])
@@ -307,12 +306,13 @@ def tp_blocks(kinds, args, group=None, context=None, positions=None, routers=Non
                                         sequence_parallel=args.sequence_parallel),
                                 partial(vocab_embedding_backward, group=group,
                                         sequence_parallel=args.sequence_parallel)),
-             "head": Block(partial(head_forward, split=ends), partial(head_backward, split=ends))}
+             "head": Block(partial(head_forward, split=ends, kernels=kernels),
+                           partial(head_backward, split=ends, kernels=kernels))}
     blocks = []
     for kind in kinds:
         if kind == "block":
             block = dict(head_dim=head_dim, rope=rope, qk_norm=args.qk_norm, split=split,
-                         router=next(routers, None))
+                         router=next(routers, None), kernels=kernels)
             blocks.append(Block(partial(block_forward, **block), partial(block_backward, **block)))
         else:
             blocks.append(outer[kind])
@@ -429,21 +429,6 @@ def cp_positions(context, cp_rank, cp_size, layout):   # [T/C]: its positions' p
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
 
 
-def pair_attention(q_i, k_j, v_j, head_dim, diagonal):
-    """A pair's partial attention, step 2's attend(): o_ij [b, G, h/G, s, dh] fp32 and lse_ij
-    [b, G, h/G, s] (a GPU's bf16: FlashAttention's kernel, the same two)."""
-    if fused(q_i, head_dim, flash_only=True):
-        return fused_attention(q_i, k_j, v_j, causal=diagonal)
-    return attend(q_i, k_j, v_j, head_dim, causal=diagonal)
-
-
-def pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, head_dim, diagonal):
-    """The pair's share of dq_i, dk_j, dv_j from the merged o_i and lse_i: attend_backward()."""
-    if fused(q_i, head_dim, flash_only=True):
-        return fused_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i, causal=diagonal)
-    return attend_backward(do_i, q_i, k_j, v_j, o_i, lse_i, head_dim, causal=diagonal)
-
-
 def merge(o_a, lse_a, o_b, lse_b):
     """Two partial attentions of the same queries over two key sets, as one: o [.., s, dh] fp32,
     lse [.., s] (the comment above derives it)."""
@@ -462,10 +447,11 @@ def ring_neighbours(group):   # the global ranks this rank sends to and receives
     return dist.get_global_rank(group, (r + 1) % size), dist.get_global_rank(group, (r - 1) % size)
 
 
-def ring_attention(q, k, v, head_dim, group=None, layout="zigzag"):
+def ring_attention(q, k, v, head_dim, group=None, layout="zigzag", kernels=Kernels()):
     """Causal attention of this rank's positions over all of T: o [b, n, h dh] (n = T/C) and lse
     [b, h, n], q [b, n, h dh], k, v [b, n, G dh]. Step t holds the keys and values of cp rank r -
-    t, the next block coming in (and this one leaving) under the pairs' computation."""
+    t, the next block coming in (and this one leaving) under the pairs' computation: a pair is
+    kernels.attend, step 2's attend() (a GPU's bf16: FlashAttention's kernel)."""
     size = dist.get_world_size(group)
     r = dist.get_rank(group)
     right, left = ring_neighbours(group)
@@ -485,7 +471,7 @@ def ring_attention(q, k, v, head_dim, group=None, layout="zigzag"):
             for j, k_j, v_j in held:
                 if j > i:
                     continue
-                o_ij, lse_ij = pair_attention(q_i, k_j, v_j, head_dim, diagonal=i == j)
+                o_ij, lse_ij = kernels.attend(q_i, k_j, v_j, head_dim, causal=i == j)
                 outs[c], lses[c] = merge(outs[c], lses[c], o_ij, lse_ij)
         if step < size - 1:
             for work in works:
@@ -495,7 +481,8 @@ def ring_attention(q, k, v, head_dim, group=None, layout="zigzag"):
     return columns(o), torch.cat(lses, -1).flatten(1, 2)
 
 
-def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="zigzag"):
+def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="zigzag",
+                            kernels=Kernels()):
     """dq [b, n, h dh], dk, dv [b, n, G dh]: each pair's A made again from the merged lse; dk and
     dv summed into a buffer (fp32) that travels with its block, home after C hops, each hop under
     the next step's pairs: a step's sums start from zero, and the arriving ones are added after."""
@@ -522,8 +509,8 @@ def ring_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="z
             for j, k_j, v_j, dk_j, dv_j in held:
                 if j > i:
                     continue
-                dq_ij, dk_ij, dv_ij = pair_attention_backward(do_i, q_i, k_j, v_j, o_i, lse_i,
-                                                              head_dim, diagonal=i == j)
+                dq_ij, dk_ij, dv_ij = kernels.attend_backward(do_i, q_i, k_j, v_j, o_i, lse_i,
+                                                              head_dim, causal=i == j)
                 dq_i += dq_ij
                 dk_j += dk_ij
                 dv_j += dv_ij
@@ -590,7 +577,7 @@ def in_order(t, held, back=False):
     return t.unflatten(1, (len(chunks), -1))[:, order].flatten(1, 2)
 
 
-def gathered_attention(q, k, v, head_dim, group=None, layout="zigzag"):
+def gathered_attention(q, k, v, head_dim, group=None, layout="zigzag", kernels=Kernels()):
     """Ring attention's o [b, n, h dh] and lse [b, h, n] from K and V gathered whole over cp."""
     size = dist.get_world_size(group)
     held = [cp_chunks(r, size, layout) for r in range(size)]
@@ -603,17 +590,18 @@ def gathered_attention(q, k, v, head_dim, group=None, layout="zigzag"):
     lses = []
     for i, q_i in zip(mine, q.split(span, -2)):
         own = slice(i * span, (i + 1) * span)                         # its own chunk's keys
-        o, lse = pair_attention(q_i, k[..., own, :], v[..., own, :], head_dim, diagonal=True)
+        o, lse = kernels.attend(q_i, k[..., own, :], v[..., own, :], head_dim, causal=True)
         if i > 0:                                                     # the keys before it
-            o_before, lse_before = pair_attention(q_i, k[..., :i * span, :], v[..., :i * span, :],
-                                                  head_dim, diagonal=False)
+            o_before, lse_before = kernels.attend(q_i, k[..., :i * span, :],
+                                                  v[..., :i * span, :], head_dim, causal=False)
             o, lse = merge(o, lse, o_before, lse_before)
         outs.append(o)
         lses.append(lse)
     return columns(torch.cat(outs, -2).to(v.dtype)), torch.cat(lses, -1).flatten(1, 2)
 
 
-def gathered_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="zigzag"):
+def gathered_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layout="zigzag",
+                                kernels=Kernels()):
     """dq [b, n, h dh] and this rank's dk, dv [b, n, G dh]: the whole dK, dV reduce-scattered."""
     size = dist.get_world_size(group)
     held = [cp_chunks(r, size, layout) for r in range(size)]
@@ -634,8 +622,8 @@ def gathered_attention_backward(do, q, k, v, o, lse, head_dim, group=None, layou
         for keys, diagonal in ((own, True), (slice(0, i * span), False)):
             if keys.stop == 0:
                 continue
-            grads = pair_attention_backward(do_i, q_i, k[..., keys, :], v[..., keys, :], o_i,
-                                            lse_i, head_dim, diagonal)
+            grads = kernels.attend_backward(do_i, q_i, k[..., keys, :], v[..., keys, :], o_i,
+                                            lse_i, head_dim, causal=diagonal)
             dq_i += grads[0]
             dk[..., keys, :] += grads[1]
             dv[..., keys, :] += grads[2]
@@ -672,7 +660,7 @@ def to_positions(t, head_dim, group, held, heads):
     return came.flatten(2).to(t.dtype)
 
 
-def ulysses_attention(q, k, v, head_dim, group, held, inner=attention):
+def ulysses_attention(q, k, v, head_dim, group, held, inner):
     """o [b, n, h dh] of this rank's positions; lse [b, h/C, C n] as the heads hold it. inner:
     attention over the whole sequence (step 2's), or the hybrid's ring across the groups."""
     heads = q.shape[-1] // head_dim
@@ -680,8 +668,7 @@ def ulysses_attention(q, k, v, head_dim, group, held, inner=attention):
     return to_positions(o, head_dim, group, held, heads), lse
 
 
-def ulysses_attention_backward(do, q, k, v, o, lse, head_dim, group, held,
-                               inner=attention_backward):
+def ulysses_attention_backward(do, q, k, v, o, lse, head_dim, group, held, inner):
     """dq, dk, dv: do and what attention read sent again by heads (nothing split by heads is
     kept), the inner backward, and its gradients back by positions."""
     inputs = [to_heads(t, head_dim, group, held) for t in (do, q, k, v, o)]
@@ -690,24 +677,27 @@ def ulysses_attention_backward(do, q, k, v, o, lse, head_dim, group, held,
             for g, t in zip(grads, (q, k, v))]
 
 
-def context_attention(args, groups):
+def context_attention(args, groups, kernels=Kernels()):
     """Step 2's block's attention and its backward for --cp-style, over this rank's groups:
     "cp"; the hybrid's "ulysses" (U consecutive cp ranks) and "ring" (across them)."""
     layout = args.cp_layout
     if args.cp_style == "ring":
-        return (partial(ring_attention, group=groups["cp"], layout=layout),
-                partial(ring_attention_backward, group=groups["cp"], layout=layout))
+        return (partial(ring_attention, group=groups["cp"], layout=layout, kernels=kernels),
+                partial(ring_attention_backward, group=groups["cp"], layout=layout,
+                        kernels=kernels))
     if args.cp_style == "all-gather":
-        return (partial(gathered_attention, group=groups["cp"], layout=layout),
-                partial(gathered_attention_backward, group=groups["cp"], layout=layout))
-    inner = (attention, attention_backward)
+        return (partial(gathered_attention, group=groups["cp"], layout=layout, kernels=kernels),
+                partial(gathered_attention_backward, group=groups["cp"], layout=layout,
+                        kernels=kernels))
+    inner = (kernels.attention, kernels.attention_backward)
     group = groups["cp"]
     first = 0                                              # the group's first cp rank
     if args.cp_style == "hybrid":
         group = groups["ulysses"]
         first = dist.get_rank(groups["ring"]) * args.ulysses
-        inner = (partial(ring_attention, group=groups["ring"], layout=layout),
-                 partial(ring_attention_backward, group=groups["ring"], layout=layout))
+        inner = (partial(ring_attention, group=groups["ring"], layout=layout, kernels=kernels),
+                 partial(ring_attention_backward, group=groups["ring"], layout=layout,
+                         kernels=kernels))
     size = dist.get_world_size(group)
     held = [cp_chunks(first + c, args.cp, layout) for c in range(size)]
     return (partial(ulysses_attention, group=group, held=held, inner=inner[0]),
@@ -790,8 +780,8 @@ def tp_worker(rank, world_size, args):
     if args.experts:                                                   # each block's, the same
         routers = [Router(args.experts, args.top_k, device) for _ in range(args.num_layers)]
     moe = MoE(args, routers)
-    context = context_attention(args, cp_groups) if args.cp > 1 else None
-    blocks = tp_blocks(kinds, args, tp_group, context, positions.to(device), routers)
+    blocks = tp_blocks(kinds, args, tp_group, cp_groups if args.cp > 1 else None,
+                       positions.to(device), routers)
     loss_fn = partial(vocab_parallel_cross_entropy, vocab_size=args.vocab_size, group=tp_group)
     m = args.micro_batches
     losses = []

@@ -48,7 +48,7 @@ from data_parallel import (SerialCheck, global_loss, load_checkpoint, log_step, 
                            save_checkpoint, whole_on_rank0)       # --check, loss, checkpoints
 from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_costs, run_schedule,
                                stage_parts, virtual_stage)
-from tensor_parallel import (all_gather_columns, clip_shares, context_attention, cp_costs,
+from tensor_parallel import (all_gather_columns, clip_shares, cp_costs,
                              cp_group_lists, cp_positions, held_boxes, kv_group, kv_width,
                              my_columns, part_kinds, reduce_over, shard,
                              split_as, sum_partial_grads, tensor_kinds, tp_blocks, tp_copies,
@@ -243,7 +243,6 @@ class ThreeDRank:
         p, v = args.pp, args.virtual_stages
         tp_group = self.groups["tp"]
         self.sequence_parallel = args.sequence_parallel
-        self.context = context_attention(args, self.groups) if args.cp > 1 else None   # --cp's
         self.stages = []
         for c in range(v):                   # chunk c of stage s: virtual stage c p + s
             virtual = virtual_stage(args.schedule, p, self.stage, c)
@@ -254,7 +253,7 @@ class ThreeDRank:
                            if self.part_kinds[j] == "block"]
             self.stages.append(Stage(
                 self.replica, range(self.starts[c], self.starts[c] + len(kinds)),
-                blocks=tp_blocks(kinds, args, tp_group, context=self.context,
+                blocks=tp_blocks(kinds, args, tp_group, self.groups if args.cp > 1 else None,
                                  positions=self.positions.to(self.device), routers=routers),
                 first=virtual == 0, last=virtual == v * p - 1,
                 num_micro_batches=args.micro_batches, mean_over=len(self.rows) * args.context,

@@ -165,8 +165,6 @@ class LocalSplit:
     g = gather
     g_back = gather_back
     f = f_back = row_back = staticmethod(Whole.f)
-    attend = staticmethod(Whole.attend)
-    attend_back = staticmethod(Whole.attend_back)
 
 
 def timed(fn, at_least_s=0.03):

@@ -16,7 +16,6 @@ float64, the defects it must catch, and training with --cp against serial traini
   interleaved, ZeRO-3, tp 2 Megatron with sequence parallelism and --recompute, zb-h1 with ZeRO-1.
 - The balance: the pairs each rank computes, contiguous against zigzag; the ring's bytes.
 """
-import contextlib
 import types
 from unittest import mock
 
@@ -61,16 +60,13 @@ def merge_without_max(o_a, lse_a, o_b, lse_b):   # the defect: log(e^lse_a + e^l
 
 
 def masked_by_local_position():   # every pair as if on the diagonal
-    stack = contextlib.ExitStack()
-    for name in ("pair_attention", "pair_attention_backward"):
-        real = getattr(tp, name)
-        stack.enter_context(mock.patch.object(
-            tp, name, lambda *args, real=real, **kwargs: real(*args, **{**kwargs, "diagonal": True})))
-    return stack
+    def on_diagonal(kernel):
+        return lambda *args, causal: kernel(*args, causal=True)
+    return dp.Kernels(attend=on_diagonal(dp.attend), attend_backward=on_diagonal(dp.attend_backward))
 
 
 def on_cpu_kernels(glue):
-    """A GPU's pair glue (step 2's fused_attention or its backward, as step 3 calls it), run with
+    """A GPU's pair glue (step 2's fused_attend or its backward, as step 3 calls it), run with
     torch's CPU flash kernel in place of each CUDA op, as the op's schema names its arguments."""
     def run(*args, **kwargs):
         with mock.patch.object(torch, "ops", types.SimpleNamespace(aten=FUSED_ON_CPU)):
@@ -79,11 +75,8 @@ def on_cpu_kernels(glue):
 
 
 def fused_pairs():   # the GPU's path through every pair: the glue, on the CPU's kernels
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(tp, "fused", lambda q, head_dim, flash_only: True))
-    for name in ("fused_attention", "fused_attention_backward"):
-        stack.enter_context(mock.patch.object(tp, name, on_cpu_kernels(getattr(tp, name))))
-    return stack
+    return dp.Kernels(attend=on_cpu_kernels(dp.fused_attend),
+                      attend_backward=on_cpu_kernels(dp.fused_attend_backward))
 
 
 def ring_worker(rank, world_size, layout, defect, dtype, scale):
@@ -97,22 +90,23 @@ def ring_worker(rank, world_size, layout, defect, dtype, scale):
     mine = tp.cp_positions(T, rank, world_size, layout)
     forward = [q[:, mine], k[:, mine], v[:, mine], head_dim]
     put_in = mock.MagicMock()
+    kernels = dp.Kernels()
     if defect == "merge_without_max":
         put_in = mock.patch.object(tp, "merge", merge_without_max)
     if defect == "masked_by_local_position":
-        put_in = masked_by_local_position()
+        kernels = masked_by_local_position()
     if defect == "fused_pairs":
-        put_in = fused_pairs()
+        kernels = fused_pairs()
     with put_in:
-        o, lse = tp.ring_attention(*forward, layout=layout)
+        o, lse = tp.ring_attention(*forward, layout=layout, kernels=kernels)
         if defect in ("stale_keys", "left_where_computed"):   # the backward's exchanges alone
             with backward_hops(stale_keys=defect == "stale_keys",
                                sums_kept=defect == "left_where_computed"):
                 grads = tp.ring_attention_backward(do[:, mine], *forward[:3], o, lse, head_dim,
-                                                   layout=layout)
+                                                   layout=layout, kernels=kernels)
         else:
             grads = tp.ring_attention_backward(do[:, mine], *forward[:3], o, lse, head_dim,
-                                               layout=layout)
+                                               layout=layout, kernels=kernels)
     whole_o, whole_lse = dp.attention(q.double(), k.double(), v.double(), head_dim)
     whole = dp.attention_backward(do.double(), q.double(), k.double(), v.double(), whole_o,
                                   whole_lse, head_dim)

@@ -162,7 +162,9 @@ def test_fused_attention_moves_no_t_by_t_pass_through_memory():
     argv = ["--world-size", "1", "--num-layers", "2", "--dim", "256", "--heads", "4", "--context",
             "512", "--batch-size", "4", "--micro-batches", "1", "--bf16"]
     fused = run_step("data_parallel", argv, 0).record.moved
-    with mock.patch.object(data_parallel, "fused", lambda q, head_dim: False):
+    real = data_parallel.kernels_for
+    with mock.patch.object(data_parallel, "kernels_for", lambda args, device: real(args, device)._replace(
+            attention=data_parallel.attention, attention_backward=data_parallel.attention_backward)):
         written = run_step("data_parallel", argv, 0).record.moved
     square = 4 * 4 * 512 * 512 * 4                    # one fp32 [b, h, T, T]
     assert written["_softmax"] >= 2 * square and written["exp_"] >= 2 * square   # F, B: a block's

@@ -279,10 +279,9 @@ def test_the_fused_kernels_glue_gives_the_written_out_attention_and_its_backward
     o, lse = dp.attention(q, k, v, head_dim)
     want = dp.attention_backward(do, q, k, v, o, lse, head_dim)
     real = torch.ops
-    with mock.patch.object(dp.torch, "ops", types.SimpleNamespace(aten=FUSED_ON_CPU)), \
-            mock.patch.object(dp, "fused", lambda q, head_dim: True):
-        fused_o, fused_lse = dp.attention(q, k, v, head_dim)
-        got = dp.attention_backward(do, q, k, v, fused_o, fused_lse, head_dim)
+    with mock.patch.object(dp.torch, "ops", types.SimpleNamespace(aten=FUSED_ON_CPU)):
+        fused_o, fused_lse = dp.fused_attention(q, k, v, head_dim)
+        got = dp.fused_attention_backward(do, q, k, v, fused_o, fused_lse, head_dim)
     assert dp.torch.ops is real
     tolerance = {} if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_o, o, **tolerance)
