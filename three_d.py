@@ -766,11 +766,12 @@ def tally(runs):   # [(kind, bytes, times)] as {(kind, bytes): times}
     return counts
 
 
-def predict(args, machine):
+def predict(args, machine, alike=None):
     """A layout's row: its unlike stages priced (the ends make the first and last differ; nodes
     the middle ones), the step the slowest stage's pipeline plus the dp exchange (ZeRO-3's is
     inside) and the update, in parts that add up; memory, the largest. tp rank 0's figures (the
-    most classes)."""
+    most classes). alike: plan's, what a stage costs whatever the rank order (one layout's two
+    orders differ in their nodes alone), kept by the rest of its layout."""
     dp, pp, tp, cp, m = args.dp, args.pp, args.tp, args.cp, args.micro_batches
     sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
     if args.cp_style == "hybrid":                    # Ulysses' groups, and the ring across
@@ -787,18 +788,30 @@ def predict(args, machine):
     stages = []
     helds = {}
     shape = shape_of(args)
+    alike = {} if alike is None else alike
+    layout = tuple(getattr(args, name) for name in LAYOUT if name != "order")
+    ring = {"ring": "cp", "hybrid": "ring"}.get(args.cp_style) if cp > 1 else None
     for s in unlike:
-        chunks = [chunk_s(machine, kinds, rows, shape, tp, classes)
-                  for kinds in stage_kinds(args, s)]
-        runs, helds[s], _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
-        tallied = {group: tally(runs[group]) for group in runs}   # alike buckets priced once
+        if (layout, s) not in alike:
+            chunks = [chunk_s(machine, kinds, rows, shape, tp, classes)
+                      for kinds in stage_kinds(args, s)]
+            runs, held, _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
+            tallied = {group: tally(runs[group]) for group in runs}   # alike buckets priced once
+            sent = {group: sum(times * ring_bytes(kind, nbytes, sizes[group])
+                               for (kind, nbytes), times in tallied[group].items())
+                    for group in runs}
+            params = sum(replica_lengths(args, s)) // (dp if args.zero else 1) + \
+                sum(expert_lengths(args, s)) // (dp // args.ep if args.zero else 1)
+            travel = runs[ring][:2] if ring else None     # the ring's K, V and dK, dV sends
+            alike[layout, s] = chunks, held, bubble, tallied, sent, params, travel
+        chunks, helds[s], bubble, tallied, sent, params, travel = alike[layout, s]
         comm = {group: sum(times * machine.collective_s(kind, nbytes, sizes[group],
                                                         per_node[s][group])
-                           for (kind, nbytes), times in tallied[group].items()) for group in runs}
-        ring = {"ring": "cp", "hybrid": "ring"}.get(args.cp_style)
-        if cp > 1 and ring:   # K and V travel under the pairs' kernels, and dK, dV but the
-            blocks = sum(kinds.count("block") for kinds in stage_kinds(args, s))   # last hop
-            (kind, nbytes, times), (_, sums, hops) = runs[ring][:2]
+                           for (kind, nbytes), times in counts.items())
+                for group, counts in tallied.items()}
+        if ring:   # K and V travel under the pairs' kernels, and dK, dV but the last hop
+            blocks = sum(kinds.count("block") for kinds in stage_kinds(args, s))
+            (kind, nbytes, times), (_, sums, hops) = travel
             sends = times * machine.collective_s(kind, nbytes, sizes[ring], per_node[s][ring]) + \
                 hops * (sizes[ring] - 1) // sizes[ring] * machine.collective_s(
                     kind, sums, sizes[ring], per_node[s][ring])   # what outlasts them shows
@@ -808,12 +821,8 @@ def predict(args, machine):
         compute = m * sum(sum(chunk) for chunk in chunks)
         inside = compute + comm["dp"] * (args.zero == 3) + sum(
             comm.get(group, 0) for group in ("tp", "pp", "cp", "ulysses", "ring", "ep", "kv"))
-        sent = {group: sum(times * ring_bytes(kind, nbytes, sizes[group])
-                           for (kind, nbytes), times in tallied[group].items()) for group in runs}
         stages.append(dict(stage=s, chunks=chunks, comm=comm, compute=compute, inside=inside,
-                           bubble=bubble, sent=sent,
-                           params=sum(replica_lengths(args, s)) // (dp if args.zero else 1) +
-                           sum(expert_lengths(args, s)) // (dp // args.ep if args.zero else 1)))
+                           bubble=bubble, sent=sent, params=params))
     slowest = max(stages, key=lambda stage: stage["inside"])
     pipeline, waits = machine.pipeline_s(args, slowest, stages)
     parts = dict(compute=slowest["compute"], **slowest["comm"], **waits,
@@ -823,8 +832,10 @@ def predict(args, machine):
     step = sum(parts.values())
     L, D, T = args.num_layers, args.dim, args.context   # 6 a weight a position; attention 12 T D
     model_flops = args.batch_size * T * (6 * active_params(args) + 12 * L * T * D)   # (PaLM's)
+    if (layout, "memory") not in alike:
+        alike[layout, "memory"] = most_memory(args, helds=helds)
     return dict(step_s=step, parts=parts, bubble=slowest["bubble"],
-                memory_bytes=most_memory(args, helds=helds),
+                memory_bytes=alike[layout, "memory"],
                 bytes={group: max(stage["sent"][group] for stage in stages) for group in sizes},
                 stage=slowest["stage"], args=args,
                 stages={stage["stage"]: stage["inside"] for stage in stages},
@@ -958,10 +969,13 @@ def layouts(args, gpus_per_node):
             if B % (dp * m) or sequence and (style != "megatron" or p2p_shard) or \
                     schedule == "dualpipev" and m < 2 * pp:
                 continue
-            yield argparse.Namespace(**{**vars(args), **dict(
-                dp=dp, pp=pp, tp=tp, order=order, schedule=schedule, virtual_stages=v,
-                micro_batches=m, zero=zero, tp_style=style, p2p_shard=p2p_shard,
-                recompute=recompute, sequence_parallel=sequence, cp_style=cp_style, ulysses=u)})
+            yield argparse.Namespace(**{**vars(args), **dict(zip(LAYOUT, (
+                dp, pp, tp, order, schedule, v, m, zero, style, p2p_shard, recompute, sequence,
+                cp_style, u)))})
+
+
+LAYOUT = ("dp", "pp", "tp", "order", "schedule", "virtual_stages", "micro_batches", "zero",
+          "tp_style", "p2p_shard", "recompute", "sequence_parallel", "cp_style", "ulysses")
 
 
 def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 megatron ...
@@ -977,7 +991,10 @@ def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 mega
 def plan(args):
     """The layouts that fit a GPU's memory by predicted step, as a table; none fitting, a Stop."""
     machine = Machine(GPUS[args.hardware], min(args.gpus_per_node, args.world_size))
-    rows = [predict(layout, machine) for layout in layouts(args, machine.gpus_per_node)]
+    rows = []   # a layout's two rank orders price alike but for their nodes: kept a dp, pp
+    for _, axes in itertools.groupby(layouts(args, machine.gpus_per_node), attrgetter("dp", "pp")):
+        alike = {}
+        rows += [predict(layout, machine, alike) for layout in axes]
     fits = sorted((row for row in rows if row["memory_bytes"] <= machine.memory),
                   key=lambda row: row["step_s"])
     if not fits:
