@@ -838,7 +838,7 @@ from data_parallel import (VOCAB_SIZE, check_training_args, model_defaults,  # n
 
 
 def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=False,
-             sequence_parallel=False, summed=(), mlp_bytes=None):
+             sequence_parallel=False, summed=(), sums=1, mlp_bytes=None):
     """A tp rank's collectives a step, (kind, bytes of the tensor, times), A = act_bytes for one
     activation [b, T, D], mlp_bytes the MLP's [b, T, F] (4 A where not given). A block, each
     micro-batch: Megatron two g all-reduces forward (again with --recompute) and two f backward;
@@ -846,8 +846,8 @@ def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=Fa
     --recompute), and all-reduces dn1, do, dm ([b, T, F]), dn2. The embedding all-reduces x, the
     head dn; the loss three [b T] of fp32. Sequence parallel: each of Megatron's all-reduces a
     reduce-scatter and an all-gather along T, the same bytes. summed: the bytes of each gradient
-    summed over tp (or its kv group) once a step: the partial ones (QK-norm's gains, routers, a
-    kv head's Wk, Wv where G < tp), and under sequence parallelism the gains."""
+    summed over tp (or its kv group), sums times a step: the partial ones (QK-norm's gains,
+    routers, a kv head's Wk, Wv where G < tp), and under sequence parallelism the gains."""
     m = num_micro_batches
     if mlp_bytes is None:
         mlp_bytes = 4 * act_bytes
@@ -863,7 +863,7 @@ def tp_costs(kinds, act_bytes, rows, tp_style, num_micro_batches=1, recompute=Fa
         runs = [("all-gather", act_bytes, 3 * gathers), ("all-gather", mlp_bytes, gathers),
                 ("all-reduce", act_bytes, (3 * blocks + ends) * m),
                 ("all-reduce", mlp_bytes, blocks * m)]
-    runs += [("all-reduce", nbytes, 1) for nbytes in summed]
+    runs += [("all-reduce", nbytes, sums) for nbytes in summed]
     if "head" in kinds:
         runs.append(("all-reduce", 4 * rows, 3 * m))   # m, s and l_y
     return runs

@@ -498,8 +498,8 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
         summed += [4 * args.dim] * (2 * blocks + kinds.count("head"))
     tp_runs = tp_costs(kinds, act, rows, args.tp_style, num_micro_batches=m,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                       summed=summed * (m if args.zero == 3 else 1),   # before each dp exchange
-                       mlp_bytes=act * args.ffn_dim // args.dim)
+                       summed=summed, sums=m if args.zero == 3 else 1,   # before each dp
+                       mlp_bytes=act * args.ffn_dim // args.dim)         # exchange
     sent = act // tp if args.p2p_shard or args.sequence_parallel else act   # 1/tp crosses
     kept, waiting = stash_bytes(args)
     bubble, stash, pp_runs = pipeline_costs(args.schedule, args.pp, stage, m, v, act_bytes=sent,
@@ -694,7 +694,7 @@ def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1, ep=1, 
     """Each stage's {kind: fewest ranks of a group in one node}; "pp": 2 if its sends stay in;
     "ep" and "copies" (--ep's groups, cut from dp's); "ulysses" and "ring" (the hybrid's, cut
     from cp's); "kv" (a kv head's holders, kv of tp's). And the stages priced alike once: the
-    first of each (the ends differ from the middle by E and H, the middle by their nodes)."""
+    first of each (the ends differ by E, H, the middle by nodes); each kind's least."""
     node = (rank_grid(dp, pp, tp * cp, order) // gpus_per_node).tolist()   # [dp][pp][tp cp]
     stages = []
     for s in range(pp):
@@ -717,7 +717,8 @@ def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1, ep=1, 
                        else 2})
         stages[-1]["kv"] = min(stages[-1]["tp"], kv)
     unlike = {(s == 0, s == pp - 1, tuple(stages[s].items())): s for s in reversed(range(pp))}
-    return stages, tuple(unlike.values())
+    return stages, tuple(unlike.values()), {kind: min(stage[kind] for stage in stages)
+                                            for kind in stages[0]}
 
 
 def fewest(group):   # a group's fewest ranks on one node: [0, 0, 1] -> 1
@@ -750,8 +751,8 @@ def shape_of(args):   # the run's flags that price a part
 @functools.lru_cache(maxsize=None)   # many layouts share one
 def chunk_s(machine, kinds, rows, shape, tp, classes):
     """(F, B, W) of a chunk's parts, a micro-batch; --recompute repeats a block's forward only."""
-    times = [machine.layer_s(kind, rows, shape, tp, classes=classes) for kind in kinds]
-    return tuple(sum(column) for column in zip(*times))
+    priced = {kind: machine.layer_s(kind, rows, shape, tp, classes=classes) for kind in set(kinds)}
+    return tuple(sum(column) for column in zip(*map(priced.get, kinds)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -780,9 +781,9 @@ def predict(args, machine, alike=None):
         sizes.update(ep=args.ep, copies=dp // args.ep)
     if args.kv_heads < tp:                           # a kv head's holders, inside a tp group
         sizes.update(kv=tp // args.kv_heads)
-    per_node, unlike = members_per_node(dp, pp, tp, args.order, machine.gpus_per_node,
-                                        args.schedule == "interleaved", cp, args.ep, args.ulysses,
-                                        sizes.get("kv", 1))
+    per_node, unlike, least = members_per_node(dp, pp, tp, args.order, machine.gpus_per_node,
+                                               args.schedule == "interleaved", cp, args.ep,
+                                               args.ulysses, sizes.get("kv", 1))
     classes = -(-args.vocab_size // tp)              # tp rank 0's
     rows = args.batch_size // (dp * m) * args.context // cp   # a micro-batch's positions, a rank's
     stages = []
@@ -840,8 +841,8 @@ def predict(args, machine, alike=None):
                 stage=slowest["stage"], args=args,
                 stages={stage["stage"]: stage["inside"] for stage in stages},
                 mfu=model_flops / (step * dp * pp * tp * cp * machine.flops),
-                crosses=[group for group in sizes if sizes[group] > 1 and min(
-                    stage[group] for stage in per_node) < (2 if group == "pp" else sizes[group])])
+                crosses=[group for group in sizes if sizes[group] > 1 and least[group] <
+                         (2 if group == "pp" else sizes[group])])
 
 
 def active_params(args):   # the weights a position multiplies: with experts, its K and the router
