@@ -140,13 +140,12 @@ def rank_matmuls(args, stage, tp_rank=0):
 
 def tensors_in(value):   # an op's tensors, among its arguments or outputs (pytree's, faster)
     if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from tensors_in(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item)
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in tensors_in(item)]
+    return []
 
 
 class OffDevice(RuntimeError):
@@ -178,11 +177,13 @@ class StepRecord(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.check_devices(func, (args, kwargs))          # what it takes, before it runs
-        for t in tensors_in((args, kwargs)):              # (a weight's .T is no allocation)
+        inputs = tensors_in((args, kwargs))
+        self.check_devices(func, inputs)                  # what it takes, before it runs
+        for t in inputs:                                  # (a weight's .T is no allocation)
             self.note_found(t.untyped_storage())
         out = func(*args, **kwargs)
-        self.check_devices(func, out)                     # and what it makes
+        outputs = tensors_in(out)
+        self.check_devices(func, outputs)                 # and what it makes
         name = func.overloadpacket.__name__
         self.ops[name] += 1
         if name in MATMULS:
@@ -190,24 +191,24 @@ class StepRecord(TorchDispatchMode):
         if name in FUSED_ATTENTION:
             self.add_attention(func, args, kwargs, backward=FUSED_ATTENTION[name])
         if name not in MATMULS and name not in FUSED_ATTENTION:
-            self.add_moved(name, args, kwargs, out)
-        for t in tensors_in(out):
+            self.add_moved(name, inputs, outputs)
+        for t in outputs:
             self.shapes[tuple(t.shape)] += 1
             self.note_alive(t.untyped_storage())
         return out
 
-    def add_moved(self, name, args, kwargs, out):
+    def add_moved(self, name, inputs, outputs):
         """What an op that is neither a matmul nor attention moves: its inputs read and what it
         makes written (a view, an output in an input's storage without _, moves nothing)."""
         read = {id(t.untyped_storage()): t.numel() * t.element_size()
-                for t in tensors_in((args, kwargs)) if t.dim() > 0}
-        made = [t for t in tensors_in(out) if id(t.untyped_storage()) not in read]
+                for t in inputs if t.dim() > 0}
+        made = [t for t in outputs if id(t.untyped_storage()) not in read]
         if made or name.endswith("_"):
             self.moved[name] += sum(read.values()) + sum(t.numel() * t.element_size()
                                                          for t in made)
 
     def check_devices(self, func, tensors):
-        for t in tensors_in(tensors):
+        for t in tensors:
             if t.device != self.device and \
                     not (t.device.type == "cpu" and t.dim() == 0):
                 raise OffDevice(f"{func}: a tensor {list(t.shape)} on {t.device}, where the step "
