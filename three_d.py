@@ -365,8 +365,7 @@ def main(argv=None):
 
 # Below the fold: the run's end, the rank map's print, --plan (a rank's costs, the search and
 # the GPU figures), the command line. --------------------------------------------------------------
-import functools, importlib.util, itertools, math  # noqa: E401, E402
-from typing import NamedTuple  # noqa: E402
+import collections, functools, importlib.util, itertools, math  # noqa: E401, E402
 
 from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
@@ -725,23 +724,9 @@ def fewest(group):   # a group's fewest ranks on one node: [0, 0, 1] -> 1
     return min(map(group.count, set(group)))
 
 
-class Shape(NamedTuple):   # what a part's price reads of the run's flags (a cache's key)
-    dim: int
-    heads: int
-    kv_heads: int
-    ffn_dim: int
-    qk_norm: bool
-    context: int
-    tp_style: str
-    bf16: bool
-    recompute: bool
-    cp: int
-    cp_layout: str
-    cp_style: str
-    ulysses: int
-    experts: int
-    top_k: int
-    ep: int
+# What a part's price reads of the run's flags (a cache's key).
+Shape = collections.namedtuple("Shape", "dim heads kv_heads ffn_dim qk_norm context tp_style bf16 "
+                                        "recompute cp cp_layout cp_style ulysses experts top_k ep")
 
 
 def shape_of(args):   # the run's flags that price a part
