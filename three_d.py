@@ -365,7 +365,7 @@ def main(argv=None):
 
 # Below the fold: the run's end, the rank map's print, --plan (a rank's costs, the search and
 # the GPU figures), the command line. --------------------------------------------------------------
-import collections, functools, importlib.util, itertools, math  # noqa: E401, E402
+import collections, copy, functools, importlib.util, itertools, math  # noqa: E401, E402
 
 from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
                          positive_int, seconds, si, under_torchrun)
@@ -691,9 +691,9 @@ class Machine:
 def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1, ep=1, ulysses=1,
                      kv=1):
     """Each stage's {kind: fewest ranks of a group in one node}; "pp": 2 if its sends stay in;
-    "ep" and "copies" (--ep's groups, cut from dp's); "ulysses" and "ring" (the hybrid's, cut
-    from cp's); "kv" (a kv head's holders, kv of tp's). And the stages priced alike once: the
-    first of each (the ends differ by E, H, the middle by nodes); each kind's least."""
+    "kv" (a kv head's holders, kv of tp's); with --ep, "ep" and "copies" (its groups, cut from
+    dp's); the hybrid's "ulysses" and "ring" (cut from cp's). And the stages priced alike once:
+    the first of each (the ends differ by E, H, the middle by nodes); each kind's least."""
     node = (rank_grid(dp, pp, tp * cp, order) // gpus_per_node).tolist()   # [dp][pp][tp cp]
     stages = []
     for s in range(pp):
@@ -701,20 +701,23 @@ def members_per_node(dp, pp, tp, order, gpus_per_node, interleaved, cp=1, ep=1, 
         tp_groups = [block[c * tp:(c + 1) * tp] for block in blocks for c in range(cp)]
         cp_groups = [block[t::tp] for block in blocks for t in range(tp)]
         peers = [(s + k) % pp for k in (-1, 1) if interleaved or 0 <= s + k < pp]
-        stages.append({"tp": min(fewest(group) for group in tp_groups),
-                       "cp": min(fewest(group) for group in cp_groups),
-                       "ulysses": min(fewest(group[i:i + ulysses])
-                                      for group in cp_groups for i in range(0, cp, ulysses)),
-                       "ring": min(fewest(group[i::ulysses])
-                                   for group in cp_groups for i in range(ulysses)),
-                       "dp": min(fewest(group) for group in zip(*blocks)),
-                       "ep": min(fewest(group[i:i + ep])
-                                 for group in zip(*blocks) for i in range(0, dp, ep)),
-                       "copies": min(fewest(group[r::ep])
-                                     for group in zip(*blocks) for r in range(ep)),
-                       "pp": 1 if any(node[d][s] != node[d][k] for d in range(dp) for k in peers)
-                       else 2})
-        stages[-1]["kv"] = min(stages[-1]["tp"], kv)
+        stage = {"tp": min(fewest(group) for group in tp_groups),
+                 "cp": min(fewest(group) for group in cp_groups),
+                 "dp": min(fewest(group) for group in zip(*blocks)),
+                 "pp": 1 if any(node[d][s] != node[d][k] for d in range(dp) for k in peers)
+                 else 2}
+        stage["kv"] = min(stage["tp"], kv)
+        if ulysses > 1:
+            stage.update(ulysses=min(fewest(group[i:i + ulysses])
+                                     for group in cp_groups for i in range(0, cp, ulysses)),
+                         ring=min(fewest(group[i::ulysses])
+                                  for group in cp_groups for i in range(ulysses)))
+        if ep > 1:
+            stage.update(ep=min(fewest(group[i:i + ep])
+                                for group in zip(*blocks) for i in range(0, dp, ep)),
+                         copies=min(fewest(group[r::ep]) for group in zip(*blocks)
+                                    for r in range(ep)))
+        stages.append(stage)
     unlike = {(s == 0, s == pp - 1, tuple(stages[s].items())): s for s in reversed(range(pp))}
     return stages, tuple(unlike.values()), {kind: min(stage[kind] for stage in stages)
                                             for kind in stages[0]}
@@ -729,8 +732,8 @@ Shape = collections.namedtuple("Shape", "dim heads kv_heads ffn_dim qk_norm cont
                                         "recompute cp cp_layout cp_style ulysses experts top_k ep")
 
 
-def shape_of(args):   # the run's flags that price a part
-    return Shape._make(attrgetter(*Shape._fields)(args))
+def shape_of(args, flags=attrgetter(*Shape._fields)):   # the run's flags that price a part
+    return Shape(*flags(args))
 
 
 @functools.lru_cache(maxsize=None)   # many layouts share one
@@ -874,8 +877,10 @@ def most_memory(args, stages=None, helds=None):
 
 
 @functools.lru_cache(maxsize=None)
-def middle_counts(schedule, pp, m, v):   # held_counts of stages 1 to pp-2, none dominated
-    middle = range(1, pp - 1)
+def middle_counts(schedule, pp, m, v):   # held_counts of stages 1 to pp-2, none dominated:
+    middle = range(1, pp - 1)              # with W in B, stage 1's (its warm-up the longest)
+    if schedule in ("gpipe", "1f1b", "interleaved"):
+        middle = range(1, min(2, pp - 1))
     return undominated({pair for s in middle for pair in held_counts(schedule, pp, s, m, v)})
 
 
@@ -955,9 +960,10 @@ def layouts(args, gpus_per_node):
             if B % (dp * m) or sequence and (style != "megatron" or p2p_shard) or \
                     schedule == "dualpipev" and m < 2 * pp:
                 continue
-            yield argparse.Namespace(**{**vars(args), **dict(zip(LAYOUT, (
-                dp, pp, tp, order, schedule, v, m, zero, style, p2p_shard, recompute, sequence,
-                cp_style, u)))})
+            layout = copy.copy(args)
+            vars(layout).update(zip(LAYOUT, (dp, pp, tp, order, schedule, v, m, zero, style,
+                                             p2p_shard, recompute, sequence, cp_style, u)))
+            yield layout
 
 
 LAYOUT = ("dp", "pp", "tp", "order", "schedule", "virtual_stages", "micro_batches", "zero",

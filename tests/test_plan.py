@@ -24,6 +24,7 @@ import sys
 import pytest
 
 import data_parallel
+import pipeline_parallel
 import tensor_parallel
 import three_d
 from gpu_path import gpu_node_args, rank_matmuls, run_step
@@ -352,6 +353,19 @@ def test_a_pipeline_is_its_slowest_stage_spread_by_the_bubble():
     assert parts["bubble"] == pytest.approx(inside * 7 / 15 / (1 - 7 / 15))
     assert row["step_s"] == pytest.approx(inside / (1 - 7 / 15) + parts["update"])
     assert row["bytes"]["pp"] == 2 * 8 * 8 * 32 * 1024 * 2     # a middle stage: both ways, [b, T, D] bf16
+
+
+def test_the_middle_stages_stashes_are_every_middle_stages_counted():
+    """middle_counts: the (F to B, B to W) counts no middle stage exceeds in both, as held_counts
+    gives them stage by stage; GPipe's, 1F1B's and interleaved's are stage 1's alone."""
+    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2),
+                        ("interleaved", 4), ("dualpipev", 2)]:
+        for p in (3, 4, 8, 16):
+            for m in (p, 2 * p, 4 * p, 8 * p):
+                every = {pair for s in range(1, p - 1)
+                         for pair in pipeline_parallel.held_counts(schedule, p, s, m, v)}
+                assert three_d.middle_counts(schedule, p, m, v) == \
+                    pipeline_parallel.undominated(every), (schedule, p, m, v)
 
 
 def test_the_table_has_top_rows_apart_columns_and_the_best_ones_stages(capsys):
