@@ -139,13 +139,17 @@ def rank_matmuls(args, stage, tp_rank=0):
 
 
 def tensors_in(value):   # an op's tensors, among its arguments or outputs (pytree's, faster)
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in tensors_in(item)]
-    return []
+    found = []
+    waiting = [value]
+    while waiting:
+        item = waiting.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            waiting += item
+        elif isinstance(item, dict):
+            waiting += item.values()
+    return found
 
 
 class OffDevice(RuntimeError):
