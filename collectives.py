@@ -307,8 +307,6 @@ def spawn(fn, world_size, *args, backend="auto", timeout_s=DEFAULT_TIMEOUT_S):
                PARALLEL_STORE=os.path.join(folder, "store"))
     in_parent = int(sys.gettrace() is not None)   # 1 under a debugger: rank 0 runs in this process
     method = "spawn" if env["PARALLEL_BACKEND"] == "nccl" or torch.cuda.is_initialized() else "fork"
-    if method == "fork":   # every rank's first optimizer step imports it (~1 s): once, here
-        import torch._dynamo as dynamo  # noqa: F401
 
     def interrupt(signum, frame):   # `kill PID`, or a closing terminal: as Ctrl-C does
         raise KeyboardInterrupt(signal.Signals(signum).name)

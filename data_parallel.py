@@ -1606,6 +1606,7 @@ def check_training_args(parser, args, world_size, replicas=1, replicas_flag=None
     stash = L * B * T * (10 * D + 3 * F + 2 + args.heads * T)   # a block's, fp32: at most
     check_launch_args(parser, args, world_size, ranks_flag, 4 * (P + 2 * B * T * V + stash) + state,
                       f"--num-layers {L} --dim {D} --batch-size {B}")
+    import torch._dynamo as dynamo  # noqa: F401  (each rank's optimizer imports it: once, here)
 
 
 def model_defaults(args):   # --kv-heads and --ffn-dim, where not given

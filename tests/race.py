@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402, F401  (the ranks' optimizers import it: once, before forking)
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
