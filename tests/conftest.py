@@ -18,6 +18,7 @@ import contextlib
 import os
 import signal
 import sys
+import warnings
 
 import pytest
 
@@ -26,7 +27,7 @@ if hasattr(os, "sched_setscheduler"):   # Linux's; a sandbox may refuse it: then
     with contextlib.suppress(OSError):
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import collectives  # noqa: E402, F401  (first: it quiets torch's warning that numpy is missing)
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch's, without numpy
 import torch._dynamo  # noqa: E402, F401  (every rank's optimizer imports it: once, before a fork)
 
 DEADLINE_S = 60
