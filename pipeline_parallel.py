@@ -209,6 +209,7 @@ def undominated(pairs):   # the (k, w) no other pair has as many of both
     return kept
 
 
+@lru_cache(maxsize=None)   # (a plan's layouts share many)
 def pipeline_costs(schedule, num_stages, stage, num_micro_batches, num_chunks=1, *, act_bytes=0,
                    kept_bytes=0, waiting_bytes=0, times=(1, 1, 1)):
     """Stage s's costs a step: the bubble, the idle share for stages of equal speed and free

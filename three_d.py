@@ -410,7 +410,7 @@ def loss_stage(args):   # the stage holding H and the loss: the last, or DualPip
 
 
 def replica_lengths(args, stage=0, tp_rank=0):   # a rank's buckets' elements
-    return [n for _, n in replica_buckets(args, stage, tp_rank)]
+    return tuple(n for _, n in replica_buckets(args, stage, tp_rank))
 
 
 def chunk_lengths(args, stage=0, tp_rank=0):     # the elements of each of its chunks' buckets
@@ -506,8 +506,7 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     if args.p2p_shard and not args.sequence_parallel:           # and is all-gathered on arrival
         tp_runs += [("all-gather", act, count) for _, _, count in pp_runs]
     lengths = replica_lengths(args, stage, tp_rank)
-    dp_runs, held = dp_costs(lengths, args.dp, zero=args.zero, num_micro_batches=m,
-                             optimizer=args.optimizer, bf16=args.bf16)
+    dp_runs, held = replica_costs(lengths, args.dp, args.zero, m, args.optimizer, args.bf16)
     cp_runs = cp_costs(blocks, rows, shape_of(args), tp, m, [4 * n for n in lengths],
                        m if args.zero == 3 else 1)
     runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs, "cp": [], **cp_runs}
@@ -530,8 +529,13 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
             runs["cp"] += [("all-reduce", 4 * n, 1) for n in expert_lengths(args, stage)]
     if args.clip_grad:    # the norm's squares, one float, summed over tp, pp (and dp, if ZeRO)
         for group in ("tp", "pp", "dp")[:2 + (args.zero > 0)]:
-            runs[group].append(("all-reduce", 4, 1))
+            runs[group] = [*runs[group], ("all-reduce", 4, 1)]
     return runs, held, stash, bubble
+
+
+@functools.lru_cache(maxsize=None)   # alike across a layout's schedules and styles
+def replica_costs(lengths, dp, zero, m, optimizer, bf16):
+    return dp_costs(lengths, dp, zero=zero, num_micro_batches=m, optimizer=optimizer, bf16=bf16)
 
 
 def stash_bytes(args):
@@ -755,6 +759,17 @@ def tally(runs):   # [(kind, bytes, times)] as {(kind, bytes): times}
     return counts
 
 
+@functools.lru_cache(maxsize=None)   # runs met again (a layout's dp buckets under each schedule)
+def runs_bytes(runs, n):             # priced once: what one rank sends of them, on n ranks
+    return sum(times * ring_bytes(kind, nbytes, n) for (kind, nbytes), times in tally(runs).items())
+
+
+@functools.lru_cache(maxsize=None)
+def runs_s(machine, runs, n, per_node):   # their seconds, on n ranks, per_node in one node
+    return sum(times * machine.collective_s(kind, nbytes, n, per_node)
+               for (kind, nbytes), times in tally(runs).items())
+
+
 def predict(args, machine, alike=None):
     """A layout's row: its unlike stages priced (the ends make the first and last differ; nodes
     the middle ones), the step the slowest stage's pipeline plus the dp exchange (ZeRO-3's is
@@ -784,20 +799,16 @@ def predict(args, machine, alike=None):
         if (layout, s) not in alike:
             chunks = [chunk_s(machine, kinds, rows, shape, tp, classes)
                       for kinds in stage_kinds(args, s)]
-            runs, held, _, bubble = three_d_costs(args, s, times=[sum(t) for t in zip(*chunks)])
-            tallied = {group: tally(runs[group]) for group in runs}   # alike buckets priced once
-            sent = {group: sum(times * ring_bytes(kind, nbytes, sizes[group])
-                               for (kind, nbytes), times in tallied[group].items())
-                    for group in runs}
+            runs, held, _, bubble = three_d_costs(args, s, times=tuple(map(sum, zip(*chunks))))
+            runs = {group: tuple(runs[group]) for group in runs}   # alike ones priced once
+            sent = {group: runs_bytes(runs[group], sizes[group]) for group in runs}
             params = sum(replica_lengths(args, s)) // (dp if args.zero else 1) + \
                 sum(expert_lengths(args, s)) // (dp // args.ep if args.zero else 1)
             travel = runs[ring][:2] if ring else None     # the ring's K, V and dK, dV sends
-            alike[layout, s] = chunks, held, bubble, tallied, sent, params, travel
-        chunks, helds[s], bubble, tallied, sent, params, travel = alike[layout, s]
-        comm = {group: sum(times * machine.collective_s(kind, nbytes, sizes[group],
-                                                        per_node[s][group])
-                           for (kind, nbytes), times in counts.items())
-                for group, counts in tallied.items()}
+            alike[layout, s] = chunks, held, bubble, runs, sent, params, travel
+        chunks, helds[s], bubble, runs, sent, params, travel = alike[layout, s]
+        comm = {group: runs_s(machine, runs[group], sizes[group], per_node[s][group])
+                for group in runs}
         if ring:   # K and V travel under the pairs' kernels, and dK, dV but the last hop
             blocks = sum(kinds.count("block") for kinds in stage_kinds(args, s))
             (kind, nbytes, times), (_, sums, hops) = travel
