@@ -414,10 +414,8 @@ def replica_lengths(args, stage=0, tp_rank=0):   # a rank's buckets' elements
 
 
 def chunk_lengths(args, stage=0, tp_rank=0):     # the elements of each of its chunks' buckets
-    chunks = [0] * args.virtual_stages
-    for c, n in replica_buckets(args, stage, tp_rank):
-        chunks[c] += n
-    return chunks
+    buckets = replica_buckets(args, stage, tp_rank)
+    return [sum(n for c, n in buckets if c == chunk) for chunk in range(args.virtual_stages)]
 
 
 def replica_buckets(args, stage, tp_rank):
@@ -491,14 +489,14 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     act = rows * args.dim * (2 if args.bf16 else 4)                         # [b, T, D]
     blocks = kinds.count("block")
     head_dim = args.dim // args.heads
+    exchanges = m if args.zero == 3 else 1         # dp's exchanges a step, each after tp's sums
     summed = [4 * head_dim] * 2 * blocks * args.qk_norm                  # QK-norm's gains, routers
     summed += [4 * args.dim * args.experts] * blocks * (args.experts > 0)   # over tp, once a step
     if args.sequence_parallel:                          # the gains
         summed += [4 * args.dim] * (2 * blocks + kinds.count("head"))
     tp_runs = tp_costs(kinds, act, rows, args.tp_style, num_micro_batches=m,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                       summed=summed, sums=m if args.zero == 3 else 1,   # before each dp
-                       mlp_bytes=act * args.ffn_dim // args.dim)         # exchange
+                       summed=summed, sums=exchanges, mlp_bytes=act * args.ffn_dim // args.dim)
     sent = act // tp if args.p2p_shard or args.sequence_parallel else act   # 1/tp crosses
     kept, waiting = stash_bytes(args)
     bubble, stash, pp_runs = pipeline_costs(args.schedule, args.pp, stage, m, v, act_bytes=sent,
@@ -507,12 +505,10 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
         tp_runs += [("all-gather", act, count) for _, _, count in pp_runs]
     lengths = replica_lengths(args, stage, tp_rank)
     dp_runs, held = replica_costs(lengths, args.dp, args.zero, m, args.optimizer, args.bf16)
-    cp_runs = cp_costs(blocks, rows, shape_of(args), tp, m, [4 * n for n in lengths],
-                       m if args.zero == 3 else 1)
+    cp_runs = cp_costs(blocks, rows, shape_of(args), tp, m, [4 * n for n in lengths], exchanges)
     runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs, "cp": [], **cp_runs}
     if args.kv_heads < tp:   # each kv head's Wk, Wv gradient summed over its tp/G holders
-        runs["kv"] = [("all-reduce", 4 * args.dim * head_dim, 2 * blocks * (m if args.zero == 3
-                                                                           else 1))]
+        runs["kv"] = [("all-reduce", 4 * args.dim * head_dim, 2 * blocks * exchanges)]
     if args.ep > 1:   # each block's four all-to-alls of rows K pairs (balanced), the ids and
         calls = blocks * m                                    # counts (once a forward); the
         forwards = calls * (1 + args.recompute)               # experts' copies' exchange at
@@ -747,11 +743,6 @@ def chunk_s(machine, kinds, rows, shape, tp, classes):
     return tuple(sum(column) for column in zip(*map(priced.get, kinds)))
 
 
-@functools.lru_cache(maxsize=None)
-def ring_bytes(kind, nbytes, n):   # what one rank sends of a collective (ring's), or a send
-    return float(collective_cost(kind, nbytes, n)[0]) * (n > 1)
-
-
 def tally(runs):   # [(kind, bytes, times)] as {(kind, bytes): times}
     counts = {}
     for kind, nbytes, times in runs:
@@ -760,8 +751,9 @@ def tally(runs):   # [(kind, bytes, times)] as {(kind, bytes): times}
 
 
 @functools.lru_cache(maxsize=None)   # runs met again (a layout's dp buckets under each schedule)
-def runs_bytes(runs, n):             # priced once: what one rank sends of them, on n ranks
-    return sum(times * ring_bytes(kind, nbytes, n) for (kind, nbytes), times in tally(runs).items())
+def runs_bytes(runs, n):             # priced once: what one rank sends of them (ring's), n ranks
+    return sum(times * float(collective_cost(kind, nbytes, n)[0]) * (n > 1)
+               for (kind, nbytes), times in tally(runs).items())
 
 
 @functools.lru_cache(maxsize=None)
@@ -898,18 +890,16 @@ def middle_counts(schedule, pp, m, v):   # held_counts of stages 1 to pp-2, none
 def working_bytes(args, stage):
     """What a step holds a moment beside state and stash: a block's backward (the MLP's du, da,
     dup, silu(a), F wide; fused attention holds no [T, T]; --cp: the ring's buffers (all-gather:
-    the whole K, V and dK, dV); --recompute:
-    the block's stash rebuilt, less the x it kept, the chunk's (x, dz)s until W), or the last
-    stage's loss: logits [b T, V/tp], exps made dlogits in place (bf16: an fp32 copy, a cast),
-    beside others' dlogits between F and B."""
+    the whole K, V and dK, dV); --recompute: the block's stash rebuilt, less the x it kept, the
+    chunk's (x, dz)s until W), or the last stage's loss: logits [b T, V/tp], exps made dlogits in
+    place (bf16: an fp32 copy, a cast), beside others' dlogits between F and B."""
     b = args.batch_size // (args.dp * args.micro_batches)
     act = 2 if args.bf16 else 4
     T = args.context // args.cp                                            # its positions
     A = b * T * args.dim * act                                             # [b, T, D]
     block = 4 * b * T * args.ffn_dim * act                                 # the MLP's
-    if args.cp > 1:   # the ring's backward beside the MLP's dz and 3 more [b, T/C, D]: do, q,
-        # o, k, v in the heads' layout, K V and the incoming; fp32 dq, dK dV, those in flight and
-        # the arriving
+    if args.cp > 1:   # the ring's backward beside the MLP's dz and 3 more [b, T/C, D]: do, q, o,
+        # k, v in the heads' layout, K V and the incoming; fp32 dq, dK dV, in flight and arriving
         q = b * T * args.dim // args.tp                                    # [b, T/C, h/tp dh]
         kv = b * T * kv_width(args.dim, args.heads, args.kv_heads, args.tp)
         block = max(block, 7 * A + (3 * q + 6 * kv) * act + (q + 6 * kv) * 4)
@@ -934,9 +924,8 @@ def working_bytes(args, stage):
 def layouts(args, gpus_per_node):
     """Every layout as parse_args() leaves it: (dp, pp, tp) (those of --dp, --pp, --tp given),
     order (past a node), schedule (v 2, 4 interleaved; DualPipeV from 2p micro-batches),
-    micro-batches (p to 8 p), ZeRO, TP style,
-    --p2p-shard, --recompute, and --sequence-parallel where Megatron's pairs split T (its stages
-    send T/tp rows: no p2p-shard)."""
+    micro-batches (p to 8 p), ZeRO, TP style, --p2p-shard, --recompute, and --sequence-parallel
+    where Megatron's pairs split T (its stages send T/tp rows: no p2p-shard)."""
     world, L, B = args.world_size // args.cp, args.num_layers, args.batch_size   # cp: as given
     divisors = [n for n in range(1, world + 1) if world % n == 0]
     for dp, pp in itertools.product(divisors, repeat=2):
@@ -1100,10 +1089,8 @@ def plan_rules(parser, args):
             "backend", "timeout_s", "cp", "cp_layout", "experts", "top_k", "balance_rate", "ep",
             *AXES, "fixed"}
     refuse_unused(parser, args, used, "--plan, which chooses it")
-    args.vocab_size = getattr(args, "vocab_size", VOCAB_SIZE)
-    args.world_size = getattr(args, "world_size", 8)
-    args.hardware = getattr(args, "hardware", "h100")
-    args.gpus_per_node = getattr(args, "gpus_per_node", 8)
+    vars(args).update({**dict(vocab_size=VOCAB_SIZE, world_size=8, hardware="h100",
+                              gpus_per_node=8), **vars(args)})   # the defaults of those not given
     args.bf16 = True                          # the GPUs' figures are bf16's
     model_defaults(args)
     parser.refuse([

@@ -101,8 +101,7 @@ def stage_costs(args, stage, tp_rank=0):
     "stash", "in step": bytes}."""
     runs, held, stash, _ = three_d.three_d_costs(args, stage, tp_rank=tp_rank)
     sizes = {"tp": args.tp, "pp": args.pp, "dp": args.dp, "cp": args.cp, "kv": args.tp // args.kv_heads}
-    sent = {group: sum(times * three_d.ring_bytes(kind, nbytes, sizes[group])
-                       for kind, nbytes, times in runs[group]) for group in runs}
+    sent = {group: three_d.runs_bytes(tuple(runs[group]), sizes[group]) for group in runs}
     in_step = data_parallel.in_step_bytes(three_d.chunk_lengths(args, stage, tp_rank), args.dp,
                                           zero=args.zero, num_micro_batches=args.micro_batches)
     return sent, {"held": sum(size for size, _ in held.values()), "stash": stash, "in step": in_step,
