@@ -414,8 +414,10 @@ def replica_lengths(args, stage=0, tp_rank=0):   # a rank's buckets' elements
 
 
 def chunk_lengths(args, stage=0, tp_rank=0):     # the elements of each of its chunks' buckets
-    buckets = replica_buckets(args, stage, tp_rank)
-    return [sum(n for c, n in buckets if c == chunk) for chunk in range(args.virtual_stages)]
+    chunks = [0] * args.virtual_stages
+    for c, n in replica_buckets(args, stage, tp_rank):
+        chunks[c] += n
+    return chunks
 
 
 def replica_buckets(args, stage, tp_rank):
