@@ -408,13 +408,10 @@ def pick_backend(local_world_size, requested="auto"):
 
 def _child(index, in_parent, parent, fn, world_size, args):
     # A child rank. If fn raises, torch.multiprocessing writes its traceback to a file.
-    if sys.platform == "linux":   # when the parent dies, even by SIGKILL, so does this rank:
-        # 1 = PR_SET_PDEATHSIG. torch sets SIGINT, which a background job's ranks ignore.
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    quiet_child()
     if os.getppid() != parent:   # it died before that line
         sys.exit(1)
-    # Ctrl-C reaches the whole group: a rank dead of it first would be blamed. The launcher ends us.
-    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    for s in (signal.SIGTERM, signal.SIGHUP):   # as Ctrl-C: the launcher ends us
         signal.signal(s, signal.SIG_IGN)
     sys.settrace(None)           # nor is a debugger's tracer ours
     os.environ.update(RANK=str(index + in_parent), LOCAL_RANK=str(index + in_parent))
@@ -425,6 +422,12 @@ def _child(index, in_parent, parent, fn, world_size, args):
         if failure is None:
             raise
         raise Stop(failure) from None
+
+
+def quiet_child():   # ours: Ctrl-C reaches the whole group, and its parent reports it (a child
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # dead of it first would be blamed); it dies
+    if sys.platform == "linux":   # with its parent, even by SIGKILL (1 = PR_SET_PDEATHSIG; torch
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # sets SIGINT, which a background job ignores)
 
 
 def _culprit(context, first, in_parent):

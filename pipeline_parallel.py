@@ -812,8 +812,7 @@ def block_stash(args, rows, tp=1, context=None, recompute=None):
 
 def show_stash(memory, args, num_stages, rank, device):
     """Rank 0: each stage's largest stash in the last step, counted from the tensors, beside the
-    formula (block_stash's, l blocks a stage) and pipeline_costs()'s prediction from the schedule
-    alone."""
+    formula (block_stash's, l blocks a stage) and pipeline_costs()'s, from the schedule alone."""
     peaks = gather_on_rank0(torch.tensor(max(memory, key=lambda entry: entry[2]), device=device))
     if rank != 0:
         return
@@ -834,9 +833,8 @@ def show_stash(memory, args, num_stages, rank, device):
 def print_schedules(schedule, num_stages, num_micro_batches, num_chunks, num_layers):
     p, m, v = num_stages, num_micro_batches, num_chunks
     say(f"{schedule}, {p} stages, {m} micro-batches: every stage's actions in order. F3 forward "
-        f"of micro-batch 3, B3 its backward"
-        f"{', W3 its dW' if schedule in ('zb-h1', 'dualpipev') else ''}; [ ] "
-        f"point-to-point posted together:")
+        f"of micro-batch 3, B3 its backward{', W3 its dW' * (schedule in ('zb-h1', 'dualpipev'))}"
+        f"; [ ] point-to-point posted together:")
     print("  a>3 send activation 3 on, >a3 receive it, <g3 send gradient 3 back, g<3 receive it")
     if schedule == "dualpipev":
         say(f"  DualPipeV's V: chunk a of stage s is virtual stage s, chunk b 2p-1-s, of "

@@ -365,10 +365,10 @@ def main(argv=None):
 
 # Below the fold: the run's end, the rank map's print, --plan (a rank's costs, the search and
 # the GPU figures), the command line. --------------------------------------------------------------
-import collections, copy, functools, importlib.util, itertools, math  # noqa: E401, E402
+import collections, copy, functools, importlib.util, itertools, math, multiprocessing, os  # noqa
 
-from collectives import (Stop, collective_cost, measured_bandwidth,  # noqa: E402
-                         positive_int, seconds, si, under_torchrun)
+from collectives import (Stop, collective_cost, measured_bandwidth, positive_int,  # noqa
+                         quiet_child, seconds, si, under_torchrun)
 from data_parallel import (VOCAB_SIZE, check_training_args, experts_rules, finish_run,  # noqa
                            in_step_bytes, make_buckets, model_defaults, model_rules,
                            training_parser)
@@ -410,7 +410,7 @@ def loss_stage(args):   # the stage holding H and the loss: the last, or DualPip
 
 
 def replica_lengths(args, stage=0, tp_rank=0):   # a rank's buckets' elements
-    return tuple(n for _, n in replica_buckets(args, stage, tp_rank))
+    return [n for _, n in replica_buckets(args, stage, tp_rank)]
 
 
 def chunk_lengths(args, stage=0, tp_rank=0):     # the elements of each of its chunks' buckets
@@ -506,7 +506,8 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
     if args.p2p_shard and not args.sequence_parallel:           # and is all-gathered on arrival
         tp_runs += [("all-gather", act, count) for _, _, count in pp_runs]
     lengths = replica_lengths(args, stage, tp_rank)
-    dp_runs, held = replica_costs(lengths, args.dp, args.zero, m, args.optimizer, args.bf16)
+    dp_runs, held = dp_costs(lengths, args.dp, zero=args.zero, num_micro_batches=m,
+                             optimizer=args.optimizer, bf16=args.bf16)
     cp_runs = cp_costs(blocks, rows, shape_of(args), tp, m, [4 * n for n in lengths], exchanges)
     runs = {"tp": tp_runs, "pp": pp_runs, "dp": dp_runs, "cp": [], **cp_runs}
     if args.kv_heads < tp:   # each kv head's Wk, Wv gradient summed over its tp/G holders
@@ -529,11 +530,6 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
         for group in ("tp", "pp", "dp")[:2 + (args.zero > 0)]:
             runs[group] = [*runs[group], ("all-reduce", 4, 1)]
     return runs, held, stash, bubble
-
-
-@functools.lru_cache(maxsize=None)   # alike across a layout's schedules and styles
-def replica_costs(lengths, dp, zero, m, optimizer, bf16):
-    return dp_costs(lengths, dp, zero=zero, num_micro_batches=m, optimizer=optimizer, bf16=bf16)
 
 
 def stash_bytes(args):
@@ -578,21 +574,17 @@ GPUS = {
                  inter_gbps=24, inter_latency_us=30),   # HDR 200 Gb/s: 96% (nccl-tests#119)
 }
 # A parameter's bytes of the update: g / d (8), fused AdamW's pass over p, g, m, v (28) or SGD's
-# over p, g (12), g zeroed for the next step (4); --bf16's copy of the new master into the layers'
-# weight (6).
+# over p, g (12), g zeroed for the next step (4).
 UPDATE_BYTES = {"adamw": 40, "sgd": 24}
-REFRESH_BYTES = 6
+REFRESH_BYTES = 6   # --bf16's copy of the new master into the layers' weight
 # A block's memory-bound passes on a GPU, in [b, T, D]s read and written: forward, the two fused
 # norms (x in, y out: 2 each), the two residual adds (3 each); back, the norms' fused backward
-# (dy, x in, dx out: 3 each), five adds (3 each: the residuals' two, dn1's two, dn2's). Then by
-# what else the block has, in [b, T, D]s of q (k and v: G/h of one): RoPE's rotation of q and
-# k, forward and back (bf16: fp32 in, a complex product, bf16 out, 10; fp32: the product, 2);
-# --qk-norm's norms (2 forward, 3 back); and in [b, T, F]s, SwiGLU's silu and product (5
-# forward) and back (du up, silu_backward, silu, du silu: 11).
+# (dy, x in, dx out: 3 each), five adds (3 each: the residuals' two, dn1's two, dn2's). RoPE's
+# and --qk-norm's, forward and back, in [b, T, D]s of q (k, v: G/h of one); SwiGLU's in [b, T, F]s.
 PASSES = {"forward": 2 * 2 + 2 * 3, "backward": 2 * 3 + 5 * 3}
-ROPE = {"bf16": 10, "fp32": 2}
+ROPE = {"bf16": 10, "fp32": 2}   # q, k turned (bf16: cast in, product, cast out; fp32: product)
 QK_NORM = {"forward": 2, "backward": 3}
-SWIGLU = {"forward": 5, "backward": 11}
+SWIGLU = {"forward": 5, "backward": 11}   # silu and product; du up, silu_backward, silu, du silu
 # --experts, in [N K, D]s, a pair's (estimated, not recorded: the routing is data): the rows
 # gathered (2), the gate-weighted sum into fp32 y (3); back dy's rows gathered and scaled (3), dn
 # summed in (3), <dy, y_e> (2); and SwiGLU's over each pair's [F].
@@ -609,7 +601,6 @@ class Machine:
         self.memory = figures["memory_gb"] * 1e9
         self.hbm = figures["hbm_gbps"] * 1e9
         self.gpus_per_node = gpus_per_node
-        self.collective_s = functools.lru_cache(maxsize=None)(self.collective_s)   # many alike
 
     def efficiency(self, m, k, n):
         """The best GEMM's share of peak times how full this shape fills 128 x 128 tiles and waves
@@ -666,6 +657,7 @@ class Machine:
     def update_s(self, params, optimizer, bf16):
         return params * (UPDATE_BYTES[optimizer] + REFRESH_BYTES * bf16) / self.hbm
 
+    @functools.lru_cache(maxsize=None)   # many alike
     def collective_s(self, kind, nbytes, n, per_node):
         """NCCL's floor plus a rank's ring bytes at RISE's busbw for the size; across nodes
         (per_node of the group's ranks in one), InfiniBand's floor and a link a rank there."""
@@ -985,10 +977,12 @@ def short_layout(a):   # as the table names it: dp1 pp8 tp1 zb-h1 m64 zero1 mega
 def plan(args):
     """The layouts that fit a GPU's memory by predicted step, as a table; none fitting, a Stop."""
     machine = Machine(GPUS[args.hardware], min(args.gpus_per_node, args.world_size))
-    rows = []   # a layout's two rank orders price alike but for their nodes: kept a dp, pp
-    for _, axes in itertools.groupby(layouts(args, machine.gpus_per_node), attrgetter("dp", "pp")):
-        alike = {}
-        rows += [predict(layout, machine, alike) for layout in axes]
+    groups = [list(axes) for _, axes in itertools.groupby(layouts(args, machine.gpus_per_node),
+                                                          attrgetter("dp", "pp"))]
+    with multiprocessing.get_context("fork").Pool(min(len(groups), os.cpu_count()),
+                                                  initializer=quiet_child) as pool:   # each core
+        rows = [row for priced in pool.map(partial(predict_all, machine=machine), groups,
+                                           chunksize=1) for row in priced]
     fits = sorted((row for row in rows if row["memory_bytes"] <= machine.memory),
                   key=lambda row: row["step_s"])
     if not fits:
@@ -996,6 +990,11 @@ def plan(args):
         raise Stop(f"--plan: no layout of {args.world_size} GPUs fits in {si(machine.memory)}B "
                    f"a GPU (the smallest needs {si(smallest)}B): more GPUs, or a smaller model")
     show_plan(args, machine, len(rows), fits)
+
+
+def predict_all(layouts, machine):   # a dp, pp's layouts: its two rank orders price alike, but
+    alike = {}                         # for their nodes
+    return [predict(layout, machine, alike) for layout in layouts]
 
 
 def show_plan(args, machine, weighed, fits):
