@@ -575,6 +575,41 @@ def test_a_parent_killed_by_sigkill_leaves_no_rank_behind():
 
 
 @pytest.mark.deadline(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_a_plan_stopped_leaves_no_worker_behind(how):
+    """--plan prices its layouts in a pool of forked workers, one a core: Ctrl-C reaches the whole
+    group and the parent alone answers, in one line; a parent killed by SIGKILL takes them along."""
+    argv = [sys.executable, "three_d.py", "--plan", "--world-size", "1024", "--num-layers", "64",
+            "--dim", "8192", "--batch-size", "8192"]
+    proc = start(argv, start_new_session=True,
+                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        workers = []
+        deadline = time.monotonic() + 30
+        while not workers and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            workers = ranks_of(proc.pid)
+        assert workers, proc.communicate()[1]
+        time.sleep(0.5)                # at work
+        if how == signal.SIGINT:
+            os.killpg(proc.pid, how)   # as a terminal sends it
+        else:
+            os.kill(proc.pid, how)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    if how == signal.SIGINT:
+        assert proc.returncode == 130, err
+        assert err.splitlines() == ["error: interrupted (Ctrl-C): every rank was stopped"], err
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    assert gone_within(workers, 5) == []
+
+
+@pytest.mark.deadline(60)
 @pytest.mark.parametrize("how, code, line", [
     (signal.SIGTERM, 143, "error: interrupted (SIGTERM): every rank was stopped"),
     (signal.SIGINT, 130, "error: interrupted (Ctrl-C): every rank was stopped"),
