@@ -528,7 +528,7 @@ def three_d_costs(args, stage, times=(1, 1, 1), tp_rank=0):
             runs["cp"] += [("all-reduce", 4 * n, 1) for n in expert_lengths(args, stage)]
     if args.clip_grad:    # the norm's squares, one float, summed over tp, pp (and dp, if ZeRO)
         for group in ("tp", "pp", "dp")[:2 + (args.zero > 0)]:
-            runs[group] = [*runs[group], ("all-reduce", 4, 1)]
+            runs[group] = [*runs[group], ("all-reduce", 4, 1)]   # (pp's: a cached list)
     return runs, held, stash, bubble
 
 
@@ -979,7 +979,7 @@ def plan(args):
     machine = Machine(GPUS[args.hardware], min(args.gpus_per_node, args.world_size))
     groups = [list(axes) for _, axes in itertools.groupby(layouts(args, machine.gpus_per_node),
                                                           attrgetter("dp", "pp"))]
-    with multiprocessing.get_context("fork").Pool(min(len(groups), os.cpu_count()),
+    with multiprocessing.get_context("fork").Pool(min(len(groups), os.cpu_count() or 1),
                                                   initializer=quiet_child) as pool:   # each core
         rows = [row for priced in pool.map(partial(predict_all, machine=machine), groups,
                                            chunksize=1) for row in priced]
