@@ -50,9 +50,9 @@ from pipeline_parallel import (Stage, block_stash, build_schedule, pipeline_cost
                                stage_parts, virtual_stage)
 from tensor_parallel import (all_gather_columns, clip_shares, cp_costs,
                              cp_group_lists, cp_positions, held_boxes, kv_group, kv_width,
-                             my_columns, part_kinds, reduce_over, shard,
-                             split_as, sum_partial_grads, tensor_kinds, tp_blocks, tp_copies,
-                             tp_costs, vocab_parallel_cross_entropy)
+                             my_columns, part_kinds, reduce_over, shard, sum_partial_grads,
+                             tensor_kinds, tp_blocks, tp_copies, tp_costs,
+                             vocab_parallel_cross_entropy)
 
 # Part 1: the rank map -----------------------------------------------------------------------------
 
