@@ -92,11 +92,8 @@ def wide_matmul(a, b):   # [.., m, k] @ [.., k, n] summed into fp32, as FlashAtt
         return wide(a) @ wide(b)                              # kernel: cast (fp32 stays as it is)
     if a.dim() == 2:                                          # an expert's dW
         return torch.mm(a, b, out_dtype=torch.float32)
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])   # (a kv head: its group's)
-    a = a.expand(*batch, *a.shape[-2:])
-    b = b.expand(*batch, *b.shape[-2:])
     out = torch.bmm(a.flatten(0, -3), b.flatten(0, -3), out_dtype=torch.float32)   # bf16 inputs
-    return out.unflatten(0, batch)
+    return out.unflatten(0, a.shape[:-2])
 
 
 class Rope(NamedTuple):   # RoPE's turns at a rank's places m, [T, dh/2] complex each
@@ -143,10 +140,22 @@ def columns(t):   # [b, G, h/G, T, dh] -> [b, T, h dh]: the heads side by side a
     return t.flatten(1, 2).transpose(1, 2).flatten(-2)
 
 
+def by_group(x, y):
+    """x [.., G, h/G, s, n] @ y [.., G, 1, n, p] in fp32: the group's h/G heads' rows stacked,
+    [.., G, h/G s, n], over its one y, never repeated: [.., G, h/G, s, p]."""
+    return wide_matmul(x.flatten(-3, -2), y.squeeze(-3)).unflatten(-2, x.shape[-3:-1])
+
+
+def over_group(x, y):
+    """x^T y summed over the group's heads, inside the matmul's sum over their h/G s rows:
+    x [.., G, h/G, s, t], y [.., G, h/G, s, n] -> [.., G, 1, t, n], in fp32."""
+    return wide_matmul(x.flatten(-3, -2).transpose(-1, -2), y.flatten(-3, -2)).unsqueeze(-3)
+
+
 def scores(q, k, head_dim, causal=True):
     """S = q k^T / sqrt(dh) [.., s, t] in fp32 (bf16's S of 500 is off by 1, A by e); causal:
     row i sees keys 0 .. i (its own block of keys: step 3's ring pairs it with others too)."""
-    s = wide_matmul(q / math.sqrt(head_dim), k.transpose(-1, -2))
+    s = by_group(q / math.sqrt(head_dim), k.transpose(-1, -2))
     if causal:                                # + 0 on and below the diagonal, -inf above it
         s += torch.full(s.shape[-2:], float("-inf"), device=s.device).triu(1)
     return s
@@ -159,12 +168,12 @@ def attend(q, k, v, head_dim, causal=True):
     m = s.amax(-1)                            # the row's max S
     a = s.softmax(-1)                         # A = e^(S - m) / rowsum e^(S - m), in one pass
     lse = m - a.amax(-1).log()                # A's largest, where S = m, is e^(m - lse)
-    return a @ wide(v), lse
+    return by_group(a, v), lse
 
 
 def attend_backward(do, q, k, v, o, lse, head_dim, causal=True):
     """dq [.., G, h/G, s, dh], and dk, dv [.., G, 1, t, dh]: each kv head's, the sum over the h/G
-    query heads that read it. A made again from q, k and lse. Per head:
+    query heads that read it (over_group's matmul). A made again from q, k and lse. Per head:
        dv = A^T do   dA = do v^T   dS = A * (dA - delta)   dq = dS k / sqrt(dh)
        dk = dS^T q / sqrt(dh)
     delta = rowsum(dA * A) [.., s, 1], the softmax's, needs no [s, t] pass: for row i
@@ -176,14 +185,14 @@ def attend_backward(do, q, k, v, o, lse, head_dim, causal=True):
     if causal:                                # future key's capped (exp(-inf) is a CPU's slow
         a *= torch.ones(a.shape[-2:], device=a.device).tril()   # path), its A then zeroed
     if o is None:
-        o = a @ wide(v)
+        o = by_group(a, v)
     do = wide(do)
-    dv = (a.transpose(-1, -2) @ do).sum(-3, keepdim=True)            # summed over the group
-    da = do @ wide(v).transpose(-1, -2)                               # [.., s, t], fp32
+    dv = over_group(a, do)                                            # summed over the group
+    da = by_group(do, v.transpose(-1, -2))                            # [.., s, t], fp32
     delta = (do * wide(o)).sum(-1, keepdim=True)                      # rowsum(do * o)
     ds = da.sub_(delta).mul_(a)                                       # in dA's memory
-    dq = ds @ wide(k) / math.sqrt(head_dim)
-    dk = (ds.transpose(-1, -2) @ wide(q)).sum(-3, keepdim=True) / math.sqrt(head_dim)
+    dq = by_group(ds, k) / math.sqrt(head_dim)
+    dk = over_group(ds, q) / math.sqrt(head_dim)
     return dq, dk, dv
 
 
