@@ -1142,8 +1142,8 @@ def parse_args(argv=None):
     parser.add_argument("--ray", action="store_true",
                         help="start the ranks as Ray Train workers (make 3d-ray installs Ray)")
     add_plan_args(parser)
-    # make 3d's run, measured: 2 blocks and 180 steps learn to 1.79 nats in 30 s on 2 cores (4
-    # blocks and 200 steps: 1.75 in 56 s); --pp 4 or --schedule interleaved want --num-layers 4
+    # make 3d's run, measured: 2 blocks and 180 steps learn to 1.63 nats in 39 s on 2 cores (4
+    # blocks and 200 steps: 1.60 in 71 s); --pp 4 or --schedule interleaved want --num-layers 4
     parser.set_defaults(num_layers=2, steps=180)
     args = parser.parse_args(argv)
     args.order = args.order.replace("cp-", "")       # cp sits next to tp in either order
