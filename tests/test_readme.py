@@ -25,6 +25,10 @@ def test_the_make_3d_sample_passes_as_printed_and_fails_with_a_line_dropped_unsa
     assert readme_sample.mismatch(sample, made + printed) is None   # make's lines before
     other_numbers = [line.replace("1.9", "1.8") for line in printed]   # another CPU's rounding
     assert readme_sample.mismatch(sample, other_numbers) is None
+    elsewhere = [re.sub(r"ok \(.*\)$", "ok (head)", line) for line in printed]   # its worst too
+    assert elsewhere != printed and readme_sample.mismatch(sample, elsewhere) is None
+    failed = [line.replace("ok (", "FAILED (") for line in printed]
+    assert readme_sample.mismatch(sample, failed) is not None
     for dropped in (next(line for line in sample if line.startswith("loss ")), "check OK"):
         assert readme_sample.mismatch(sample, [line for line in printed if line != dropped]) \
             is not None
