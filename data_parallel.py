@@ -1176,10 +1176,9 @@ def fused_attention_backward(do, q, k, v, o, lse, head_dim):   # attention_backw
 
 
 def fused_attend(q, k, v, head_dim, causal=True):
-    """attend()'s o [b, G, h/G, s, dh] and lse [b, G, h/G, s] from torch's fused kernel, fed heads
-    [b, h | G, s | t, dh]: FlashAttention-2 for bf16, which reads each kv head for its group
-    itself; fp32, which it does not take, the memory-efficient kernel, each kv head repeated for
-    its group (its lse padded to 32 positions). causal: the mask of a diagonal (step 3's pairs)."""
+    """attend() by torch's fused kernel, fed heads [b, h | G, s | t, dh]: bf16's FlashAttention-2
+    reads a kv head for its group; fp32's memory-efficient kernel takes each kv head repeated (its
+    lse padded to 32 positions). causal: the mask of a diagonal (step 3's pairs)."""
     group = q.shape[1:3]
     q, k, v = (t.flatten(1, 2) for t in (q, k, v))
     if q.dtype == torch.float32:
@@ -1192,10 +1191,9 @@ def fused_attend(q, k, v, head_dim, causal=True):
 
 
 def fused_attend_backward(do, q, k, v, o, lse, head_dim, causal=True):
-    """attend_backward()'s dq, dk, dv from torch's fused backward, fed q, k, v, o (in q's dtype)
-    and lse, the kv heads as the forward fed them, a repeated head's dk, dv summed over its group:
-    it makes delta = rowsum(do o) itself, and A again from lse; no dropout, so the random state
-    it takes is read by neither kernel (empty)."""
+    """attend_backward() by torch's fused backward, the kv heads as the forward fed them (a
+    repeated head's dk, dv summed over its group); it makes delta and A itself. No dropout: the
+    random state it takes is read by neither kernel (empty)."""
     group = q.shape[1:3]
     do, q, k, v, o = (t.flatten(1, 2).to(q.dtype) for t in (do, q, k, v, o))
     lse = lse.flatten(1, 2)
@@ -1258,16 +1256,13 @@ def param_names(args):   # --save's names, each tensor's, in the init order
 
 def serial_loss(params, tokens, targets, config, bf16=False, halves=False, record=None,
                 moe=None):
-    """The loss with autograd, and its logits [b T, V], from torch's own layers (embedding,
-    rms_norm, scaled_dot_product_attention with enable_gqa, silu) and RoPE as Meta's Llama code
-    writes it (each pair a complex number, times e^(i m theta_i)); params: every tensor, in
-    order; config: the model's flags. bf16: the parallel runs' casts (bf16 matmuls on fp32
-    masters, summed in fp32; norms, RoPE, softmax and loss in fp32). halves: each matmul sums
-    the halves of its terms apart, as two tp ranks do: the same maths in another order, which
-    moves only what rounding moves. record: a list that gets each tensor's (input, output), in
-    order: (tokens, E's rows), a gain's (x r, x r g), a matrix's (x, x W). moe: --experts' (K,
-    each layer's bias [L, E], routes [L, b, T, K] or None: its own choice), every expert computed
-    at every position, weighted by gate_e where chosen."""
+    """The loss with autograd, and its logits [b T, V], from torch's layers (embedding, rms_norm,
+    SDPA with enable_gqa, silu) and Meta's RoPE (a pair a complex number, times e^(i m theta_i)).
+    bf16: the parallel runs' casts (bf16 matmuls on fp32 masters summed in fp32; norms, RoPE,
+    softmax, loss fp32). halves: each matmul sums its terms' halves apart, as two tp ranks do.
+    record: gets each tensor's (input, output): (tokens, E's rows), a gain's (x r, x r g), a
+    matrix's (x, x W). moe: (K, biases [L, E], routes [L, b, T, K] or None: its own choice), every
+    expert at every position, weighted by gate_e where chosen."""
     dtype = torch.bfloat16 if bf16 else params[0].dtype
     head_dim = config.dim // config.heads
     w = dict(zip(param_names(config), params))

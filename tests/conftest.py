@@ -28,9 +28,16 @@ if hasattr(os, "sched_setscheduler"):   # Linux's; a sandbox may refuse it: then
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")   # torch's, without numpy
-import torch._dynamo  # noqa: E402, F401  (every rank's optimizer imports it: once, before a fork)
 
 DEADLINE_S = 60
+
+
+@pytest.fixture(autouse=True, scope="session")
+def optimizer_imports():
+    """Every rank's optimizer imports torch._dynamo (1-2 s): once, here, before a rank is forked.
+    Only where the tests imported torch (a suite of plain tests, as the shards' test runs, not)."""
+    if "torch" in sys.modules:
+        import torch._dynamo  # noqa: F401
 
 
 class Deadline(Exception):
