@@ -1095,6 +1095,7 @@ def dp_worker(rank, world_size, args):
                               expert_places(init, r * local, local))
     rows = replica_rows(args.batch_size, rank, world_size)   # the world's ranks are the replicas
     resumed = load_checkpoint(args, replica)            # --resume: a step's state, any layout's
+    gather = partial(whole_on_rank0, replica, tensors_of(init))   # on rank 0, whole
     losses = []
     norms = []
     check = SerialCheck(args, resumed)
@@ -1109,8 +1110,8 @@ def dp_worker(rank, world_size, args):
         loss = dp_step(replica, blocks, cross_entropy, inputs.chunk(m), targets.chunk(m),
                        len(rows) * args.context, recompute=args.recompute)   # n: its positions
         moe.gather_routes(rows)                        # --save, --check: every replica's choice
-        if args.check:   # this step's weights and gradients, whole, against serial autograd's
-            check.step(whole(replica), whole(replica, grads=True), moe.step())
+        if args.check:   # this step's weights and gradients, whole on rank 0, against serial's
+            check.step(gather(grads=False), gather(grads=True), moe.step())
         if args.clip_grad:
             norms.append(replica.clip(args.clip_grad).item())    # before the update
         if routers:                                    # the loads over every replica: the bias
@@ -1361,38 +1362,6 @@ def gradient_terms(record, logits, targets, params):
     return terms
 
 
-def whole(replica, grads=False):
-    """On every replica, every fp32 weight (--bf16: its master), or (grads) the averaged
-    gradient, whole, as copies: ZeRO's parts all-gathered; --ep's experts gathered over ep."""
-    if isinstance(replica, WithExperts):
-        return whole_with_experts(replica, grads)
-    parts = replica.grads() if grads else replica.params
-    if not replica.shards_optimizer:
-        return [part.clone() for part in parts]
-    flats = [part.new_empty(n) for part, n in zip(parts, replica.lengths)]
-    for flat, part in zip(flats, parts):
-        dist.all_gather_single(flat, part.contiguous(), group=replica.group)
-    return [replica.view(flats[replica.layout.bucket_of[i]], i) for i in range(len(replica.shapes))]
-
-
-def whole_with_experts(replica, grads=False):   # each block's W1, W3, W2 after its router
-    rest = whole(replica.replica, grads)
-    mine = whole(replica.experts, grads)             # [E/P, ..] each
-    size = dist.get_world_size(replica.ep_group)
-    experts = []
-    for tensor in mine:
-        every = [torch.empty_like(tensor) for _ in range(size)]
-        dist.all_gather(every, tensor.contiguous(), group=replica.ep_group)
-        experts.append(torch.cat(every))              # [E, ..], in the experts' order
-    layers = len(experts) // 3
-    per_block = (len(rest) - 3) // layers            # E; a block's all but the experts'; g, H
-    out = rest[:1]
-    for layer in range(layers):
-        out += [*rest[1 + per_block * layer:1 + per_block * (layer + 1)],
-                *experts[3 * layer:3 * layer + 3]]
-    return out + rest[-2:]
-
-
 def memory_held(replica):   # bytes held now, by kind; a view of another tensor counts once
     if hasattr(replica, "experts"):                   # --ep: the replica's and the experts'
         rest = memory_held(replica.replica)
@@ -1426,8 +1395,8 @@ def show_memory(replica, args, whose):
 
 
 def finish_replicas(replica, args, init, losses, check, norms, resumed, moe=None):
-    weights = whole(replica)   # every rank: the replicas must agree, bit for bit
-    drift = replica_drift(weights)
+    weights = whole_on_rank0(replica, init)
+    drift = replica_drift(replica)   # every rank: the replicas must agree, bit for bit
     if dist.get_rank() == 0:
         log("[rank 0]", f"replicas identical after training: {drift == 0.0} (largest "
                         f"difference {drift:g})")
@@ -1497,13 +1466,17 @@ class MoE:
               f"(--balance-rate {self.args.balance_rate:g})", flush=True)
 
 
-def replica_drift(weights, group=None):   # largest |W - rank 0's W|: 0 while replicas agree
-    drift = torch.zeros((), device=weights[0].device)
-    for w in weights:
-        theirs = w.clone()
-        dist.broadcast(theirs, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        drift = torch.maximum(drift, (w - theirs).abs().max())
-    dist.all_reduce(drift, op=dist.ReduceOp.MAX, group=group)
+def replica_drift(replica):
+    """Largest |W - the first replica's W|, of the weights the layers compute with (--ep: the
+    experts' among their copies): 0 while the replicas agree. ZeRO-3 keeps none between steps."""
+    drift = torch.zeros((), device=replica.device)
+    for held, _, _ in holdings(replica):
+        first = dist.get_global_rank(held.group, 0) if held.group else 0
+        for w in filter(lambda w: w is not None, held.weights):
+            theirs = w.clone()
+            dist.broadcast(theirs, src=first, group=held.group)
+            drift = torch.maximum(drift, (w - theirs).abs().max().float())
+    dist.all_reduce(drift, op=dist.ReduceOp.MAX)
     return drift.item()
 
 

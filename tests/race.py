@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from collectives import cleanup, pick_backend, spawn, under_torchrun  # noqa: E402
 from data_parallel import (CHECK_TOLERANCE, cross_entropy, dp_step, init_params,  # noqa: E402
-                           make_batch, make_replica, model_blocks, whole)
+                           make_batch, make_replica, model_blocks)
 
 WARMUP = 2
 
@@ -325,6 +325,18 @@ def dp_side(weights, group, args, xs, ys, n, zero=0, overlap=False):
         dp_step(replica, blocks, cross_entropy, xs, ys, n * args.context)
         replica.update()
     return step, lambda: (whole(replica), whole(replica, grads=True))
+
+
+def whole(replica, grads=False):
+    """On every rank, every fp32 weight, or (grads) the averaged gradient, whole, as copies:
+    ZeRO's parts all-gathered."""
+    parts = replica.grads() if grads else replica.params
+    if not replica.shards_optimizer:
+        return [part.clone() for part in parts]
+    flats = [part.new_empty(n) for part, n in zip(parts, replica.lengths)]
+    for flat, part in zip(flats, parts):
+        dist.all_gather_single(flat, part.contiguous(), group=replica.group)
+    return [replica.view(flats[replica.layout.bucket_of[i]], i) for i in range(len(replica.shapes))]
 
 
 def sgd(args, **more):

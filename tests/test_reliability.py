@@ -816,10 +816,11 @@ def test_a_stale_environment_pointing_nowhere_fails_in_one_line(rank):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(RANK=str(rank), WORLD_SIZE="8", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    start_time = time.monotonic()
+    # ended within finish's 30 s: --timeout-s 1 honoured (its default, 60 s, would fail there; a
+    # wall-clock bound below that failed on a loaded machine: two suites at once)
     code, out, err = finish(start([sys.executable, "three_d.py", "--timeout-s", "1"], env, start_new_session=True),
                             timeout=30)
-    assert code == 1 and time.monotonic() - start_time < 20
+    assert code == 1
     assert err.splitlines() == [err.strip()] and err.startswith(
         f"error: RANK {rank} of WORLD_SIZE 8 met no peers at MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port} ("), err
     assert err.rstrip().endswith("if these are left over from another run, unset RANK, WORLD_SIZE and LOCAL_RANK")
