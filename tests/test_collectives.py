@@ -289,14 +289,17 @@ def test_under_torchrun_spawn_runs_this_rank_in_process(monkeypatch, capsys):
     assert SEEN == {3: (os.getpid(), 4, "gloo", "7")}  # the flags reach setup()
     assert "PARALLEL_BACKEND" not in os.environ
 
-    # At the door: every rank exits 2, and rank 0 alone says why, in one line (not 4 times)
+    # At the door: every rank exits 2, and rank 0 alone says why, in one line (not 4 times);
+    # the rest first wait 10 s, for torchrun to stop them once rank 0 has said it (asked, not slept)
     parser = C.Parser(prog="collectives.py")
-
-    for rank, lines in ((3, 0), (0, 1)):
+    slept = []
+    monkeypatch.setattr(C.time, "sleep", slept.append)
+    for rank, lines, waits in ((3, 0, [10]), (0, 1, [])):
         monkeypatch.setenv("RANK", str(rank))
         with pytest.raises(SystemExit) as exited:
             C.check_launch_args(parser, parser.parse_args([]), 2)
-        assert exited.value.code == 2
+        assert exited.value.code == 2 and slept == waits
+        slept.clear()
         err = capsys.readouterr().err
         assert len(err.splitlines()) == lines
     assert "--world-size" in err and "WORLD_SIZE=4" in err
