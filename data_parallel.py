@@ -1472,7 +1472,9 @@ def replica_drift(replica):
     drift = torch.zeros((), device=replica.device)
     for held, _, _ in holdings(replica):
         first = dist.get_global_rank(held.group, 0) if held.group else 0
-        for w in filter(lambda w: w is not None, held.weights):
+        for w in held.weights:
+            if w is None:                     # ZeRO-3's, let go after its pass
+                continue
             theirs = w.clone()
             dist.broadcast(theirs, src=first, group=held.group)
             drift = torch.maximum(drift, (w - theirs).abs().max().float())
