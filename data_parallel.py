@@ -1712,7 +1712,7 @@ def finish_run(args, init, final, losses, check, norms=(), resumed=None, extra=N
 # (DCP) does the same for DTensors; with DTensor, use DCP. Each function here, as DCP names it:
 #   held_pieces                   the planner's local plan: what this rank writes or reads
 #   gather_index, the marker      the global plan, saved as .metadata (complete.json here)
-#   write_pieces, read_pieces     the storage writer and reader (FileSystemWriter, -Reader)
+#   write_file, read_pieces       the storage writer and reader (FileSystemWriter, -Reader)
 #   copy_overlaps                 resharding: the load planner's overlap of saved and wanted
 CHECKPOINT_STATE = ("param", "exp_avg", "exp_avg_sq")   # a piece's tensors: fp32, AdamW's two
 MARKER = "complete.json"   # written last, by rename: the checkpoint's every piece is there
@@ -1890,8 +1890,11 @@ def save_checkpoint(args, step, replica, tensors=None, boxes=None, copies=(), ro
     dist.barrier()
     pieces = rank_pieces(replica, tensors, boxes, copies)
     index = gather_index(pieces, replica.device)
-    if pieces:
-        write_pieces(os.path.join(folder, f"rank-{rank:05d}.pt"), pieces, args)
+    if pieces:                        # plain tuples (torch.load's weights_only reads them), each
+        saved = [(p.tensor, tuple(p.box), p.start, p.end,   # view's own bytes
+                  {name: view.to("cpu", copy=True) for name, view in p.views.items()})
+                 for p in pieces]
+        write_file(os.path.join(folder, f"rank-{rank:05d}.pt"), partial(torch.save, saved), args)
     dist.barrier()
     if rank == 0:
         state = replica.optimizer.state.get(replica.params[0], {})
@@ -1899,11 +1902,9 @@ def save_checkpoint(args, step, replica, tensors=None, boxes=None, copies=(), ro
                   "optimizer_steps": state["step"].item() if "step" in state else None,
                   **{name: vars(args)[name] for name in CHECKPOINT_MODEL}, "index": index,
                   "bias": [router.bias.tolist() for router in routers or []]}   # --experts'
-        with open(os.path.join(folder, MARKER + ".partial"), "w") as f:
-            json.dump(marker, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(folder, MARKER + ".partial"), os.path.join(folder, MARKER))
+        writing = os.path.join(folder, MARKER + ".partial")
+        write_file(writing, lambda f: f.write(json.dumps(marker).encode()), args)
+        os.replace(writing, os.path.join(folder, MARKER))
         log("[rank 0]", f"checkpoint {folder}: complete")
         kept = [os.path.basename(path) for path in checkpoints(args.checkpoint)[-2:]]
         for name in os.listdir(args.checkpoint):      # the rest older than the newest go,
@@ -1911,12 +1912,10 @@ def save_checkpoint(args, step, replica, tensors=None, boxes=None, copies=(), ro
                 shutil.rmtree(os.path.join(args.checkpoint, name), ignore_errors=True)   # or not
 
 
-def write_pieces(path, pieces, args):   # on disk once this returns; a failure: one line
-    try:                                # plain tuples: torch.load(weights_only) reads them
+def write_file(path, write, args):   # write(f), on disk once this returns; a failure: one line
+    try:                              # (a write's OSError names no file: not stdout's, but ours)
         with open(path, "wb") as f:
-            torch.save([(p.tensor, tuple(p.box), p.start, p.end,
-                         {name: view.to("cpu", copy=True) for name, view in p.views.items()})
-                        for p in pieces], f)          # each view's own bytes
+            write(f)
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:   # torch's writer: RuntimeError on a short write

@@ -341,10 +341,15 @@ def test_a_broken_marker_is_refused_at_the_door_in_one_line(sources, tmp_path, c
                            "before")
 
 
-def test_a_disk_that_fills_up_at_a_checkpoint_is_one_line(tmp_path, monkeypatch):
-    def full_disk(obj, f, *args, **kwargs):
+@pytest.mark.parametrize("filled_by", ["a rank's file", "the marker"])
+def test_a_disk_that_fills_up_at_a_checkpoint_is_one_line(tmp_path, monkeypatch, filled_by):
+    """Either write names --checkpoint, not the output (a write's OSError names no file)."""
+    def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(torch, "save", full_disk)
+    if filled_by == "the marker":
+        monkeypatch.setattr(dp.json, "dumps", full_disk)
+    else:
+        monkeypatch.setattr(torch, "save", full_disk)
     folder = tmp_path / "ckpt"
     with pytest.raises(SystemExit) as exited:
         collectives.run_main(lambda: dp.main([*MODEL, "--world-size", "2", "--steps", "2",
